@@ -1,0 +1,483 @@
+"""Every config of relayrl: dataclasses with ``help`` metadata, validated at load time.
+
+Load a run config from YAML plus dotted overrides::
+
+    cfg = load_config(RunConfig, "recipes/grpo.yaml", ["actor.lr=1e-5", "rollout.max_staleness=2"])
+
+Rules are declared next to each field (``ge``/``gt``/``le``/``lt``/``choices``) and checked
+for every field on load; an error names the dotted field, the value and what is allowed,
+in one line (``ConfigError``). Unknown keys are rejected with a did-you-mean.
+``docs/config.md`` is generated from these classes by ``config_reference()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+from relayrl.api.io import GenerationConfig
+
+T = TypeVar("T")
+Scalar = Union[str, int, float, bool, None]
+# A YAML value as loaded: scalars, lists and mappings of them.
+YamlValue = Union[Scalar, list["YamlValue"], dict[str, "YamlValue"]]
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or out of range."""
+
+
+def f(default: T, help: str = "", **rules: object) -> T:
+    """A dataclass field with help text and validation rules.
+
+    Rules: ``ge``, ``gt``, ``le``, ``lt`` (numeric bounds), ``choices`` (allowed values).
+    List and dataclass defaults are copied per instance.
+    """
+    meta = {"help": help, **rules}
+    if isinstance(default, list):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)  # type: ignore[return-value]
+    return field(default=default, metadata=meta)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------
+# Config classes. Each section documents its own fields; recipes/ show them in use.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    path: str = f("tiny", help="HF model directory, or 'tiny' / 'tiny-30m' for a model built from a config in code.")
+    tokenizer_path: str = f("", help="Tokenizer directory; empty means the model path (or the offline tokenizer for tiny models).")
+    dtype: str = f("float32", help="Parameter dtype.", choices=["float32", "bfloat16", "float16"])
+    attn_impl: str = f(
+        "auto", help="Attention for packed training: 'varlen' (relayrl per-document), 'flash' (flash-attn), 'auto'.",
+        choices=["auto", "varlen", "flash", "sdpa"],
+    )
+    gradient_checkpointing: bool = f(False, help="Recompute activations in backward to save memory.")
+    vocab_size: int = f(0, help="Override the vocabulary size of a tiny model (0 = tokenizer's).", ge=0)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = f(1e-5, help="Peak learning rate of AdamW.", gt=0.0, le=1.0)
+    weight_decay: float = f(0.0, help="AdamW decoupled weight decay.", ge=0.0)
+    beta1: float = f(0.9, help="AdamW beta1.", ge=0.0, lt=1.0)
+    beta2: float = f(0.999, help="AdamW beta2.", ge=0.0, lt=1.0)
+    eps: float = f(1e-8, help="AdamW epsilon.", gt=0.0)
+    lr_schedule: str = f("constant", help="LR schedule after warmup.", choices=["constant", "linear", "cosine"])
+    warmup_steps: int = f(0, help="Linear warmup steps from 0 to lr.", ge=0)
+    min_lr_ratio: float = f(0.0, help="Final LR as a fraction of lr for linear/cosine schedules.", ge=0.0, le=1.0)
+    grad_clip: float = f(1.0, help="Clip the global gradient norm to this value (0 disables).", ge=0.0)
+
+
+@dataclass
+class TrainEngineConfig:
+    optimizer: OptimizerConfig = f(OptimizerConfig(), help="Optimizer and schedule.")
+    mb_max_tokens: int = f(8192, help="Token budget of one packed micro-batch.", ge=16)
+    bf16: bool = f(False, help="bf16 autocast (GPU only; ignored on CPU).")
+    fsdp: bool = f(True, help="Shard with FSDP2 when torch.distributed runs with more than one rank.")
+    max_nan_skips: int = f(3, help="Consecutive non-finite steps skipped before the run stops.", ge=0)
+    total_steps: int = f(0, help="Optimizer steps for the LR schedule (0 = taken from the trainer).", ge=0)
+
+
+@dataclass
+class InferenceConfig:
+    backend: str = f("local", help="'local': in-process LocalEngine; 'remote': HTTP servers.", choices=["local", "remote"])
+    max_batch_size: int = f(64, help="LocalEngine: most sequences decoded together.", ge=1)
+    max_tokens_in_flight: int = f(65536, help="LocalEngine: most prompt+generated tokens held in the running batch.", ge=16)
+    seed: int = f(0, help="Sampling seed of the engine.")
+    protocol: str = f("relayrl", help="Remote server protocol.", choices=["relayrl", "sglang", "vllm"])
+    addresses: list[str] = f([], help="Remote servers as host:port; empty with n_servers > 0 launches local servers.")
+    n_servers: int = f(0, help="Local `relayrl serve` processes to launch for backend=remote.", ge=0)
+    server_threads: int = f(1, help="torch threads of each launched server.", ge=1)
+    request_timeout: float = f(300.0, help="Seconds before one HTTP request is abandoned and retried.", gt=0.0)
+    max_retries: int = f(5, help="Retries of a request on connection errors (with backoff).", ge=0)
+    admin_token: str = f("", help="Bearer token for admin endpoints of servers (also read from RELAYRL_ADMIN_TOKEN).")
+    weight_sync: str = f(
+        "auto", help="How weights reach servers: 'disk' (versioned dir), 'http' (upload), 'nccl', 'auto'.",
+        choices=["auto", "disk", "http", "nccl"],
+    )
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = f(8, help="Prompts per training step (each yields group_size episodes).", ge=1)
+    group_size: int = f(4, help="Episodes per prompt (GRPO group).", ge=1)
+    max_staleness: int = f(0, help="eta: most versions a trajectory may lag the trainer; 0 = synchronous RL.", ge=0)
+    max_concurrent_rollouts: int = f(0, help="Most prompts in flight at once (0 = batch_size * (max_staleness + 1)).", ge=0)
+    dynamic_filter: bool = f(False, help="DAPO dynamic sampling: drop groups whose rewards are all equal and over-sample.")
+    max_failure_rate: float = f(0.5, help="Stop the run when more than this fraction of recent episodes failed.", ge=0.0, le=1.0)
+    failure_window: int = f(50, help="Episodes over which the failure rate is measured.", ge=1)
+    tail_batch: str = f(
+        "requeue", help="What happens to aborted/expired prompts: discard, requeue (at once), requeue_after (N pile up).",
+        choices=["discard", "requeue", "requeue_after"],
+    )
+    tail_batch_trigger: int = f(8, help="requeue_after: prompts that pile up before they are re-run together.", ge=1)
+    reward_timeout: float = f(30.0, help="Seconds before one reward call is abandoned (counted as failed).", gt=0.0)
+    reward_workers: int = f(0, help="Reward worker processes (0 = run reward fns in the rollout thread).", ge=0)
+
+
+@dataclass
+class ActorConfig:
+    adv_estimator: str = f("grpo", help="Advantage estimator (registry name).", choices=["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "remax", "gae"])
+    loss: str = f("ppo", help="Policy loss (registry name).", choices=["ppo", "decoupled_ppo", "gspo", "reinforce"])
+    eps_clip: float = f(0.2, help="PPO clip range (lower side, and upper unless eps_clip_higher is set).", gt=0.0, lt=1.0)
+    eps_clip_higher: float | None = f(None, help="DAPO clip-higher: upper clip range; None = eps_clip.", gt=0.0, lt=10.0)
+    c_clip: float | None = f(None, help="Dual-clip factor for negative advantages, must be > 1; None disables.", gt=1.0)
+    behav_imp_weight_cap: float | None = f(5.0, help="Decoupled PPO: cap on pi_prox / pi_behav; None disables.", gt=1.0)
+    kl_coef: float = f(0.0, help="KL(pi || ref) coefficient (0 disables the reference model).", ge=0.0)
+    kl_estimator: str = f("k3", help="KL estimator.", choices=["k1", "k2", "k3"])
+    kl_in_reward: bool = f(False, help="Apply KL as a per-token reward penalty instead of a loss term.")
+    entropy_coef: float = f(0.0, help="Entropy bonus coefficient.", ge=0.0)
+    loss_agg_mode: str = f("token-mean", help="How token losses become one number.", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+    temperature: float = f(1.0, help="Sampling temperature (logprobs are recomputed at it).", gt=0.0)
+    ppo_epochs: int = f(1, help="Passes over each batch.", ge=1)
+    n_minibatches: int = f(1, help="Optimizer steps per pass.", ge=1)
+    recompute_logp: bool = f(True, help="Recompute old logprobs with the trainer (needed for decoupled PPO).")
+    reward_scale: float = f(1.0, help="Rewards are multiplied by this ...", gt=0.0)
+    reward_bias: float = f(0.0, help="... then shifted by this ...")
+    reward_clip: float = f(0.0, help="... then clipped to [-c, c] (0 disables).", ge=0.0)
+    overlong_buffer: int = f(0, help="DAPO overlong penalty: tokens before max_new_tokens where the penalty ramps (0 disables).", ge=0)
+    overlong_penalty: float = f(1.0, help="DAPO overlong penalty at max_new_tokens.", ge=0.0)
+    mask_truncated: bool = f(False, help="Drop completions that hit max_new_tokens from the loss.")
+    gamma: float = f(1.0, help="Discount for GAE / REINFORCE returns.", ge=0.0, le=1.0)
+    lam: float = f(1.0, help="GAE lambda.", ge=0.0, le=1.0)
+    adv_norm: bool = f(True, help="grpo: divide by group std; reinforce_pp: normalise over the batch.")
+    value_clip: float = f(0.2, help="Critic: value clipping range.", gt=0.0)
+    critic_lr: float = f(1e-5, help="Critic learning rate (PPO with critic).", gt=0.0)
+
+
+@dataclass
+class DataConfig:
+    task: str = f("arithmetic", help="A synthetic task name, or 'file' to read train_path/eval_path.", choices=["arithmetic", "countdown", "file"])
+    train_path: str = f("", help="jsonl / parquet / json file of training rows (task=file).")
+    eval_path: str = f("", help="Held-out rows (task=file).")
+    prompt_key: str = f("question", help="Column holding the prompt text (or 'messages' for chat rows).")
+    answer_key: str = f("answer", help="Column holding the reference answer.")
+    n_train: int = f(2000, help="Synthetic task: training prompts.", ge=1)
+    n_eval: int = f(200, help="Synthetic task: held-out prompts.", ge=1)
+    max_prompt_len: int = f(1024, help="Prompts longer than this (tokens) are rejected.", ge=1)
+    skip_invalid_rows: bool = f(False, help="Skip (and count) bad rows instead of stopping with an error.")
+    shuffle: bool = f(True, help="Shuffle the training set each epoch (seeded).")
+    difficulty: int = f(2, help="Synthetic task: number of digits / operands.", ge=1, le=6)
+
+
+@dataclass
+class EvalConfig:
+    every_n_steps: int = f(0, help="Evaluate every N steps (0 = never, except before/after when asked).", ge=0)
+    before_training: bool = f(False, help="Evaluate once before the first step.")
+    gconfig: GenerationConfig = f(GenerationConfig(greedy=True, max_new_tokens=32), help="Generation for evaluation.")
+    n_samples: int = f(1, help="Samples per prompt; >1 reports pass@k as well.", ge=1)
+    max_prompts: int = f(0, help="Evaluate on at most this many prompts (0 = all).", ge=0)
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = f(0, help="Save every N steps (0 = off).", ge=0)
+    every_minutes: float = f(0.0, help="Save when this many minutes passed since the last save (0 = off).", ge=0.0)
+    keep_last: int = f(2, help="Checkpoints kept on disk.", ge=1)
+    save_final: bool = f(True, help="Save at the end of training (and on Ctrl-C).")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = f(True, help="Write TensorBoard event files.")
+    wandb: bool = f(False, help="Log to Weights & Biases.")
+    wandb_mode: str = f("offline", help="W&B mode.", choices=["online", "offline", "disabled"])
+    wandb_project: str = f("relayrl", help="W&B project.")
+    rollouts_per_step: int = f(4, help="Rollouts (prompt, completion, reward, version) saved per step.", ge=0)
+    progress: str = f("auto", help="Live progress bar: auto (TTY only), on, off (plain lines).", choices=["auto", "on", "off"])
+
+
+@dataclass
+class RunConfig:
+    """A whole training run (``relayrl train``)."""
+
+    run_dir: str = f("runs/default", help="Directory for config, metrics, checkpoints and rollouts.")
+    seed: int = f(1, help="Global seed (data order, init, sampling).")
+    total_steps: int = f(100, help="Training steps (one batch and one weight update each).", ge=1)
+    torch_threads: int = f(1, help="torch threads per process (1 is fastest on small shared CPUs).", ge=1)
+    recover: str = f("off", help="off; auto (resume if a checkpoint exists); resume (must resume).", choices=["off", "auto", "resume"])
+    workflow: str = f("rlvr", help="Rollout workflow.", choices=["rlvr", "multi_turn", "remax", "tool_agent"])
+    model: ModelConfig = f(ModelConfig(), help="Policy model.")
+    train: TrainEngineConfig = f(TrainEngineConfig(), help="Train engine.")
+    actor: ActorConfig = f(ActorConfig(), help="Algorithm.")
+    gconfig: GenerationConfig = f(GenerationConfig(max_new_tokens=32), help="Generation for training rollouts.")
+    inference: InferenceConfig = f(InferenceConfig(), help="Generators.")
+    rollout: RolloutConfig = f(RolloutConfig(), help="Rollout executor.")
+    data: DataConfig = f(DataConfig(), help="Datasets.")
+    eval: EvalConfig = f(EvalConfig(), help="Evaluation.")
+    checkpoint: CheckpointConfig = f(CheckpointConfig(), help="Checkpoints and recovery.")
+    logging: LoggingConfig = f(LoggingConfig(), help="Metrics and progress.")
+
+
+@dataclass
+class ServerConfig:
+    """``relayrl serve``: an HTTP server around LocalEngine."""
+
+    model: ModelConfig = f(ModelConfig(), help="Model to serve.")
+    inference: InferenceConfig = f(InferenceConfig(), help="Engine settings (max batch, seed).")
+    host: str = f("127.0.0.1", help="Bind address; loopback unless told otherwise.")
+    port: int = f(30000, help="TCP port (0 = pick a free one and print it).", ge=0, le=65535)
+    admin_token: str = f("", help="Bearer token required by admin endpoints (also RELAYRL_ADMIN_TOKEN).")
+    allowed_weight_roots: list[str] = f([], help="Directories /update_weights_from_disk may read (empty = none but uploads).")
+    torch_threads: int = f(1, help="torch threads of the server process.", ge=1)
+    max_upload_mb: int = f(4096, help="Largest weight upload accepted over HTTP.", ge=1)
+
+
+# --------------------------------------------------------------------------------------
+# Loading and validation.
+# --------------------------------------------------------------------------------------
+
+
+def _type_name(tp: object) -> str:
+    if get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if get_origin(tp) is list:
+        return f"list[{_type_name(get_args(tp)[0])}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: YamlValue, tp: object, name: str) -> object:
+    """Convert a YAML value to ``tp`` or raise ConfigError naming the field."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{name}: {value!r} is not a {_type_name(tp)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return [_coerce(v, get_args(tp)[0], f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{name}: {value!r} is not one of {list(get_args(tp))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping of fields, got {value!r}")
+        return _build(typing.cast(type, tp), value, name + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads "1e-5" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    raise ConfigError(f"{name}: unsupported field type {_type_name(tp)}")
+
+
+def _check_rules(value: object, meta: typing.Mapping[str, object], name: str) -> None:
+    if value is None:
+        return
+    choices = meta.get("choices")
+    if choices is not None and value not in typing.cast(list, choices):
+        raise ConfigError(f"{name}={value!r} is not allowed; choose one of {choices}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and math.isnan(value):
+            raise ConfigError(f"{name}=nan is not a valid number")
+        for rule, ok, word in (
+            ("ge", lambda v, b: v >= b, ">="),
+            ("gt", lambda v, b: v > b, ">"),
+            ("le", lambda v, b: v <= b, "<="),
+            ("lt", lambda v, b: v < b, "<"),
+        ):
+            bound = meta.get(rule)
+            if bound is not None and not ok(value, bound):
+                raise ConfigError(f"{name}={value!r} is out of range: must be {word} {bound} ({_range_text(meta)})")
+
+
+def _range_text(meta: typing.Mapping[str, object]) -> str:
+    lo = f"[{meta['ge']}" if "ge" in meta else f"({meta['gt']}" if "gt" in meta else "(-inf"
+    hi = f"{meta['le']}]" if "le" in meta else f"{meta['lt']})" if "lt" in meta else "inf)"
+    return f"allowed range {lo}, {hi}"
+
+
+def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {fl.name: fl for fl in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for key in values:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known fields: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+    kwargs: dict[str, object] = {}
+    for name, fl in fields.items():
+        if name not in values:
+            continue
+        value = values[name]
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            default = getattr(cls(), name) if _has_defaults(cls) else None
+            merged = {**_to_plain_dict(default), **value} if default is not None else value
+            kwargs[name] = _build(typing.cast(type, tp), merged, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, tp, f"{prefix}{name}")
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{prefix or 'config'}: {e}") from None
+    validate_config(obj, prefix)
+    return obj
+
+
+def _has_defaults(cls: type) -> bool:
+    return all(
+        fl.default is not dataclasses.MISSING or fl.default_factory is not dataclasses.MISSING
+        for fl in dataclasses.fields(cls)
+    )
+
+
+def _to_plain_dict(obj: object) -> dict[str, YamlValue]:
+    return typing.cast(dict[str, YamlValue], dataclasses.asdict(obj))  # type: ignore[call-overload]
+
+
+def validate_config(obj: object, prefix: str = "") -> None:
+    """Check every field's type-independent rules (ranges, choices) recursively."""
+    for fl in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, fl.name)
+        name = f"{prefix}{fl.name}"
+        if dataclasses.is_dataclass(value):
+            validate_config(value, name + ".")
+        else:
+            _check_rules(value, fl.metadata, name)
+    if isinstance(obj, GenerationConfig):
+        try:
+            obj.validate()
+        except ValueError as e:
+            raise ConfigError(f"{prefix}{e}") from None
+
+
+def parse_override(text: str) -> tuple[list[str], YamlValue]:
+    """``"actor.lr=1e-5"`` -> (["actor", "lr"], 1e-5). Values are parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.field=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: {key!r} is not a dotted field name")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), typing.cast(YamlValue, value)
+
+
+def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> T:
+    """Build ``cls`` from a YAML file (optional) and dotted overrides, fully validated."""
+    values: dict[str, YamlValue] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+        values = loaded or {}
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        node: dict[str, YamlValue] = values
+        for part in keys[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return _build(cls, values)
+
+
+def config_to_yaml(cfg: object) -> str:
+    return yaml.safe_dump(_to_plain_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: object, run_dir: str | os.PathLike[str]) -> Path:
+    """Write the resolved config to ``run_dir/config.yaml`` (what the run really used)."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(config_to_yaml(cfg))
+    return out
+
+
+def config_reference(classes: tuple[type, ...] = (RunConfig, ServerConfig)) -> str:
+    """Markdown reference of every field (the content of ``docs/config.md``)."""
+    lines = [
+        "# Config reference",
+        "",
+        "Generated by `python -m relayrl.api.config > docs/config.md`; a test keeps it in sync.",
+        "Set fields in a YAML file or on the command line as dotted overrides (`actor.lr=1e-5`).",
+        "",
+    ]
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        nested: list[tuple[type, str]] = []
+        rows = []
+        for fl in dataclasses.fields(cls):
+            tp = hints[fl.name]
+            if dataclasses.is_dataclass(tp):
+                nested.append((typing.cast(type, tp), f"{prefix}{fl.name}."))
+                continue
+            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc]
+            rules = []
+            if "choices" in fl.metadata:
+                rules.append("one of " + ", ".join(f"`{c}`" for c in fl.metadata["choices"]))
+            if any(k in fl.metadata for k in ("ge", "gt", "le", "lt")):
+                rules.append(_range_text(fl.metadata).removeprefix("allowed range "))
+            rows.append(
+                f"| `{prefix}{fl.name}` | {_type_name(tp).replace('|', 'or')} | `{default!r}` | {'; '.join(rules)} | {str(fl.metadata.get('help', '')).replace('|', '/')} |"
+            )
+        if rows:
+            lines.extend([f"## `{prefix.rstrip('.') or cls.__name__}`", "", "| field | type | default | allowed | help |", "|---|---|---|---|---|", *rows, ""])
+        for sub, sub_prefix in nested:
+            walk(sub, sub_prefix)
+
+    for cls in classes:
+        lines.extend([f"# {cls.__name__}", "", (cls.__doc__ or "").strip(), ""])
+        walk(cls, "")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    print(config_reference(), end="")

@@ -1,0 +1,189 @@
+"""The two engine contracts: one generates tokens, one turns batches into gradients.
+
+Algorithm code talks only to these interfaces, so the same actor runs on one process or on
+FSDP2, and the same workflow runs against an in-process engine or a fleet of servers.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from relayrl.api.io import ModelRequest, ModelResponse, SaveLoadMeta, WeightUpdate
+
+if TYPE_CHECKING:
+    from relayrl.api.workflow import RolloutWorkflow
+
+TensorDict = dict[str, torch.Tensor]
+"""A batch: token-level tensors ``[B, L]`` and sequence-level tensors ``[B]`` (see workflow.py)."""
+
+DataItem = dict[str, object]
+"""One dataset row as handed to a workflow (e.g. ``{"messages": [...], "answer": "42"}``)."""
+
+LossFn = Callable[[torch.Tensor, TensorDict], torch.Tensor]
+"""``loss_fn(logits, packed_batch) -> scalar``.
+
+``logits`` is ``[T, V]`` for one packed micro-batch (``T`` tokens of several sequences laid
+end to end; ``packed_batch["cu_seqlens"]`` marks the boundaries). ``logits[i]`` predicts
+token ``i + 1``. Every token-level key of ``packed_batch`` is token-aligned: ``key[i]``
+belongs to ``input_ids[i]`` (``loss_mask[i] == 1`` when token ``i`` was generated).
+``relayrl.train.packing.token_logprobs`` turns logits into token-aligned logprobs.
+Sequence-level keys (``rewards``) stay ``[n_seqs]``.
+"""
+
+LossWeightFn = Callable[[TensorDict], float]
+"""Weight of a micro-batch in the batch's loss, e.g. its number of loss tokens.
+
+``train_batch`` computes ``sum_mb loss_fn(mb) * w(mb) / sum_mb w(mb)``, so a loss that
+averages over the tokens of its micro-batch gives exactly the unsplit batch's gradient.
+"""
+
+PostFn = Callable[[torch.Tensor, TensorDict], torch.Tensor]
+"""``post_fn(logits, packed_batch) -> [T]`` token-aligned values (see ``TrainEngine.forward``)."""
+
+
+class RolloutExecutor(Protocol):
+    """What an inference engine delegates its rollout verbs to (``rollout.WorkflowExecutor``)."""
+
+    def submit(self, data: DataItem, workflow: RolloutWorkflow) -> None: ...
+
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict: ...
+
+    def rollout_batch(self, data: list[DataItem], workflow: RolloutWorkflow) -> TensorDict: ...
+
+    def prepare_batch(self, dataloader: Iterator[list[DataItem]], workflow: RolloutWorkflow) -> TensorDict: ...
+
+
+class InferenceEngine(abc.ABC):
+    """Generates tokens with per-token logprobs and weight versions.
+
+    Implementations: ``inference.local.LocalEngine`` (in-process) and
+    ``inference.remote.RemoteEngine`` (HTTP to relayrl / SGLang / vLLM servers).
+
+    The rollout verbs (``submit``, ``wait``, ``rollout_batch``, ``prepare_batch``) are
+    delegated to a ``rollout.WorkflowExecutor``, which attaches itself to the engine when
+    constructed: ``WorkflowExecutor(config, engine)``.
+    """
+
+    executor: RolloutExecutor | None = None
+
+    @abc.abstractmethod
+    def initialize(self) -> None:
+        """Load the model / connect to servers. Called once before use."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Release threads, processes and connections. Safe to call twice."""
+
+    @abc.abstractmethod
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate one completion. Callable from any asyncio loop and thread.
+
+        If weights change while the request runs, generation is interrupted and
+        transparently continued under the new weights (prompt + partial output), so the
+        response may carry tokens of several versions, each tagged in ``output_versions``.
+        ``gconfig.n_samples`` is ignored here: workflows issue one request per sample.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Apply new weights (blocking) and set the version to ``update.version``."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int: ...
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None: ...
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stop scheduling new decode steps (in-flight requests wait, nothing is lost)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None: ...
+
+    # Rollout verbs: delegated to the attached executor.
+    def _executor(self) -> RolloutExecutor:
+        if self.executor is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no rollout executor; create one with "
+                "relayrl.rollout.WorkflowExecutor(config, engine) before calling rollout verbs"
+            )
+        return self.executor
+
+    def submit(self, data: DataItem, workflow: RolloutWorkflow) -> None:
+        self._executor().submit(data, workflow)
+
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
+        return self._executor().wait(count, timeout)
+
+    def rollout_batch(self, data: list[DataItem], workflow: RolloutWorkflow) -> TensorDict:
+        return self._executor().rollout_batch(data, workflow)
+
+    def prepare_batch(self, dataloader: Iterator[list[DataItem]], workflow: RolloutWorkflow) -> TensorDict:
+        return self._executor().prepare_batch(dataloader, workflow)
+
+
+class TrainEngine(abc.ABC):
+    """Turns padded batches (the Trajectory format) into forward values and gradient steps.
+
+    Implementations pack each micro-batch into one 1D sequence (``cu_seqlens``, restarting
+    positions) and split batches by token budget; callers never see packing except in the
+    ``loss_fn`` / ``post_fn`` they pass.
+    """
+
+    @abc.abstractmethod
+    def initialize(self) -> None:
+        """Build model and optimizer (and the process group under torch.distributed)."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None: ...
+
+    @abc.abstractmethod
+    def train(self, mode: bool = True) -> None:
+        """Training mode (dropout, gradient checkpointing on)."""
+
+    def eval(self) -> None:
+        self.train(False)
+
+    @abc.abstractmethod
+    def forward(self, batch: TensorDict, post_fn: PostFn | None = None, temperature: float = 1.0) -> torch.Tensor:
+        """No-grad forward over a padded batch; returns ``[B, L]`` token-aligned values.
+
+        Default ``post_fn``: log pi(input_ids[t] | input_ids[:t]) at ``temperature``
+        (0 at position 0 of each sequence and on padding).
+        """
+
+    @abc.abstractmethod
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One optimizer step over the whole batch (split into micro-batches by tokens).
+
+        Returns stats including ``loss``, ``grad_norm``, ``lr`` and ``skipped`` (1.0 when
+        the NaN/inf guard skipped the step).
+        """
+
+    @abc.abstractmethod
+    def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> float:
+        """The weighted loss of the batch, no gradient."""
+
+    @abc.abstractmethod
+    def step_lr_scheduler(self) -> None: ...
+
+    @abc.abstractmethod
+    def save(self, meta: SaveLoadMeta) -> None: ...
+
+    @abc.abstractmethod
+    def load(self, meta: SaveLoadMeta) -> None: ...
+
+    @abc.abstractmethod
+    def update_weights(self, target: InferenceEngine) -> None:
+        """Push current weights to ``target`` (version = this engine's version)."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int: ...
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None: ...

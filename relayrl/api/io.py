@@ -1,0 +1,152 @@
+"""Data that crosses the boundary between generation, rollout and training.
+
+Plain dataclasses: a request for tokens, the tokens that came back (with the logprob and
+the weight version of every generated token), and a weight update sent to generators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+StopReason = Literal["stop", "length", "abort"]
+
+
+def _meta(help: str, **rules: object) -> dict[str, object]:
+    """Field metadata read by the config validator (see ``api/config.py``)."""
+    return {"help": help, **rules}
+
+
+@dataclass
+class GenerationConfig:
+    """How to sample one completion (or ``n_samples`` of them) for a prompt.
+
+    Every sampling knob is explicit: engines never fall back on library defaults such as
+    transformers' ``top_k=50``. ``top_k=0`` and ``top_p=1.0`` mean "off", so logprobs are
+    then exact under ``softmax(logits / temperature)``.
+    """
+
+    n_samples: int = field(default=1, metadata=_meta("Completions per prompt.", ge=1))
+    max_new_tokens: int = field(default=128, metadata=_meta("Upper bound on generated tokens.", ge=1))
+    min_new_tokens: int = field(
+        default=0, metadata=_meta("EOS and stop tokens are masked until this many tokens exist.", ge=0)
+    )
+    greedy: bool = field(default=False, metadata=_meta("Argmax decoding; logprobs are then those of softmax(logits)."))
+    temperature: float = field(default=1.0, metadata=_meta("Softmax temperature for sampling.", gt=0.0))
+    top_p: float = field(default=1.0, metadata=_meta("Nucleus sampling mass; 1.0 disables it.", gt=0.0, le=1.0))
+    top_k: int = field(default=0, metadata=_meta("Keep the k most likely tokens; 0 disables it.", ge=0))
+    stop_token_ids: list[int] = field(
+        default_factory=list, metadata=_meta("Token ids that end a completion (besides EOS).")
+    )
+    stop: list[str] = field(default_factory=list, metadata=_meta("Strings that end a completion when decoded."))
+    ignore_eos: bool = field(default=False, metadata=_meta("Keep generating past EOS until max_new_tokens."))
+
+    def new(self, **changes: object) -> GenerationConfig:
+        """A copy with some fields changed, e.g. ``gconfig.new(greedy=True)``."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        if self.n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+
+
+@dataclass
+class ModelRequest:
+    """One generation request. ``rid`` identifies the episode; engines may use it for
+    session affinity (all turns of a multi-turn episode go to the same server)."""
+
+    rid: str
+    input_ids: list[int]
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    metadata: dict[str, str | int | float | bool] = field(default_factory=dict)
+
+
+@dataclass
+class ModelResponse:
+    """The result of one request (one sample; ``n_samples`` > 1 yields a list of these).
+
+    ``output_logprobs[i]`` is log pi(token_i) under the distribution actually sampled from;
+    ``output_versions[i]`` is the weight version that produced token i. A response that was
+    interrupted by a weight update and continued carries several versions.
+    """
+
+    input_tokens: list[int]
+    output_tokens: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    stop_reason: StopReason
+    latency: float = 0.0
+    ttft: float = 0.0
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens)
+
+
+WeightKind = Literal["tensors", "disk", "nccl"]
+
+
+@dataclass
+class WeightUpdate:
+    """New policy weights for generators.
+
+    - ``tensors``: an in-memory state dict (in-process engines; remote engines upload it
+      over HTTP to servers without shared disk);
+    - ``disk``: a Hugging Face checkpoint directory at ``path`` (shared filesystem);
+    - ``nccl``: a broadcast from trainer rank 0 (GPU only; ``path`` holds the group address).
+
+    ``version`` is the version the generators report once the update is applied.
+    """
+
+    kind: WeightKind
+    version: int
+    path: str = ""
+    tensors: dict[str, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("tensors", "disk", "nccl"):
+            raise ValueError(f"WeightUpdate.kind must be 'tensors', 'disk' or 'nccl', got {self.kind!r}")
+        if self.kind == "tensors" and self.tensors is None:
+            raise ValueError("WeightUpdate(kind='tensors') needs `tensors` (a state dict)")
+        if self.kind in ("disk", "nccl") and not self.path:
+            raise ValueError(f"WeightUpdate(kind={self.kind!r}) needs `path`")
+
+
+@dataclass
+class SaveLoadMeta:
+    """Where and what a TrainEngine saves or loads.
+
+    ``weights`` are always written in Hugging Face format (safetensors + config.json);
+    ``with_optim`` adds the full training state (optimizer, scheduler, step, version, RNG)
+    needed for an exact resume.
+    """
+
+    path: str
+    with_optim: bool = False
+    tokenizer_path: str = ""

@@ -1,0 +1,211 @@
+"""Rollout workflows, the Trajectory format, and sample status accounting.
+
+A **Trajectory** is a dict of tensors describing one or more episodes, right-padded:
+
+================  =========  ==========  ===============================================
+key               shape      dtype       meaning
+================  =========  ==========  ===============================================
+input_ids         [B, L]     int64       prompt + completion tokens
+attention_mask    [B, L]     bool        1 on real tokens, 0 on right padding
+loss_mask         [B, L]     bool/int    1 on tokens the policy generated (trained on)
+logprobs          [B, L]     float32     behaviour logprob of each generated token, 0 elsewhere
+versions          [B, L]     int64       weight version that generated the token, -1 elsewhere
+rewards           [B]        float32     one scalar reward per sequence
+================  =========  ==========  ===============================================
+
+Every other key is carried through untouched (token-level extras must be ``[B, L]``,
+sequence-level extras ``[B]``). The trainer adds ``old_logp``, ``ref_logp``, ``values``,
+``advantages`` and ``returns``.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from relayrl.api.engine import DataItem, TensorDict
+from relayrl.api.io import ModelResponse
+
+if TYPE_CHECKING:
+    from relayrl.api.engine import InferenceEngine
+
+Trajectory = TensorDict
+
+REQUIRED_KEYS: dict[str, tuple[str, tuple[torch.dtype, ...]]] = {
+    # key: (level, allowed dtypes)
+    "input_ids": ("token", (torch.int64, torch.int32)),
+    "attention_mask": ("token", (torch.bool, torch.int64, torch.int32)),
+    "loss_mask": ("token", (torch.bool, torch.int64, torch.int32)),
+    "logprobs": ("token", (torch.float32, torch.float64)),
+    "versions": ("token", (torch.int64, torch.int32)),
+    "rewards": ("seq", (torch.float32, torch.float64)),
+}
+# Keys the trainer adds; validated for shape when present.
+TOKEN_KEYS = ("old_logp", "ref_logp", "values", "advantages", "returns", "prox_logp")
+
+
+class TrajectoryError(ValueError):
+    """A trajectory has a missing key, wrong shape, wrong dtype or inconsistent masks."""
+
+
+def validate_trajectory(traj: Trajectory) -> None:
+    """Raise ``TrajectoryError`` naming the key and what was expected, or return None."""
+    if not isinstance(traj, dict):
+        raise TrajectoryError(f"trajectory must be a dict of tensors, got {type(traj).__name__}")
+    for key, (_, dtypes) in REQUIRED_KEYS.items():
+        if key not in traj:
+            raise TrajectoryError(f"trajectory is missing key {key!r} (required: {sorted(REQUIRED_KEYS)})")
+        if not isinstance(traj[key], torch.Tensor):
+            raise TrajectoryError(f"trajectory[{key!r}] must be a torch.Tensor, got {type(traj[key]).__name__}")
+        if traj[key].dtype not in dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise TrajectoryError(f"trajectory[{key!r}] has dtype {traj[key].dtype}, expected one of: {names}")
+    ids = traj["input_ids"]
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise TrajectoryError(f"trajectory['input_ids'] must be [B, L] with L > 0, got shape {tuple(ids.shape)}")
+    bsz, seqlen = ids.shape
+    for key, value in traj.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        level = REQUIRED_KEYS[key][0] if key in REQUIRED_KEYS else ("token" if key in TOKEN_KEYS else None)
+        if level == "token" and tuple(value.shape) != (bsz, seqlen):
+            raise TrajectoryError(f"trajectory[{key!r}] must have shape [B, L] = {[bsz, seqlen]}, got {list(value.shape)}")
+        if level == "seq" and tuple(value.shape) != (bsz,):
+            raise TrajectoryError(f"trajectory[{key!r}] must have shape [B] = {[bsz]}, got {list(value.shape)}")
+        if level is None and (value.dim() == 0 or value.shape[0] != bsz):
+            raise TrajectoryError(f"extra key {key!r} must have batch size {bsz} in dim 0, got {list(value.shape)}")
+    attn = traj["attention_mask"].bool()
+    loss = traj["loss_mask"].bool()
+    if not bool(attn[:, 0].all()):
+        raise TrajectoryError("trajectory['attention_mask'] must start with 1 on every row (right padding only)")
+    lengths = attn.sum(1)
+    positions = torch.arange(seqlen).unsqueeze(0)
+    if not torch.equal(attn, positions < lengths.unsqueeze(1)):
+        raise TrajectoryError("trajectory['attention_mask'] must be 1s then 0s on every row (right padding only)")
+    if bool((loss & ~attn).any()):
+        raise TrajectoryError("trajectory['loss_mask'] is 1 on a padding position (attention_mask == 0)")
+    if bool(loss[:, 0].any()):
+        raise TrajectoryError("trajectory['loss_mask'] is 1 on the first token; a sequence needs a prompt token")
+    if not bool(loss.any(1).all()):
+        row = int((~loss.any(1)).nonzero()[0])
+        raise TrajectoryError(f"trajectory['loss_mask'] selects no token in row {row}; every row needs a completion")
+    if bool((traj["logprobs"][~loss] != 0).any()):
+        raise TrajectoryError("trajectory['logprobs'] must be 0 where loss_mask is 0 (prompt, tool output, padding)")
+    if bool((traj["logprobs"][loss] > 1e-4).any()):
+        raise TrajectoryError("trajectory['logprobs'] has a positive value; logprobs must be <= 0")
+    if bool((traj["versions"][~loss] != -1).any()):
+        raise TrajectoryError("trajectory['versions'] must be -1 where loss_mask is 0")
+    if bool((traj["versions"][loss] < 0).any()):
+        raise TrajectoryError("trajectory['versions'] must be >= 0 on generated tokens")
+    if not bool(torch.isfinite(traj["rewards"]).all()):
+        raise TrajectoryError("trajectory['rewards'] contains NaN or inf")
+
+
+def trajectory_from_response(resp: ModelResponse, reward: float, **extras: torch.Tensor) -> Trajectory:
+    """A one-row Trajectory for a single-turn episode: prompt then completion."""
+    n_in, n_out = resp.input_len, resp.output_len
+    return {
+        "input_ids": torch.tensor([resp.input_tokens + resp.output_tokens], dtype=torch.int64),
+        "attention_mask": torch.ones(1, n_in + n_out, dtype=torch.bool),
+        "loss_mask": torch.tensor([[0] * n_in + [1] * n_out], dtype=torch.bool),
+        "logprobs": torch.tensor([[0.0] * n_in + list(resp.output_logprobs)], dtype=torch.float32),
+        "versions": torch.tensor([[-1] * n_in + list(resp.output_versions)], dtype=torch.int64),
+        "rewards": torch.tensor([float(reward)], dtype=torch.float32),
+        **extras,
+    }
+
+
+def concat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory:
+    """Concatenate along the batch dimension, right-padding token-level keys to the longest.
+
+    Padding values: 0 for every key except ``versions`` (-1).
+    """
+    if not trajs:
+        raise ValueError("concat_trajectories needs at least one trajectory")
+    keys = set(trajs[0])
+    for i, t in enumerate(trajs):
+        if set(t) != keys:
+            raise TrajectoryError(f"trajectory {i} has keys {sorted(t)}, expected {sorted(keys)}")
+    seqlen = max(t["input_ids"].shape[1] for t in trajs)
+    out: Trajectory = {}
+    for key in trajs[0]:
+        parts = []
+        for t in trajs:
+            v = t[key]
+            is_token = v.dim() >= 2 and v.shape[1] == t["input_ids"].shape[1] and key != "rewards"
+            if is_token and v.shape[1] < seqlen:
+                pad = torch.full((v.shape[0], seqlen - v.shape[1], *v.shape[2:]), -1 if key == "versions" else 0, dtype=v.dtype)
+                v = torch.cat([v, pad], dim=1)
+            parts.append(v)
+        out[key] = torch.cat(parts, dim=0)
+    return out
+
+
+class RolloutWorkflow(abc.ABC):
+    """How one episode is generated and rewarded.
+
+    ``arun_episode`` runs on the executor's event loop; it awaits ``engine.agenerate`` as
+    often as it likes (several samples, several turns, tool calls) and returns a
+    Trajectory (one or more rows) or ``None`` to reject the episode.
+    """
+
+    @abc.abstractmethod
+    async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None: ...
+
+
+class SampleStatus(enum.Enum):
+    """How a submitted episode ended (exactly one per episode)."""
+
+    COMPLETED = "completed"  # accepted into a batch
+    FILTERED = "filtered"  # rejected by the workflow (None) or by the group accept function
+    FAILED = "failed"  # the workflow raised
+    ABORTED = "aborted"  # cancelled (shutdown, tail-batch discard)
+    EXPIRED = "expired"  # too stale to train on when it came out
+
+
+class StatusCounter:
+    """Counts episodes by status and checks that they reconcile with what was submitted."""
+
+    def __init__(self) -> None:
+        self.submitted = 0
+        self.counts: Counter[SampleStatus] = Counter()
+
+    def submit(self, n: int = 1) -> None:
+        self.submitted += n
+
+    def finish(self, status: SampleStatus, n: int = 1) -> None:
+        if self.finished + n > self.submitted:
+            raise RuntimeError(
+                f"status accounting broken: {self.finished + n} episodes finished but only {self.submitted} submitted"
+            )
+        self.counts[status] += n
+
+    @property
+    def finished(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def in_flight(self) -> int:
+        return self.submitted - self.finished
+
+    def reconcile(self) -> None:
+        """Raise if some submitted episode has no final status."""
+        if self.in_flight != 0:
+            raise RuntimeError(
+                f"status accounting: {self.submitted} submitted but {self.finished} finished ({self.as_dict()})"
+            )
+
+    def as_dict(self) -> dict[str, int]:
+        return {"submitted": self.submitted, **{s.value: self.counts[s] for s in SampleStatus}}
+
+    def state_dict(self) -> dict[str, int]:
+        return self.as_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.submitted = int(state["submitted"])
+        self.counts = Counter({s: int(state.get(s.value, 0)) for s in SampleStatus})

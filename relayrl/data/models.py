@@ -1,0 +1,95 @@
+"""Tiny models and an offline tokenizer, built in code (no hub access).
+
+``load_model`` / ``load_tokenizer`` are the one place that turns a ``ModelConfig`` into
+objects: a real Hugging Face path loads with ``from_pretrained``; ``tiny`` (~5M params)
+and ``tiny-30m`` (~30M) build a Qwen2-style causal LM from a config with the offline
+character-level tokenizer below, so tests and the CPU demo run anywhere.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+
+from relayrl.api.config import ModelConfig
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|user|>", "<|assistant|>", "<|tool|>", "<|call|>", "<|result|>"]
+CHARS = string.digits + string.ascii_letters + " +-*/=()?.,:;!'\"<>[]{}_#%&^|~@$\\\n"
+
+# A plain chat template over the special tokens; the generation prompt ends with the
+# assistant tag, so completions start right after it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>"
+    "{% else %}<|tool|>{{ m['content'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+TINY_PRESETS: dict[str, dict[str, int]] = {
+    # ~5M parameters with the offline vocabulary
+    "tiny": {"hidden_size": 320, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2},
+    # ~30M parameters
+    "tiny-30m": {"hidden_size": 512, "intermediate_size": 1920, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4},
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character, plus chat special tokens."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARS)))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="?",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised Qwen2-style causal LM of a preset size (fp32, eager-free)."""
+    if preset not in TINY_PRESETS:
+        raise ValueError(f"unknown tiny model preset {preset!r}; choose one of {sorted(TINY_PRESETS)}")
+    tok_vocab = len(build_tokenizer())
+    cfg = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=vocab_size or tok_vocab,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        **TINY_PRESETS[preset],
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat prompt ending with the assistant's generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(i) for i in ids]
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
+    path = cfg.tokenizer_path or cfg.path
+    if path in TINY_PRESETS:
+        return build_tokenizer()
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
+    """The policy model of ``cfg`` in its configured dtype."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.path in TINY_PRESETS:
+        return build_tiny_model(cfg.path, vocab_size=cfg.vocab_size or None, seed=seed).to(dtype)
+    return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
