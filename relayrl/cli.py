@@ -7,20 +7,206 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="relayrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("config-reference", help="Print the reference of every config field (docs/config.md).")
+    sub.add_parser("serve", help="HTTP inference server (SGLang + OpenAI protocols) around LocalEngine.", add_help=False)
+    sub.add_parser("sft", help="Supervised fine-tuning on prompt/completion data (SFTConfig).", add_help=False)
+    sub.add_parser("train", help="RL training from a RunConfig YAML plus dotted overrides.", add_help=False)
+    sub.add_parser("eval", help="Evaluate a run's latest checkpoint (or a model) on held-out rows.", add_help=False)
+    sub.add_parser("plot", help="PNG learning curves of one or more run directories.", add_help=False)
+    sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
+    sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    handlers = {"train": _train, "eval": _eval, "plot": _plot, "show": _show, "demo": _demo}
+    if args.command in handlers:
+        return handlers[args.command](rest)
     if args.command == "config-reference":
         from relayrl.api.config import config_reference
 
         print(config_reference(), end="")
         return 0
+    if args.command == "serve":
+        return _serve(rest)
+    if args.command == "sft":
+        return _sft(rest)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _serve(argv: list[str]) -> int:
+    """``relayrl serve [CONFIG.yaml] [key=value ...] [--model M] [--host H] [--port P]``."""
+    p = argparse.ArgumentParser(prog="relayrl serve", description="Serve a model over HTTP (ServerConfig).")
+    p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as port=0")
+    p.add_argument("--model", help="model path or tiny preset (model.path)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port; 0 picks a free one")
+    p.add_argument("--admin-token", help="bearer token for admin endpoints")
+    p.add_argument("--threads", type=int, help="torch threads (torch_threads)")
+    ns = p.parse_args(argv)
+    path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
+    overrides = [a for a in ns.args if a is not path]
+    for key, value in (("model.path", ns.model), ("host", ns.host), ("port", ns.port),
+                       ("admin_token", ns.admin_token), ("torch_threads", ns.threads)):
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    from relayrl.api.config import ConfigError, ServerConfig, load_config
+
+    try:
+        cfg = load_config(ServerConfig, path, overrides)
+    except ConfigError as e:
+        print(f"relayrl serve: {e}", file=sys.stderr)
+        return 2
+    from relayrl.inference.server import run_server
+
+    run_server(cfg)
+    return 0
+
+
+
+def _sft(argv: list[str]) -> int:
+    """``relayrl sft [CONFIG.yaml] [key=value ...]``: SFT, then one JSON line with the result."""
+    p = argparse.ArgumentParser(prog="relayrl sft", description="Supervised fine-tuning (SFTConfig); loss on completion tokens.")
+    p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as data.train_path=x.jsonl")
+    ns = p.parse_args(argv)
+    path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
+    overrides = [a for a in ns.args if a is not path]
+    from relayrl.api.config import ConfigError, SFTConfig, load_config
+
+    try:
+        cfg = load_config(SFTConfig, path, overrides)
+    except ConfigError as e:
+        print(f"relayrl sft: {e}", file=sys.stderr)
+        return 2
+    import json
+
+    from relayrl.sft import run_sft
+
+    try:
+        res = run_sft(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"relayrl sft: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"steps": res.steps, "loss": round(res.loss, 5), "eval_loss": res.eval_loss,
+                      "seconds": round(res.seconds, 1), "checkpoint": res.checkpoint, "run_dir": cfg.run_dir}))
+    return 0
+
+def _config_args(prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], None] | None = None
+                 ) -> tuple[argparse.Namespace, str | None, list[str]]:
+    """Parse ``[CONFIG.yaml] [key=value ...]`` plus the options ``extra`` adds."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as actor.lr=1e-5")
+    if extra is not None:
+        extra(p)
+    ns = p.parse_args(argv)
+    path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
+    return ns, path, [a for a in ns.args if a is not path]
+
+
+def _train(argv: list[str]) -> int:
+    """``relayrl train CONFIG.yaml [key=value ...] [--recover]``."""
+    ns, path, overrides = _config_args("relayrl train", argv, lambda p: p.add_argument(
+        "--recover", action="store_true", help="resume from the run's latest checkpoint (recover=auto)"))
+    if ns.recover:
+        overrides.append("recover=auto")
+    from relayrl.api.config import ConfigError, RunConfig, load_config
+
+    try:
+        cfg = load_config(RunConfig, path, overrides)
+    except ConfigError as e:
+        print(f"relayrl train: {e}", file=sys.stderr)
+        return 2
+    import json
+
+    from relayrl.trainer import train
+
+    last = train(cfg)
+    print(json.dumps({"run_dir": cfg.run_dir, **{k: last[k] for k in sorted(last) if k.startswith(("eval/", "rollout/reward"))}}))
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    """``relayrl eval CONFIG.yaml [key=value ...]``: evaluate ``model.path`` on the eval rows."""
+    ns, path, overrides = _config_args("relayrl eval", argv)
+    from relayrl.api.config import ConfigError, RunConfig, load_config
+
+    try:
+        cfg = load_config(RunConfig, path, overrides)
+    except ConfigError as e:
+        print(f"relayrl eval: {e}", file=sys.stderr)
+        return 2
+    import json
+
+    from relayrl import wiring
+    from relayrl.data.models import load_tokenizer
+    from relayrl.evaluation import evaluate
+
+    tokenizer = load_tokenizer(cfg.model)
+    _, rows = wiring.load_rows(cfg, tokenizer)
+    engine = wiring.make_inference_engine(cfg, tokenizer)
+    engine.initialize()
+    try:
+        rows = rows[: cfg.eval.max_prompts or None]
+        print(json.dumps(evaluate(engine, tokenizer, rows, cfg.eval.gconfig, wiring.reward_fn_for(cfg), cfg.eval.n_samples)))
+    finally:
+        engine.destroy()
+    return 0
+
+
+def _plot(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="relayrl plot")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png of the first run)")
+    ns = p.parse_args(argv)
+    from relayrl.utils.plot import plot_runs
+
+    try:
+        print(plot_runs(ns.run_dirs, ns.out))
+    except FileNotFoundError as e:
+        print(f"relayrl plot: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _show(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="relayrl show")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, help="step to show (default: the last one saved)")
+    ns = p.parse_args(argv)
+    import json
+    from pathlib import Path
+
+    files = sorted((Path(ns.run_dir) / "rollouts").glob("step_*.jsonl"))
+    if ns.step is not None:
+        files = [f for f in files if f.name == f"step_{ns.step:06d}.jsonl"]
+    if not files:
+        print(f"relayrl show: no rollouts saved for step {ns.step} in {ns.run_dir}/rollouts", file=sys.stderr)
+        return 2
+    for line in files[-1].read_text().splitlines():
+        r = json.loads(line)
+        print(f"--- reward {r['reward']:.3f}  versions {r['versions']}")
+        print(f"prompt:     {r['prompt']!r}")
+        print(f"completion: {r['completion']!r}")
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="relayrl demo", description="SFT warm start, then GRPO, on a tiny model (CPU).")
+    p.add_argument("--run-dir", default="runs/demo")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test; learning not guaranteed)")
+    ns = p.parse_args(argv)
+    from relayrl.demo import run_demo
+
+    result = run_demo(run_dir=ns.run_dir, seed=ns.seed, quick=ns.quick)
+    import json
+
+    print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":

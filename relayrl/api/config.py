@@ -109,6 +109,8 @@ class InferenceConfig:
         "auto", help="How weights reach servers: 'disk' (versioned dir), 'http' (upload), 'nccl', 'auto'.",
         choices=["auto", "disk", "http", "nccl"],
     )
+    weight_sync_dir: str = f("", help="Shared directory for weight_sync=disk (versioned safetensors dirs); auto uses disk when set.")
+    health_interval: float = f(1.0, help="Seconds between health checks of remote servers (dead ones are re-admitted).", gt=0.0)
 
 
 @dataclass
@@ -141,7 +143,11 @@ class ActorConfig:
     kl_estimator: str = f("k3", help="KL estimator.", choices=["k1", "k2", "k3"])
     kl_in_reward: bool = f(False, help="Apply KL as a per-token reward penalty instead of a loss term.")
     entropy_coef: float = f(0.0, help="Entropy bonus coefficient.", ge=0.0)
-    loss_agg_mode: str = f("token-mean", help="How token losses become one number.", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+    loss_agg_mode: str = f(
+        "token-mean", help="How token losses become one number (seq-mean-token-sum-norm divides by n_seqs * loss_norm_len: Dr.GRPO).",
+        choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+    )
+    loss_norm_len: int = f(0, help="seq-mean-token-sum-norm: the constant per-sequence divisor, usually gconfig.max_new_tokens.", ge=0)
     temperature: float = f(1.0, help="Sampling temperature (logprobs are recomputed at it).", gt=0.0)
     ppo_epochs: int = f(1, help="Passes over each batch.", ge=1)
     n_minibatches: int = f(1, help="Optimizer steps per pass.", ge=1)
@@ -151,10 +157,13 @@ class ActorConfig:
     reward_clip: float = f(0.0, help="... then clipped to [-c, c] (0 disables).", ge=0.0)
     overlong_buffer: int = f(0, help="DAPO overlong penalty: tokens before max_new_tokens where the penalty ramps (0 disables).", ge=0)
     overlong_penalty: float = f(1.0, help="DAPO overlong penalty at max_new_tokens.", ge=0.0)
+    overlong_max_len: int = f(0, help="DAPO overlong penalty: the generation limit (gconfig.max_new_tokens); needed when overlong_buffer > 0.", ge=0)
     mask_truncated: bool = f(False, help="Drop completions that hit max_new_tokens from the loss.")
     gamma: float = f(1.0, help="Discount for GAE / REINFORCE returns.", ge=0.0, le=1.0)
     lam: float = f(1.0, help="GAE lambda.", ge=0.0, le=1.0)
     adv_norm: bool = f(True, help="grpo: divide by group std; reinforce_pp: normalise over the batch.")
+    adv_eps: float = f(1e-6, help="grpo / reinforce_pp: added to the std before dividing.", gt=0.0)
+    baseline: bool = f(True, help="reinforce: subtract the batch-mean reward as a baseline.")
     value_clip: float = f(0.2, help="Critic: value clipping range.", gt=0.0)
     critic_lr: float = f(1e-5, help="Critic learning rate (PPO with critic).", gt=0.0)
 
@@ -238,6 +247,53 @@ class ServerConfig:
 
 
 # --------------------------------------------------------------------------------------
+# Supervised fine-tuning (``relayrl sft``).
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SFTDataConfig:
+    task: str = f(
+        "arithmetic", help="'file': read train_path/eval_path; a synthetic task name: its demonstrations.",
+        choices=["arithmetic", "countdown", "file"],
+    )
+    train_path: str = f("", help="jsonl / json / parquet rows: prompt + completion, or messages (+ answer).")
+    eval_path: str = f("", help="Held-out rows in the same format (empty = no eval loss).")
+    prompt_key: str = f("prompt", help="Column with the raw prompt text (used as is, no chat template).")
+    completion_key: str = f("completion", help="Column with the completion text (EOS is appended).")
+    messages_key: str = f("messages", help="Column with chat turns: the chat template makes the prompt.")
+    answer_key: str = f("answer", help="Completion column for chat rows without a completion column.")
+    max_seq_len: int = f(1024, help="Rows longer than this (prompt + completion tokens) are rejected.", ge=2)
+    skip_invalid_rows: bool = f(False, help="Skip (and count) bad rows instead of stopping with an error.")
+    n_train: int = f(2000, help="Synthetic task: training demonstrations.", ge=1)
+    n_eval: int = f(200, help="Synthetic task: held-out rows (eval loss).", ge=0)
+    difficulty: int = f(2, help="Synthetic task: digits / numbers.", ge=1, le=6)
+    error_rate: float = f(0.0, help="Synthetic task: fraction of demonstrations that are wrong.", ge=0.0, le=1.0)
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning (``relayrl sft``): loss on completion tokens only."""
+
+    run_dir: str = f("runs/sft", help="Directory for config, metrics.jsonl and the final checkpoint.")
+    seed: int = f(1, help="Seed of data order and model init.")
+    torch_threads: int = f(1, help="torch threads (1 is fastest on small shared CPUs).", ge=1)
+    epochs: int = f(1, help="Passes over the training rows (ignored when total_steps > 0).", ge=1)
+    total_steps: int = f(0, help="Optimizer steps (0 = epochs * batches per epoch).", ge=0)
+    batch_size: int = f(32, help="Rows per optimizer step.", ge=1)
+    eval_every_n_steps: int = f(0, help="Eval loss every N steps (0 = only at the end).", ge=0)
+    log_every_n_steps: int = f(10, help="Progress line every N steps.", ge=1)
+    save_final: bool = f(True, help="Save an HF checkpoint (and tokenizer) to run_dir/final at the end.")
+    model: ModelConfig = f(ModelConfig(), help="Model to fine-tune.")
+    train: TrainEngineConfig = f(
+        TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-4, lr_schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)),
+        help="Train engine (optimizer, schedule, micro-batch token budget).",
+    )
+    data: SFTDataConfig = f(SFTDataConfig(), help="SFT data.")
+    logging: LoggingConfig = f(LoggingConfig(tensorboard=False), help="Metrics sinks.")
+
+
+# --------------------------------------------------------------------------------------
 # Loading and validation.
 # --------------------------------------------------------------------------------------
 
@@ -292,7 +348,10 @@ def _coerce(value: YamlValue, tp: object, name: str) -> object:
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int too large for a float
+                raise ConfigError(f"{name}: {value!r} is too large for a number") from None
         if isinstance(value, str):
             try:
                 return float(value)  # YAML reads "1e-5" as a string
@@ -315,8 +374,8 @@ def _check_rules(value: object, meta: typing.Mapping[str, object], name: str) ->
     if choices is not None and value not in typing.cast(list, choices):
         raise ConfigError(f"{name}={value!r} is not allowed; choose one of {choices}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if isinstance(value, float) and math.isnan(value):
-            raise ConfigError(f"{name}=nan is not a valid number")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r} is not a finite number")
         for rule, ok, word in (
             ("ge", lambda v, b: v >= b, ">="),
             ("gt", lambda v, b: v > b, ">"),

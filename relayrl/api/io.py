@@ -45,8 +45,12 @@ class GenerationConfig:
     ignore_eos: bool = field(default=False, metadata=_meta("Keep generating past EOS until max_new_tokens."))
 
     def new(self, **changes: object) -> GenerationConfig:
-        """A copy with some fields changed, e.g. ``gconfig.new(greedy=True)``."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        """A copy with some fields changed, e.g. ``gconfig.new(greedy=True)``.
+
+        List fields are copied, so changing the copy's ``stop`` never changes the original.
+        """
+        lists = {"stop_token_ids": list(self.stop_token_ids), "stop": list(self.stop)}
+        return dataclasses.replace(self, **{**lists, **changes})  # type: ignore[arg-type]
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""

@@ -1,0 +1,220 @@
+"""Synthetic tasks with verifiable answers, for tests, the CPU demo and recipes.
+
+``make_task(name, n_train, n_eval, difficulty, seed)`` returns ``(train_rows, eval_rows)`` in
+the row contract (``id``, ``messages``, ``answer`` plus task fields). Rows are deterministic
+given the arguments, and no problem appears in both splits.
+
+- ``arithmetic``: "23+58=" -> "81". ``difficulty`` = digits per operand; ``ops`` picks the
+  operators ("+", "-", "+-"); subtraction keeps the result non-negative.
+- ``countdown``: "Make 26 with 3 7 5:" -> an expression using each number exactly once,
+  e.g. "3*7+5". ``difficulty`` = how many numbers (>= 2); numbers are 1..``max_number``.
+
+Verifiers live in ``relayrl.rewards.tasks`` (``task_reward_fn(name)``); the expected
+completion is the bare answer, optionally followed by EOS.
+
+``demonstrations(rows, error_rate, seed)`` writes prompt/completion pairs for SFT warm-up of
+which exactly ``round(error_rate * len(rows))`` are wrong in plausible ways (a dropped carry,
+one digit off, swapped digits, off by one or ten; for countdown a changed operator or number),
+so a model imitating them is measurably short of perfect and RL has room to improve it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from relayrl.rewards.tasks import evaluate_countdown
+
+Row = dict[str, object]
+ERROR_KINDS = ("carry", "digit", "swap", "off_by")
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def _split(
+    name: str, problems: Callable[[random.Random], tuple[tuple[object, ...], Row]], n_train: int, n_eval: int,
+    difficulty: int, seed: int, capacity: int,
+) -> tuple[list[Row], list[Row]]:
+    """Draw ``n_train + n_eval`` distinct problems (keyed by ``problems``), then cut into splits."""
+    need = n_train + n_eval
+    if need > capacity // 2:
+        raise ValueError(
+            f"task {name!r} with difficulty={difficulty} has about {capacity} distinct problems; "
+            f"n_train + n_eval = {need} is too many (at most {capacity // 2}): raise the difficulty or ask for fewer"
+        )
+    rng = random.Random(f"{name}-{difficulty}-{seed}")
+    seen: set[tuple[object, ...]] = set()
+    rows: list[Row] = []
+    while len(rows) < need:
+        key, row = problems(rng)
+        if key in seen:
+            continue
+        seen.add(key)
+        rows.append(row)
+    out: tuple[list[Row], list[Row]] = (rows[:n_train], rows[n_train:])
+    for split, part in zip(("train", "eval"), out, strict=True):
+        for i, row in enumerate(part):
+            row["id"] = f"{name}/{split}/{i}"
+    return out
+
+
+def arithmetic_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, ops: str = "+") -> tuple[list[Row], list[Row]]:
+    """Addition/subtraction of two ``difficulty``-digit numbers, e.g. "23+58=" -> "81"."""
+    if not 1 <= difficulty <= 9:
+        raise ValueError(f"arithmetic difficulty (digits) must be in [1, 9], got {difficulty}")
+    if not ops or set(ops) - {"+", "-"}:
+        raise ValueError(f"arithmetic ops must be made of '+' and '-', got {ops!r}")
+    lo, hi = (0 if difficulty == 1 else 10 ** (difficulty - 1)), 10**difficulty - 1
+    op_list = sorted(set(ops))
+
+    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+        a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(op_list)
+        if op == "-" and a < b:
+            a, b = b, a
+        result = a + b if op == "+" else a - b
+        row: Row = {"messages": _user(f"{a}{op}{b}="), "answer": str(result), "task": "arithmetic",
+                    "operands": [a, b], "op": op}
+        return (a, op, b), row
+
+    capacity = (hi - lo + 1) ** 2 * len(op_list) // (2 if op_list == ["-"] else 1)
+    return _split("arithmetic", problem, n_train, n_eval, difficulty, seed, capacity)
+
+
+def _countdown_expr(rng: random.Random, numbers: list[int]) -> str:
+    """A random left-fold expression over ``numbers`` with +, -, * (parenthesised where needed)."""
+    expr = str(numbers[0])
+    for n in numbers[1:]:
+        op = rng.choice("+-*")
+        if op == "*" and any(c in expr for c in "+-"):
+            expr = f"({expr})"
+        expr = f"{expr}{op}{n}"
+    return expr
+
+
+def countdown_task(
+    n_train: int, n_eval: int, difficulty: int = 3, seed: int = 0, max_number: int = 9, max_target: int = 100,
+) -> tuple[list[Row], list[Row]]:
+    """Reach a target from ``difficulty`` numbers with +, -, *, each number used once."""
+    if difficulty < 2:
+        raise ValueError(f"countdown difficulty (how many numbers) must be >= 2, got {difficulty}")
+
+    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+        while True:
+            numbers = [rng.randint(1, max_number) for _ in range(difficulty)]
+            expr = _countdown_expr(rng, numbers)
+            target = evaluate_countdown(expr, numbers)
+            if target is not None and 0 < target <= max_target:
+                break
+        shown = sorted(numbers, key=lambda _: rng.random())
+        row: Row = {"messages": _user(f"Make {target} with {' '.join(map(str, shown))}:"), "answer": expr,
+                    "task": "countdown", "numbers": shown, "target": target}
+        return (tuple(sorted(numbers)), target), row
+
+    capacity = min(max_number**difficulty * 3 ** (difficulty - 1), max_number**difficulty // 2 * max_target)
+    return _split("countdown", problem, n_train, n_eval, difficulty, seed, capacity)
+
+
+TASKS = {"arithmetic": arithmetic_task, "countdown": countdown_task}
+
+
+def make_task(name: str, n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, **options: object) -> tuple[list[Row], list[Row]]:
+    """``(train_rows, eval_rows)`` of synthetic task ``name``; ``options`` go to the task (e.g. ops="+-")."""
+    if name not in TASKS:
+        raise ValueError(f"unknown synthetic task {name!r}; choose one of {sorted(TASKS)}")
+    if n_train < 0 or n_eval < 0:
+        raise ValueError(f"n_train and n_eval must be >= 0, got {n_train}, {n_eval}")
+    return TASKS[name](n_train, n_eval, difficulty, seed, **options)  # type: ignore[operator]
+
+
+# ------------------------------------------------------------------ imperfect demonstrations
+
+
+def _wrong_number(rng: random.Random, row: Row, kinds: tuple[str, ...]) -> str:
+    """A plausible wrong answer to an arithmetic row (never the right one, never negative)."""
+    answer = int(str(row["answer"]))
+    a, b = (int(x) for x in row["operands"])  # type: ignore[attr-defined]
+    digits = str(answer)
+    for kind in rng.sample(kinds, len(kinds)) + ["off_by"]:
+        if kind == "carry":  # digit-wise sum without carries / smaller-from-larger digit
+            width = max(len(str(a)), len(str(b)))
+            da, db = str(a).zfill(width), str(b).zfill(width)
+            f = (lambda x, y: (x + y) % 10) if row["op"] == "+" else (lambda x, y: abs(x - y))
+            cand = int("".join(str(f(int(x), int(y))) for x, y in zip(da, db, strict=True)))
+        elif kind == "digit":
+            i = rng.randrange(len(digits))
+            d = (int(digits[i]) + rng.choice((1, -1))) % 10
+            if i == 0 and d == 0 and len(digits) > 1:
+                d = 1 if digits[0] != "1" else 2
+            cand = int(digits[:i] + str(d) + digits[i + 1 :])
+        elif kind == "swap":
+            pairs = [i for i in range(len(digits) - 1) if digits[i] != digits[i + 1] and (i > 0 or digits[i + 1] != "0")]
+            if not pairs:
+                continue
+            i = rng.choice(pairs)
+            cand = int(digits[:i] + digits[i + 1] + digits[i] + digits[i + 2 :])
+        else:
+            cand = answer + rng.choice((1, -1, 10, -10))
+        if cand != answer and cand >= 0:
+            return str(cand)
+    return str(answer + 1)
+
+
+def _wrong_expression(rng: random.Random, row: Row) -> str:
+    """A countdown expression that misses the target: one operator or one number changed."""
+    expr, target = str(row["answer"]), int(str(row["target"]))
+    ops_at = [i for i, c in enumerate(expr) if c in "+-*"]
+    nums = [int(n) for n in row["numbers"]]  # type: ignore[attr-defined]
+    for _ in range(50):
+        if ops_at and rng.random() < 0.5:
+            i = rng.choice(ops_at)
+            cand = expr[:i] + rng.choice([o for o in "+-*" if o != expr[i]]) + expr[i + 1 :]
+            used = nums
+        else:
+            # change one number literal: the expression still parses but uses a wrong number
+            positions = [i for i, c in enumerate(expr) if c.isdigit() and (i == 0 or not expr[i - 1].isdigit())]
+            i = rng.choice(positions)
+            j = i
+            while j < len(expr) and expr[j].isdigit():
+                j += 1
+            new = max(1, int(expr[i:j]) + rng.choice((1, -1, 2)))
+            cand = expr[:i] + str(new) + expr[j:]
+            used = nums.copy()
+            used.remove(int(expr[i:j]))
+            used.append(new)
+        value = evaluate_countdown(cand, used)
+        if value is not None and value != target:
+            return cand
+    return expr + "+1"
+
+
+def demonstrations(
+    rows: list[Row], error_rate: float, seed: int = 0, kinds: tuple[str, ...] = ERROR_KINDS,
+) -> list[Row]:
+    """SFT pairs for ``rows``: ``{"id", "messages", "completion", "answer", "correct"}``.
+
+    ``completion`` is the answer text without EOS (the SFT side appends the tokenizer's EOS).
+    Exactly ``round(error_rate * len(rows))`` rows, chosen by ``seed``, get a wrong completion.
+    ``kinds`` picks the arithmetic error kinds (subset of ``ERROR_KINDS``).
+    """
+    if not 0.0 <= error_rate <= 1.0:
+        raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
+    if not kinds or set(kinds) - set(ERROR_KINDS):
+        raise ValueError(f"kinds must be a non-empty subset of {ERROR_KINDS}, got {kinds}")
+    rng = random.Random(f"demos-{seed}")
+    wrong = set(rng.sample(range(len(rows)), round(error_rate * len(rows))))
+    out: list[Row] = []
+    for i, row in enumerate(rows):
+        completion = str(row["answer"])
+        if i in wrong:
+            task = row.get("task")
+            if task == "arithmetic":
+                completion = _wrong_number(rng, row, tuple(kinds))
+            elif task == "countdown":
+                completion = _wrong_expression(rng, row)
+            else:
+                raise ValueError(f"row {i} (id={row.get('id')!r}): demonstrations need a synthetic task row, got task={task!r}")
+        out.append({"id": row["id"], "messages": row["messages"], "completion": completion,
+                    "answer": row["answer"], "correct": i not in wrong})
+    return out

@@ -1,0 +1,240 @@
+"""Request/response mapping for the servers RemoteEngine talks to: relayrl, SGLang, vLLM.
+
+Pure functions over JSON-like dicts (no I/O), so each protocol is unit-tested against the
+payloads documented by its project:
+
+- SGLang native API: ``POST /generate`` with ``input_ids``, ``sampling_params`` and
+  ``return_logprob``; the reply's ``meta_info`` holds ``output_token_logprobs`` as
+  ``[logprob, token_id, text]`` triples, ``finish_reason`` ``{"type": ...}`` and
+  ``weight_version``. Weights: ``/update_weights_from_disk`` ``{"model_path", ...}``.
+- relayrl: the SGLang protocol plus per-token ``output_token_versions`` and an HTTP weight
+  upload (``/update_weights_from_tensor``, a safetensors body).
+- vLLM: OpenAI ``/v1/completions`` with token-id ``prompt`` and ``logprobs=0``;
+  ``return_tokens_as_token_ids`` makes every returned token read ``"token_id:<id>"``. Pause
+  and resume are the RL routes ``/pause?mode=keep`` and ``/resume``; a disk reload goes
+  through the dev-mode ``/collective_rpc`` route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relayrl.api.io import GenerationConfig, StopReason
+
+JsonDict = dict[str, object]
+
+
+class ProtocolError(ValueError):
+    """A server reply that does not have the documented shape."""
+
+
+@dataclass
+class Parsed:
+    """One /generate reply, protocol-independent."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+    versions: list[int] | None = None  # per-token versions when the server reports them
+    weight_version: int | None = None  # the server's version when it answered
+
+
+@dataclass
+class Call:
+    """An HTTP call: method, path (with query), JSON body."""
+
+    method: str
+    path: str
+    json: JsonDict | None = None
+
+
+def _int_or_none(v: object) -> int | None:
+    try:
+        return int(v)  # type: ignore[call-overload, no-any-return]
+    except (TypeError, ValueError):
+        return None
+
+
+class SGLangBackend:
+    """SGLang's native HTTP protocol."""
+
+    name = "sglang"
+    supports_upload = False
+
+    def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
+        return {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": min_new_tokens,
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "top_p": g.top_p,
+            "top_k": -1 if g.top_k == 0 else g.top_k,  # SGLang: -1 = off
+            "stop": list(g.stop),
+            "stop_token_ids": list(g.stop_token_ids),
+            "ignore_eos": g.ignore_eos,
+            "skip_special_tokens": False,
+        }
+
+    def generate(self, rid: str, input_ids: list[int], g: GenerationConfig, max_new: int, min_new: int) -> Call:
+        body: JsonDict = {
+            "rid": rid,
+            "input_ids": list(input_ids),
+            "sampling_params": self.sampling_params(g, max_new, min_new),
+            "return_logprob": True,
+            "stream": False,
+        }
+        return Call("POST", "/generate", body)
+
+    def parse_generate(self, body: object) -> Parsed:
+        if isinstance(body, list) and len(body) == 1:
+            body = body[0]
+        if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+            raise ProtocolError(f"/generate reply lacks meta_info: {str(body)[:200]}")
+        meta = body["meta_info"]
+        triples = meta.get("output_token_logprobs") or []
+        tokens = body.get("output_ids")
+        if tokens is None:
+            tokens = [int(t[1]) for t in triples]
+        if len(triples) != len(tokens):
+            raise ProtocolError(f"{len(tokens)} output_ids but {len(triples)} output_token_logprobs")
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else finish
+        if kind not in ("stop", "length", "abort"):
+            raise ProtocolError(f"unknown finish_reason {finish!r}")
+        versions = meta.get("output_token_versions")
+        return Parsed(
+            tokens=[int(t) for t in tokens],
+            logprobs=[float(t[0]) for t in triples],
+            stop_reason=kind,  # type: ignore[arg-type]
+            versions=[int(v) for v in versions] if isinstance(versions, list) else None,
+            weight_version=_int_or_none(meta.get("weight_version")),
+        )
+
+    def update_from_disk(self, path: str, version: int) -> Call:
+        # abort_all_requests: in-flight requests end with finish_reason "abort" and the client
+        # resubmits prompt + partial tokens under the new weights (interruptible rollout).
+        body: JsonDict = {"model_path": path, "weight_version": str(version), "abort_all_requests": True}
+        return Call("POST", "/update_weights_from_disk", body)
+
+    def upload(self, version: int) -> Call:
+        raise NotImplementedError(
+            f"{self.name} servers take no safetensors upload; use inference.weight_sync=disk with a shared weight_sync_dir"
+        )
+
+    def pause(self) -> Call:
+        return Call("POST", "/pause_generation", {})
+
+    def resume(self) -> Call:
+        return Call("POST", "/continue_generation", {})
+
+    def get_version(self) -> Call:
+        return Call("GET", "/get_weight_version")
+
+    def parse_version(self, body: object) -> int | None:
+        return _int_or_none(body.get("weight_version")) if isinstance(body, dict) else None
+
+    def parse_update(self, body: object) -> None:
+        if isinstance(body, dict) and body.get("success") is False:
+            raise RuntimeError(f"weight update refused: {body.get('message')}")
+
+    health_path = "/health"
+
+
+class RelayrlBackend(SGLangBackend):
+    """relayrl's server: SGLang's protocol, per-token versions, and an HTTP weight upload."""
+
+    name = "relayrl"
+    supports_upload = True
+
+    def update_from_disk(self, path: str, version: int) -> Call:
+        return Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version})
+
+    def upload(self, version: int) -> Call:
+        return Call("POST", f"/update_weights_from_tensor?weight_version={version}")
+
+
+class VLLMBackend:
+    """vLLM's OpenAI-compatible server with its RL routes."""
+
+    name = "vllm"
+    supports_upload = False
+    health_path = "/health"
+    reload_method = "reload_weights"
+
+    def __init__(self, model: str = "default") -> None:
+        self.model = model
+
+    def generate(self, rid: str, input_ids: list[int], g: GenerationConfig, max_new: int, min_new: int) -> Call:
+        body: JsonDict = {
+            "model": self.model,
+            "prompt": list(input_ids),
+            "max_tokens": max_new,
+            "min_tokens": min_new,
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "top_p": g.top_p,
+            "top_k": -1 if g.top_k == 0 else g.top_k,
+            "stop": list(g.stop),
+            "stop_token_ids": list(g.stop_token_ids),
+            "ignore_eos": g.ignore_eos,
+            "logprobs": 0,  # the sampled token's logprob only
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "request_id": rid,
+            "n": 1,
+            "stream": False,
+        }
+        return Call("POST", "/v1/completions", body)
+
+    def parse_generate(self, body: object) -> Parsed:
+        if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
+            raise ProtocolError(f"/v1/completions reply lacks choices: {str(body)[:200]}")
+        choice = body["choices"][0]
+        lp = choice.get("logprobs") or {}
+        token_logprobs = lp.get("token_logprobs") or []
+        tokens = choice.get("token_ids")
+        if tokens is None:
+            texts = lp.get("tokens") or []
+            if not all(isinstance(t, str) and t.startswith("token_id:") for t in texts):
+                raise ProtocolError("vLLM reply has no token_ids; start the server so that tokens read 'token_id:<id>'")
+            tokens = [int(t.split(":", 1)[1]) for t in texts]
+        if len(tokens) != len(token_logprobs):
+            raise ProtocolError(f"{len(tokens)} tokens but {len(token_logprobs)} token_logprobs")
+        finish = choice.get("finish_reason")
+        kind = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(finish))
+        if kind is None:
+            raise ProtocolError(f"unknown finish_reason {finish!r}")
+        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], kind)  # type: ignore[arg-type]
+
+    def update_from_disk(self, path: str, version: int) -> Call:
+        return Call("POST", "/collective_rpc", {"method": self.reload_method, "kwargs": {"weights_path": path}})
+
+    def upload(self, version: int) -> Call:
+        raise NotImplementedError("vLLM servers take no safetensors upload; use inference.weight_sync=disk")
+
+    def pause(self) -> Call:
+        return Call("POST", "/pause?mode=keep")
+
+    def resume(self) -> Call:
+        return Call("POST", "/resume")
+
+    def get_version(self) -> Call | None:
+        return None  # vLLM reports no weight version: the client's own count is used
+
+    def parse_version(self, body: object) -> int | None:
+        return None
+
+    def parse_update(self, body: object) -> None:
+        if isinstance(body, dict) and "error" in body:
+            raise RuntimeError(f"weight update refused: {body['error']}")
+
+
+Backend = SGLangBackend | VLLMBackend
+
+
+def make_backend(protocol: str) -> Backend:
+    if protocol == "relayrl":
+        return RelayrlBackend()
+    if protocol == "sglang":
+        return SGLangBackend()
+    if protocol == "vllm":
+        return VLLMBackend()
+    raise ValueError(f"inference.protocol must be relayrl, sglang or vllm, got {protocol!r}")

@@ -1,0 +1,534 @@
+"""LocalEngine: in-process continuous-batching generation over any HF causal LM.
+
+One background thread owns the model and runs the decode loop::
+
+    admit waiting requests (prefill them together, merge their KV cache into the batch)
+    sample one token for every running row (exact logprobs, version tags)
+    finished rows leave the batch at once and their futures resolve
+    one forward step for the rows that remain
+
+The running batch is left-padded: row ``i`` holds its tokens at the right end of the KV
+cache, ``attention_mask`` marks real columns and ``position_ids`` are passed explicitly, so
+prompts of any length share a batch with correct positions. Columns that no remaining row
+uses are trimmed when rows leave.
+
+``agenerate`` is callable from any thread and asyncio loop: it queues the request and awaits
+a future the loop thread resolves through ``loop.call_soon_threadsafe``. A weight update
+pauses the loop at a step boundary, loads the weights and bumps the version; the requests
+that were running end with ``stop_reason="abort"`` and ``agenerate`` continues them under
+the new weights (prompt + partial output), so one response can carry several versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from relayrl.api.config import InferenceConfig, ModelConfig
+from relayrl.api.engine import InferenceEngine
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason, WeightUpdate
+from relayrl.inference.sampling import RowParams, sample
+
+
+@dataclass
+class _Seq:
+    """One request inside the engine (a continuation carries its earlier output)."""
+
+    prompt: list[int]
+    g: GenerationConfig
+    key: int
+    on_done: Callable[[ModelResponse], None]
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+    stop_ids: frozenset[int] = frozenset()
+
+    def response(self, reason: StopReason) -> ModelResponse:
+        now = time.perf_counter()
+        return ModelResponse(
+            input_tokens=list(self.prompt), output_tokens=list(self.out), output_logprobs=list(self.logprobs),
+            output_versions=list(self.versions), stop_reason=reason, latency=now - self.submitted,
+            ttft=(self.first_token_at or now) - self.submitted,
+        )
+
+
+class LocalEngine(InferenceEngine):
+    """Continuous-batching ``InferenceEngine`` in this process (see module docstring)."""
+
+    def __init__(
+        self,
+        config: InferenceConfig,
+        model: PreTrainedModel | None = None,
+        tokenizer: object | None = None,
+        model_config: ModelConfig | None = None,
+    ) -> None:
+        if model is None and model_config is None:
+            raise ValueError("LocalEngine needs a `model` or a `model_config` to load one from")
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.stats = {"requests": 0, "aborts": 0, "tokens": 0, "steps": 0}
+        self._version = 0
+        self._waiting: queue.Queue[_Seq] = queue.Queue()
+        self._control: queue.Queue[tuple[Callable[[], None], threading.Event, list[BaseException]]] = queue.Queue()
+        self._wake = threading.Condition()
+        self._paused = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._keys = itertools.count()
+        self._key_lock = threading.Lock()
+        # running batch state (touched only by the loop thread)
+        self._rows: list[_Seq] = []
+        self._cache: DynamicCache | None = None
+        self._mask = torch.zeros(0, 0, dtype=torch.long)
+        self._pos = torch.zeros(0, dtype=torch.long)
+        self._logits = torch.zeros(0, 0)
+
+    # ------------------------------------------------------------------ lifecycle
+    def initialize(self) -> None:
+        """Load the model (if only a config was given) and start the loop thread."""
+        if self._thread is not None:
+            return
+        if self.model is None:
+            from relayrl.data.models import load_model, load_tokenizer
+
+            assert self.model_config is not None
+            self.model = load_model(self.model_config, seed=self.config.seed)
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self.model_config)
+        self.model.eval()
+        cfg = self.model.config
+        self.vocab_size = int(cfg.get_text_config().vocab_size)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = cfg.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        layer_types = getattr(cfg.get_text_config(), "layer_types", None) or ["full_attention"]
+        self._full_attention_only = all(t == "full_attention" for t in layer_types)
+        self.max_positions = int(getattr(cfg.get_text_config(), "max_position_embeddings", 1 << 30))
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="LocalEngine-loop", daemon=True)
+        self._thread.start()
+
+    def destroy(self) -> None:
+        """Stop the loop; requests still queued or running end with ``stop_reason="abort"``."""
+        if self._thread is None:
+            return
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+        self._thread.join()
+        self._thread = None
+
+    # ------------------------------------------------------------------ generation
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate one completion; continues transparently across weight updates."""
+        if self._thread is None:
+            raise RuntimeError("LocalEngine.agenerate called before initialize() (or after destroy())")
+        self._validate(req)
+        loop = asyncio.get_running_loop()
+        with self._key_lock:
+            key = self.config.seed * 1_000_003 + next(self._keys)
+        self.stats["requests"] += 1
+        start = time.perf_counter()
+        seq = _Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
+        ttft = 0.0
+        while True:
+            fut: asyncio.Future[ModelResponse] = loop.create_future()
+            seq.on_done = _resolver(loop, fut)
+            self._enqueue(seq)
+            resp = await fut
+            ttft = ttft or (resp.ttft + seq.submitted - start if resp.output_tokens else 0.0)
+            if resp.stop_reason != "abort" or self._stopped:
+                break
+            # interrupted by a weight update: continue from prompt + partial output
+            seq = _Seq(
+                prompt=seq.prompt, g=seq.g, key=seq.key, on_done=seq.on_done,
+                out=resp.output_tokens, logprobs=resp.output_logprobs, versions=resp.output_versions,
+            )
+        resp.latency = time.perf_counter() - start
+        resp.ttft = ttft or resp.latency
+        return resp
+
+    def _validate(self, req: ModelRequest) -> None:
+        ids = req.input_ids
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(f"request {req.rid!r}: input_ids must be a non-empty list of token ids")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"request {req.rid!r}: input_ids[{i}]={t!r} is not a token id in [0, {self.vocab_size})"
+                )
+        if not isinstance(req.gconfig, GenerationConfig):
+            raise ValueError(f"request {req.rid!r}: gconfig must be a GenerationConfig, got {type(req.gconfig).__name__}")
+        try:
+            req.gconfig.validate()
+        except ValueError as e:
+            raise ValueError(f"request {req.rid!r}: gconfig.{e}") from None
+        if any(t >= self.vocab_size for t in req.gconfig.stop_token_ids):
+            raise ValueError(f"request {req.rid!r}: gconfig.stop_token_ids {req.gconfig.stop_token_ids} has ids >= vocab size {self.vocab_size}")
+        if req.gconfig.stop and self.tokenizer is None:
+            raise ValueError(f"request {req.rid!r}: gconfig.stop (stop strings) needs the engine to have a tokenizer")
+        if len(ids) + req.gconfig.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"request {req.rid!r}: prompt length {len(ids)} + max_new_tokens {req.gconfig.max_new_tokens} "
+                f"exceeds the model's max_position_embeddings {self.max_positions}"
+            )
+        if len(ids) > self.config.max_tokens_in_flight:
+            raise ValueError(
+                f"request {req.rid!r}: prompt length {len(ids)} exceeds inference.max_tokens_in_flight "
+                f"{self.config.max_tokens_in_flight}"
+            )
+
+    def _enqueue(self, seq: _Seq) -> None:
+        g = seq.g
+        seq.stop_ids = frozenset(g.stop_token_ids) | (frozenset() if g.ignore_eos else self.eos_ids)
+        with self._wake:
+            if self._stopped:
+                seq.on_done(seq.response("abort"))
+                return
+            self._waiting.put(seq)
+            self._wake.notify_all()
+
+    # ------------------------------------------------------------------ weights and control
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Load new weights between decode steps and set the version (blocking)."""
+        if update.kind == "tensors":
+            assert update.tensors is not None
+            state = update.tensors
+        elif update.kind == "disk":
+            state = load_hf_state_dict(update.path)
+        else:
+            raise ValueError(f"LocalEngine cannot apply WeightUpdate(kind={update.kind!r}); use 'tensors' or 'disk'")
+
+        def apply() -> None:
+            self._load_state(state)
+            self._abort_running()
+            self._version = update.version
+
+        self._call_in_loop(apply)
+
+    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
+        assert self.model is not None
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
+        tie = bool(getattr(self.model.config.get_text_config(), "tie_word_embeddings", False))
+        bad_missing = [k for k in missing if not (tie and k in tied)]
+        if unexpected or bad_missing:
+            raise ValueError(
+                f"weight update does not match the model: missing {bad_missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        if tie:
+            self.model.tie_weights()
+
+    def _call_in_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread at a step boundary (or here if no loop runs)."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            with torch.inference_mode():
+                fn()
+            return
+        done, errors = threading.Event(), []
+        with self._wake:
+            self._control.put((fn, done, errors))
+            self._wake.notify_all()
+        done.wait()
+        if errors:
+            raise errors[0]
+
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def pause(self) -> None:
+        """Stop after the current decode step; running and queued requests wait."""
+        with self._wake:
+            self._paused = True
+        self._call_in_loop(lambda: None)  # returns once the loop reached a step boundary
+
+    def resume(self) -> None:
+        with self._wake:
+            self._paused = False
+            self._wake.notify_all()
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        torch.set_num_threads(torch.get_num_threads())
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not self._stopped and self._control.empty() and (
+                        self._paused or (not self._rows and self._waiting.empty())
+                    ):
+                        self._wake.wait()
+                    stopped = self._stopped
+                self._run_control()
+                if stopped:
+                    break
+                if self._paused:
+                    continue
+                try:
+                    self._step()
+                except Exception as e:  # a model error fails the running requests, not the engine
+                    for seq in self._rows:
+                        seq.on_done(_error_response(seq, e))
+                    self._reset_batch()
+            self._abort_running()
+            while not self._waiting.empty():
+                seq = self._waiting.get()
+                seq.on_done(seq.response("abort"))
+            self._run_control()
+
+    def _run_control(self) -> None:
+        while not self._control.empty():
+            fn, done, errors = self._control.get()
+            try:
+                fn()
+            except BaseException as e:  # handed back to the caller's thread
+                errors.append(e)
+            done.set()
+
+    def _abort_running(self) -> None:
+        rows, self._rows = self._rows, []
+        self.stats["aborts"] += len(rows)
+        self._reset_batch()
+        for seq in rows:
+            seq.on_done(seq.response("abort"))
+
+    def _reset_batch(self) -> None:
+        self._rows, self._cache = [], None
+        self._mask = torch.zeros(0, 0, dtype=torch.long)
+        self._pos = torch.zeros(0, dtype=torch.long)
+
+    def _step(self) -> None:
+        self._admit()
+        if not self._rows:
+            return
+        tokens, logprobs = self._sample()
+        self.stats["steps"] += 1
+        keep: list[int] = []
+        now = time.perf_counter()
+        for i, (seq, tok, lp) in enumerate(zip(self._rows, tokens.tolist(), logprobs.tolist(), strict=True)):
+            if not seq.first_token_at:
+                seq.first_token_at = now
+            seq.out.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(self._version)
+            reason = self._finished(seq, tok)
+            if reason is None:
+                keep.append(i)
+            else:
+                seq.on_done(seq.response(reason))
+        self.stats["tokens"] += len(self._rows)
+        if len(keep) < len(self._rows):
+            self._select(keep)
+            tokens = tokens[keep]
+        if self._rows:
+            self._decode(tokens)
+
+    def _finished(self, seq: _Seq, tok: int) -> StopReason | None:
+        g = seq.g
+        n = len(seq.out)
+        if n >= g.min_new_tokens and tok in seq.stop_ids:
+            return "stop"
+        if g.stop and n >= g.min_new_tokens:
+            longest = max(len(s) for s in g.stop)
+            tail = self.tokenizer.decode(seq.out[-(longest + 8):])  # type: ignore[union-attr]
+            if any(s in tail for s in g.stop):
+                return "stop"
+        if n >= g.max_new_tokens:
+            return "length"
+        return None
+
+    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._rows
+        greedy = [s.g.greedy for s in rows]
+        temps = [1.0 if s.g.greedy else s.g.temperature for s in rows]
+        top_k = [0 if s.g.greedy else s.g.top_k for s in rows]
+        top_p = [1.0 if s.g.greedy else s.g.top_p for s in rows]
+        params = RowParams(
+            temperature=torch.tensor(temps), top_k=torch.tensor(top_k), top_p=torch.tensor(top_p),
+            greedy=torch.tensor(greedy), keys=torch.tensor([s.key for s in rows]),
+            counters=torch.tensor([len(s.out) for s in rows]),
+            any_filter=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            any_greedy=any(greedy), all_temp_one=all(t == 1.0 for t in temps),
+        )
+        banned = None
+        young = [i for i, s in enumerate(rows) if len(s.out) < s.g.min_new_tokens and s.stop_ids]
+        if young:
+            banned = torch.zeros(self._logits.shape, dtype=torch.bool)
+            for i in young:
+                banned[i, list(rows[i].stop_ids)] = True
+        return sample(self._logits, params, banned)
+
+    # ------------------------------------------------------------------ batch and KV cache
+    def _admit(self) -> None:
+        """Move waiting requests into the running batch (prefilled together)."""
+        new: list[_Seq] = []
+        in_flight = sum(len(s.prompt) + len(s.out) for s in self._rows)
+        while len(self._rows) + len(new) < self.config.max_batch_size and not self._waiting.empty():
+            seq = self._waiting.queue[0]
+            size = len(seq.prompt) + len(seq.out)
+            if (self._rows or new) and in_flight + size > self.config.max_tokens_in_flight:
+                break
+            new.append(self._waiting.get())
+            in_flight += size
+        if not new:
+            return
+        inputs = [s.prompt + s.out for s in new]
+        length = max(len(x) for x in inputs)
+        ids = torch.tensor([[0] * (length - len(x)) + x for x in inputs])
+        mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in inputs])
+        pos = (mask.cumsum(1) - 1).clamp_(min=0)
+        cache = DynamicCache(config=self.model.config)  # type: ignore[union-attr]
+        out = self.model(  # type: ignore[misc]
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
+        logits = out.logits[:, -1].float()
+        n_old = len(self._rows)
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        if n_old:
+            assert self._cache is not None
+            la, lb = self._mask.shape[1], mask.shape[1]
+            width = max(la, lb)
+            kv = [
+                (_cat_left_padded(old.keys[:, :, : old.length], k, width), _cat_left_padded(old.values[:, :, : old.length], v, width))
+                for old, (k, v) in zip(self._cache.layers, kv, strict=True)  # type: ignore[attr-defined]
+            ]
+            mask = _cat_left_padded(self._mask, mask, width)
+            logits = torch.cat([self._logits, logits])
+        self._cache = DynamicCache()
+        self._cache.layers = [_SlabLayer(k, v) for k, v in kv]
+        self._rows, self._mask, self._logits = self._rows + new, mask, logits
+        self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1)])
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._reset_batch()
+            return
+        idx = torch.tensor(keep)
+        mask = self._mask[idx]
+        used = mask.any(0).nonzero()
+        start = int(used[0]) if len(used) else 0
+        self._mask = mask[:, start:]
+        self._pos = self._pos[idx]
+        assert self._cache is not None
+        self._cache.layers = [
+            _SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:])  # type: ignore[attr-defined]
+            for layer in self._cache.layers
+        ]
+
+    def _decode(self, tokens: torch.Tensor) -> None:
+        """One forward step: every running row consumes its newest token."""
+        self._mask = F.pad(self._mask, (0, 1), value=1)
+        attn: torch.Tensor | dict[str, torch.Tensor] = self._mask
+        if self._full_attention_only:
+            # a ready 4D mask (1 query vs all columns) skips transformers' per-step mask building
+            attn = {"full_attention": self._mask.bool()[:, None, None, :]}
+        out = self.model(  # type: ignore[misc]
+            input_ids=tokens[:, None], attention_mask=attn, position_ids=self._pos[:, None],
+            past_key_values=self._cache, use_cache=True, logits_to_keep=1,
+        )
+        self._pos = self._pos + 1
+        self._logits = out.logits[:, -1].float()
+
+
+class _SlabLayer(DynamicLayer):
+    """One layer's KV in a preallocated ``[B, H, capacity, D]`` buffer written in place.
+
+    transformers' ``DynamicLayer`` concatenates the whole cache at every step; here a decode
+    step writes one column. ``keys``/``values`` are views of the used part.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int = 64) -> None:
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.length = keys.shape[2]
+        self._kbuf, self._vbuf = _with_room(keys, reserve), _with_room(values, reserve)
+        self.keys, self.values = self._kbuf[:, :, : self.length], self._vbuf[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + key_states.shape[2]
+        if end > self._kbuf.shape[2]:
+            self._kbuf = _with_room(self._kbuf[:, :, : self.length], max(64, self.length))
+            self._vbuf = _with_room(self._vbuf[:, :, : self.length], max(64, self.length))
+        self._kbuf[:, :, self.length : end] = key_states
+        self._vbuf[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def _with_room(x: torch.Tensor, extra: int) -> torch.Tensor:
+    """A copy of ``x`` [B, H, L, D] in a buffer with ``extra`` free columns after it."""
+    buf = x.new_empty(x.shape[0], x.shape[1], x.shape[2] + extra, x.shape[3])
+    buf[:, :, : x.shape[2]] = x
+    return buf
+
+
+def _cat_left_padded(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    """Stack two left-padded batches (mask [B, L] or KV [B, H, L, D]) along rows at ``width`` columns."""
+    if a.dim() == 2:
+        return torch.cat([F.pad(a, (width - a.shape[1], 0)), F.pad(b, (width - b.shape[1], 0))])
+    return torch.cat([F.pad(a, (0, 0, width - a.shape[2], 0)), F.pad(b, (0, 0, width - b.shape[2], 0))])
+
+
+def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of the ``model*.safetensors`` files of a Hugging Face checkpoint directory."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no model*.safetensors files in checkpoint directory {path!r}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return state
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]) -> Callable[[ModelResponse], None]:
+    """A callback, safe from any thread, that resolves ``fut`` (or fails it with an exception)."""
+
+    def settle(result: ModelResponse | BaseException) -> None:
+        if fut.done():
+            return
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+    def done(result: ModelResponse) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, result)
+        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+            pass
+
+    return done
+
+
+def _error_response(seq: _Seq, error: Exception) -> ModelResponse:
+    """Failed requests resolve with the exception (typed as a response for the callback)."""
+    return error  # type: ignore[return-value]

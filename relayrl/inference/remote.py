@@ -1,0 +1,382 @@
+"""RemoteEngine: generation on one or many HTTP servers (relayrl, SGLang or vLLM).
+
+- Balancing: each request goes to the live server with the fewest requests in flight;
+  requests sharing a ``rid`` (the turns of one episode) stick to the same server.
+- Failures: connection errors and 5xx are retried on another server with exponential
+  backoff; a server that refuses connections is evicted, and a background thread re-admits
+  it once ``/health`` answers again (after pushing it the current weights). A request whose
+  server died is re-issued elsewhere, continuing from the tokens already received.
+- Interruption: a reply that ends with ``abort`` (weights changing) is resubmitted as
+  prompt + partial output; every token keeps the version that produced it.
+- Weights: ``update_weights`` fans out to every live server (a versioned safetensors dir on
+  shared disk, or an HTTP upload) and checks that each reports the new version.
+
+One ``httpx.AsyncClient`` per event loop: ``agenerate`` may be called from any loop/thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import safetensors.torch
+import torch
+
+from relayrl.api.config import InferenceConfig
+from relayrl.api.engine import InferenceEngine
+from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
+from relayrl.inference.backends import Call, make_backend
+
+log = logging.getLogger(__name__)
+
+# Errors after which a server is presumed dead (refused, reset, closed mid-reply).
+DEAD_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
+
+
+class ServerError(RuntimeError):
+    """A server answered 5xx (retried elsewhere)."""
+
+
+@dataclass
+class _Server:
+    url: str
+    alive: bool = True
+    in_flight: int = 0
+    version: int = 0
+
+
+def _url(address: str) -> str:
+    return address.rstrip("/") if "://" in address else f"http://{address}"
+
+
+class RemoteEngine(InferenceEngine):
+    """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched)."""
+
+    def __init__(self, config: InferenceConfig, addresses: list[str] | None = None) -> None:
+        self.config = config
+        self.addresses = list(addresses if addresses is not None else config.addresses)
+        self.backend = make_backend(config.protocol)
+        self.token = config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
+        self.servers: list[_Server] = []
+        self._lock = threading.Lock()  # server table and counters (agenerate runs on many threads)
+        self._update_lock = threading.Lock()
+        self._affinity: collections.OrderedDict[str, _Server] = collections.OrderedDict()
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+        self._version = 0
+        self._last_weights: tuple[str, str | bytes] | None = None  # ("disk", path) or ("http", payload)
+        self._stop = threading.Event()
+        self._health: threading.Thread | None = None
+        self._launched: object | None = None
+        self._rr = 0
+        self.stats = collections.Counter[str]()
+
+    # ------------------------------------------------------------------ lifecycle
+    def initialize(self, wait_timeout: float = 60.0) -> None:
+        if not self.addresses and self.config.n_servers > 0:
+            from relayrl.inference.launcher import launch_servers
+
+            roots = [self.config.weight_sync_dir] if self.config.weight_sync_dir else []
+            group = launch_servers(self.config.n_servers, threads=self.config.server_threads,
+                                   overrides=[f"allowed_weight_roots={roots}"], admin_token=self.token)
+            self._launched = group
+            self.addresses = group.addresses
+        if not self.addresses:
+            raise ValueError("RemoteEngine needs inference.addresses (host:port of servers) or inference.n_servers > 0")
+        self.servers = [_Server(_url(a)) for a in self.addresses]
+        deadline = time.monotonic() + wait_timeout
+        pending = list(self.servers)
+        while pending:
+            pending = [s for s in pending if not self._probe(s)]
+            if pending and time.monotonic() > deadline:
+                raise ConnectionError(f"servers not healthy after {wait_timeout:.0f}s: {[s.url for s in pending]}")
+            if pending:
+                time.sleep(0.2)
+        self._version = max(s.version for s in self.servers)
+        self._health = threading.Thread(target=self._health_loop, name="relayrl-health", daemon=True)
+        self._health.start()
+
+    def destroy(self) -> None:
+        self._stop.set()
+        if self._health is not None:
+            self._health.join(timeout=5)
+            self._health = None
+        for loop, client in list(self._clients.items()):
+            if not loop.is_closed() and loop.is_running():
+                asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+        self._clients.clear()
+        if self._launched is not None:
+            self._launched.shutdown()  # type: ignore[attr-defined]
+            self._launched = None
+
+    # ------------------------------------------------------------------ routing
+    def _choose(self, rid: str) -> _Server | None:
+        with self._lock:
+            srv = self._affinity.get(rid)
+            if srv is None or not srv.alive:
+                live = [s for s in self.servers if s.alive]
+                if not live:
+                    return None
+                self._rr += 1
+                low = min(s.in_flight for s in live)
+                ties = [s for s in live if s.in_flight == low]
+                srv = ties[self._rr % len(ties)]
+                self._affinity[rid] = srv
+                if len(self._affinity) > 100_000:
+                    self._affinity.popitem(last=False)
+            else:
+                self._affinity.move_to_end(rid)
+            srv.in_flight += 1
+            return srv
+
+    def _release(self, srv: _Server) -> None:
+        with self._lock:
+            srv.in_flight -= 1
+
+    def _evict(self, srv: _Server, why: object) -> None:
+        with self._lock:
+            if srv.alive:
+                srv.alive = False
+                self.stats["evictions"] += 1
+                log.warning("server %s evicted: %s", srv.url, why)
+
+    def live_servers(self) -> list[str]:
+        return [s.url for s in self.servers if s.alive]
+
+    # ------------------------------------------------------------------ HTTP
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
+            client = httpx.AsyncClient(timeout=self.config.request_timeout, limits=limits, headers=self._headers())
+            self._clients[loop] = client
+        return client
+
+    async def _send(self, srv: _Server, call: Call) -> object:
+        r = await self._client().request(call.method, srv.url + call.path, json=call.json)
+        if r.status_code >= 500:
+            raise ServerError(f"{srv.url}{call.path} answered {r.status_code}: {r.text[:200]}")
+        if r.status_code >= 400:
+            raise ValueError(f"{srv.url}{call.path} refused the request ({r.status_code}): {r.text[:500]}")
+        return r.json()
+
+    def _backoff(self, attempt: int) -> float:
+        return min(0.05 * 2**attempt, 5.0) * (0.5 + random.random())
+
+    # ------------------------------------------------------------------ generation
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        g = req.gconfig
+        g.validate()
+        t0 = time.perf_counter()
+        tokens: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        ttft, attempt, stop = 0.0, 0, None
+        while stop is None:
+            remaining = g.max_new_tokens - len(tokens)
+            if remaining <= 0:
+                stop = "length"
+                break
+            srv = self._choose(req.rid)
+            if srv is None:
+                attempt = self._count_failure(attempt, req.rid, "no live server")
+                await asyncio.sleep(self._backoff(attempt))
+                continue
+            call = self.backend.generate(req.rid, req.input_ids + tokens, g, remaining,
+                                         max(0, g.min_new_tokens - len(tokens)))
+            try:
+                body = await self._send(srv, call)
+            except DEAD_ERRORS as e:
+                self._evict(srv, repr(e))
+                attempt = self._count_failure(attempt, req.rid, repr(e))
+                self.stats["reissued"] += 1
+                await asyncio.sleep(self._backoff(attempt))
+                continue
+            except (httpx.TimeoutException, ServerError) as e:
+                attempt = self._count_failure(attempt, req.rid, repr(e))
+                self.stats["retried"] += 1
+                await asyncio.sleep(self._backoff(attempt))
+                continue
+            finally:
+                self._release(srv)
+            part = self.backend.parse_generate(body)
+            if part.tokens and not tokens:
+                ttft = time.perf_counter() - t0
+            v = part.weight_version if part.weight_version is not None else srv.version
+            tokens += part.tokens
+            logps += part.logprobs
+            versions += part.versions if part.versions is not None else [v] * len(part.tokens)
+            if part.stop_reason == "abort":  # interrupted by a weight update: continue under the new weights
+                self.stats["interrupted"] += 1
+                await asyncio.sleep(0.01)
+                continue
+            stop = part.stop_reason
+        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=tokens, output_logprobs=logps,
+                             output_versions=versions, stop_reason=stop, latency=time.perf_counter() - t0, ttft=ttft)
+
+    def _count_failure(self, attempt: int, rid: str, why: str) -> int:
+        attempt += 1
+        if attempt > self.config.max_retries:
+            raise ConnectionError(f"request {rid} failed after {attempt} attempts: {why}")
+        return attempt
+
+    # ------------------------------------------------------------------ admin (sync, fanned out)
+    def _admin(self, srv: _Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
+        with httpx.Client(timeout=timeout or self.config.request_timeout, headers=self._headers()) as c:
+            r = c.request(call.method, srv.url + call.path, json=call.json if content is None else None,
+                          content=content)
+        if r.status_code >= 400:
+            raise RuntimeError(f"{srv.url}{call.path} answered {r.status_code}: {r.text[:500]}")
+        return r.json() if r.content else {}
+
+    def _fan_out(self, fn: object, servers: list[_Server]) -> None:
+        """Run ``fn(server)`` on all servers at once; dead ones are evicted, other errors raised."""
+        errors: list[BaseException] = []
+
+        def one(s: _Server) -> None:
+            try:
+                fn(s)  # type: ignore[operator]
+            except DEAD_ERRORS as e:
+                self._evict(s, repr(e))
+            except BaseException as e:  # noqa: BLE001 - re-raised below after all servers ran
+                errors.append(e)
+
+        with ThreadPoolExecutor(max(1, len(servers))) as ex:
+            list(ex.map(one, servers))
+        if errors:
+            raise errors[0]
+
+    def _push(self, srv: _Server, weights: tuple[str, str | bytes], version: int) -> None:
+        kind, data = weights
+        if kind == "disk":
+            body = self._admin(srv, self.backend.update_from_disk(str(data), version))
+        else:
+            body = self._admin(srv, self.backend.upload(version), content=data)  # type: ignore[arg-type]
+        self.backend.parse_update(body)
+        self._confirm(srv, version)
+
+    def _confirm(self, srv: _Server, version: int) -> None:
+        call = self.backend.get_version()
+        if call is not None:
+            got = self.backend.parse_version(self._admin(srv, call, timeout=30))
+            if got != version:
+                raise RuntimeError(f"{srv.url} reports weight version {got} after an update to {version}")
+        srv.version = version
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        with self._update_lock:
+            weights = self._prepare(update)
+            live = [s for s in self.servers if s.alive]
+            if not live:
+                raise ConnectionError("no live server to update")
+            self._fan_out(lambda s: self._push(s, weights, update.version), live)
+            if not any(s.alive and s.version == update.version for s in self.servers):
+                raise ConnectionError(f"no server confirmed weight version {update.version}")
+            self._version = update.version
+            self._last_weights = weights
+
+    def _sync_mode(self) -> str:
+        mode = self.config.weight_sync
+        if mode == "auto":
+            mode = "disk" if self.config.weight_sync_dir else "http"
+        if mode == "nccl":
+            raise NotImplementedError("weight_sync=nccl needs GPUs; use disk or http")
+        if mode == "disk" and not self.config.weight_sync_dir:
+            raise ValueError("inference.weight_sync=disk needs inference.weight_sync_dir (a directory all servers can read)")
+        if mode == "http" and not self.backend.supports_upload:
+            raise ValueError(f"{self.backend.name} servers take no HTTP upload: set inference.weight_sync=disk and weight_sync_dir")
+        return mode
+
+    def _prepare(self, update: WeightUpdate) -> tuple[str, str | bytes]:
+        if update.kind == "disk":
+            return ("disk", update.path)
+        if update.kind == "nccl":
+            raise NotImplementedError("WeightUpdate(kind='nccl') is not supported by RemoteEngine on CPU")
+        assert update.tensors is not None
+        # clone: safetensors refuses tensors that share storage (tied embeddings)
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in update.tensors.items()}
+        if self._sync_mode() == "http":
+            return ("http", safetensors.torch.save(tensors))
+        root = Path(self.config.weight_sync_dir)
+        final = root / f"v{update.version:08d}"
+        tmp = root / f".tmp-v{update.version:08d}-{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        safetensors.torch.save_file(tensors, str(tmp / "model.safetensors"))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in sorted(root.glob("v*"))[:-2]:  # keep the two newest versions
+            shutil.rmtree(old, ignore_errors=True)
+        return ("disk", str(final))
+
+    def pause(self) -> None:
+        self._fan_out(lambda s: self._admin(s, self.backend.pause()), [s for s in self.servers if s.alive])
+
+    def resume(self) -> None:
+        self._fan_out(lambda s: self._admin(s, self.backend.resume()), [s for s in self.servers if s.alive])
+
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    # ------------------------------------------------------------------ health
+    def _probe(self, srv: _Server) -> bool:
+        """True when ``srv`` answers /health (and records its weight version)."""
+        try:
+            with httpx.Client(timeout=5.0, headers=self._headers()) as c:
+                r = c.get(srv.url + self.backend.health_path)
+                if r.status_code != 200:
+                    return False
+                call = self.backend.get_version()
+                if call is not None:
+                    v = self.backend.parse_version(c.get(srv.url + call.path).json())
+                    srv.version = v if v is not None else srv.version
+            return True
+        except httpx.HTTPError:
+            return False
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.config.health_interval):
+            for srv in list(self.servers):
+                ok = self._probe(srv)
+                if srv.alive and not ok:
+                    self._evict(srv, "health check failed")
+                elif not srv.alive and ok:
+                    self._readmit(srv)
+
+    def _readmit(self, srv: _Server) -> None:
+        with self._update_lock:
+            try:
+                if self._last_weights is not None and srv.version != self._version:
+                    self._push(srv, self._last_weights, self._version)
+            except (httpx.HTTPError, RuntimeError) as e:
+                log.warning("server %s answered but could not take weights v%d: %s", srv.url, self._version, e)
+                return
+            with self._lock:
+                srv.alive = True
+                self.stats["readmissions"] += 1
+            log.warning("server %s re-admitted at weight version %d", srv.url, srv.version)
+
+
+def load_remote_weights_dir(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files of a weight dir (for tests and tools)."""
+    out: dict[str, torch.Tensor] = {}
+    for fp in sorted(Path(path).glob("*.safetensors")):
+        out.update(safetensors.torch.load_file(str(fp)))
+    return out

@@ -1,0 +1,477 @@
+"""``relayrl serve``: an HTTP server around LocalEngine.
+
+Speaks SGLang's native protocol (``/generate``, ``/update_weights_from_disk``,
+``/pause_generation``, ``/continue_generation``, ``/health``, ``/get_model_info``,
+``/get_weight_version``), a safetensors weight upload (``/update_weights_from_tensor``), and
+OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the same process
+serves RemoteEngine (any of its protocols) and agents written against the OpenAI SDK.
+The OpenAPI schema is at ``/openapi.json``.
+
+Every body is validated (unknown fields, out-of-range values, out-of-vocabulary ids) and
+answered with a 4xx naming the field; the process stays up. Admin routes (weights, pause)
+need ``Authorization: Bearer <token>`` when a token is configured. Disk paths are confined
+to ``allowed_weight_roots`` (symlinks resolved, ``..`` refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Literal
+
+import safetensors.torch
+import torch
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from relayrl.api.config import ServerConfig
+from relayrl.api.engine import InferenceEngine
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdate
+
+LISTEN_PREFIX = "relayrl server listening on "
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(_Body):
+    max_new_tokens: int = Field(128, ge=1)
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 = off")
+    stop: str | list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(1, ge=1, le=1, description="one sample per request")
+
+
+class GenerateRequest(_Body):
+    input_ids: list[int] | None = None
+    text: str | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    rid: str | None = None
+    stream: bool = Field(False, description="streaming is not supported")
+
+
+class DiskUpdate(_Body):
+    model_path: str
+    weight_version: int | str | None = None
+    load_format: str | None = None
+    abort_all_requests: bool = False  # in-flight requests are continued under the new weights anyway
+    flush_cache: bool = True
+
+
+class PauseRequest(_Body):
+    mode: Literal["in_place", "retract"] = "in_place"
+
+
+class CompletionRequest(_Body):
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    logprobs: int | None = Field(None, ge=0, le=5, description="the sampled tokens' logprobs (no alternatives)")
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    seed: int | None = None  # accepted for SDK compatibility; the engine's seed is used
+    user: str | None = None
+    stream: bool = False
+    echo: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    request_id: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    name: str | None = None
+
+
+class ChatRequest(_Body):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="alternatives are not returned")
+    seed: int | None = None
+    user: str | None = None
+    stream: bool = False
+
+
+def _bad(msg: str, status: int = 400) -> HTTPException:
+    return HTTPException(status_code=status, detail=msg)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    """One readable line per problem, naming the field: ``sampling_params.top_p: ...``."""
+    assert isinstance(exc, RequestValidationError)
+    msgs = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        if err.get("type") == "json_invalid":
+            msgs.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+        elif err.get("type") == "extra_forbidden":
+            msgs.append(f"unknown field '{loc}'")
+        else:
+            msgs.append(f"{loc or 'body'}: {err.get('msg')} (got {str(err.get('input'))[:80]!r})")
+    return JSONResponse(status_code=400, content={"error": "; ".join(msgs), "detail": "; ".join(msgs)})
+
+
+def confine_path(path: str, roots: list[str]) -> Path:
+    """``path`` resolved (symlinks followed) if it lies inside one of ``roots``, else 403."""
+    if not roots:
+        raise _bad("loading weights from disk is disabled: the server has no allowed_weight_roots", 403)
+    if ".." in Path(path).parts:
+        raise _bad(f"model_path {path!r}: '..' components are refused", 403)
+    real = Path(path).resolve()
+    if not any(real.is_relative_to(Path(r).resolve()) for r in roots):
+        raise _bad(f"model_path {path!r} resolves outside the allowed weight roots", 403)
+    if not real.is_dir():
+        raise _bad(f"model_path {path!r} is not a directory", 400)
+    return real
+
+
+class Server:
+    """The routes, bound to one engine and tokenizer."""
+
+    def __init__(self, engine: InferenceEngine, tokenizer: object, cfg: ServerConfig, vocab_size: int,
+                 max_positions: int, reference: dict[str, tuple[torch.Size, torch.dtype]] | None = None) -> None:
+        self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+        self.vocab_size, self.max_positions = vocab_size, max_positions
+        self.reference = reference or {}  # parameter name -> (shape, dtype), to check updates
+        self.token = cfg.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
+        self.weight_lock = asyncio.Lock()
+        self.paused = False
+        self.n_served = 0
+
+    # ---------------------------------------------------------------- helpers
+    def admin(self, request: Request) -> None:
+        if not self.token:
+            return
+        header = request.headers.get("authorization", "")
+        if not header:
+            raise HTTPException(401, "admin endpoint: missing 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+            raise _bad("admin endpoint: invalid bearer token", 403)
+
+    def check_ids(self, ids: list[int], field: str) -> None:
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.vocab_size:
+                raise _bad(f"{field}[{i}]={t} is out of vocabulary [0, {self.vocab_size})")
+
+    def gconfig(self, sp: SamplingParams, prompt_len: int, field: str = "sampling_params") -> GenerationConfig:
+        greedy = sp.temperature == 0.0
+        stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
+        g = GenerationConfig(
+            max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.min_new_tokens, greedy=greedy,
+            temperature=1.0 if greedy else sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0),
+            stop_token_ids=list(sp.stop_token_ids), stop=stop, ignore_eos=sp.ignore_eos,
+        )
+        try:
+            g.validate()
+        except ValueError as e:
+            raise _bad(f"{field}.{e}") from None
+        self.check_ids(g.stop_token_ids, f"{field}.stop_token_ids")
+        if prompt_len == 0:
+            raise _bad("input_ids: the prompt is empty")
+        if prompt_len + g.max_new_tokens > self.max_positions:
+            raise _bad(f"input length {prompt_len} + {field}.max_new_tokens={g.max_new_tokens} exceeds the "
+                       f"model's {self.max_positions} positions")
+        return g
+
+    async def run(self, rid: str, ids: list[int], g: GenerationConfig) -> ModelResponse:
+        try:
+            resp = await self.engine.agenerate(ModelRequest(rid=rid, input_ids=ids, gconfig=g))
+        except ValueError as e:
+            raise _bad(f"request {rid}: {e}") from None
+        self.n_served += 1
+        return resp
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=skip_special))  # type: ignore[attr-defined]
+
+    def finish(self, r: ModelResponse) -> dict[str, object]:
+        if r.stop_reason == "length":
+            return {"type": "length", "length": r.output_len}
+        if r.stop_reason == "abort":
+            return {"type": "abort", "message": "aborted"}
+        return {"type": "stop", "matched": r.output_tokens[-1] if r.output_tokens else None}
+
+    # ---------------------------------------------------------------- SGLang native
+    async def generate(self, req: GenerateRequest) -> dict[str, object]:
+        if req.stream:
+            raise _bad("stream: streaming is not supported; send stream=false")
+        if (req.input_ids is None) == (req.text is None):
+            raise _bad("give exactly one of input_ids or text")
+        ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))  # type: ignore[attr-defined]
+        self.check_ids(ids, "input_ids")
+        g = self.gconfig(req.sampling_params, len(ids))
+        rid = req.rid or uuid.uuid4().hex
+        r = await self.run(rid, ids, g)
+        meta: dict[str, object] = {
+            "id": rid, "prompt_tokens": r.input_len, "completion_tokens": r.output_len,
+            "finish_reason": self.finish(r),
+            "weight_version": r.output_versions[-1] if r.output_versions else self.engine.get_version(),
+            "output_token_versions": r.output_versions, "e2e_latency": r.latency, "ttft": r.ttft,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)]
+        text = self.decode(r.output_tokens, req.sampling_params.skip_special_tokens)
+        return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
+
+    async def apply(self, tensors: dict[str, torch.Tensor], version: int | None) -> dict[str, object]:
+        for name, t in tensors.items():
+            if self.reference and name not in self.reference:
+                raise _bad(f"weights: unknown parameter {name!r}")
+            if self.reference and tuple(t.shape) != tuple(self.reference[name][0]):
+                raise _bad(f"weights: {name} has shape {tuple(t.shape)}, expected {tuple(self.reference[name][0])}")
+        missing = sorted(set(self.reference) - set(tensors) - {"lm_head.weight"})  # lm_head may be tied
+        if self.reference and missing:
+            raise _bad(f"weights: missing {len(missing)} parameters, e.g. {missing[:3]}")
+        async with self.weight_lock:
+            v = self.engine.get_version() + 1 if version is None else version
+            update = WeightUpdate(kind="tensors", version=v, tensors=tensors)
+            try:
+                await asyncio.to_thread(self.engine.update_weights, update)
+            except ValueError as e:  # e.g. missing parameters
+                raise _bad(f"weights: {e}") from None
+        return {"success": True, "message": f"loaded {len(tensors)} tensors", "weight_version": self.engine.get_version()}
+
+    async def update_from_disk(self, req: DiskUpdate) -> dict[str, object]:
+        path = confine_path(req.model_path, self.cfg.allowed_weight_roots)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise _bad(f"model_path {req.model_path!r} holds no *.safetensors file")
+        tensors: dict[str, torch.Tensor] = {}
+        for fp in files:
+            tensors.update(safetensors.torch.load_file(str(fp)))
+        return await self.apply(tensors, _version(req.weight_version))
+
+    async def upload(self, request: Request) -> dict[str, object]:
+        limit = self.cfg.max_upload_mb << 20
+        declared = request.headers.get("content-length")
+        if declared is not None and int(declared) > limit:
+            raise _bad(f"upload of {declared} bytes exceeds max_upload_mb={self.cfg.max_upload_mb}", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _bad(f"upload exceeds max_upload_mb={self.cfg.max_upload_mb}", 413)
+            chunks.append(chunk)
+        try:
+            tensors = safetensors.torch.load(b"".join(chunks))
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise _bad(f"body is not a safetensors file: {e}") from None
+        if not tensors:
+            raise _bad("body holds no tensors")
+        return await self.apply(tensors, _version(request.query_params.get("weight_version")))
+
+    # ---------------------------------------------------------------- OpenAI
+    def openai_gconfig(self, req: CompletionRequest | ChatRequest, prompt_len: int) -> GenerationConfig:
+        max_tokens = (req.max_completion_tokens or req.max_tokens) if isinstance(req, ChatRequest) else req.max_tokens
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        sp = SamplingParams(
+            max_new_tokens=max_tokens or max(1, min(1024, self.max_positions - prompt_len)),
+            min_new_tokens=getattr(req, "min_tokens", 0), temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, stop=stop, stop_token_ids=list(getattr(req, "stop_token_ids", [])),
+            ignore_eos=getattr(req, "ignore_eos", False),
+        )
+        return self.gconfig(sp, prompt_len, field="body")
+
+    async def completions(self, req: CompletionRequest) -> dict[str, object]:
+        if req.stream or req.echo:
+            raise _bad("stream and echo are not supported")
+        ids = list(req.prompt) if isinstance(req.prompt, list) else list(self.tok.encode(req.prompt))  # type: ignore[attr-defined]
+        self.check_ids(ids, "prompt")
+        g = self.openai_gconfig(req, len(ids))
+        cid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        outs = await asyncio.gather(*(self.run(f"{cid}-{i}", ids, g) for i in range(req.n)))
+        choices = []
+        for i, r in enumerate(outs):
+            lp = None
+            if req.logprobs is not None:
+                toks = [f"token_id:{t}" if req.return_tokens_as_token_ids else self.decode([t], False) for t in r.output_tokens]
+                offsets, pos = [], 0
+                for s in toks:
+                    offsets.append(pos)
+                    pos += len(s)
+                lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": None, "text_offset": offsets}
+            choices.append({"index": i, "text": self.decode(r.output_tokens, req.skip_special_tokens), "logprobs": lp,
+                            "finish_reason": r.stop_reason, "token_ids": r.output_tokens,
+                            "token_versions": r.output_versions})
+        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": _usage(len(ids), outs)}
+
+    async def chat(self, req: ChatRequest) -> dict[str, object]:
+        if req.stream:
+            raise _bad("stream: streaming is not supported")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            ids = [int(i) for i in self.tok.apply_chat_template(  # type: ignore[attr-defined]
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+        except Exception as e:  # a template may reject a role order
+            raise _bad(f"messages: chat template failed: {e}") from None
+        g = self.openai_gconfig(req, len(ids))
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        outs = await asyncio.gather(*(self.run(f"{cid}-{i}", ids, g) for i in range(req.n)))
+        choices = []
+        for i, r in enumerate(outs):
+            lp = None
+            if req.logprobs:
+                content = []
+                for t, x in zip(r.output_tokens, r.output_logprobs, strict=True):
+                    s = self.decode([t], False)
+                    content.append({"token": s, "logprob": x, "bytes": list(s.encode()), "top_logprobs": []})
+                lp = {"content": content}
+            choices.append({"index": i, "message": {"role": "assistant", "content": self.decode(r.output_tokens)},
+                            "logprobs": lp, "finish_reason": r.stop_reason, "token_ids": r.output_tokens})
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": _usage(len(ids), outs)}
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model.path
+
+
+def _version(v: object) -> int | None:
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)  # type: ignore[call-overload, no-any-return]
+    except (TypeError, ValueError):
+        raise _bad(f"weight_version must be an integer, got {v!r}") from None
+
+
+def _usage(prompt_len: int, outs: list[ModelResponse]) -> dict[str, int]:
+    done = sum(r.output_len for r in outs)
+    return {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done}
+
+
+class _JsonByDefault:
+    """ASGI middleware: POST bodies without a JSON content type (``curl -d``) are read as JSON."""
+
+    def __init__(self, app: object) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] != "/update_weights_from_tensor":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)  # type: ignore[operator]
+
+
+def build_app(srv: Server) -> FastAPI:
+    """The FastAPI app of one Server (routes are thin wrappers over its methods)."""
+    app = FastAPI(title="relayrl inference server", version="1")
+    app.add_middleware(_JsonByDefault)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code, content={"error": exc.detail, "detail": exc.detail},
+                            headers=exc.headers)
+
+    admin = [Depends(srv.admin)]
+    app.post("/generate")(srv.generate)
+    app.post("/v1/completions")(srv.completions)
+    app.post("/v1/chat/completions")(srv.chat)
+    app.post("/update_weights_from_disk", dependencies=admin)(srv.update_from_disk)
+    app.post("/update_weights_from_tensor", dependencies=admin)(srv.upload)
+
+    @app.post("/pause_generation", dependencies=admin)
+    async def pause(req: PauseRequest | None = None) -> dict[str, object]:
+        await asyncio.to_thread(srv.engine.pause)
+        srv.paused = True
+        return {"success": True, "message": "paused"}
+
+    @app.post("/continue_generation", dependencies=admin)
+    async def resume() -> dict[str, object]:
+        await asyncio.to_thread(srv.engine.resume)
+        srv.paused = False
+        return {"success": True, "message": "resumed"}
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        return {"status": "ok", "weight_version": srv.engine.get_version()}
+
+    @app.get("/get_weight_version")
+    async def weight_version() -> dict[str, object]:
+        return {"weight_version": srv.engine.get_version()}
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, object]:
+        return {"model_path": srv.cfg.model.path, "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
+                "is_generation": True, "vocab_size": srv.vocab_size, "max_position_embeddings": srv.max_positions,
+                "weight_version": srv.engine.get_version(), "paused": srv.paused, "requests_served": srv.n_served}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, object]:
+        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "owned_by": "relayrl"}]}
+
+    return app
+
+
+def make_server(cfg: ServerConfig) -> Server:
+    """Load the model and tokenizer of ``cfg``, start a LocalEngine, wrap it."""
+    from relayrl.data.models import load_model, load_tokenizer
+    from relayrl.inference.local import LocalEngine
+
+    torch.set_num_threads(cfg.torch_threads)
+    tok = load_tokenizer(cfg.model)
+    model = load_model(cfg.model).eval()
+    reference = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+    engine = LocalEngine(cfg.inference, model=model, tokenizer=tok, model_config=cfg.model)
+    engine.initialize()
+    vocab = int(model.config.vocab_size)
+    return Server(engine, tok, cfg, vocab, int(getattr(model.config, "max_position_embeddings", 2048)), reference)
+
+
+def run_server(cfg: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM. With ``port=0`` a free port is picked; either way the
+    line ``relayrl server listening on http://HOST:PORT`` is printed once ready."""
+    import uvicorn
+
+    srv = make_server(cfg)
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    sock.listen(2048)
+    port = sock.getsockname()[1]
+    app = build_app(srv)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        print(f"{LISTEN_PREFIX}http://{cfg.host}:{port}", flush=True)
+        yield
+        srv.engine.destroy()
+
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=60, backlog=2048)
+    uvicorn.Server(config).run(sockets=[sock])

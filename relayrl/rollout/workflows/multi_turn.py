@@ -1,0 +1,110 @@
+"""Multi-turn RLVR: when the answer is wrong, append feedback and let the model retry.
+
+Token ids are kept end to end: each turn's prompt is the previous turn's prompt + output +
+feedback tokens, never re-tokenised text. Feedback tokens (and an EOS closing a turn that
+was cut by the length limit) have ``loss_mask`` 0, ``logprobs`` 0, ``versions`` -1. The
+reward of the turn that ends the episode is discounted by ``turn_discount ** turn``
+(turn 0 = first answer), so a first-try success is worth most.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+
+from relayrl.api.engine import DataItem, InferenceEngine
+from relayrl.api.io import GenerationConfig, ModelRequest
+from relayrl.api.workflow import RolloutWorkflow, Trajectory
+from relayrl.rollout.workflows.rlvr import AsyncRewardPool, RewardFn, compute_reward, prompt_ids_of
+
+
+class TokenBuffer:
+    """A sequence under construction: tokens with their loss mask, logprobs and versions."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.ids = list(prompt)
+        self.mask = [0] * len(prompt)
+        self.logprobs = [0.0] * len(prompt)
+        self.versions = [-1] * len(prompt)
+
+    def add_generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
+
+    def add_context(self, ids: list[int]) -> None:
+        """Tokens the policy did not generate (feedback, tool output): never trained on."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def trajectory(self, reward: float, **extras: torch.Tensor) -> Trajectory:
+        n = len(self.ids)
+        return {
+            "input_ids": torch.tensor([self.ids], dtype=torch.int64),
+            "attention_mask": torch.ones(1, n, dtype=torch.bool),
+            "loss_mask": torch.tensor([self.mask], dtype=torch.bool),
+            "logprobs": torch.tensor([self.logprobs], dtype=torch.float32),
+            "versions": torch.tensor([self.versions], dtype=torch.int64),
+            "rewards": torch.tensor([float(reward)], dtype=torch.float32),
+            **extras,
+        }
+
+
+class MultiTurnWorkflow(RolloutWorkflow):
+    """Up to ``max_turns`` attempts; an attempt is correct when its reward is > 0.
+
+    Extra sequence-level keys: ``num_turns`` (int64) and ``raw_rewards`` (undiscounted).
+    """
+
+    def __init__(
+        self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object, max_turns: int = 2,
+        turn_discount: float = 0.9, feedback: str = "Your answer is wrong. Try again.",
+        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if not 0.0 < turn_discount <= 1.0:
+            raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
+        self.reward_fn = reward_fn
+        self.gconfig = gconfig.new(n_samples=1)
+        self.tokenizer = tokenizer
+        self.max_turns = max_turns
+        self.turn_discount = turn_discount
+        self.feedback = feedback
+        self.reward_pool = reward_pool
+        self.reward_timeout = reward_timeout
+
+    def feedback_ids(self, ended_with_eos: bool) -> list[int]:
+        """Tokens between a wrong answer and the next attempt: EOS if the turn lacks one,
+        then the feedback as a user turn followed by the assistant's generation prompt."""
+        from relayrl.data.models import chat_ids
+
+        eos = [] if ended_with_eos else [int(self.tokenizer.eos_token_id)]  # type: ignore[attr-defined]
+        return eos + chat_ids(self.tokenizer, [{"role": "user", "content": self.feedback}])  # type: ignore[arg-type]
+
+    async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
+        prompt = prompt_ids_of(self.tokenizer, data)
+        buf = TokenBuffer(prompt)
+        rid = uuid.uuid4().hex
+        reward = raw = 0.0
+        turn = 0
+        for turn in range(self.max_turns):
+            resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=self.gconfig))
+            buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
+            raw = await compute_reward(self.reward_fn, engine, self.tokenizer, resp, data, self.reward_pool,
+                                       self.reward_timeout, prompt_ids=prompt)
+            reward = raw * self.turn_discount**turn
+            if raw > 0 or turn == self.max_turns - 1:
+                break
+            eos_id = self.tokenizer.eos_token_id  # type: ignore[attr-defined]
+            buf.add_context(self.feedback_ids(bool(resp.output_tokens) and resp.output_tokens[-1] == eos_id))
+        if not any(buf.mask):
+            return None
+        return buf.trajectory(
+            reward, num_turns=torch.tensor([turn + 1], dtype=torch.int64),
+            raw_rewards=torch.tensor([raw], dtype=torch.float32),
+        )

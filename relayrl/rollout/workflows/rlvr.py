@@ -1,0 +1,124 @@
+"""RLVR: one sampled completion per episode, scored by a verifiable reward function.
+
+The executor runs ``group_size`` episodes per prompt, so the workflow itself samples once.
+Reward functions follow contract 2: ``reward_fn(prompt, completions, prompt_ids,
+completion_ids, **data) -> float``. They run
+
+- in a ``RewardPool`` (worker processes, per-call timeout) when one is given;
+- else in a daemon thread with ``reward_timeout`` seconds (a hanging fn fails the episode
+  with ``TimeoutError`` and does not block the event loop);
+- else inline on the event loop (fast fns only).
+
+An async callable (e.g. a ``GenerativeJudge``) is awaited with the engine as first argument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from relayrl.api.engine import DataItem, InferenceEngine
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.api.workflow import RolloutWorkflow, Trajectory, trajectory_from_response
+
+RewardFn = Callable[..., float]
+_NAMED = ("prompt", "completions", "prompt_ids", "completion_ids")
+
+
+class AsyncRewardPool(Protocol):
+    """What workflows need of ``relayrl.rewards.pool.RewardPool``."""
+
+    async def acall(self, **kwargs: object) -> float: ...
+
+
+def prompt_ids_of(tokenizer: object, data: DataItem) -> list[int]:
+    """Chat-templated prompt ids of a row (contract 1: ``messages`` ends with the user turn)."""
+    from relayrl.data.models import chat_ids
+
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise KeyError(f"data row {data.get('id', '?')!r} needs 'messages' (a non-empty list of chat turns); "
+                       f"it has keys {sorted(data)}")
+    return chat_ids(tokenizer, messages)  # type: ignore[arg-type]
+
+
+async def _in_thread(fn: RewardFn, kwargs: dict[str, object], timeout: float) -> float:
+    """Run ``fn`` in a daemon thread; a hang past ``timeout`` fails the call, not the process."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[float] = loop.create_future()
+
+    def settle(value: float | BaseException) -> None:
+        if not fut.done():
+            fut.set_exception(value) if isinstance(value, BaseException) else fut.set_result(value)
+
+    def run() -> None:
+        try:
+            value: float | BaseException = float(fn(**kwargs))
+        except BaseException as e:  # handed to the awaiting episode
+            value = e
+        try:
+            loop.call_soon_threadsafe(settle, value)
+        except RuntimeError:  # loop closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="reward-fn", daemon=True).start()
+    try:
+        return await asyncio.wait_for(fut, timeout)
+    except TimeoutError:
+        raise TimeoutError(f"reward fn {getattr(fn, '__name__', fn)!r} did not return within {timeout}s") from None
+
+
+async def compute_reward(
+    reward_fn: RewardFn, engine: InferenceEngine, tokenizer: object, resp: ModelResponse, data: DataItem,
+    reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
+    prompt_ids: list[int] | None = None, completion_ids: list[int] | None = None,
+) -> float:
+    """Score one completion with a contract-2 reward fn (see module doc for where it runs)."""
+    p_ids = list(resp.input_tokens if prompt_ids is None else prompt_ids)
+    c_ids = list(resp.output_tokens if completion_ids is None else completion_ids)
+    kwargs: dict[str, object] = {k: v for k, v in data.items() if k not in _NAMED}
+    kwargs.update(
+        prompt=tokenizer.decode(p_ids, skip_special_tokens=True),  # type: ignore[attr-defined]
+        completions=tokenizer.decode(c_ids, skip_special_tokens=False),  # type: ignore[attr-defined]
+        prompt_ids=p_ids, completion_ids=c_ids,
+    )
+    if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(getattr(reward_fn, "__call__", None)):
+        value = await reward_fn(engine, **kwargs)
+    elif reward_pool is not None:
+        value = await reward_pool.acall(**kwargs)
+    elif reward_timeout is not None:
+        value = await _in_thread(reward_fn, kwargs, reward_timeout)
+    else:
+        value = reward_fn(**kwargs)
+    return float(value)
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    """Chat-templated prompt -> one sample -> reward; adds sequence-level ``truncated``
+    (True when the completion hit ``max_new_tokens``)."""
+
+    def __init__(
+        self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object,
+        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
+    ) -> None:
+        self.reward_fn = reward_fn
+        self.gconfig = gconfig.new(n_samples=1)
+        self.tokenizer = tokenizer
+        self.reward_pool = reward_pool
+        self.reward_timeout = reward_timeout
+
+    async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
+        ids = prompt_ids_of(self.tokenizer, data)
+        resp = await engine.agenerate(ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig))
+        if resp.output_len == 0:
+            return None  # nothing to train on
+        reward = await compute_reward(self.reward_fn, engine, self.tokenizer, resp, data,
+                                      self.reward_pool, self.reward_timeout)
+        truncated = torch.tensor([resp.stop_reason == "length"], dtype=torch.bool)
+        return trajectory_from_response(resp, reward, truncated=truncated)

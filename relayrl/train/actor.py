@@ -1,0 +1,325 @@
+"""The actor, the critic and a minimal user-written actor, all on the ``TrainEngine`` interface.
+
+Every algorithm of the family is a config of ``PPOActor``: the advantage estimator and the
+policy loss are looked up by name in ``relayrl.train.algorithms``. The trainer step is::
+
+    actor.prepare(batch, critic)     # old/prox/ref logprobs, values, advantages, returns
+    stats = actor.ppo_update(batch)  # n_minibatches x ppo_epochs optimizer steps
+    critic.update(batch)             # PPO with a critic only
+
+Only ``engine.forward`` / ``engine.train_batch`` / ``engine.get_version`` are used, so the same
+code runs on one process or under FSDP2. ``ReinforceActor`` shows the two-class pattern for an
+algorithm of your own: a backend-agnostic actor plus whatever engine runs it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+
+from relayrl.api.config import ActorConfig
+from relayrl.api.engine import TensorDict, TrainEngine
+from relayrl.train import algorithms as A
+from relayrl.train.engine import TorchTrainEngine
+from relayrl.train.packing import segment_ids, token_entropy, token_logprobs
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+def minibatches(batch: TensorDict, n: int, generator: torch.Generator) -> Iterator[TensorDict]:
+    """Shuffle the rows of ``batch`` and yield ``n`` (or fewer, for tiny batches) row subsets."""
+    bsz = batch["input_ids"].shape[0]
+    perm = torch.randperm(bsz, generator=generator)
+    for idx in perm.chunk(min(n, bsz)):
+        idx = idx.sort().values
+        yield {k: v[idx] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == bsz}
+
+
+def prefix_values(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
+    """``[T]`` token-aligned values of a value head: value ``t`` = V(tokens before ``t``).
+
+    The head's output at token ``t - 1`` has seen exactly the prefix that token ``t`` was
+    sampled from; 0 at the first token of each sequence.
+    """
+    v = logits[:, 0].float()
+    out = torch.cat([v.new_zeros(1), v[:-1]])
+    return out.masked_fill(torch.zeros_like(out, dtype=torch.bool).index_fill(0, packed["cu_seqlens"][:-1].long(), True), 0.0)
+
+
+class _StatsSink:
+    """Collects per-micro-batch stats inside a loss closure, weighted like the loss."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+        self.weight = 0.0
+
+    def add(self, stats: dict[str, torch.Tensor], weight: float) -> None:
+        self.weight += weight
+        for k, v in stats.items():
+            x = float(v.detach())
+            if k.endswith("_max"):
+                self.maxes[k] = max(self.maxes.get(k, x), x)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + x * weight
+
+    def result(self) -> dict[str, float]:
+        w = max(self.weight, 1e-12)
+        return {**{k: v / w for k, v in self.sums.items()}, **self.maxes}
+
+
+class PPOActor:
+    """Policy-gradient actor: logprobs, advantages and the clipped update, configured by ``ActorConfig``."""
+
+    def __init__(self, config: ActorConfig, engine: TrainEngine, ref_engine: TrainEngine | None = None, seed: int = 0):
+        if config.loss_agg_mode == "seq-mean-token-sum-norm" and config.loss_norm_len <= 0:
+            raise ValueError("actor.loss_agg_mode='seq-mean-token-sum-norm' needs actor.loss_norm_len > 0 (e.g. gconfig.max_new_tokens)")
+        if config.overlong_buffer > 0 and config.overlong_max_len <= config.overlong_buffer:
+            raise ValueError(
+                f"actor.overlong_buffer={config.overlong_buffer} needs actor.overlong_max_len > overlong_buffer "
+                f"(the generation limit), got {config.overlong_max_len}"
+            )
+        if config.loss == "decoupled_ppo" and not config.recompute_logp:
+            raise ValueError("actor.loss='decoupled_ppo' needs actor.recompute_logp=true (the proximal logprobs)")
+        self.config, self.engine, self.ref_engine = config, engine, ref_engine
+        self.generator = torch.Generator().manual_seed(seed)
+        self.adv_stats: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- forward passes
+
+    def compute_logp(self, batch: TensorDict) -> torch.Tensor:
+        """``[B, L]`` token-aligned logprobs of ``input_ids`` under the current policy at ``temperature``."""
+        self.engine.eval()
+        return self.engine.forward(batch, temperature=self.config.temperature)
+
+    def compute_ref_logp(self, batch: TensorDict) -> torch.Tensor:
+        """``[B, L]`` logprobs under the frozen reference engine."""
+        if self.ref_engine is None:
+            raise ValueError("actor.kl_coef > 0 needs a reference engine: PPOActor(config, engine, ref_engine=...)")
+        return self.ref_engine.forward(batch, temperature=self.config.temperature)
+
+    def prepare(self, batch: TensorDict, critic: Critic | None = None) -> TensorDict:
+        """Fill in every trainer-side key the configured algorithm needs, then the advantages."""
+        cfg = self.config
+        self._fill_old_logp(batch)
+        if cfg.kl_coef > 0:
+            batch["ref_logp"] = self.compute_ref_logp(batch)
+        if cfg.adv_estimator == "gae":
+            if critic is None:
+                raise ValueError("actor.adv_estimator='gae' needs a Critic: actor.prepare(batch, critic)")
+            batch["values"] = critic.compute_values(batch)
+        return self.compute_advantages(batch)
+
+    # ---------------------------------------------------------------- advantages
+
+    def compute_advantages(self, batch: TensorDict) -> TensorDict:
+        """Reward shaping + the registered estimator; writes ``advantages`` and ``returns`` [B, L].
+
+        With ``mask_truncated`` the rows flagged by the sequence-level key ``truncated`` leave
+        the loss (their ``loss_mask`` becomes 0).
+        """
+        cfg = self.config
+        mask = batch["loss_mask"].bool()
+        lengths = mask.sum(1)
+        if cfg.mask_truncated:
+            if "truncated" not in batch:
+                raise ValueError("actor.mask_truncated=true needs the sequence-level batch key 'truncated' [B] (set by the workflow)")
+            mask = mask & ~batch["truncated"].bool().unsqueeze(1)
+            batch["loss_mask"] = mask.to(batch["loss_mask"].dtype)
+        rewards = A.shape_rewards(
+            batch["rewards"].double(), cfg.reward_scale, cfg.reward_bias, cfg.reward_clip,
+            response_lengths=lengths, max_len=cfg.overlong_max_len,
+            overlong_buffer=cfg.overlong_buffer, overlong_penalty=cfg.overlong_penalty,
+        )
+        token_rewards = A.last_token_rewards(rewards, mask)
+        if cfg.kl_in_reward and cfg.kl_coef > 0:
+            if "ref_logp" not in batch:
+                raise ValueError("actor.kl_in_reward needs batch key 'ref_logp' (actor.prepare computes it)")
+            logp = batch.get("prox_logp", batch.get("old_logp", batch["logprobs"]))
+            kl = A.kl_penalty(logp.double(), batch["ref_logp"].double(), cfg.kl_estimator) * mask
+            token_rewards = token_rewards - cfg.kl_coef * kl
+            rewards = token_rewards.sum(1)  # outcome estimators see the KL-penalised total
+            self.adv_stats["kl_reward"] = float(A.masked_mean(kl, mask))
+        if cfg.adv_estimator in GROUP_ESTIMATORS and "group_id" not in batch:
+            raise ValueError(f"actor.adv_estimator={cfg.adv_estimator!r} needs the sequence-level batch key 'group_id'")
+        values = batch.get("values")
+        adv, ret = A.get_advantage(cfg.adv_estimator)(
+            rewards=rewards, loss_mask=mask, group_id=batch.get("group_id"),
+            values=None if values is None else values.double(), baseline_rewards=batch.get("baseline_rewards"),
+            token_rewards=token_rewards, gamma=cfg.gamma, lam=cfg.lam, norm=cfg.adv_norm, eps=cfg.adv_eps,
+            baseline=cfg.baseline,
+        )
+        batch["advantages"], batch["returns"] = adv.float(), ret.float()
+        self.adv_stats.update({
+            "reward_mean": float(batch["rewards"].float().mean()), "shaped_reward_mean": float(rewards.mean()),
+            "adv_mean": float(A.masked_mean(adv, mask)), "adv_abs_mean": float(A.masked_mean(adv.abs(), mask)),
+        })
+        return batch
+
+    # ---------------------------------------------------------------- update
+
+    def loss_weight(self, packed: TensorDict) -> float:
+        """Micro-batch weight matching the aggregation: loss tokens, or sequences."""
+        if self.config.loss_agg_mode == "token-mean":
+            return float(packed["loss_mask"].bool().sum())
+        return float(len(packed["cu_seqlens"]) - 1)
+
+    def _loss_fn(self, sink: _StatsSink):
+        cfg = self.config
+        policy_loss = A.get_loss(cfg.loss)
+        agg = {"agg_mode": cfg.loss_agg_mode, "norm_len": float(cfg.loss_norm_len)}
+
+        def loss_fn(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
+            logp = token_logprobs(logits, packed, cfg.temperature)
+            mask = packed["loss_mask"].bool()
+            cu = packed["cu_seqlens"]
+            old = packed["logprobs"] if cfg.loss == "decoupled_ppo" else packed["old_logp"]
+            loss, stats = policy_loss(
+                logp=logp, old_logp=old, advantages=packed["advantages"], loss_mask=mask, cu_seqlens=cu,
+                prox_logp=packed.get("prox_logp"), eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher,
+                c_clip=cfg.c_clip, behav_imp_weight_cap=cfg.behav_imp_weight_cap, **agg,
+            )
+            stats["policy_loss"] = loss.detach()
+            if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+                kl = A.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, **agg)
+                loss = loss + cfg.kl_coef * kl
+                stats["kl_loss"] = kl.detach()
+            if cfg.entropy_coef > 0:
+                ent = A.entropy_bonus(token_entropy(logits, packed, cfg.temperature), mask, cu, **agg)
+                loss = loss - cfg.entropy_coef * ent
+            else:
+                with torch.no_grad():
+                    ent = A.masked_mean(token_entropy(logits.detach(), packed, cfg.temperature), mask)
+            stats["entropy"] = ent.detach()
+            sink.add(stats, self.loss_weight(packed))
+            return loss
+
+        return loss_fn
+
+    def staleness_stats(self, batch: TensorDict) -> dict[str, float]:
+        """Histogram of ``engine version - token version`` over the loss tokens."""
+        mask = batch["loss_mask"].bool()
+        if "versions" not in batch or not bool(mask.any()):
+            return {}
+        lag = (self.engine.get_version() - batch["versions"][mask]).tolist()
+        out = {f"staleness/{k}": float(n) for k, n in sorted(Counter(lag).items())}
+        return {**out, "staleness_mean": sum(lag) / len(lag), "staleness_max": float(max(lag))}
+
+    def _fill_old_logp(self, batch: TensorDict) -> None:
+        """The ratio's denominator: ``prox_logp`` for decoupled PPO, else ``old_logp`` (the
+        trainer's recomputation, ``prox_logp`` if the trainer stored it under that name, or the
+        generator's ``logprobs`` when ``recompute_logp`` is off)."""
+        if self.config.loss == "decoupled_ppo":
+            if "prox_logp" not in batch:
+                batch["prox_logp"] = self.compute_logp(batch)
+        elif "old_logp" not in batch:
+            if "prox_logp" in batch:
+                batch["old_logp"] = batch["prox_logp"]
+            else:
+                batch["old_logp"] = self.compute_logp(batch) if self.config.recompute_logp else batch["logprobs"]
+
+    def ppo_update(self, batch: TensorDict) -> list[dict[str, float]]:
+        """``ppo_epochs`` passes of ``n_minibatches`` optimizer steps each; one stats dict per step."""
+        cfg = self.config
+        self._fill_old_logp(batch)
+        needed = ["advantages"] + (["ref_logp"] if cfg.kl_coef > 0 and not cfg.kl_in_reward else [])
+        missing = [k for k in needed if k not in batch]
+        if missing:
+            raise ValueError(f"ppo_update: batch is missing {missing}; call actor.prepare(batch) first")
+        common = {**self.adv_stats, **self.staleness_stats(batch)}
+        self.engine.train()
+        all_stats = []
+        for epoch in range(cfg.ppo_epochs):
+            for mb in minibatches(batch, cfg.n_minibatches, self.generator):
+                if not bool(mb["loss_mask"].bool().any()):
+                    all_stats.append({**common, "epoch": float(epoch), "skipped": 1.0, "empty_minibatch": 1.0})
+                    continue
+                sink = _StatsSink()
+                stats = self.engine.train_batch(mb, self._loss_fn(sink), self.loss_weight)
+                all_stats.append({**common, **sink.result(), **stats, "epoch": float(epoch)})
+        return all_stats
+
+
+class Critic:
+    """A value model on a ``TrainEngine`` with a value head (``TorchTrainEngine(head="value")``)."""
+
+    def __init__(self, config: ActorConfig, engine: TrainEngine, seed: int = 0):
+        self.config, self.engine = config, engine
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def compute_values(self, batch: TensorDict) -> torch.Tensor:
+        """``[B, L]``: value ``t`` estimates the return from the state before token ``t``."""
+        self.engine.eval()
+        return self.engine.forward(batch, post_fn=prefix_values)
+
+    def update(self, batch: TensorDict) -> list[dict[str, float]]:
+        """Clipped value regression of ``values`` onto ``returns`` (minibatches x epochs)."""
+        cfg = self.config
+        for key in ("values", "returns"):
+            if key not in batch:
+                raise ValueError(f"Critic.update: batch is missing {key!r}; run actor.prepare(batch, critic) first")
+
+        def weight(packed: TensorDict) -> float:
+            return float(packed["loss_mask"].bool().sum())
+
+        self.engine.train()
+        out = []
+        for _ in range(cfg.ppo_epochs):
+            for mb in minibatches(batch, cfg.n_minibatches, self.generator):
+                if not bool(mb["loss_mask"].bool().any()):
+                    continue
+                sink = _StatsSink()
+
+                def loss_fn(logits: torch.Tensor, packed: TensorDict, sink: _StatsSink = sink) -> torch.Tensor:
+                    loss, stats = A.value_loss(
+                        prefix_values(logits, packed), packed["values"], packed["returns"], packed["loss_mask"].bool(),
+                        packed["cu_seqlens"], cfg.value_clip,
+                    )
+                    sink.add(stats, weight(packed))
+                    return loss
+
+                stats = self.engine.train_batch(mb, loss_fn, weight)
+                out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **stats}.items()}})
+        return out
+
+    ppo_update = update  # the actor's verb, so a trainer loop can treat both alike
+
+
+# --------------------------------------------------------------------------------------
+# A user-written algorithm: REINFORCE in the two-class pattern (seed 002)
+# --------------------------------------------------------------------------------------
+
+
+def reinforce_loss_fn(logits: torch.Tensor, data: TensorDict) -> torch.Tensor:
+    """``-log pi(token) * reward`` averaged over generated tokens of a packed micro-batch."""
+    logprobs = token_logprobs(logits, data)
+    loss_mask = data["loss_mask"].bool()
+    rewards = data["rewards"].to(logprobs.dtype)[segment_ids(data)]  # sequence reward on each token
+    loss = torch.where(loss_mask, -logprobs * rewards, 0.0)
+    return loss.sum() / loss_mask.count_nonzero().clamp(min=1)
+
+
+class ReinforceActor:
+    """The algorithm: works with any ``TrainEngine`` (single process, FSDP2, ...)."""
+
+    def __init__(self, engine: TrainEngine):
+        self.engine = engine
+
+    def train_reinforce(self, data: TensorDict) -> dict[str, float]:
+        self.engine.train()
+        return self.engine.train_batch(
+            data, loss_fn=reinforce_loss_fn, loss_weight_fn=lambda x: float(x["loss_mask"].count_nonzero())
+        )
+
+
+class TorchReinforceActor(TorchTrainEngine):
+    """The backend binding: a TorchTrainEngine that also speaks ``train_reinforce``."""
+
+    def __init__(self, *args: object, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.actor = ReinforceActor(self)
+
+    def train_reinforce(self, data: TensorDict) -> dict[str, float]:
+        return self.actor.train_reinforce(data)

@@ -1,0 +1,394 @@
+"""TorchTrainEngine: packed micro-batches, AdamW, LR schedules, FSDP2, checkpoints, weight sync.
+
+One process needs no torch.distributed. Under ``torchrun`` every rank is handed the same
+padded batch; each rank takes a token-balanced share of its sequences, packs them into
+micro-batches of at most ``mb_max_tokens`` tokens (the same count on every rank) and
+weights each micro-batch's loss by ``loss_weight_fn(mb) / sum of weights over all ranks``,
+so the summed gradient equals the gradient of the unsplit batch on one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import math
+import os
+import random
+from collections.abc import Callable, Iterator
+
+import torch
+from safetensors.torch import load_file
+from transformers import PreTrainedModel
+
+from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
+from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
+from relayrl.api.io import SaveLoadMeta, WeightUpdate
+from relayrl.train import distributed as D
+from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
+from relayrl.train.packing import model_inputs, pack, resolve_attn_impl, split_by_token_budget, token_logprobs, unpack
+
+HEADS = ("lm", "value", "reward")
+TRAIN_STATE = "train_state.pt"
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a NaN/inf loss or gradient."""
+
+
+def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
+    """LR multiplier after ``step`` scheduler steps.
+
+    Warmup: ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first step
+    already trains). Then ``constant`` = 1; ``linear`` / ``cosine`` decay from 1 to
+    ``min_lr_ratio`` over the remaining ``total_steps - warmup_steps`` steps.
+    """
+    if step < opt.warmup_steps:
+        return (step + 1) / opt.warmup_steps
+    if opt.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - opt.warmup_steps) / max(1, total_steps - opt.warmup_steps))
+    if opt.lr_schedule == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
+
+
+class TorchTrainEngine(TrainEngine):
+    """A TrainEngine over any HF causal LM (``head="lm"``), a critic (``"value"``: one scalar
+    per token) or a reward model (``"reward"``: the last token's scalar). ``trainable=False``
+    makes a frozen model (e.g. the reference policy) with no optimizer."""
+
+    def __init__(
+        self,
+        config: TrainEngineConfig,
+        model_config: ModelConfig,
+        model: PreTrainedModel | None = None,
+        head: str = "lm",
+        trainable: bool = True,
+        seed: int = 0,
+    ):
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+        self.config, self.model_config = config, model_config
+        self.head, self.trainable, self.seed = head, trainable, seed
+        self._init_model = model
+        self.model: PreTrainedModel | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.device = torch.device("cpu")
+        self._version = 0
+        self._steps = 0  # optimizer steps taken (skipped ones excluded)
+        self._nan_skips = 0  # consecutive skipped steps
+
+    # ---------------------------------------------------------------- setup
+
+    def initialize(self) -> None:
+        D.maybe_init_process_group()
+        self.device = D.device_for_rank()
+        torch.manual_seed(self.seed)
+        model = self._build_model()
+        model.config.use_cache = False
+        model.set_attn_implementation(resolve_attn_impl(self.model_config.attn_impl, self.device))
+        if self.model_config.gradient_checkpointing and self.trainable:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device)
+        if not self.trainable:
+            model.requires_grad_(False)
+        if D.is_distributed() and self.config.fsdp:
+            D.apply_fsdp2(model)
+        elif D.is_distributed():  # replicated: start from rank 0's weights
+            for p in model.parameters():
+                torch.distributed.broadcast(p.data, src=0)
+        self.model = model
+        self.model.train(self.trainable)
+        if self.trainable:
+            opt = self.config.optimizer
+            if opt.lr_schedule != "constant" and self.config.total_steps <= 0:
+                raise ValueError(f"train.total_steps must be > 0 for optimizer.lr_schedule={opt.lr_schedule!r}")
+            self.optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad],
+                lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda s: lr_factor(s, opt, self.config.total_steps)
+            )
+
+    def _build_model(self) -> PreTrainedModel:
+        from relayrl.data.models import TINY_PRESETS, load_model
+
+        given = self._init_model
+        dtype = getattr(torch, self.model_config.dtype)
+        if self.head == "lm":
+            return given if given is not None else load_model(self.model_config, seed=self.seed)
+        if given is not None:
+            is_scalar = getattr(given.config, "num_labels", 0) == 1 and hasattr(given, "score")
+            return given if is_scalar else scalar_head_from_lm(given, self.seed)
+        if self.model_config.path in TINY_PRESETS:
+            return scalar_head_from_lm(load_model(self.model_config, seed=self.seed), self.seed)
+        return load_scalar_head(self.model_config.path, dtype)
+
+    def destroy(self) -> None:
+        self.model = self.optimizer = self.scheduler = None
+        self._init_model = None
+
+    def train(self, mode: bool = True) -> None:
+        self._require().train(mode)
+
+    def _require(self) -> PreTrainedModel:
+        if self.model is None:
+            raise RuntimeError("TorchTrainEngine is not initialized; call initialize() first")
+        return self.model
+
+    # ---------------------------------------------------------------- micro-batches
+
+    def _plan(self, batch: TensorDict) -> list[list[int]]:
+        """Rows of each of this rank's micro-batches (possibly empty lists: dummy micro-batches)."""
+        if "attention_mask" not in batch or "input_ids" not in batch:
+            raise ValueError(f"batch needs 'input_ids' and 'attention_mask', got keys {sorted(batch)}")
+        lengths = batch["attention_mask"].bool().sum(1).tolist()
+        budget = self.config.mb_max_tokens
+        world = D.world_size()
+        if world == 1:
+            return split_by_token_budget(lengths, budget)
+        if len(lengths) < world:
+            raise ValueError(f"batch has {len(lengths)} sequences, fewer than the {world} ranks that share it")
+        shares = split_by_token_budget(lengths, sum(lengths) + 1, min_groups=world, multiple_of=world)
+        n_mb = max(len(split_by_token_budget([lengths[i] for i in s], budget)) for s in shares)
+        mine = shares[D.rank()]
+        return [[mine[j] for j in g] for g in split_by_token_budget([lengths[i] for i in mine], budget, min_groups=n_mb)]
+
+    def _micro_batches(self, batch: TensorDict) -> Iterator[tuple[TensorDict, bool]]:
+        """(packed micro-batch, is_dummy); a dummy re-packs row 0 so every rank runs alike."""
+        for rows in self._plan(batch):
+            yield (pack(batch, rows), False) if rows else (pack(batch, [0]), True)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.config.bf16 and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logits(self, packed: TensorDict) -> torch.Tensor:
+        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch."""
+        packed = {k: v.to(self.device) for k, v in packed.items()}
+        with self._autocast():
+            out = self._require()(**model_inputs(packed))
+        return out.logits[0]
+
+    def _to_device(self, packed: TensorDict) -> TensorDict:
+        return {k: v.to(self.device) for k, v in packed.items()}
+
+    # ---------------------------------------------------------------- forward / eval
+
+    def default_post_fn(self, temperature: float = 1.0) -> PostFn:
+        if self.head == "value":
+            return token_values
+        if self.head == "reward":
+            return last_token_post
+        return lambda logits, packed: token_logprobs(logits, packed, temperature)
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict, post_fn: PostFn | None = None, temperature: float = 1.0) -> torch.Tensor:
+        """``[B, L]`` token-aligned values (0 on padding); default: logprobs at ``temperature``
+        for ``head="lm"``, per-token values for ``"value"``, the score at each sequence's last
+        token for ``"reward"``. Every rank returns the full ``[B, L]``."""
+        post = post_fn or self.default_post_fn(temperature)
+        bsz, seqlen = batch["input_ids"].shape
+        out = torch.zeros(bsz, seqlen, dtype=torch.float32)
+        for packed, dummy in self._micro_batches(batch):
+            packed = self._to_device(packed)
+            values = post(self._logits(packed), packed)
+            if not dummy:
+                out += unpack(values.float().cpu(), {k: v.cpu() for k, v in packed.items()}, bsz, seqlen)
+        return D.all_reduce_tensor_(out.to(self.device)).cpu() if D.is_distributed() else out
+
+    @torch.no_grad()
+    def score(self, batch: TensorDict) -> torch.Tensor:
+        """``[B]`` last-token scores (``head="reward"``)."""
+        lengths = batch["attention_mask"].bool().sum(1)
+        values = self.forward(batch, post_fn=last_token_post)
+        return values[torch.arange(values.shape[0]), lengths - 1]
+
+    def as_reward_fn(self) -> Callable[..., float]:
+        """A reward function (contract 2) scoring prompt_ids + completion_ids; run it inline."""
+        if self.head != "reward":
+            raise ValueError(f"as_reward_fn needs head='reward', this engine has head={self.head!r}")
+
+        def reward_fn(prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], **data: object) -> float:
+            ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.int64)
+            return float(self.score({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)})[0])
+
+        return reward_fn
+
+    @torch.no_grad()
+    def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> float:
+        total = weight = 0.0
+        for packed, dummy in self._micro_batches(batch):
+            packed = self._to_device(packed)
+            loss = loss_fn(self._logits(packed), packed)
+            if not dummy:
+                w = float(loss_weight_fn(packed))
+                total += float(loss) * w
+                weight += w
+        weight = D.all_reduce_sum(weight)
+        if weight <= 0:
+            raise ValueError("eval_batch: loss_weight_fn gave a total weight of 0 (no loss tokens?)")
+        return D.all_reduce_sum(total) / weight
+
+    # ---------------------------------------------------------------- training
+
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One optimizer step: ``sum_mb loss_fn(mb) * w(mb) / sum_w`` over all ranks' micro-batches."""
+        model = self._require()
+        if self.optimizer is None:
+            raise RuntimeError("train_batch on a frozen engine (trainable=False)")
+        mbs = [(self._to_device(p), dummy) for p, dummy in self._micro_batches(batch)]
+        weights = [0.0 if dummy else float(loss_weight_fn(p)) for p, dummy in mbs]
+        total_w = D.all_reduce_sum(sum(weights))
+        if not total_w > 0:
+            raise ValueError(f"train_batch: total loss weight is {total_w}; loss_weight_fn must be > 0 on the batch")
+        fsdp = D.is_fsdp(model)
+        # FSDP2 averages gradients over ranks; we want the sum of the weighted losses.
+        scale = D.world_size() if fsdp else 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, n_tokens = 0.0, 0
+        for i, ((packed, dummy), w) in enumerate(zip(mbs, weights)):
+            if fsdp:
+                model.set_requires_gradient_sync(i == len(mbs) - 1)  # type: ignore[operator]
+            loss = loss_fn(self._logits(packed), packed)
+            (loss * (0.0 if dummy else w / total_w * scale)).backward()
+            if not dummy:
+                loss_sum += float(loss.detach()) * w
+                n_tokens += int(packed["input_ids"].numel())
+        params = [p for p in model.parameters() if p.requires_grad]
+        if D.is_distributed() and not fsdp:
+            for p in params:
+                if p.grad is not None:
+                    D.all_reduce_tensor_(p.grad)
+        clip = self.config.optimizer.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        loss_value = D.all_reduce_sum(loss_sum) / total_w
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        finite = math.isfinite(float(grad_norm)) and math.isfinite(loss_value)
+        if finite:
+            self.optimizer.step()
+            self._steps += 1
+            self._nan_skips = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._nan_skips += 1
+            if self._nan_skips > self.config.max_nan_skips:
+                raise NonFiniteError(
+                    f"{self._nan_skips} consecutive steps had a non-finite loss ({loss_value}) or grad norm "
+                    f"({float(grad_norm)}); train.max_nan_skips={self.config.max_nan_skips}"
+                )
+        return {
+            "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0 if finite else 1.0,
+            "n_tokens": D.all_reduce_sum(n_tokens), "n_mbs": float(len(mbs)),
+        }
+
+    def step_lr_scheduler(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def get_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
+
+    # ---------------------------------------------------------------- versions, weights
+
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full CPU state dict (a collective under FSDP2: call on every rank)."""
+        return D.full_model_state_dict(self._require())
+
+    def update_weights(self, target: InferenceEngine) -> None:
+        """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0.
+
+        Every rank must call it (the weights are gathered collectively); only rank 0 talks to
+        the target, which picks the transport (in-process copy, disk dir or HTTP upload).
+        """
+        if self.head != "lm":
+            raise ValueError(f"update_weights pushes policy weights; this engine has head={self.head!r}")
+        tensors = self.state_dict()
+        if D.rank() == 0:
+            tensors = {k: v.detach().clone() for k, v in tensors.items()}
+            target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
+        D.barrier()
+
+    def broadcast_weights(self, group: D.WeightBroadcastGroup) -> None:
+        """Send the full weights over a ``WeightBroadcastGroup`` (NCCL on GPUs); every rank
+        gathers, rank 0 sends. Receivers call ``group.broadcast(their_state_dict)``."""
+        tensors = self.state_dict()
+        if D.rank() == 0:
+            group.broadcast(tensors)
+        D.barrier()
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        """HF weights (safetensors) at ``meta.path``; with ``with_optim`` also ``train_state.pt``
+        (optimizer, scheduler, step, version, RNG) and ``rng_rank{r}.pt`` for an exact resume."""
+        model = self._require()
+        os.makedirs(meta.path, exist_ok=True)
+        weights = self.state_dict()
+        optim = D.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
+        if D.rank() == 0:
+            model.save_pretrained(meta.path, state_dict=weights)
+            if meta.tokenizer_path:
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(meta.tokenizer_path).save_pretrained(meta.path)
+            if meta.with_optim:
+                torch.save(
+                    {
+                        "optimizer": optim,
+                        "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                        "steps": self._steps, "version": self._version, "nan_skips": self._nan_skips,
+                    },
+                    os.path.join(meta.path, TRAIN_STATE),
+                )
+        if meta.with_optim:
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state()
+            torch.save(rng, os.path.join(meta.path, f"rng_rank{D.rank()}.pt"))
+        D.barrier()
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        """Load HF weights from ``meta.path``; with ``with_optim`` the training state as well."""
+        model = self._require()
+        files = sorted(glob.glob(os.path.join(meta.path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {meta.path}")
+        state: dict[str, torch.Tensor] = {}
+        for fname in files:
+            state.update(load_file(fname))
+        D.load_full_model_state_dict(model, state)
+        if not meta.with_optim:
+            return
+        path = os.path.join(meta.path, TRAIN_STATE)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} not found; was the checkpoint saved with with_optim=True?")
+        ts = torch.load(path, weights_only=False)
+        if self.optimizer is not None and ts["optimizer"] is not None:
+            D.load_full_optim_state_dict(model, self.optimizer, ts["optimizer"])
+        if self.scheduler is not None and ts["scheduler"] is not None:
+            self.scheduler.load_state_dict(ts["scheduler"])
+        self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]
+        rng_path = os.path.join(meta.path, f"rng_rank{D.rank()}.pt")
+        if os.path.exists(rng_path):
+            rng = torch.load(rng_path, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+
+
+__all__ = ["NonFiniteError", "TorchTrainEngine", "last_token_scores", "lr_factor"]

@@ -1,0 +1,61 @@
+"""Scalar heads: a critic (value per token) and a reward model (score of the last token).
+
+Both are Hugging Face ``*ForTokenClassification`` models with ``num_labels=1``: the same
+backbone as the policy plus a linear ``score`` head, so they save and reload with
+``from_pretrained`` like any HF model. (``*ForSequenceClassification`` finds the last token
+through padding, which does not exist in a packed micro-batch; we take it from ``cu_seqlens``.)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoModelForTokenClassification, PreTrainedModel
+
+from relayrl.api.engine import TensorDict
+
+
+def scalar_head_from_lm(lm: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
+    """A ``num_labels=1`` token-classification model sharing ``lm``'s backbone weights.
+
+    The score head starts at zero (values/scores 0 at init), dropout is off.
+    """
+    cfg = copy.deepcopy(lm.config)
+    cfg.num_labels = 1
+    cfg.classifier_dropout = 0.0
+    cfg.architectures = None
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForTokenClassification.from_config(cfg, dtype=lm.dtype)
+    backbone = getattr(model, model.base_model_prefix)
+    backbone.load_state_dict(getattr(lm, lm.base_model_prefix).state_dict())
+    with torch.no_grad():
+        model.score.weight.zero_()
+        if model.score.bias is not None:
+            model.score.bias.zero_()
+    return model
+
+
+def load_scalar_head(path: str, dtype: torch.dtype) -> PreTrainedModel:
+    """Load a saved critic / reward model (or an LM checkpoint, whose head is then new)."""
+    return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, classifier_dropout=0.0, dtype=dtype)
+
+
+def token_values(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
+    """``[T]`` per-token values: the head's output at token i (it has seen tokens <= i)."""
+    return logits[:, 0].float()
+
+
+def last_token_scores(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
+    """``[n]`` one score per packed sequence: the head's output at its last token."""
+    last = packed["cu_seqlens"][1:].long().to(logits.device) - 1
+    return logits[last, 0].float()
+
+
+def last_token_post(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
+    """``[T]`` token-aligned: the sequence score at each sequence's last token, 0 elsewhere."""
+    out = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    last = packed["cu_seqlens"][1:].long().to(logits.device) - 1
+    out[last] = logits[last, 0].float()
+    return out

@@ -1,0 +1,287 @@
+"""Packing: padded batches -> one 1D sequence per micro-batch, and back.
+
+A packed micro-batch lays its sequences end to end (no padding): ``input_ids [T]``,
+``position_ids [T]`` restarting at 0 for every sequence, ``cu_seqlens [n+1]`` (int32,
+boundaries), ``max_seqlen`` (0-d int64) and ``row_index [n]`` (rows of the padded batch).
+Token-level keys of the padded batch (``[B, L, ...]``) become ``[T, ...]``; sequence-level
+keys (``[B, ...]``) are kept for the selected rows (``[n, ...]``). ``attention_mask`` is
+dropped (every packed token is real).
+
+The model then runs on ``[1, T]`` with a per-document attention (``relayrl_varlen``,
+registered with transformers' ``AttentionInterface``) or flash-attn's varlen kernel, so no
+``T x T`` mask is ever built and no compute is spent on padding.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from relayrl.api.engine import TensorDict
+
+VARLEN_ATTN = "relayrl_varlen"
+PACK_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "row_index")
+
+
+# --------------------------------------------------------------------------------------
+# pack / unpack
+# --------------------------------------------------------------------------------------
+
+
+def _is_token_level(value: torch.Tensor, shape: tuple[int, int]) -> bool:
+    return value.dim() >= 2 and tuple(value.shape[:2]) == shape
+
+
+def pack(batch: TensorDict, rows: Sequence[int] | None = None) -> TensorDict:
+    """Pack ``rows`` (default: all) of a right-padded batch into one 1D sequence."""
+    if "input_ids" not in batch or "attention_mask" not in batch:
+        raise ValueError(f"pack needs 'input_ids' and 'attention_mask' in the batch, got keys {sorted(batch)}")
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"batch['input_ids'] must be [B, L], got shape {tuple(ids.shape)}")
+    shape = (ids.shape[0], ids.shape[1])
+    idx = torch.arange(shape[0]) if rows is None else torch.as_tensor(list(rows), dtype=torch.long)
+    if idx.numel() == 0:
+        raise ValueError("pack needs at least one row")
+    lengths = batch["attention_mask"].bool().sum(1).to("cpu")[idx]
+    if bool((lengths == 0).any()):
+        raise ValueError(f"row {int(idx[lengths == 0][0])} of the batch is empty (attention_mask all 0)")
+    sel = batch["attention_mask"].bool()[idx.to(ids.device)]  # [n, L] real tokens of the rows
+    out: TensorDict = {}
+    for key, value in batch.items():
+        if key == "attention_mask" or not isinstance(value, torch.Tensor):
+            continue
+        if _is_token_level(value, shape):
+            out[key] = value[idx.to(value.device)][sel.to(value.device)]
+        elif value.dim() >= 1 and value.shape[0] == shape[0]:
+            out[key] = value[idx.to(value.device)]
+        else:
+            raise ValueError(f"batch[{key!r}] has shape {list(value.shape)}; expected [B, L, ...] or [B, ...] with B={shape[0]}")
+    cu = torch.zeros(len(idx) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    starts = torch.repeat_interleave(cu[:-1].long(), lengths)
+    out["position_ids"] = (torch.arange(int(cu[-1])) - starts).to(ids.device)
+    out["cu_seqlens"] = cu.to(ids.device)
+    out["max_seqlen"] = lengths.max().to(torch.int64)
+    out["row_index"] = idx.to(ids.device)
+    return out
+
+
+def unpack(values: torch.Tensor, packed: TensorDict, batch_size: int, seqlen: int, fill: float = 0.0) -> torch.Tensor:
+    """Scatter packed token values ``[T, ...]`` back into a padded ``[B, L, ...]`` tensor."""
+    cu = packed["cu_seqlens"].long().cpu()
+    lengths = cu[1:] - cu[:-1]
+    if values.shape[0] != int(cu[-1]):
+        raise ValueError(f"unpack: values have {values.shape[0]} tokens, packed batch has {int(cu[-1])}")
+    out = values.new_full((batch_size, seqlen, *values.shape[1:]), fill)
+    rows = torch.repeat_interleave(packed["row_index"].cpu(), lengths)
+    cols = packed["position_ids"].cpu()
+    out[rows.to(values.device), cols.to(values.device)] = values
+    return out
+
+
+def segment_ids(packed: TensorDict) -> torch.Tensor:
+    """``[T]`` index (0..n-1) of the sequence each packed token belongs to."""
+    cu = packed["cu_seqlens"].long()
+    return torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1])
+
+
+# --------------------------------------------------------------------------------------
+# Micro-batches by token budget
+# --------------------------------------------------------------------------------------
+
+
+def split_by_token_budget(
+    lengths: Sequence[int], budget: int, min_groups: int = 1, multiple_of: int = 1
+) -> list[list[int]]:
+    """Balanced bin packing of sequences into groups of at most ``budget`` tokens.
+
+    Returns lists of indices into ``lengths`` (each sorted). The number of groups is the
+    smallest ``k >= min_groups``, divisible by ``multiple_of``, for which a greedy
+    longest-first assignment (each sequence to the currently lightest group) fits the
+    budget; a sequence longer than the budget gets a group of its own. With a huge budget
+    and ``min_groups = multiple_of = world_size`` this splits a batch across ranks with
+    near-equal tokens. Groups may be empty only when there are fewer sequences than
+    ``min_groups``.
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1 token, got {budget}")
+    if min_groups < 1 or multiple_of < 1:
+        raise ValueError(f"min_groups and multiple_of must be >= 1, got {min_groups}, {multiple_of}")
+    lens = [int(n) for n in lengths]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"lengths must be >= 0, got {lens}")
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    n_long = sum(1 for n in lens if n > budget)
+    k = max(min_groups, n_long + math.ceil(sum(n for n in lens if n <= budget) / budget), 1)
+    while True:
+        k = math.ceil(k / multiple_of) * multiple_of
+        groups = _greedy(order, lens, budget, k)
+        if groups is not None:
+            return [sorted(g) for g in groups]
+        k += 1
+
+
+def _greedy(order: list[int], lens: list[int], budget: int, k: int) -> list[list[int]] | None:
+    heap = [(0, g) for g in range(k)]  # (tokens, group)
+    groups: list[list[int]] = [[] for _ in range(k)]
+    for i in order:
+        total, g = heapq.heappop(heap)
+        if total + lens[i] > budget and total > 0:
+            return None
+        groups[g].append(i)
+        heapq.heappush(heap, (total + lens[i], g))
+    return groups
+
+
+# --------------------------------------------------------------------------------------
+# Token-aligned logprobs and entropy
+# --------------------------------------------------------------------------------------
+
+
+def _first_token_mask(packed: TensorDict, n: int, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    mask[packed["cu_seqlens"][:-1].long().to(device)] = True
+    return mask
+
+
+def _shifted(per_pred: torch.Tensor, packed: TensorDict) -> torch.Tensor:
+    """``per_pred[i]`` is about token ``i+1``; returns ``[T]`` token-aligned, 0 at sequence starts."""
+    out = torch.cat([per_pred.new_zeros(1), per_pred])
+    return out.masked_fill(_first_token_mask(packed, out.shape[0], out.device), 0.0)
+
+
+def token_logprobs(logits: torch.Tensor, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """``[T]``: value i = log p(input_ids[i] | earlier tokens of its sequence); 0 at each start.
+
+    Computed as ``logit[label] - logsumexp(logits)`` in chunks of ``chunk`` tokens, so no
+    full ``[T, V]`` log-softmax is materialised (differentiable).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    ids = packed["input_ids"]
+    if logits.dim() != 2 or logits.shape[0] != ids.shape[0]:
+        raise ValueError(f"logits must be [T, V] with T={ids.shape[0]}, got {tuple(logits.shape)}")
+    labels = ids[1:].to(logits.device)
+    parts = []
+    for s in range(0, labels.shape[0], chunk):
+        lg = logits[s : min(s + chunk, labels.shape[0])].float()
+        if temperature != 1.0:
+            lg = lg / temperature
+        lab = labels[s : s + chunk]
+        parts.append(lg.gather(-1, lab.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1))
+    pred = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+    return _shifted(pred, packed)
+
+
+def token_entropy(logits: torch.Tensor, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """``[T]``: entropy of the distribution that predicted token i (0 at each start)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    parts = []
+    n = logits.shape[0] - 1
+    for s in range(0, n, chunk):
+        lg = logits[s : min(s + chunk, n)].float()
+        if temperature != 1.0:
+            lg = lg / temperature
+        logp = F.log_softmax(lg, -1)
+        parts.append(-(logp.exp() * logp).sum(-1))
+    pred = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+    return _shifted(pred, packed)
+
+
+# --------------------------------------------------------------------------------------
+# Per-document (varlen) attention for transformers
+# --------------------------------------------------------------------------------------
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each packed document (``cu_seq_lens_q`` in kwargs).
+
+    ``query``: ``[1, H, T, D]``, ``key``/``value``: ``[1, H_kv, T, D]``. Runs SDPA with
+    ``is_causal`` once per document, so cost is ``sum(len_i^2)`` instead of ``T^2`` and no
+    mask is allocated. Without ``cu_seq_lens_q`` it is plain causal SDPA (one document).
+    Returns ``[1, T, H, D]`` like transformers' other attention functions.
+    """
+    n_rep = query.shape[1] // key.shape[1]
+    if n_rep > 1:
+        key = key.repeat_interleave(n_rep, dim=1)
+        value = value.repeat_interleave(n_rep, dim=1)
+    if attention_mask is not None and query.shape[0] != 1:
+        raise ValueError("relayrl_varlen attention expects packed input ([1, T]) without an attention mask")
+    cu = kwargs.get("cu_seq_lens_q")
+    drop = dropout if module.training else 0.0
+    if cu is None:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=drop, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    bounds = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)  # type: ignore[call-overload]
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, dropout_p=drop, scale=scaling
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_varlen_attention() -> str:
+    """Register ``relayrl_varlen`` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTN, varlen_attention_forward)
+    return VARLEN_ATTN
+
+
+def flash_attn_available() -> bool:
+    """flash-attn installed and a CUDA device present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:
+    """ModelConfig.attn_impl -> a transformers attention implementation name."""
+    if attn_impl == "flash" or (attn_impl == "auto" and device.type == "cuda" and flash_attn_available()):
+        if not flash_attn_available():
+            raise RuntimeError("model.attn_impl='flash' needs flash-attn and a CUDA device; use 'varlen' or 'auto'")
+        return "flash_attention_2"
+    if attn_impl == "sdpa":
+        return "sdpa"
+    return register_varlen_attention()
+
+
+def model_inputs(packed: TensorDict) -> dict[str, object]:
+    """Keyword arguments for ``model(**...)`` on a packed micro-batch (``use_cache=False``).
+
+    ``cu_seq_lens_*``/``max_length_*`` are the names transformers forwards to attention
+    functions (flash-attn's varlen path reads them too); ``position_ids`` restart per document.
+    """
+    cu = packed["cu_seqlens"]
+    max_len = int(packed["max_seqlen"])
+    return {
+        "input_ids": packed["input_ids"].unsqueeze(0),
+        "position_ids": packed["position_ids"].unsqueeze(0),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+        "use_cache": False,
+    }

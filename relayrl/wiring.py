@@ -1,0 +1,84 @@
+"""Builds concrete parts from a ``RunConfig``: the one place that knows every implementation.
+
+Both sides of the system meet here (and in the trainer and recipes) and nowhere else, so
+``rollout`` never imports ``train`` and ``train`` never imports ``inference``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from relayrl.api.config import RunConfig
+from relayrl.api.engine import DataItem, InferenceEngine
+from relayrl.api.workflow import RolloutWorkflow
+from relayrl.data.datasets import RLDataLoader, load_rows_from_file
+from relayrl.data.models import load_model
+from relayrl.data.tasks import make_task
+from relayrl.rewards.math import gsm8k_reward_fn
+from relayrl.rewards.tasks import task_reward_fn
+from relayrl.train.engine import TorchTrainEngine
+
+RewardFn = Callable[..., float]
+
+
+def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[DataItem], list[DataItem]]:
+    """Train and eval rows: a synthetic task, or files (``data.task=file``)."""
+    d = cfg.data
+    if d.task != "file":
+        return make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)  # type: ignore[return-value]
+    if not d.train_path:
+        raise ValueError("data.task=file needs data.train_path (a jsonl, json or parquet file)")
+
+    def load(path: str) -> list[DataItem]:
+        return load_rows_from_file(
+            path, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
+            max_prompt_len=d.max_prompt_len, skip_invalid=d.skip_invalid_rows,
+        )
+
+    return load(d.train_path), (load(d.eval_path) if d.eval_path else [])
+
+
+def reward_fn_for(cfg: RunConfig) -> RewardFn:
+    """The task's verifier, or the math-verify reward for file datasets."""
+    return gsm8k_reward_fn if cfg.data.task == "file" else task_reward_fn(cfg.data.task)
+
+
+def make_dataloader(cfg: RunConfig, rows: list[DataItem]) -> RLDataLoader:
+    return RLDataLoader(rows, batch_size=cfg.rollout.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed)
+
+
+def make_critic_engine(cfg: RunConfig) -> TorchTrainEngine:
+    critic_train = cfg.train
+    critic_train.optimizer.lr = cfg.actor.critic_lr
+    return TorchTrainEngine(critic_train, cfg.model, model=load_model(cfg.model, cfg.seed), head="value", seed=cfg.seed)
+
+
+def make_inference_engine(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> InferenceEngine:
+    """LocalEngine in this process, or RemoteEngine to given / launched servers."""
+    inf = cfg.inference
+    if inf.backend == "local":
+        from relayrl.inference.local import LocalEngine
+
+        return LocalEngine(inf, model=load_model(cfg.model, cfg.seed), tokenizer=tokenizer, model_config=cfg.model)
+    from relayrl.inference.launcher import launch_servers
+    from relayrl.inference.remote import RemoteEngine
+
+    addresses, group = list(inf.addresses), None
+    if not addresses:
+        if inf.n_servers == 0:
+            raise ValueError("inference.backend=remote needs inference.addresses or inference.n_servers > 0")
+        group = launch_servers(inf.n_servers, model=cfg.model.path, threads=inf.server_threads)
+        addresses = group.addresses
+    engine = RemoteEngine(inf, addresses=addresses)
+    engine.server_group = group  # torn down with the engine
+    return engine
+
+
+def make_workflow(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFn) -> RolloutWorkflow:
+    """The workflow named by ``cfg.workflow``, generating with ``cfg.gconfig``."""
+    from relayrl.rollout import workflows
+
+    return workflows.build(cfg.workflow, reward_fn=reward_fn, gconfig=cfg.gconfig, tokenizer=tokenizer,
+                           reward_timeout=cfg.rollout.reward_timeout)

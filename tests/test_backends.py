@@ -1,0 +1,125 @@
+"""Request/response mapping of each server protocol, against the payloads their docs show.
+
+SGLang: docs "Sampling Parameters" / "Native APIs" (``/generate`` with ``input_ids``,
+``sampling_params``, ``return_logprob``; ``meta_info.output_token_logprobs`` as
+``[logprob, token_id, text]``; ``finish_reason`` ``{"type": "length", "length": n}``;
+``/update_weights_from_disk`` ``{"model_path"}`` -> ``{"success", "message"}``).
+vLLM: OpenAI completions with token-id prompts, ``logprobs``, ``return_tokens_as_token_ids``
+(tokens read ``"token_id:<id>"``), RL routes ``/pause?mode=keep`` and ``/resume``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from relayrl.api.io import GenerationConfig
+from relayrl.inference.backends import ProtocolError, RelayrlBackend, SGLangBackend, VLLMBackend, make_backend
+
+G = GenerationConfig(max_new_tokens=16, min_new_tokens=2, temperature=0.7, top_p=0.9, top_k=0,
+                     stop=["\n\n"], stop_token_ids=[7], ignore_eos=False)
+
+# A reply in the shape of SGLang's documented /generate output (return_logprob=True).
+SGLANG_REPLY = {
+    "text": " Paris.",
+    "output_ids": [12366, 13],
+    "meta_info": {
+        "id": "a1b2",
+        "finish_reason": {"type": "stop", "matched": 151645},
+        "prompt_tokens": 7,
+        "weight_version": "3",
+        "completion_tokens": 2,
+        "cached_tokens": 0,
+        "output_token_logprobs": [[-0.25, 12366, None], [-1.5, 13, None]],
+        "e2e_latency": 0.05,
+    },
+}
+
+# A reply in the shape of vLLM's /v1/completions with return_tokens_as_token_ids=True.
+VLLM_REPLY = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "created": 1,
+    "model": "m",
+    "choices": [{
+        "index": 0, "text": " Paris.", "finish_reason": "length", "stop_reason": None,
+        "logprobs": {"text_offset": [0, 6], "token_logprobs": [-0.25, -1.5],
+                     "tokens": ["token_id:12366", "token_id:13"], "top_logprobs": None},
+    }],
+    "usage": {"prompt_tokens": 7, "total_tokens": 9, "completion_tokens": 2},
+}
+
+
+def test_sglang_generate_request_matches_documented_fields():
+    call = SGLangBackend().generate("rid-1", [1, 2, 3], G, 10, 2)
+    assert (call.method, call.path) == ("POST", "/generate")
+    body = call.json
+    assert body["input_ids"] == [1, 2, 3] and body["return_logprob"] is True and body["rid"] == "rid-1"
+    sp = body["sampling_params"]
+    assert sp == {"max_new_tokens": 10, "min_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
+                  "stop": ["\n\n"], "stop_token_ids": [7], "ignore_eos": False, "skip_special_tokens": False}
+    greedy = SGLangBackend().generate("r", [1], G.new(greedy=True, top_k=5), 4, 0).json["sampling_params"]
+    assert greedy["temperature"] == 0.0 and greedy["top_k"] == 5
+
+
+def test_sglang_reply_parsing():
+    p = SGLangBackend().parse_generate(SGLANG_REPLY)
+    assert p.tokens == [12366, 13] and p.logprobs == [-0.25, -1.5]
+    assert p.stop_reason == "stop" and p.weight_version == 3 and p.versions is None
+    batch = SGLangBackend().parse_generate([SGLANG_REPLY])  # a batch of one is a list
+    assert batch.tokens == [12366, 13]
+    aborted = {**SGLANG_REPLY, "meta_info": {**SGLANG_REPLY["meta_info"], "finish_reason": {"type": "abort", "message": "x"}}}
+    assert SGLangBackend().parse_generate(aborted).stop_reason == "abort"
+    length = {**SGLANG_REPLY, "meta_info": {**SGLANG_REPLY["meta_info"], "finish_reason": {"type": "length", "length": 2}}}
+    assert SGLangBackend().parse_generate(length).stop_reason == "length"
+    with pytest.raises(ProtocolError, match="meta_info"):
+        SGLangBackend().parse_generate({"text": "x"})
+    bad = {**SGLANG_REPLY, "output_ids": [1, 2, 3]}
+    with pytest.raises(ProtocolError, match="3 output_ids but 2"):
+        SGLangBackend().parse_generate(bad)
+
+
+def test_relayrl_reply_carries_per_token_versions():
+    reply = {**SGLANG_REPLY, "meta_info": {**SGLANG_REPLY["meta_info"], "output_token_versions": [2, 3], "weight_version": 3}}
+    p = RelayrlBackend().parse_generate(reply)
+    assert p.versions == [2, 3] and p.weight_version == 3
+
+
+def test_weight_and_control_calls():
+    sg, rr, vl = SGLangBackend(), RelayrlBackend(), VLLMBackend()
+    c = sg.update_from_disk("/ckpt/v3", 3)
+    assert (c.path, c.json["model_path"], c.json["weight_version"], c.json["abort_all_requests"]) == (
+        "/update_weights_from_disk", "/ckpt/v3", "3", True)
+    assert rr.update_from_disk("/ckpt/v3", 3).json == {"model_path": "/ckpt/v3", "weight_version": 3}
+    assert rr.upload(4).path == "/update_weights_from_tensor?weight_version=4"
+    with pytest.raises(NotImplementedError, match="weight_sync=disk"):
+        sg.upload(1)
+    assert (sg.pause().path, sg.resume().path) == ("/pause_generation", "/continue_generation")
+    assert (vl.pause().path, vl.resume().path) == ("/pause?mode=keep", "/resume")
+    assert vl.update_from_disk("/w", 1).json == {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}
+    assert sg.parse_version({"weight_version": "7"}) == 7 and vl.get_version() is None
+    sg.parse_update({"success": True, "message": "ok", "num_paused_requests": 0})
+    with pytest.raises(RuntimeError, match="refused: bad path"):
+        sg.parse_update({"success": False, "message": "bad path"})
+
+
+def test_vllm_completion_request_and_reply():
+    call = VLLMBackend(model="m").generate("r9", [5, 6], G, 12, 1)
+    assert (call.method, call.path) == ("POST", "/v1/completions")
+    b = call.json
+    assert b["prompt"] == [5, 6] and b["max_tokens"] == 12 and b["min_tokens"] == 1 and b["model"] == "m"
+    assert b["logprobs"] == 0 and b["return_tokens_as_token_ids"] is True and b["top_k"] == -1
+    assert b["stop_token_ids"] == [7] and b["temperature"] == 0.7 and b["n"] == 1 and b["stream"] is False
+    p = VLLMBackend().parse_generate(VLLM_REPLY)
+    assert p.tokens == [12366, 13] and p.logprobs == [-0.25, -1.5] and p.stop_reason == "length"
+    with_ids = {**VLLM_REPLY, "choices": [{**VLLM_REPLY["choices"][0], "token_ids": [1, 2], "finish_reason": "stop"}]}
+    assert VLLMBackend().parse_generate(with_ids).tokens == [1, 2]
+    texts = {**VLLM_REPLY, "choices": [{**VLLM_REPLY["choices"][0], "logprobs": {
+        "tokens": [" Paris", "."], "token_logprobs": [-0.1, -0.2]}}]}
+    with pytest.raises(ProtocolError, match="token_id"):
+        VLLMBackend().parse_generate(texts)
+
+
+def test_make_backend():
+    assert [make_backend(p).name for p in ("relayrl", "sglang", "vllm")] == ["relayrl", "sglang", "vllm"]
+    with pytest.raises(ValueError, match="protocol"):
+        make_backend("tgi")

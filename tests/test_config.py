@@ -1,0 +1,204 @@
+"""Config system: YAML + dotted overrides, validation errors naming the field, save/load, docs sync."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from relayrl.api.config import (
+    ConfigError,
+    RunConfig,
+    ServerConfig,
+    config_reference,
+    load_config,
+    save_config,
+)
+from relayrl.api.io import GenerationConfig
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+
+
+def _error(overrides: list[str], path: str | Path | None = None, cls: type = RunConfig) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(cls, path, overrides)
+    msg = str(info.value)
+    assert "\n" not in msg, f"config errors must be one line: {msg!r}"
+    return msg
+
+
+def test_defaults_yaml_and_dotted_overrides(tmp_path):
+    assert load_config(RunConfig) == RunConfig()
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(
+        "seed: 7\n"
+        "actor:\n  eps_clip: 0.3\n  loss: decoupled_ppo\n"
+        "train:\n  optimizer:\n    lr: 1e-5\n    warmup_steps: 3\n"
+        "gconfig:\n  max_new_tokens: 12\n  stop: [\"\\n\"]\n"
+        "inference:\n  addresses: [127.0.0.1:30000]\n"
+    )
+    cfg = load_config(RunConfig, cfg_file, ["actor.eps_clip=0.1", "rollout.max_staleness=2", "actor.c_clip=3", "model.path=/m"])
+    assert cfg.seed == 7 and cfg.actor.loss == "decoupled_ppo"
+    assert cfg.actor.eps_clip == 0.1  # the override wins over the file
+    assert cfg.actor.c_clip == 3.0 and isinstance(cfg.actor.c_clip, float)
+    assert cfg.train.optimizer.lr == 1e-5 and isinstance(cfg.train.optimizer.lr, float)  # YAML's "1e-5" string
+    assert cfg.train.optimizer.warmup_steps == 3 and cfg.train.optimizer.beta2 == 0.999  # untouched default kept
+    assert cfg.rollout.max_staleness == 2
+    assert cfg.gconfig == GenerationConfig(max_new_tokens=12, stop=["\n"])
+    assert cfg.inference.addresses == ["127.0.0.1:30000"] and cfg.model.path == "/m"
+    # None-able fields: null turns them off again
+    assert load_config(RunConfig, None, ["actor.c_clip=3", "actor.c_clip=null"]).actor.c_clip is None
+    # per-instance list defaults are not shared
+    a, b = RunConfig(), RunConfig()
+    a.inference.addresses.append("x")
+    assert b.inference.addresses == []
+
+
+def test_unknown_keys_suggest_the_closest_field(tmp_path):
+    assert _error(["actor.eps_clp=0.1"]) == "unknown config key 'actor.eps_clp'; did you mean 'actor.eps_clip'?"
+    assert "did you mean 'rollout'" in _error(["rollut.batch_size=2"])
+    assert "did you mean 'train.optimizer.lr'" in _error(["train.optimizer.lrr=1"])
+    msg = _error(["actor.zzzzzz=1"])
+    assert "unknown config key 'actor.zzzzzz'" in msg and "known fields:" in msg and "eps_clip" in msg
+    (tmp_path / "bad.yaml").write_text("actor:\n  kl_coeff: 0.1\n")
+    assert "did you mean 'actor.kl_coef'" in _error([], tmp_path / "bad.yaml")
+
+
+def test_c_clip_must_exceed_one():
+    msg = _error(["actor.c_clip=0.5"])
+    assert "actor.c_clip" in msg and "0.5" in msg and "> 1" in msg
+    assert "actor.c_clip=1.0" in _error(["actor.c_clip=1"])
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.batch_size=2.5", "rollout.batch_size: expected an integer, got 2.5"),
+        ("rollout.batch_size=abc", "rollout.batch_size: expected an integer"),
+        ("rollout.batch_size=0", "rollout.batch_size=0 is out of range: must be >= 1"),
+        ("train.optimizer.lr=fast", "train.optimizer.lr: expected a number, got 'fast'"),
+        ("train.optimizer.lr=2.0", "train.optimizer.lr=2.0 is out of range: must be <= 1.0"),
+        ("train.optimizer.lr=.nan", "train.optimizer.lr=nan is not a finite number"),
+        ("actor.kl_coef=.inf", "actor.kl_coef=inf is not a finite number"),
+        ("actor.adv_norm=maybe", "actor.adv_norm: expected true or false, got 'maybe'"),
+        ("model.path=[1, 2]", "model.path: expected a string"),
+        ("inference.addresses=host:1", "inference.addresses: expected a list"),
+        ("inference.addresses=[[1]]", "inference.addresses[0]: expected a string"),
+        ("actor=3", "actor: expected a mapping of fields"),
+        ("actor.loss=ppo2", "actor.loss='ppo2' is not allowed; choose one of ['ppo'"),
+        ("model.dtype=fp8", "model.dtype='fp8' is not allowed"),
+        ("gconfig.temperature=0", "gconfig.temperature=0.0 is out of range: must be > 0.0"),
+        ("eval.gconfig.top_p=1.5", "eval.gconfig.top_p=1.5 is out of range: must be <= 1.0 (allowed range (0.0, 1.0])"),
+        ("gconfig.stop_token_ids=[-1]", "gconfig.stop_token_ids must be a list of non-negative ints"),
+        ("actor.eps_clip=" + "9" * 400, "actor.eps_clip: 9999"),
+    ],
+)
+def test_bad_values_give_one_line_errors_naming_the_field(override, expected):
+    assert expected in _error([override])
+
+
+def test_nested_generation_config_cross_field_validation():
+    msg = _error(["gconfig.max_new_tokens=10", "gconfig.min_new_tokens=11"])
+    assert msg == "gconfig.min_new_tokens must be in [0, max_new_tokens=10], got 11"
+    assert load_config(RunConfig, None, ["gconfig.max_new_tokens=10", "gconfig.min_new_tokens=10"]).gconfig.min_new_tokens == 10
+    assert "eval.gconfig.max_new_tokens=0 is out of range" in _error(["eval.gconfig.max_new_tokens=0"])
+
+
+def test_bad_files_and_override_syntax(tmp_path):
+    assert "config file not found" in _error([], tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    assert "must hold a mapping of sections, got list" in _error([], tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("actor: [unclosed\n")
+    assert "is not valid YAML" in _error([], tmp_path / "broken.yaml")
+    assert "must look like section.field=value" in _error(["actor.lr"])
+    assert "is not a dotted field name" in _error(["actor..lr=1"])
+    assert "'seed' is not a section" in _error(["seed.x=1"])
+
+
+def test_server_config_port_range():
+    assert load_config(ServerConfig, None, ["port=0"]).port == 0
+    assert "port=70000 is out of range: must be <= 65535" in _error(["port=70000"], cls=ServerConfig)
+
+
+def test_save_config_round_trips(tmp_path):
+    cfg = load_config(RunConfig, None, ["actor.c_clip=3", "gconfig.stop=[\"\\n\", '</answer>']", "seed=3", "run_dir=" + str(tmp_path)])
+    out = save_config(cfg, tmp_path / "run")
+    assert out == tmp_path / "run" / "config.yaml"
+    saved = yaml.safe_load(out.read_text())
+    assert saved["actor"]["c_clip"] == 3.0 and saved["gconfig"]["stop"] == ["\n", "</answer>"]
+    assert set(saved["actor"]) == {f.name for f in dataclasses.fields(cfg.actor)}  # every field, resolved
+    assert load_config(RunConfig, out) == cfg
+
+
+def test_docs_config_md_is_in_sync():
+    expected = config_reference()
+    assert DOCS.exists() and DOCS.read_text() == expected, (
+        "docs/config.md is out of date; regenerate it with `python -m relayrl.api.config > docs/config.md`"
+    )
+    for name in ("actor.c_clip", "rollout.max_staleness", "train.optimizer.lr", "eval.gconfig.top_p"):
+        assert f"`{name}`" in expected
+
+
+# --------------------------------------------------------------------------------------
+# Property: any value for any fields -> a valid config or a ConfigError naming the field.
+# --------------------------------------------------------------------------------------
+
+
+def _leaf_fields(cls: type, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for fl in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[fl.name]):
+            out.extend(_leaf_fields(typing.cast(type, hints[fl.name]), f"{prefix}{fl.name}."))
+        else:
+            out.append(prefix + fl.name)
+    return out
+
+
+LEAVES = _leaf_fields(RunConfig)
+SCALARS = (
+    st.none() | st.booleans() | st.integers(-(10**400), 10**400) | st.integers(-3, 70000)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.floats(-2, 2) | st.text(max_size=8)
+    | st.sampled_from(["ppo", "grpo", "auto", "float32", "requeue", "1e-5", "k3", "local", "nan", "-inf"])
+)
+VALUES = SCALARS | st.lists(SCALARS, max_size=3) | st.dictionaries(st.sampled_from(["a", "lr", "path"]), SCALARS, max_size=2)
+_TMP = Path(tempfile.mkdtemp(prefix="relayrl-cfg-"))
+
+
+def _nest(assign: dict[str, object]) -> dict[str, object]:
+    tree: dict[str, object] = {}
+    for dotted, value in assign.items():
+        node = tree
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = typing.cast(dict, node.setdefault(part, {}))
+        node[last] = value
+    return tree
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(assign=st.dictionaries(st.sampled_from(LEAVES), VALUES, min_size=1, max_size=3), via_cli=st.booleans())
+def test_random_values_give_a_valid_config_or_a_config_error_naming_the_field(assign, via_cli):
+    if via_cli:
+        args = [f"{k}={json.dumps(v)}" for k, v in assign.items()]
+        path = None
+    else:
+        args = []
+        path = _TMP / "prop.yaml"
+        path.write_text(yaml.safe_dump(_nest(assign)))
+    try:
+        cfg = load_config(RunConfig, path, args)
+    except ConfigError as e:
+        msg = str(e)
+        assert "\n" not in msg
+        assert any(k in msg for k in assign), f"{msg!r} names none of {sorted(assign)}"
+        return
+    # Valid: it survives a save / load round trip unchanged.
+    assert load_config(RunConfig, save_config(cfg, _TMP / "run")) == cfg

@@ -1,0 +1,208 @@
+"""RemoteEngine against two real `relayrl serve` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import pytest
+
+from relayrl.api.config import InferenceConfig
+from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
+from relayrl.data.models import build_tiny_model
+from relayrl.inference.launcher import launch_servers
+from relayrl.inference.local import LocalEngine
+from relayrl.inference.remote import RemoteEngine
+
+TOKEN = "tok"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="module")
+def group(shared):
+    g = launch_servers(2, admin_token=TOKEN, overrides=[f"allowed_weight_roots=['{shared}']"])
+    yield g
+    g.shutdown()
+
+
+def make_engine(group, shared, **kw) -> RemoteEngine:
+    cfg = InferenceConfig(backend="remote", admin_token=TOKEN, health_interval=0.2, request_timeout=60,
+                          max_retries=10, weight_sync_dir=str(shared), **kw)
+    eng = RemoteEngine(cfg, addresses=group.addresses)
+    eng.initialize()
+    return eng
+
+
+def greedy(n: int) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=n, greedy=True, ignore_eos=True)
+
+
+def prompts(k: int) -> list[list[int]]:
+    return [[3, 10 + i % 50, 11 + (i * 7) % 50, 12 + (i * 3) % 40, 4] for i in range(k)]
+
+
+def run_all(engine, ps, g, prefix="r"):
+    async def go():
+        return await asyncio.gather(*(engine.agenerate(ModelRequest(f"{prefix}{i}", p, g)) for i, p in enumerate(ps)))
+
+    return asyncio.run(go())
+
+
+def reference(model, ps, g):
+    eng = LocalEngine(InferenceConfig(), model=model)
+    eng.initialize()
+    try:
+        return run_all(eng, ps, g)
+    finally:
+        eng.destroy()
+
+
+def served(group) -> list[int]:
+    return [httpx.get(f"http://{a}/get_model_info", timeout=10).json()["requests_served"] for a in group.addresses]
+
+
+def test_generate_through_two_servers(group, shared, tiny_model):
+    ps = prompts(16)
+    refs = reference(tiny_model, ps, greedy(8))
+    for protocol in ("relayrl", "sglang", "vllm"):  # the relayrl server speaks all three
+        eng = make_engine(group, shared, protocol=protocol)
+        before = served(group)
+        try:
+            outs = run_all(eng, ps, greedy(8))
+        finally:
+            eng.destroy()
+        after = served(group)
+        assert all(a - b >= 3 for a, b in zip(after, before, strict=True)), (protocol, before, after)
+        for out, ref in zip(outs, refs, strict=True):
+            assert out.output_tokens == ref.output_tokens, protocol
+            assert out.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-4)
+            assert out.output_versions == [0] * 8 and out.stop_reason == "length"
+    # affinity: turns of one episode (same rid) go to the same server
+    eng = make_engine(group, shared)
+    try:
+        run_all(eng, ps[:4], greedy(2), prefix="session")
+        first = {rid: s.url for rid, s in eng._affinity.items()}
+        run_all(eng, ps[:4], greedy(2), prefix="session")
+        assert {rid: s.url for rid, s in eng._affinity.items()} == first
+        assert len(set(first.values())) == 2
+    finally:
+        eng.destroy()
+
+
+def test_200_concurrent_requests(group, shared):
+    eng = make_engine(group, shared)
+    try:
+        outs = run_all(eng, prompts(200), GenerationConfig(max_new_tokens=4, temperature=1.0, ignore_eos=True))
+    finally:
+        eng.destroy()
+    assert len(outs) == 200
+    assert all(o.output_len == 4 and len(o.output_logprobs) == 4 and all(x <= 0 for x in o.output_logprobs) for o in outs)
+
+
+def test_weight_updates_reach_every_server(group, shared, tiny_model):
+    eng = make_engine(group, shared, weight_sync="http")
+    new = build_tiny_model("tiny", seed=1).eval()
+    ps = prompts(6)
+    try:
+        # HTTP upload, with long generations in flight: they are interrupted and continued
+        g = greedy(40)
+        results = []
+        t = threading.Thread(target=lambda: results.extend(run_all(eng, ps, g)))
+        t.start()
+        time.sleep(0.5)
+        eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=new.state_dict()))
+        t.join()
+        versions = [httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"] for a in group.addresses]
+        assert versions == [1, 1] and eng.get_version() == 1
+        for r in results:
+            assert r.output_len == 40 and r.output_versions == sorted(r.output_versions)
+            assert set(r.output_versions) <= {0, 1}
+        assert any(0 in r.output_versions and 1 in r.output_versions for r in results)
+        refs = reference(new, ps, greedy(8))
+        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [r.output_tokens for r in refs]
+
+        # versioned safetensors dir on shared disk, then a disk checkpoint dir
+        eng.config.weight_sync = "disk"
+        eng.update_weights(WeightUpdate(kind="tensors", version=2, tensors=tiny_model.state_dict()))
+        assert (shared / "v00000002" / "model.safetensors").exists()
+        eng.update_weights(WeightUpdate(kind="disk", version=3, path=str(shared / "v00000002")))
+        versions = [httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"] for a in group.addresses]
+        assert versions == [3, 3]
+        outs = run_all(eng, ps, greedy(8))
+        assert [o.output_tokens for o in outs] == [r.output_tokens for r in reference(tiny_model, ps, greedy(8))]
+        assert all(o.output_versions == [3] * 8 for o in outs)
+        with pytest.raises(RuntimeError, match="403"):  # a dir outside the servers' allowed roots
+            eng.update_weights(WeightUpdate(kind="disk", version=4, path="/etc"))
+        assert eng.get_version() == 3
+    finally:
+        eng.destroy()
+
+
+def test_killed_server_requests_complete_and_server_is_readmitted(group, shared, tiny_model):
+    eng = make_engine(group, shared)
+    ps = prompts(40)
+    g = greedy(24)
+    refs = reference(tiny_model, ps, g)
+    try:
+        results = []
+        t = threading.Thread(target=lambda: results.extend(run_all(eng, ps, g, prefix="kill")))
+        t.start()
+        time.sleep(1.0)
+        group.kill(1)  # SIGKILL mid-run
+        t.join(timeout=120)
+        assert len(results) == 40
+        assert [r.output_tokens for r in results] == [r.output_tokens for r in refs]  # no lost or doubled tokens
+        assert eng.stats["evictions"] >= 1 and eng.stats["reissued"] >= 1
+        assert eng.live_servers() == [f"http://{group.addresses[0]}"]
+        # the server comes back (fresh process, version 0): it is re-admitted with the current weights
+        group.restart(1)
+        deadline = time.monotonic() + 30
+        while len(eng.live_servers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(eng.live_servers()) == 2
+        v = httpx.get(f"http://{group.addresses[1]}/get_weight_version", timeout=10).json()["weight_version"]
+        assert v == eng.get_version() == 3
+    finally:
+        eng.destroy()
+
+
+def test_launched_children_die_with_a_sigkilled_parent():
+    code = textwrap.dedent("""
+        import sys, time
+        from relayrl.inference.launcher import launch_servers
+        g = launch_servers(1)
+        print(g.procs[0].pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # alive
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        _reap(child)
+        time.sleep(0.1)
+    pytest.fail(f"server {child} outlived its SIGKILLed parent")
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # only our own children can be reaped; others are reaped by init
+    except ChildProcessError:
+        pass

@@ -1,0 +1,199 @@
+"""`relayrl serve` as a real process on 127.0.0.1: protocol, validation, auth, weights."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+import pytest
+import safetensors.torch
+import torch
+
+from relayrl.api.config import InferenceConfig
+from relayrl.api.io import GenerationConfig, ModelRequest
+from relayrl.data.models import build_tiny_model, chat_ids
+from relayrl.inference.launcher import launch_servers
+from relayrl.inference.local import LocalEngine
+
+TOKEN = "s3cret"
+PROMPT = [3, 20, 21, 22, 4]
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    outside = tmp_path_factory.mktemp("outside")
+    return root, outside
+
+
+@pytest.fixture(scope="module")
+def server(roots):
+    root, _ = roots
+    group = launch_servers(1, admin_token=TOKEN, overrides=[f"allowed_weight_roots=['{root}']", "max_upload_mb=24"])
+    yield f"http://{group.addresses[0]}"
+    group.shutdown()
+
+
+def reference(model, prompts, max_new):
+    """Greedy outputs of the in-process LocalEngine for ``prompts``."""
+    eng = LocalEngine(InferenceConfig(), model=model)
+    eng.initialize()
+    g = GenerationConfig(max_new_tokens=max_new, greedy=True, ignore_eos=True)
+
+    async def go():
+        return await asyncio.gather(*(eng.agenerate(ModelRequest(f"r{i}", p, g)) for i, p in enumerate(prompts)))
+
+    try:
+        return asyncio.run(go())
+    finally:
+        eng.destroy()
+
+
+def gen(url, ids, **sp):
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, **sp},
+            "return_logprob": True}
+    return httpx.post(url + "/generate", json=body, timeout=60)
+
+
+def test_generate_matches_in_process_engine(server, tiny_model):
+    prompts = [PROMPT, [3, 30, 31, 4], [3, 40, 41, 42, 43, 44, 4]]
+    refs = reference(tiny_model, prompts, 8)
+    for p, ref in zip(prompts, refs, strict=True):
+        r = gen(server, p)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        meta = out["meta_info"]
+        assert out["output_ids"] == ref.output_tokens
+        lps = [t[0] for t in meta["output_token_logprobs"]]
+        assert [t[1] for t in meta["output_token_logprobs"]] == ref.output_tokens
+        assert lps == pytest.approx(ref.output_logprobs, abs=1e-4)
+        assert all(x <= 0 for x in lps)
+        assert meta["finish_reason"] == {"type": "length", "length": 8}
+        assert meta["weight_version"] == 0 and meta["output_token_versions"] == [0] * 8
+    sampled = gen(server, PROMPT, temperature=0.8, top_k=5, top_p=0.9).json()
+    assert len(sampled["output_ids"]) == 8 and all(t[0] <= 0 for t in sampled["meta_info"]["output_token_logprobs"])
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ('{"input_ids": [3, 4', "malformed JSON"),
+        ('{"input_ids": [3, 4], "colour": 1}', "unknown field 'colour'"),
+        ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokenz": 3}}', "unknown field 'sampling_params.max_new_tokenz'"),
+        ('{"input_ids": [3, 999]}', "input_ids[1]=999 is out of vocabulary"),
+        ('{"input_ids": [3, -1]}', "input_ids[1]=-1"),
+        ('{"input_ids": [3, 4], "sampling_params": {"top_p": 1.5}}', "sampling_params.top_p"),
+        ('{"input_ids": [3, 4], "sampling_params": {"temperature": -1}}', "sampling_params.temperature"),
+        ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 0}}', "sampling_params.max_new_tokens"),
+        ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 5}}', "min_new_tokens"),
+        ('{"input_ids": [3, 4], "sampling_params": {"stop_token_ids": [5000]}}', "stop_token_ids[0]=5000"),
+        ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5000}}', "exceeds the model"),
+        ('{"input_ids": []}', "empty"),
+        ('{"input_ids": "abc"}', "input_ids"),
+        ("[1, 2]", "body"),
+    ],
+)
+def test_bad_requests_get_4xx_naming_the_field(server, body, needle):
+    r = httpx.post(server + "/generate", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
+def test_admin_needs_the_token(server):
+    assert httpx.post(server + "/pause_generation", timeout=10).status_code == 401
+    bad = httpx.post(server + "/pause_generation", headers={"Authorization": "Bearer wrong"}, timeout=10)
+    assert bad.status_code == 403
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.post(server + "/pause_generation", headers=auth, timeout=10).json()["success"] is True
+    assert httpx.get(server + "/get_model_info", timeout=10).json()["paused"] is True
+    assert httpx.post(server + "/continue_generation", headers=auth, timeout=10).status_code == 200
+    assert gen(server, PROMPT).status_code == 200  # generation is not admin
+    no_auth_update = httpx.post(server + "/update_weights_from_disk", json={"model_path": "/tmp"}, timeout=10)
+    assert no_auth_update.status_code == 401
+
+
+def test_disk_paths_are_confined(server, roots):
+    root, outside = roots
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    (root / "sub").mkdir()
+    safetensors.torch.save_file({"x": torch.zeros(1)}, str(outside / "model.safetensors"))
+    os.symlink(outside, root / "link")
+    cases = [str(root / "sub" / ".." / ".." / outside.name), str(outside), str(root / "link"), "/etc"]
+    for path in cases:
+        r = httpx.post(server + "/update_weights_from_disk", json={"model_path": path}, headers=auth, timeout=10)
+        assert r.status_code == 403, (path, r.text)
+    r = httpx.post(server + "/update_weights_from_disk", json={"model_path": str(root / "sub")}, headers=auth, timeout=10)
+    assert r.status_code == 400 and "no *.safetensors" in r.json()["error"]
+    assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == 0
+
+
+def test_weights_from_disk_and_upload(server, roots):
+    root, _ = roots
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    new = build_tiny_model("tiny", seed=1).eval()
+    state = {k: v.clone() for k, v in new.state_dict().items()}
+    (root / "v1").mkdir()
+    safetensors.torch.save_file(state, str(root / "v1" / "model.safetensors"))
+    r = httpx.post(server + "/update_weights_from_disk", json={"model_path": str(root / "v1"), "weight_version": 1},
+                   headers=auth, timeout=120)
+    assert r.status_code == 200 and r.json()["weight_version"] == 1, r.text
+    assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == 1
+    ref = reference(new, [PROMPT], 8)[0]
+    out = gen(server, PROMPT).json()
+    assert out["output_ids"] == ref.output_tokens and out["meta_info"]["output_token_versions"] == [1] * 8
+
+    # upload: a wrong shape is refused, a good payload lands with its version, an oversized one gets 413
+    bad = safetensors.torch.save({"model.norm.weight": torch.ones(7)})
+    r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=bad, headers=auth, timeout=60)
+    assert r.status_code == 400 and "model.norm.weight" in r.json()["error"]
+    partial = safetensors.torch.save({"model.norm.weight": torch.ones(320)})
+    r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=partial, headers=auth, timeout=60)
+    assert r.status_code == 400 and "missing" in r.json()["error"]
+    r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=b"garbage", headers=auth, timeout=60)
+    assert r.status_code == 400 and "safetensors" in r.json()["error"]
+    r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=b"\0" * (25 << 20), headers=auth, timeout=60)
+    assert r.status_code == 413
+    orig = {k: v.clone() for k, v in build_tiny_model("tiny", seed=0).state_dict().items()}
+    r = httpx.post(server + "/update_weights_from_tensor?weight_version=2", content=safetensors.torch.save(orig),
+                   headers=auth, timeout=120)
+    assert r.status_code == 200, r.text
+    assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == 2
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
+def test_openai_endpoints(server, tiny_model, tokenizer):
+    prompt = "12+3="
+    ids = [int(i) for i in tokenizer.encode(prompt)]
+    ref = reference(tiny_model, [ids], 6)[0]
+    # what the OpenAI SDK's client.completions.create(model=..., prompt=..., max_tokens=6, temperature=0, logprobs=0) sends
+    r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                                                     "temperature": 0, "logprobs": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["token_ids"] == ref.output_tokens and ch["finish_reason"] in ("length", "stop")
+    assert ch["logprobs"]["token_logprobs"] == pytest.approx(ref.output_logprobs, abs=1e-4)
+    assert r.json()["usage"]["completion_tokens"] == 6
+    # token-id prompts (vLLM style) give the same
+    r2 = httpx.post(server + "/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0}, timeout=60)
+    assert r2.json()["choices"][0]["token_ids"] == ref.output_tokens
+
+    messages = [{"role": "user", "content": "2+2?"}]
+    cref = reference(tiny_model, [chat_ids(tokenizer, messages)], 5)[0]
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 5,
+                                                          "temperature": 0, "logprobs": True, "n": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and len(body["choices"]) == 2
+    for ch in body["choices"]:
+        assert ch["message"]["role"] == "assistant"
+        assert [c["logprob"] for c in ch["logprobs"]["content"]] == pytest.approx(cref.output_logprobs, abs=1e-4)
+        assert ch["token_ids"] == cref.output_tokens
+    bad = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}, timeout=10)
+    assert bad.status_code == 400 and "messages.0.role" in bad.json()["error"]
+    assert httpx.post(server + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10).status_code == 400
+    info = httpx.get(server + "/get_model_info", timeout=10).json()
+    assert info["vocab_size"] == tiny_model.config.vocab_size and info["is_generation"] is True
+    schema = httpx.get(server + "/openapi.json", timeout=10).json()
+    assert {"/generate", "/v1/completions", "/v1/chat/completions", "/update_weights_from_disk"} <= set(schema["paths"])
