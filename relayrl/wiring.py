@@ -62,23 +62,19 @@ def make_inference_engine(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) ->
         from relayrl.inference.local import LocalEngine
 
         return LocalEngine(inf, model=load_model(cfg.model, cfg.seed), tokenizer=tokenizer, model_config=cfg.model)
-    from relayrl.inference.launcher import launch_servers
     from relayrl.inference.remote import RemoteEngine
 
-    addresses, group = list(inf.addresses), None
-    if not addresses:
-        if inf.n_servers == 0:
-            raise ValueError("inference.backend=remote needs inference.addresses or inference.n_servers > 0")
-        group = launch_servers(inf.n_servers, model=cfg.model.path, threads=inf.server_threads)
-        addresses = group.addresses
-    engine = RemoteEngine(inf, addresses=addresses)
-    engine.server_group = group  # torn down with the engine
-    return engine
+    return RemoteEngine(inf)  # launches inference.n_servers local servers when no addresses are given
 
 
 def make_workflow(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFn) -> RolloutWorkflow:
     """The workflow named by ``cfg.workflow``, generating with ``cfg.gconfig``."""
-    from relayrl.rollout import workflows
+    from relayrl.rollout.workflows import MultiTurnWorkflow, ReMaxWorkflow, RLVRWorkflow, ToolAgentWorkflow
 
-    return workflows.build(cfg.workflow, reward_fn=reward_fn, gconfig=cfg.gconfig, tokenizer=tokenizer,
-                           reward_timeout=cfg.rollout.reward_timeout)
+    classes = {"rlvr": RLVRWorkflow, "multi_turn": MultiTurnWorkflow, "remax": ReMaxWorkflow, "tool_agent": ToolAgentWorkflow}
+    pool = None
+    if cfg.rollout.reward_workers > 0:
+        from relayrl.rewards.pool import RewardPool
+
+        pool = RewardPool(reward_fn, cfg.rollout.reward_workers, cfg.rollout.reward_timeout)
+    return classes[cfg.workflow](reward_fn, cfg.gconfig, tokenizer, reward_pool=pool, reward_timeout=cfg.rollout.reward_timeout)

@@ -57,7 +57,7 @@ def seqs(cu: torch.Tensor):
 def ref_agg(values: list[float], mask: list[bool], cu, mode: str, norm_len: float = 0.0) -> float:
     if mode == "token-mean":
         tot, n = 0.0, 0
-        for v, m in zip(values, mask):
+        for v, m in zip(values, mask, strict=True):
             if m:
                 tot, n = tot + v, n + 1
         return tot / max(n, 1)
@@ -245,7 +245,7 @@ def test_shape_rewards_and_overlong_penalty():
     lengths = torch.tensor([10, 10, 10, 12, 14, 20])
     out = A.shape_rewards(r, scale=2.0, bias=0.5, clip=2.5, response_lengths=lengths, max_len=16, overlong_buffer=4, overlong_penalty=1.0)
     exp = []
-    for x, n in zip(r.tolist(), lengths.tolist()):
+    for x, n in zip(r.tolist(), lengths.tolist(), strict=True):
         y = min(max(2.0 * x + 0.5, -2.5), 2.5)
         expected_len = 16 - 4
         if n > expected_len:
@@ -435,7 +435,7 @@ def _pack_trl(case):
     mask_rows = case["completion_mask"]
     out = {}
     for key in ("logp", "old_logp", "ref_logp", "entropy", "grad_logp"):
-        out[key] = pack_rows([[0.0] + [v for v, m in zip(case[key][i], mask_rows[i]) if m] for i in range(len(mask_rows))])[0]
+        out[key] = pack_rows([[0.0] + [v for v, m in zip(case[key][i], mask_rows[i], strict=True) if m] for i in range(len(mask_rows))])[0]
     adv_rows = [[0.0] + [case["advantages"][i]] * sum(mask_rows[i]) for i in range(len(mask_rows))]
     out["advantages"], cu = pack_rows(adv_rows)
     out["loss_mask"] = pack_rows([[0.0] + [1.0] * sum(m) for m in mask_rows])[0].bool()

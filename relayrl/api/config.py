@@ -98,6 +98,7 @@ class InferenceConfig:
     max_batch_size: int = f(64, help="LocalEngine: most sequences decoded together.", ge=1)
     max_tokens_in_flight: int = f(65536, help="LocalEngine: most prompt+generated tokens held in the running batch.", ge=16)
     seed: int = f(0, help="Sampling seed of the engine.")
+    fast_decode: bool = f(True, help="LocalEngine: lean decode step for Llama/Qwen2-style models (else the generic HF forward).")
     protocol: str = f("relayrl", help="Remote server protocol.", choices=["relayrl", "sglang", "vllm"])
     addresses: list[str] = f([], help="Remote servers as host:port; empty with n_servers > 0 launches local servers.")
     n_servers: int = f(0, help="Local `relayrl serve` processes to launch for backend=remote.", ge=0)
@@ -462,12 +463,27 @@ def parse_override(text: str) -> tuple[list[str], YamlValue]:
     return key.split("."), typing.cast(YamlValue, value)
 
 
+def _load_yaml(text: str) -> YamlValue:
+    """``yaml.safe_load``, through libyaml when PyYAML has it (~9x faster on a full config).
+
+    libyaml rejects a few escapes PyYAML accepts (surrogate ``\\uD800``), so a file it refuses
+    is read again by the pure-Python loader, whose error (if any) is the one reported.
+    """
+    loader = getattr(yaml, "CSafeLoader", None)
+    if loader is not None:
+        try:
+            return typing.cast(YamlValue, yaml.load(text, Loader=loader))
+        except yaml.YAMLError:
+            pass
+    return typing.cast(YamlValue, yaml.safe_load(text))
+
+
 def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> T:
     """Build ``cls`` from a YAML file (optional) and dotted overrides, fully validated."""
     values: dict[str, YamlValue] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = _load_yaml(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except yaml.YAMLError as e:

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason, WeightUpdate
+from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.sampling import RowParams, sample
 
 
@@ -98,6 +98,8 @@ class LocalEngine(InferenceEngine):
         self._mask = torch.zeros(0, 0, dtype=torch.long)
         self._pos = torch.zeros(0, dtype=torch.long)
         self._logits = torch.zeros(0, 0)
+        self._mask_bool = torch.zeros(0, 0, dtype=torch.bool)
+        self._fast: FastDecoder | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self) -> None:
@@ -122,6 +124,7 @@ class LocalEngine(InferenceEngine):
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         layer_types = getattr(cfg.get_text_config(), "layer_types", None) or ["full_attention"]
         self._full_attention_only = all(t == "full_attention" for t in layer_types)
+        self._fast = FastDecoder(self.model) if self.config.fast_decode and FastDecoder.supports(self.model) else None
         self.max_positions = int(getattr(cfg.get_text_config(), "max_position_embeddings", 1 << 30))
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="LocalEngine-loop", daemon=True)
@@ -237,6 +240,8 @@ class LocalEngine(InferenceEngine):
             )
         if tie:
             self.model.tie_weights()
+        if self._fast is not None:
+            self._fast.refresh()
 
     def _call_in_loop(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread at a step boundary (or here if no loop runs)."""
@@ -410,15 +415,16 @@ class LocalEngine(InferenceEngine):
             la, lb = self._mask.shape[1], mask.shape[1]
             width = max(la, lb)
             kv = [
-                (_cat_left_padded(old.keys[:, :, : old.length], k, width), _cat_left_padded(old.values[:, :, : old.length], v, width))
+                (cat_left_padded(old.keys[:, :, : old.length], k, width), cat_left_padded(old.values[:, :, : old.length], v, width))
                 for old, (k, v) in zip(self._cache.layers, kv, strict=True)  # type: ignore[attr-defined]
             ]
-            mask = _cat_left_padded(self._mask, mask, width)
+            mask = cat_left_padded(self._mask, mask, width)
             logits = torch.cat([self._logits, logits])
         self._cache = DynamicCache()
-        self._cache.layers = [_SlabLayer(k, v) for k, v in kv]
+        self._cache.layers = [SlabLayer(k, v) for k, v in kv]
         self._rows, self._mask, self._logits = self._rows + new, mask, logits
         self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1)])
+        self._mask_bool = self._mask.bool()
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
@@ -431,69 +437,31 @@ class LocalEngine(InferenceEngine):
         used = mask.any(0).nonzero()
         start = int(used[0]) if len(used) else 0
         self._mask = mask[:, start:]
+        self._mask_bool = self._mask.bool()
         self._pos = self._pos[idx]
         assert self._cache is not None
         self._cache.layers = [
-            _SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:])  # type: ignore[attr-defined]
+            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:])  # type: ignore[attr-defined]
             for layer in self._cache.layers
         ]
 
     def _decode(self, tokens: torch.Tensor) -> None:
         """One forward step: every running row consumes its newest token."""
         self._mask = F.pad(self._mask, (0, 1), value=1)
-        attn: torch.Tensor | dict[str, torch.Tensor] = self._mask
-        if self._full_attention_only:
-            # a ready 4D mask (1 query vs all columns) skips transformers' per-step mask building
-            attn = {"full_attention": self._mask.bool()[:, None, None, :]}
-        out = self.model(  # type: ignore[misc]
-            input_ids=tokens[:, None], attention_mask=attn, position_ids=self._pos[:, None],
-            past_key_values=self._cache, use_cache=True, logits_to_keep=1,
-        )
+        self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
+        assert self._cache is not None
+        if self._fast is not None:
+            logits = self._fast(tokens, self._pos, self._mask_bool, self._cache.layers)  # type: ignore[arg-type]
+        else:
+            attn: torch.Tensor | dict[str, torch.Tensor] = self._mask
+            if self._full_attention_only:  # a ready 4D mask skips transformers' per-step mask building
+                attn = {"full_attention": self._mask_bool[:, None, None, :]}
+            logits = self.model(  # type: ignore[misc]
+                input_ids=tokens[:, None], attention_mask=attn, position_ids=self._pos[:, None],
+                past_key_values=self._cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1]
         self._pos = self._pos + 1
-        self._logits = out.logits[:, -1].float()
-
-
-class _SlabLayer(DynamicLayer):
-    """One layer's KV in a preallocated ``[B, H, capacity, D]`` buffer written in place.
-
-    transformers' ``DynamicLayer`` concatenates the whole cache at every step; here a decode
-    step writes one column. ``keys``/``values`` are views of the used part.
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int = 64) -> None:
-        super().__init__()
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self.length = keys.shape[2]
-        self._kbuf, self._vbuf = _with_room(keys, reserve), _with_room(values, reserve)
-        self.keys, self.values = self._kbuf[:, :, : self.length], self._vbuf[:, :, : self.length]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + key_states.shape[2]
-        if end > self._kbuf.shape[2]:
-            self._kbuf = _with_room(self._kbuf[:, :, : self.length], max(64, self.length))
-            self._vbuf = _with_room(self._vbuf[:, :, : self.length], max(64, self.length))
-        self._kbuf[:, :, self.length : end] = key_states
-        self._vbuf[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-
-def _with_room(x: torch.Tensor, extra: int) -> torch.Tensor:
-    """A copy of ``x`` [B, H, L, D] in a buffer with ``extra`` free columns after it."""
-    buf = x.new_empty(x.shape[0], x.shape[1], x.shape[2] + extra, x.shape[3])
-    buf[:, :, : x.shape[2]] = x
-    return buf
-
-
-def _cat_left_padded(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
-    """Stack two left-padded batches (mask [B, L] or KV [B, H, L, D]) along rows at ``width`` columns."""
-    if a.dim() == 2:
-        return torch.cat([F.pad(a, (width - a.shape[1], 0)), F.pad(b, (width - b.shape[1], 0))])
-    return torch.cat([F.pad(a, (0, 0, width - a.shape[2], 0)), F.pad(b, (0, 0, width - b.shape[2], 0))])
+        self._logits = logits.float()
 
 
 def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import httpx
 import safetensors.torch
-import torch
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.engine import InferenceEngine
@@ -363,7 +362,11 @@ class RemoteEngine(InferenceEngine):
     def _readmit(self, srv: _Server) -> None:
         with self._update_lock:
             try:
-                if self._last_weights is not None and srv.version != self._version:
+                if srv.version != self._version:
+                    if self._last_weights is None:  # stale weights and nothing to push: keep it out
+                        log.warning("server %s is back at weight version %d (engine at %d) and no weights are "
+                                    "known to push; not re-admitted", srv.url, srv.version, self._version)
+                        return
                     self._push(srv, self._last_weights, self._version)
             except (httpx.HTTPError, RuntimeError) as e:
                 log.warning("server %s answered but could not take weights v%d: %s", srv.url, self._version, e)
@@ -373,10 +376,3 @@ class RemoteEngine(InferenceEngine):
                 self.stats["readmissions"] += 1
             log.warning("server %s re-admitted at weight version %d", srv.url, srv.version)
 
-
-def load_remote_weights_dir(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files of a weight dir (for tests and tools)."""
-    out: dict[str, torch.Tensor] = {}
-    for fp in sorted(Path(path).glob("*.safetensors")):
-        out.update(safetensors.torch.load_file(str(fp)))
-    return out

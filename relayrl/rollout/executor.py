@@ -152,6 +152,10 @@ class WorkflowExecutor:
         self._loop.close()
         self._thread = self._loop = None
         with self._lock:
+            for p in list(self._running.values()):  # a task the cancel did not reach in time
+                self.status.finish(SampleStatus.ABORTED, self.config.group_size)
+                self._tail_policy(p)
+            self._running.clear()
             for g in self._ready:  # accepted but never consumed
                 self.status.finish(SampleStatus.ABORTED, g.episodes)
                 self._tail_policy(g.prompt)

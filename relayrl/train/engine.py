@@ -39,14 +39,14 @@ def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
     """LR multiplier after ``step`` scheduler steps.
 
     Warmup: ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first step
-    already trains). Then ``constant`` = 1; ``linear`` / ``cosine`` decay from 1 to
-    ``min_lr_ratio`` over the remaining ``total_steps - warmup_steps`` steps.
+    already trains, the last warmup step is at the peak). Then ``constant`` = 1; ``linear`` /
+    ``cosine`` decay from the peak to ``min_lr_ratio``, reached at step ``total_steps - 1``.
     """
     if step < opt.warmup_steps:
         return (step + 1) / opt.warmup_steps
     if opt.lr_schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - opt.warmup_steps) / max(1, total_steps - opt.warmup_steps))
+    progress = min(1.0, (step + 1 - opt.warmup_steps) / max(1, total_steps - opt.warmup_steps))
     if opt.lr_schedule == "linear":
         decay = 1.0 - progress
     else:
@@ -91,7 +91,10 @@ class TorchTrainEngine(TrainEngine):
         model.config.use_cache = False
         model.set_attn_implementation(resolve_attn_impl(self.model_config.attn_impl, self.device))
         if self.model_config.gradient_checkpointing and self.trainable:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
         if not self.trainable:
             model.requires_grad_(False)

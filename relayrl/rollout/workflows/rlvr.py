@@ -88,7 +88,7 @@ async def compute_reward(
         completions=tokenizer.decode(c_ids, skip_special_tokens=False),  # type: ignore[attr-defined]
         prompt_ids=p_ids, completion_ids=c_ids,
     )
-    if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(getattr(reward_fn, "__call__", None)):
+    if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__):
         value = await reward_fn(engine, **kwargs)
     elif reward_pool is not None:
         value = await reward_pool.acall(**kwargs)

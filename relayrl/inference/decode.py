@@ -1,0 +1,130 @@
+"""KV-cache storage and a lean decode step for LocalEngine.
+
+``SlabLayer`` keeps one layer's keys/values in a preallocated buffer that a decode step
+writes one column of (transformers' ``DynamicLayer`` re-concatenates the whole cache every
+step). ``FastDecoder`` runs one decode step of a Llama/Qwen2-style model with plain tensor
+ops over the model's own weights (fused qkv and gate/up matrices, one attention call per
+layer): on small CPUs the per-step Python overhead of the generic forward dominates, and
+this is what lets a shrinking batch pay off. Other architectures use the generic forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+_FAST_TYPES = ("qwen2", "llama")
+
+
+class SlabLayer(DynamicLayer):
+    """One layer's KV in a ``[B, H, capacity, D]`` buffer; ``keys``/``values`` view the used part."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int = 64) -> None:
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.length = keys.shape[2]
+        self._kbuf, self._vbuf = with_room(keys, reserve), with_room(values, reserve)
+        self.keys, self.values = self._kbuf[:, :, : self.length], self._vbuf[:, :, : self.length]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + key_states.shape[2]
+        if end > self._kbuf.shape[2]:  # grow geometrically
+            self._kbuf = with_room(self._kbuf[:, :, : self.length], max(64, end))
+            self._vbuf = with_room(self._vbuf[:, :, : self.length], max(64, end))
+        self._kbuf[:, :, self.length : end] = key_states
+        self._vbuf[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def with_room(x: torch.Tensor, extra: int) -> torch.Tensor:
+    """A copy of ``x`` [B, H, L, D] in a buffer with ``extra`` free columns after it."""
+    buf = x.new_empty(x.shape[0], x.shape[1], x.shape[2] + extra, x.shape[3])
+    buf[:, :, : x.shape[2]] = x
+    return buf
+
+
+def cat_left_padded(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    """Stack two left-padded batches (mask [B, L] or KV [B, H, L, D]) by rows at ``width`` columns."""
+    if a.dim() == 2:
+        return torch.cat([F.pad(a, (width - a.shape[1], 0)), F.pad(b, (width - b.shape[1], 0))])
+    return torch.cat([F.pad(a, (0, 0, width - a.shape[2], 0)), F.pad(b, (0, 0, width - b.shape[2], 0))])
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class FastDecoder:
+    """One decode step of a Llama/Qwen2 model (fp32/bf16, full attention, SiLU MLP)."""
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        cfg = model.config
+        return (
+            cfg.model_type in _FAST_TYPES
+            and getattr(cfg, "hidden_act", "silu") == "silu"
+            and not getattr(cfg, "use_sliding_window", False)
+            and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"]))
+            and not getattr(cfg, "pretraining_tp", 1) > 1
+        )
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read (and re-fuse) the weights; call after loading new weights."""
+        m = self.model.model
+        self.eps = float(self.model.config.rms_norm_eps)
+        self.layers = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            self.layers.append((
+                layer.input_layernorm.weight,
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                None if biases[0] is None else torch.cat(biases),
+                a.o_proj.weight, a.o_proj.bias,
+                layer.post_attention_layernorm.weight,
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]),
+                mlp.down_proj.weight, mlp.down_proj.bias,
+            ))
+        attn = m.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.n_kv = self.model.config.num_key_value_heads
+        self.n_q = self.model.config.num_attention_heads
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: list[SlabLayer]) -> torch.Tensor:
+        """Logits [B, V] for ``tokens`` [B] at positions ``pos`` [B]; ``mask`` [B, L+1] bool."""
+        m, b, d = self.model.model, tokens.shape[0], self.head_dim
+        x = m.embed_tokens(tokens)
+        cos, sin = m.rotary_emb(x[:, None], pos[:, None])  # [B, 1, D]
+        amask = mask[:, None, None, :]
+        nq, nkv = self.n_q * d, self.n_kv * d
+        for (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d), kv in zip(self.layers, cache, strict=True):
+            qkv = F.linear(_rms(x, w_in, self.eps), w_qkv, b_qkv)
+            q = _rope(qkv[:, :nq].view(b, self.n_q, d), cos, sin)
+            k = _rope(qkv[:, nq : nq + nkv].view(b, self.n_kv, d), cos, sin)
+            keys, values = kv.update(k[:, :, None], qkv[:, nq + nkv :].view(b, self.n_kv, 1, d))
+            # the query heads of one kv group attend together: [B, Hkv, G, D] against [B, Hkv, L, D]
+            o = F.scaled_dot_product_attention(q.view(b, self.n_kv, -1, d), keys, values, attn_mask=amask, scale=self.scaling)
+            x = x + F.linear(o.reshape(b, -1), w_o, b_o)
+            gate, up = F.linear(_rms(x, w_post, self.eps), w_gu, b_gu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w_d, b_d)
+        return self.model.lm_head(_rms(x, m.norm.weight, self.eps))

@@ -1,0 +1,105 @@
+"""Tool-using agent: the model writes ``<|call|>EXPR`` + ``call_end`` and gets the result.
+
+Generation stops at ``call_end`` (one token, a newline by default). If the segment just
+generated holds ``call_start``, the text between the two is run by the tool (a calculator
+or restricted Python evaluator in a limited subprocess, ``relayrl.rollout.tools``) and
+``result_prefix + result + result_suffix`` is appended as tokens with ``loss_mask`` 0,
+``logprobs`` 0 and ``versions`` -1; generation then continues from the extended sequence.
+A ``call_end`` outside a call simply continues. Token ids are kept end to end (prompt,
+generated segments and tool tokens are concatenated, never re-tokenised).
+
+``gconfig.max_new_tokens`` bounds the generated tokens of the whole episode. The reward fn
+sees the final segment (text after the last tool result) as ``completions``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from relayrl.api.engine import DataItem, InferenceEngine
+from relayrl.api.io import GenerationConfig, ModelRequest
+from relayrl.api.workflow import RolloutWorkflow, Trajectory
+from relayrl.rollout.tools import calculator
+from relayrl.rollout.workflows.multi_turn import TokenBuffer
+from relayrl.rollout.workflows.rlvr import AsyncRewardPool, RewardFn, compute_reward, prompt_ids_of
+
+Tool = Callable[[str], Awaitable[str]]
+
+
+def _one_token(tokenizer: object, text: str, what: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+    if len(ids) != 1:
+        raise ValueError(f"{what}={text!r} must be exactly one token, the tokenizer gives {len(ids)}: {ids}")
+    return int(ids[0])
+
+
+class ToolAgentWorkflow(RolloutWorkflow):
+    """Generate, run tool calls, append results (masked), continue; one row per episode.
+
+    Extra sequence-level keys: ``num_tool_calls`` (int64) and ``truncated`` (bool).
+    """
+
+    def __init__(
+        self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object, tool: Tool | None = None,
+        max_tool_calls: int = 3, call_start: str = "<|call|>", call_end: str = "\n",
+        result_prefix: str = "<|result|>", result_suffix: str = "\n",
+        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
+    ) -> None:
+        self.reward_fn = reward_fn
+        self.gconfig = gconfig.new(n_samples=1)
+        self.tokenizer = tokenizer
+        self.tool: Tool = tool if tool is not None else calculator()
+        self.max_tool_calls = max_tool_calls
+        self.call_start_id = _one_token(tokenizer, call_start, "call_start")
+        self.call_end_id = _one_token(tokenizer, call_end, "call_end")
+        self.result_prefix, self.result_suffix = result_prefix, result_suffix
+        self.reward_pool = reward_pool
+        self.reward_timeout = reward_timeout
+
+    def result_ids(self, result: str) -> list[int]:
+        text = self.result_prefix + result + self.result_suffix
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]  # type: ignore[attr-defined]
+
+    async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
+        prompt = prompt_ids_of(self.tokenizer, data)
+        buf = TokenBuffer(prompt)
+        rid = uuid.uuid4().hex
+        user_stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}  # type: ignore[attr-defined]
+        generated = calls = 0
+        last: list[int] = []
+        truncated = False
+        while True:
+            budget = self.gconfig.max_new_tokens - generated
+            if budget <= 0:
+                truncated = True
+                break
+            stops = list(self.gconfig.stop_token_ids)
+            if calls < self.max_tool_calls:
+                stops.append(self.call_end_id)
+            g = self.gconfig.new(max_new_tokens=budget, min_new_tokens=min(self.gconfig.min_new_tokens, budget),
+                                 stop_token_ids=stops)
+            resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=g))
+            out = resp.output_tokens
+            buf.add_generated(out, resp.output_logprobs, resp.output_versions)
+            generated += len(out)
+            last += out  # generated since the last tool result
+            if resp.stop_reason != "stop" or not out or out[-1] in user_stops or out[-1] != self.call_end_id:
+                truncated = resp.stop_reason == "length"
+                break
+            if self.call_start_id in out:
+                start = len(out) - 1 - out[::-1].index(self.call_start_id)
+                expr = self.tokenizer.decode(out[start + 1 : -1], skip_special_tokens=False)  # type: ignore[attr-defined]
+                buf.add_context(self.result_ids(await self.tool(expr)))
+                calls += 1
+                last = []
+        if not any(buf.mask):
+            return None
+        reward = await compute_reward(self.reward_fn, engine, self.tokenizer, resp, data, self.reward_pool,
+                                      self.reward_timeout, prompt_ids=prompt, completion_ids=last)
+        return buf.trajectory(
+            reward, num_tool_calls=torch.tensor([calls], dtype=torch.int64),
+            truncated=torch.tensor([truncated], dtype=torch.bool),
+        )

@@ -1,0 +1,220 @@
+"""WorkflowExecutor with a real LocalEngine and the tiny model: staleness bound under random
+timing, status accounting, failures, DAPO filtering, reward timeouts, checkpoint round trip."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from relayrl.api.config import InferenceConfig, RolloutConfig
+from relayrl.api.io import GenerationConfig, WeightUpdate
+from relayrl.data.tasks import make_task
+from relayrl.inference.local import LocalEngine
+from relayrl.rewards.tasks import task_reward_fn
+from relayrl.rollout.executor import WorkflowExecutor
+from relayrl.rollout.workflows.rlvr import RLVRWorkflow
+
+G = GenerationConfig(max_new_tokens=6, top_k=0, top_p=1.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tokenizer):
+    eng = LocalEngine(InferenceConfig(max_batch_size=64, seed=1), model=tiny_model, tokenizer=tokenizer)
+    eng.initialize()
+    yield eng
+    eng.destroy()
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return make_task("arithmetic", 120, 4)[0]
+
+
+def loader(rows, n):
+    return iter([rows[i : i + n] for i in range(0, len(rows), n)])
+
+
+class Delayed(RLVRWorkflow):
+    """RLVR with a random delay before generating and an optional failure/reward override."""
+
+    def __init__(self, tokenizer, delay=0.0, fail_every=0, reward=None, seed=0):
+        super().__init__(task_reward_fn("arithmetic"), G, tokenizer)
+        self.rng, self.delay, self.fail_every, self.calls = random.Random(seed), delay, fail_every, 0
+        self.reward_override = reward
+
+    async def arun_episode(self, engine, data):
+        self.calls += 1
+        if self.fail_every and self.calls % self.fail_every == 0:
+            raise ValueError(f"injected failure {self.calls}")
+        await asyncio.sleep(self.rng.random() * self.delay)
+        traj = await super().arun_episode(engine, data)
+        if traj is not None and self.reward_override is not None:
+            traj["rewards"][:] = self.reward_override(data)
+        return traj
+
+
+def make(engine, **cfg):
+    ex = WorkflowExecutor(RolloutConfig(**{"batch_size": 2, "group_size": 2, **cfg}), engine)
+    ex.initialize()
+    return ex
+
+
+def bump(engine, tiny_model):
+    engine.update_weights(WeightUpdate(kind="tensors", tensors=tiny_model.state_dict(), version=engine.get_version() + 1))
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_staleness_bound_under_random_timing(engine, tiny_model, tokenizer, rows, eta):
+    ex = make(engine, max_staleness=eta)
+    wf = Delayed(tokenizer, delay=0.05, seed=eta)
+    rng = random.Random(eta)
+    data = loader(rows, 2)
+    seen_staleness = []
+    try:
+        for _ in range(6):
+            batch = ex.prepare_batch(data, wf)
+            v = engine.get_version()
+            for row in range(batch["input_ids"].shape[0]):
+                versions = batch["versions"][row]
+                oldest = int(versions[versions >= 0].min())
+                assert oldest >= v - eta, (oldest, v, eta)
+            assert batch["group_id"].shape == (4,) and batch["prompt_index"].shape == (4,)
+            assert (batch["group_id"][0::2] == batch["group_id"][1::2]).all()
+            seen_staleness += ex.last_staleness
+            time.sleep(rng.random() * 0.1)  # "training"
+            bump(engine, tiny_model)  # new weights while the producer runs ahead
+    finally:
+        ex.destroy()
+    assert max(seen_staleness) <= eta
+    if eta == 0:
+        assert set(seen_staleness) == {0}
+    ex.status.reconcile()
+    s = ex.stats()
+    assert s["completed"] == 6 * 2 * 2
+    assert s["submitted"] == s["completed"] + s["filtered"] + s["failed"] + s["aborted"] + s["expired"]
+
+
+def test_failed_episodes_counted_and_batch_fills(engine, tokenizer, rows):
+    ex = make(engine, batch_size=4, group_size=2, max_failure_rate=0.5)
+    wf = Delayed(tokenizer, fail_every=10)
+    try:
+        batch = ex.prepare_batch(loader(rows, 4), wf)
+        batch2 = ex.prepare_batch(loader(rows[40:], 4), wf)
+    finally:
+        ex.destroy()
+    assert len(set(batch["group_id"].tolist())) == 4 and len(set(batch2["group_id"].tolist())) == 4
+    ex.status.reconcile()
+    s = ex.stats()
+    assert s["failed"] == wf.calls // 10 > 0
+    assert s["completed"] == batch["input_ids"].shape[0] + batch2["input_ids"].shape[0]
+
+
+def test_failure_rate_stops_with_clear_error(engine, tokenizer, rows):
+    ex = make(engine, batch_size=2, group_size=2, failure_window=6, max_failure_rate=0.5)
+    try:
+        with pytest.raises(RuntimeError, match=r"rollout stopped: \d+ of the last 6 episodes failed.*injected failure"):
+            ex.prepare_batch(loader(rows, 2), Delayed(tokenizer, fail_every=1))
+    finally:
+        ex.destroy()
+    ex.status.reconcile()
+
+
+def test_invalid_trajectory_counts_as_failed(engine, tokenizer, rows):
+    class Bad(RLVRWorkflow):
+        async def arun_episode(self, engine, data):
+            traj = await super().arun_episode(engine, data)
+            traj["logprobs"][0, 0] = -1.0  # a prompt token with a logprob
+            return traj
+
+    ex = make(engine, max_failure_rate=1.0)
+    try:
+        with pytest.raises(RuntimeError, match="none of the 1 prompts"):
+            ex.rollout_batch(rows[:1], Bad(task_reward_fn("arithmetic"), G, tokenizer))
+    finally:
+        ex.destroy()
+    assert ex.stats()["failed"] == 2 and "logprobs" in ex._last_error
+
+
+def test_dapo_dynamic_filter_oversamples(engine, tokenizer, rows):
+    # rows with an even index get a constant reward (dropped), odd rows a varying one (kept)
+    index = {r["id"]: i for i, r in enumerate(rows)}
+    rng = random.Random(0)
+
+    def reward(data):
+        return 1.0 if index[data["id"]] % 2 == 0 else rng.random()
+
+    ex = make(engine, batch_size=3, group_size=2, dynamic_filter=True)
+    try:
+        batch = ex.prepare_batch(loader(rows, 3), Delayed(tokenizer, reward=reward))
+    finally:
+        ex.destroy()
+    kept = batch["prompt_index"].tolist()
+    assert len(set(kept)) == 3 and all(i % 2 == 1 for i in kept)
+    s = ex.stats()
+    assert s["filtered"] >= 2 * 3  # at least the three even rows among the first six
+    ex.status.reconcile()
+
+
+def test_hanging_reward_fn_times_out(engine, tokenizer, rows):
+    hang_id = rows[0]["id"]
+
+    def reward_fn(prompt, completions, prompt_ids, completion_ids, **data):
+        if data["id"] == hang_id:
+            time.sleep(3600)
+        return 0.5
+
+    wf = RLVRWorkflow(reward_fn, G, tokenizer, reward_timeout=0.5)
+    ex = make(engine, max_failure_rate=1.0)
+    t0 = time.monotonic()
+    try:
+        batch = ex.rollout_batch(rows[:3], wf)
+    finally:
+        ex.destroy()
+    assert time.monotonic() - t0 < 10
+    assert sorted(set(batch["prompt_index"].tolist())) == [1, 2]
+    assert ex.stats()["failed"] == 2 and "did not return within 0.5s" in ex._last_error
+
+
+@pytest.mark.parametrize("policy", ["requeue", "requeue_after"])
+def test_state_dict_round_trip_neither_loses_nor_repeats(engine, tiny_model, tokenizer, rows, policy):
+    data = rows[:24]
+    pulled = []
+
+    def counting(rs, start):
+        for i in range(start, len(rs), 2):
+            pulled.append(i)
+            yield rs[i : i + 2]
+
+    cfg = dict(max_staleness=1, tail_batch=policy, tail_batch_trigger=2)
+    ex = make(engine, **cfg)
+    consumed = []
+    wf = Delayed(tokenizer, delay=0.02)
+    src = counting(data, 0)
+    for _ in range(3):
+        consumed += ex.prepare_batch(src, wf)["prompt_index"][0::2].tolist()
+        bump(engine, tiny_model)
+    state = ex.state_dict()
+    position = (max(pulled) + 2)  # rows the dataloader handed out
+    ex.destroy()
+    assert state["next_index"] == position and len(state["pending"]) > 0  # work was in flight
+    assert {p["prompt_index"] for p in state["pending"]}.isdisjoint(consumed)
+
+    ex2 = make(engine, **cfg)
+    ex2.load_state_dict(state)
+    src2 = counting(data, position)
+    try:
+        while True:
+            try:
+                b = ex2.prepare_batch(src2, wf)
+            except StopIteration:
+                break
+            consumed += b["prompt_index"][0::2].tolist()
+            bump(engine, tiny_model)
+    finally:
+        ex2.destroy()
+    assert sorted(consumed) == list(range(len(data)))  # every prompt exactly once
+    ex2.status.reconcile()
+    assert ex2.stats()["completed"] == 2 * len(data)

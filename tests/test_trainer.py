@@ -1,0 +1,120 @@
+"""The trainer end to end: the four modes, recovery, plots, progress output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relayrl.api.config import RunConfig, load_config
+from relayrl.trainer import train
+
+FAST = [
+    "rollout.batch_size=2", "rollout.group_size=2", "gconfig.max_new_tokens=6", "data.n_train=64", "data.n_eval=4",
+    "train.optimizer.lr=1e-3", "logging.tensorboard=false", "logging.progress=off", "eval.gconfig.max_new_tokens=6",
+]
+
+
+def _cfg(tmp_path: Path, *overrides: str) -> RunConfig:
+    return load_config(RunConfig, None, [f"run_dir={tmp_path / 'run'}", *FAST, *overrides])
+
+
+def _metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["rollout.max_staleness=0", "inference.backend=local"],
+        ["rollout.max_staleness=2", "inference.backend=local", "actor.loss=decoupled_ppo"],
+        pytest.param(["rollout.max_staleness=0", "inference.backend=remote", "inference.n_servers=1"], marks=pytest.mark.slow),
+        pytest.param(["rollout.max_staleness=1", "inference.backend=remote", "inference.n_servers=2"], marks=pytest.mark.slow),
+    ],
+    ids=["sync-colocated", "async-colocated", "sync-disaggregated", "async-disaggregated"],
+)
+def test_modes_train_and_respect_staleness(tmp_path: Path, mode: list[str]) -> None:
+    cfg = _cfg(tmp_path, "total_steps=3", "eval.every_n_steps=3", "checkpoint.every_n_steps=2", *mode)
+    last = train(cfg)
+    rows = _metrics(cfg.run_dir)
+    steps = [r["step"] for r in rows]
+    assert steps == [1, 2, 3]
+    eta = cfg.rollout.max_staleness
+    assert all(r["rollout/staleness_max"] <= eta for r in rows), [r["rollout/staleness_max"] for r in rows]
+    assert [r["version"] for r in rows] == [1.0, 2.0, 3.0]
+    assert "eval/accuracy" in rows[-1] and 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
+    assert all(r["timing/rollout"] > 0 and r["timing/ppo_update"] > 0 for r in rows)
+    assert last["version"] == 3.0
+    run = Path(cfg.run_dir)
+    assert (run / "config.yaml").exists()
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
+    saved = (run / "rollouts" / "step_000003.jsonl").read_text().splitlines()
+    assert saved and {"prompt", "completion", "reward", "versions"} <= set(json.loads(saved[0]))
+
+
+def _run_cli(run_dir: Path, *extra: str, kill_after_ckpt: int | None = None) -> subprocess.CompletedProcess[str] | None:
+    cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run_dir={run_dir}", *FAST, "total_steps=4",
+           "checkpoint.every_n_steps=1", "checkpoint.keep_last=5", "rollout.max_staleness=0", *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if kill_after_ckpt is None:
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, check=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    target = run_dir / "checkpoints" / f"step_{kill_after_ckpt:06d}"
+    deadline = time.monotonic() + 300
+    while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"trainer ended before it could be killed:\n{proc.stdout.read() if proc.stdout else ''}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return None
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / "step_000004" / "actor" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_sigkill_and_recover_is_bitwise_equal_in_sync_mode(tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    out = _run_cli(straight)
+    assert out is not None and "step 4/4" in out.stderr  # plain progress lines off a TTY
+    assert "\r" not in out.stderr
+    killed = tmp_path / "killed"
+    _run_cli(killed, kill_after_ckpt=2)
+    assert not (killed / "checkpoints" / "step_000004").exists()
+    _run_cli(killed, "--recover")
+    a, b = _final_weights(straight), _final_weights(killed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"weights differ after recover: {k}"
+    assert [r["step"] for r in _metrics(killed)][-2:] == [3, 4]
+
+
+def test_async_recover_keeps_staleness_bound(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "total_steps=2", "rollout.max_staleness=1", "checkpoint.every_n_steps=1")
+    train(cfg)
+    resumed = _cfg(tmp_path, "total_steps=4", "rollout.max_staleness=1", "recover=auto", "checkpoint.every_n_steps=1")
+    train(resumed)
+    rows = _metrics(resumed.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+
+
+def test_plot_and_show(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "total_steps=2")
+    train(cfg)
+    png = tmp_path / "curves.png"
+    res = subprocess.run([sys.executable, "-m", "relayrl.cli", "plot", cfg.run_dir, cfg.run_dir, "--out", str(png)],
+                         capture_output=True, text=True, check=True)
+    assert png.exists() and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG", res.stderr
+    shown = subprocess.run([sys.executable, "-m", "relayrl.cli", "show", cfg.run_dir, "--step", "2"],
+                           capture_output=True, text=True, check=True).stdout
+    assert "completion:" in shown and "reward" in shown
