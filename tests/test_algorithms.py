@@ -380,7 +380,7 @@ def test_gspo_matches_loop(spread):
         toks = [t for t in range(s, e) if mask[t]]
         if not toks:
             continue
-        s_ratio = math.exp(sum(float(logp[t] - old[t]) for t in toks) / len(toks))
+        s_ratio = math.exp(sum(float(logp[t].detach() - old[t]) for t in toks) / len(toks))
         for t in toks:
             a = float(adv[t])
             per_tok[t] = ref_ppo_token(s_ratio, a, lo, hi, None)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
+import os
+import shutil
 import tempfile
 import typing
 from pathlib import Path
@@ -170,7 +173,8 @@ SCALARS = (
     | st.sampled_from(["ppo", "grpo", "auto", "float32", "requeue", "1e-5", "k3", "local", "nan", "-inf"])
 )
 VALUES = SCALARS | st.lists(SCALARS, max_size=3) | st.dictionaries(st.sampled_from(["a", "lr", "path"]), SCALARS, max_size=2)
-_TMP = Path(tempfile.mkdtemp(prefix="relayrl-cfg-"))
+_TMP = Path(tempfile.mkdtemp(prefix="relayrl-cfg-"))  # hypothesis examples share it (no tmp_path per example)
+atexit.register(shutil.rmtree, _TMP, True)
 
 
 def _nest(assign: dict[str, object]) -> dict[str, object]:
@@ -184,7 +188,7 @@ def _nest(assign: dict[str, object]) -> dict[str, object]:
     return tree
 
 
-@settings(max_examples=int(__import__("os").environ.get("CFG_EXAMPLES", 100)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("RELAYRL_CONFIG_EXAMPLES", "100")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(assign=st.dictionaries(st.sampled_from(LEAVES), VALUES, min_size=1, max_size=3), via_cli=st.booleans())
 def test_random_values_give_a_valid_config_or_a_config_error_naming_the_field(assign, via_cli):
     if via_cli:

@@ -116,7 +116,7 @@ def test_token_logprobs_and_entropy_match_plain_loop(temperature):
     lp = token_logprobs(logits, p, temperature, chunk=4)
     ent = token_entropy(logits, p, temperature, chunk=4)
     cu = p["cu_seqlens"].tolist()
-    for s, e in zip(cu[:-1], cu[1:]):
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
         torch.testing.assert_close(lp[s:e], ref_logprobs(logits[s:e], p["input_ids"][s:e], temperature), atol=1e-5, rtol=0)
         torch.testing.assert_close(ent[s:e], ref_entropy(logits[s:e], temperature), atol=1e-5, rtol=0)
     assert lp[cu[:-1]].abs().sum() == 0 and ent[cu[:-1]].abs().sum() == 0
@@ -147,7 +147,7 @@ def test_varlen_gradients_equal_separate(tiny_model):
     b = make_batch([6, 13, 9], seed=2)
     model(**model_inputs(pack(b))).logits.pow(2).sum().backward()
     sum(ref(input_ids=b["input_ids"][i : i + 1, :n]).logits.pow(2).sum() for i, n in enumerate([6, 13, 9])).backward()
-    for a, r in zip(model.parameters(), ref.parameters()):
+    for a, r in zip(model.parameters(), ref.parameters(), strict=True):
         assert (a.grad - r.grad).abs().max() <= 1e-5 * max(1.0, float(r.grad.abs().max()))
 
 

@@ -48,7 +48,7 @@ def test_micro_batch_gradient_equals_full_batch(tiny_model):
     s_split = split.train_batch(batch, pg_loss, n_loss_tokens)
     assert s_full["n_mbs"] == 1 and s_split["n_mbs"] >= 3
     assert abs(s_full["loss"] - s_split["loss"]) <= 1e-6
-    for a, b in zip(grads(full), grads(split)):
+    for a, b in zip(grads(full), grads(split), strict=True):
         assert (a - b).abs().max() <= 1e-6
     # and both equal the plain padded-batch gradient computed by hand
     ref = copy.deepcopy(tiny_model).train()
@@ -56,7 +56,7 @@ def test_micro_batch_gradient_equals_full_batch(tiny_model):
     lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     mask = batch["loss_mask"][:, 1:].float()
     (-(lp * batch["advantages"][:, 1:] * mask).sum() / mask.sum()).backward()
-    for a, p in zip(grads(split), ref.parameters()):
+    for a, p in zip(grads(split), ref.parameters(), strict=True):
         assert (a - p.grad).abs().max() <= 1e-5
 
 
@@ -65,7 +65,7 @@ def test_gradient_checkpointing_same_gradient(tiny_model):
     a, b = make_engine(tiny_model, grad_clip=0.0), make_engine(tiny_model, grad_clip=0.0, gc=True)
     a.train_batch(batch, pg_loss, n_loss_tokens)
     b.train_batch(batch, pg_loss, n_loss_tokens)
-    for ga, gb in zip(grads(a), grads(b)):
+    for ga, gb in zip(grads(a), grads(b), strict=True):
         assert (ga - gb).abs().max() <= 1e-6
 
 
@@ -123,7 +123,7 @@ def test_nan_guard_skips_and_then_stops(tiny_model):
 
     for _ in range(3):
         assert eng.train_batch(batch, nan_loss, n_loss_tokens)["skipped"] == 1.0
-    assert all(torch.equal(a, b) for a, b in zip(params, eng.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(params, eng.model.parameters(), strict=True))
     state = eng.optimizer.state_dict()["state"]
     assert all(torch.equal(state[k]["exp_avg"], opt_state["state"][k]["exp_avg"]) for k in state)
     assert all(float(state[k]["step"]) == 1 for k in state)
@@ -150,7 +150,7 @@ def test_save_load_resume_is_exact_and_hf_reloadable(tiny_model, tmp_path):
     assert b.get_version() == 7 and b.get_lr() == a.optimizer.param_groups[0]["lr"]
     s_b = b.train_batch(b2, pg_loss, n_loss_tokens)
     assert s_a == s_b
-    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
 
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"))
     ids = b1["input_ids"][:1, :20]

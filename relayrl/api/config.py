@@ -28,9 +28,9 @@ import yaml
 from relayrl.api.io import GenerationConfig
 
 T = TypeVar("T")
-Scalar = Union[str, int, float, bool, None]
+Scalar = str | int | float | bool | None
 # A YAML value as loaded: scalars, lists and mappings of them.
-YamlValue = Union[Scalar, list["YamlValue"], dict[str, "YamlValue"]]
+YamlValue = Scalar | list["YamlValue"] | dict[str, "YamlValue"]
 
 
 class ConfigError(ValueError):
@@ -403,7 +403,7 @@ def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known fields: {', '.join(fields)}"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
     kwargs: dict[str, object] = {}
-    for name, fl in fields.items():
+    for name in fields:
         if name not in values:
             continue
         value = values[name]
@@ -515,7 +515,7 @@ def save_config(cfg: object, run_dir: str | os.PathLike[str]) -> Path:
     return out
 
 
-def config_reference(classes: tuple[type, ...] = (RunConfig, ServerConfig)) -> str:
+def config_reference(classes: tuple[type, ...] = (RunConfig, ServerConfig, SFTConfig)) -> str:
     """Markdown reference of every field (the content of ``docs/config.md``)."""
     lines = [
         "# Config reference",

@@ -60,6 +60,8 @@ def cat_left_padded(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tenso
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, eps)  # one fused op
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -119,11 +121,11 @@ class FastDecoder:
         nq, nkv = self.n_q * d, self.n_kv * d
         for (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d), kv in zip(self.layers, cache, strict=True):
             qkv = F.linear(_rms(x, w_in, self.eps), w_qkv, b_qkv)
-            q = _rope(qkv[:, :nq].view(b, self.n_q, d), cos, sin)
-            k = _rope(qkv[:, nq : nq + nkv].view(b, self.n_kv, d), cos, sin)
-            keys, values = kv.update(k[:, :, None], qkv[:, nq + nkv :].view(b, self.n_kv, 1, d))
+            qk = _rope(qkv[:, : nq + nkv].view(b, self.n_q + self.n_kv, d), cos, sin)  # q and k heads at once
+            keys, values = kv.update(qk[:, self.n_q :, None], qkv[:, nq + nkv :].view(b, self.n_kv, 1, d))
             # the query heads of one kv group attend together: [B, Hkv, G, D] against [B, Hkv, L, D]
-            o = F.scaled_dot_product_attention(q.view(b, self.n_kv, -1, d), keys, values, attn_mask=amask, scale=self.scaling)
+            q = qk[:, : self.n_q].reshape(b, self.n_kv, -1, d)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=amask, scale=self.scaling)
             x = x + F.linear(o.reshape(b, -1), w_o, b_o)
             gate, up = F.linear(_rms(x, w_post, self.eps), w_gu, b_gu).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w_d, b_d)

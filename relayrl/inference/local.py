@@ -94,6 +94,8 @@ class LocalEngine(InferenceEngine):
         self._key_lock = threading.Lock()
         # running batch state (touched only by the loop thread)
         self._rows: list[_Seq] = []
+        self._alive: list[bool] = []  # finished rows stay (unused) until the batch is compacted
+        self._params: RowParams | None = None
         self._cache: DynamicCache | None = None
         self._mask = torch.zeros(0, 0, dtype=torch.long)
         self._pos = torch.zeros(0, dtype=torch.long)
@@ -276,7 +278,6 @@ class LocalEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
-        torch.set_num_threads(torch.get_num_threads())
         with torch.inference_mode():
             while True:
                 with self._wake:
@@ -293,8 +294,9 @@ class LocalEngine(InferenceEngine):
                 try:
                     self._step()
                 except Exception as e:  # a model error fails the running requests, not the engine
-                    for seq in self._rows:
-                        seq.on_done(_error_response(seq, e))
+                    for seq, alive in zip(self._rows, self._alive, strict=True):
+                        if alive:
+                            seq.on_done(e)  # type: ignore[arg-type]  # the future raises it
                     self._reset_batch()
             self._abort_running()
             while not self._waiting.empty():
@@ -312,14 +314,14 @@ class LocalEngine(InferenceEngine):
             done.set()
 
     def _abort_running(self) -> None:
-        rows, self._rows = self._rows, []
+        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
         self.stats["aborts"] += len(rows)
         self._reset_batch()
         for seq in rows:
             seq.on_done(seq.response("abort"))
 
     def _reset_batch(self) -> None:
-        self._rows, self._cache = [], None
+        self._rows, self._alive, self._cache, self._params = [], [], None, None
         self._mask = torch.zeros(0, 0, dtype=torch.long)
         self._pos = torch.zeros(0, dtype=torch.long)
 
@@ -328,22 +330,26 @@ class LocalEngine(InferenceEngine):
         if not self._rows:
             return
         tokens, logprobs = self._sample()
+        assert self._params is not None
+        self._params.counters += 1  # the next token of every row uses the next uniform
         self.stats["steps"] += 1
-        keep: list[int] = []
         now = time.perf_counter()
         for i, (seq, tok, lp) in enumerate(zip(self._rows, tokens.tolist(), logprobs.tolist(), strict=True)):
+            if not self._alive[i]:
+                continue
             if not seq.first_token_at:
                 seq.first_token_at = now
             seq.out.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
+            self.stats["tokens"] += 1
             reason = self._finished(seq, tok)
-            if reason is None:
-                keep.append(i)
-            else:
+            if reason is not None:  # the future resolves now; the row leaves at the next compaction
+                self._alive[i] = False
                 seq.on_done(seq.response(reason))
-        self.stats["tokens"] += len(self._rows)
-        if len(keep) < len(self._rows):
+        dead = self._alive.count(False)
+        if dead and (dead == len(self._rows) or dead >= len(self._rows) // 8 or not self._waiting.empty()):
+            keep = [i for i, alive in enumerate(self._alive) if alive]
             self._select(keep)
             tokens = tokens[keep]
         if self._rows:
@@ -365,24 +371,25 @@ class LocalEngine(InferenceEngine):
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._rows
-        greedy = [s.g.greedy for s in rows]
-        temps = [1.0 if s.g.greedy else s.g.temperature for s in rows]
-        top_k = [0 if s.g.greedy else s.g.top_k for s in rows]
-        top_p = [1.0 if s.g.greedy else s.g.top_p for s in rows]
-        params = RowParams(
-            temperature=torch.tensor(temps), top_k=torch.tensor(top_k), top_p=torch.tensor(top_p),
-            greedy=torch.tensor(greedy), keys=torch.tensor([s.key for s in rows]),
-            counters=torch.tensor([len(s.out) for s in rows]),
-            any_filter=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
-            any_greedy=any(greedy), all_temp_one=all(t == 1.0 for t in temps),
-        )
+        if self._params is None:  # rebuilt only when the batch changes; counters advance per step
+            greedy = [s.g.greedy for s in rows]
+            temps = [1.0 if s.g.greedy else s.g.temperature for s in rows]
+            top_k = [0 if s.g.greedy else s.g.top_k for s in rows]
+            top_p = [1.0 if s.g.greedy else s.g.top_p for s in rows]
+            self._params = RowParams(
+                temperature=torch.tensor(temps), top_k=torch.tensor(top_k), top_p=torch.tensor(top_p),
+                greedy=torch.tensor(greedy), keys=torch.tensor([s.key for s in rows]),
+                counters=torch.tensor([len(s.out) for s in rows]),
+                any_filter=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+                any_greedy=any(greedy), all_temp_one=all(t == 1.0 for t in temps),
+            )
         banned = None
-        young = [i for i, s in enumerate(rows) if len(s.out) < s.g.min_new_tokens and s.stop_ids]
+        young = [i for i, s in enumerate(rows) if len(s.out) < s.g.min_new_tokens and s.stop_ids and self._alive[i]]
         if young:
             banned = torch.zeros(self._logits.shape, dtype=torch.bool)
             for i in young:
                 banned[i, list(rows[i].stop_ids)] = True
-        return sample(self._logits, params, banned)
+        return sample(self._logits, self._params, banned)
 
     # ------------------------------------------------------------------ batch and KV cache
     def _admit(self) -> None:
@@ -423,12 +430,13 @@ class LocalEngine(InferenceEngine):
         self._cache = DynamicCache()
         self._cache.layers = [SlabLayer(k, v) for k, v in kv]
         self._rows, self._mask, self._logits = self._rows + new, mask, logits
+        self._alive, self._params = self._alive + [True] * len(new), None
         self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1)])
         self._mask_bool = self._mask.bool()
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
-        self._rows = [self._rows[i] for i in keep]
+        self._rows, self._alive, self._params = [self._rows[i] for i in keep], [True] * len(keep), None
         if not keep:
             self._reset_batch()
             return
@@ -488,15 +496,10 @@ def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse
         else:
             fut.set_result(result)
 
-    def done(result: ModelResponse) -> None:
+    def done(result: ModelResponse | BaseException) -> None:
         try:
             loop.call_soon_threadsafe(settle, result)
         except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
             pass
 
     return done
-
-
-def _error_response(seq: _Seq, error: Exception) -> ModelResponse:
-    """Failed requests resolve with the exception (typed as a response for the callback)."""
-    return error  # type: ignore[return-value]

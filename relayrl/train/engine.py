@@ -255,7 +255,7 @@ class TorchTrainEngine(TrainEngine):
         scale = D.world_size() if fsdp else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, n_tokens = 0.0, 0
-        for i, ((packed, dummy), w) in enumerate(zip(mbs, weights)):
+        for i, ((packed, dummy), w) in enumerate(zip(mbs, weights, strict=True)):
             if fsdp:
                 model.set_requires_gradient_sync(i == len(mbs) - 1)  # type: ignore[operator]
             loss = loss_fn(self._logits(packed), packed)

@@ -232,7 +232,7 @@ def varlen_attention_forward(
         F.scaled_dot_product_attention(
             query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, dropout_p=drop, scale=scaling
         )
-        for s, e in zip(bounds[:-1], bounds[1:])
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
     ]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
