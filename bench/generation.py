@@ -1,11 +1,13 @@
 """Generation throughput: LocalEngine vs Hugging Face ``model.generate`` (same model, same run).
 
 Workload (an RL rollout batch): 64 prompts of 8-40 tokens, sampled at temperature 1 with
-``top_k=0, top_p=1.0`` (passed explicitly to ``generate``), ``max_new_tokens=256``, ending
+``top_k=0, top_p=1.0`` (passed explicitly to ``generate``), ``max_new_tokens=128``, ending
 at EOS. The tiny models are random, so their next-token distribution is close to uniform
 over ~100 tokens; a forward hook adds ``EOS_BIAS`` to the EOS logit of ``lm_head`` (for both
 engines) so that P(EOS) is ~1/30 per step and completion lengths are geometric: most end
-after a few dozen tokens, a few run to the cap -- the long tail RL rollouts have.
+after a few dozen tokens (mean ~30), and the longest of 64 usually reach the 128 cap -- the long
+tail RL rollouts have. The cap keeps both runs' longest rows comparable (each engine draws its
+own samples, and an uncapped maximum of 64 geometric lengths varies a lot between runs).
 
 Throughput = generated tokens (up to and including EOS) / wall seconds. ``generate`` keeps
 every row in the batch until the longest finishes; LocalEngine drops finished rows at once.
@@ -34,7 +36,7 @@ from relayrl.data.models import build_tiny_model
 from relayrl.inference.local import LocalEngine
 
 N_PROMPTS = 64
-MAX_NEW = 256
+MAX_NEW = 128
 EOS_BIAS = 1.25  # exp(1.25) / (exp(1.25) + ~100) ~ 1/30 per step
 EOS, PAD = 1, 0
 

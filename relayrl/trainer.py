@@ -57,6 +57,10 @@ class Trainer:
     ) -> None:
         from relayrl import wiring  # the one module that knows every concrete part
 
+        if cfg.actor.overlong_buffer and not cfg.actor.overlong_max_len:
+            cfg.actor.overlong_max_len = cfg.gconfig.max_new_tokens  # DAPO's penalty ramps up to the limit
+        if cfg.train.optimizer.lr_schedule != "constant" and not cfg.train.total_steps:
+            cfg.train.total_steps = cfg.total_steps * cfg.actor.ppo_epochs * cfg.actor.n_minibatches
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
@@ -75,12 +79,11 @@ class Trainer:
         # Train side: the actor, and a critic / reference model when the algorithm needs them.
         self.actor_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
         self.actor_engine.initialize()
-        self.actor = PPOActor(cfg.actor, self.actor_engine)
-        self.ref: PPOActor | None = None
+        ref_engine = None
         if cfg.actor.kl_coef > 0:
             ref_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), trainable=False)
             ref_engine.initialize()
-            self.ref = PPOActor(cfg.actor, ref_engine)
+        self.actor = PPOActor(cfg.actor, self.actor_engine, ref_engine=ref_engine, seed=cfg.seed)
         self.critic: Critic | None = None
         if cfg.actor.adv_estimator == "gae":
             critic_engine = wiring.make_critic_engine(cfg)
@@ -121,7 +124,7 @@ class Trainer:
                 with stats.record_timing("ppo_update"), stats.scope("actor"):
                     self.actor.ppo_update(batch)
                     if self.critic is not None:
-                        self.critic.ppo_update(batch)
+                        self.critic.update(batch)
                 with stats.record_timing("update_weights"):
                     self.step += 1
                     self.actor_engine.set_version(self.step)
@@ -143,8 +146,8 @@ class Trainer:
         """Recompute logprobs the losses need: proximal/old policy, reference, values."""
         if self.cfg.actor.recompute_logp:
             batch["prox_logp"] = self.actor.compute_logp(batch)
-        if self.ref is not None:
-            batch["ref_logp"] = self.ref.compute_logp(batch)
+        if self.actor.ref_engine is not None:
+            batch["ref_logp"] = self.actor.compute_ref_logp(batch)
         if self.critic is not None:
             batch["values"] = self.critic.compute_values(batch)
 
@@ -208,7 +211,10 @@ class Trainer:
             self.actor_engine.save(SaveLoadMeta(str(path / "actor"), with_optim=True))
             if self.critic is not None:
                 self.critic.engine.save(SaveLoadMeta(str(path / "critic"), with_optim=True))
-            torch.save(rng_state(), path / "rng.pt")
+            rngs = {"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()}
+            if hasattr(self.engine, "state_dict"):  # LocalEngine: its sampling stream position
+                rngs["engine"] = self.engine.state_dict()
+            torch.save(rngs, path / "rng.pt")
 
         state = {"version": self.step, "dataloader": self.dataloader.state_dict(), "executor": self.executor.state_dict()}
         path = self.ckpt.save(self.step, write, state)
@@ -232,7 +238,11 @@ class Trainer:
         self.actor_engine.set_version(int(state["version"]))  # type: ignore[arg-type]
         self.dataloader.load_state_dict(state["dataloader"])  # type: ignore[arg-type]
         self.executor.load_state_dict(state["executor"])  # type: ignore[arg-type]
-        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        rngs = torch.load(path / "rng.pt", weights_only=False)
+        set_rng_state(rngs["global"])
+        self.actor.generator.set_state(rngs["actor_minibatches"])
+        if "engine" in rngs:
+            self.engine.load_state_dict(rngs["engine"])
         logger.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:

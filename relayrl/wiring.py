@@ -6,6 +6,7 @@ Both sides of the system meet here (and in the trainer and recipes) and nowhere 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
@@ -50,7 +51,7 @@ def make_dataloader(cfg: RunConfig, rows: list[DataItem]) -> RLDataLoader:
 
 
 def make_critic_engine(cfg: RunConfig) -> TorchTrainEngine:
-    critic_train = cfg.train
+    critic_train = copy.deepcopy(cfg.train)
     critic_train.optimizer.lr = cfg.actor.critic_lr
     return TorchTrainEngine(critic_train, cfg.model, model=load_model(cfg.model, cfg.seed), head="value", seed=cfg.seed)
 

@@ -202,7 +202,7 @@ def test_critic_gae_and_value_update(tiny_model, tokenizer):
 
     errs = [value_err()]
     for _ in range(4):  # the score head starts at 0, so the first steps only move the head: slow but steady
-        stats = critic.ppo_update(batch)
+        stats = critic.update(batch)
         errs.append(value_err())
     assert "critic/vf_clip_frac" in stats[0] and "critic/loss" in stats[0]
     assert all(b < a for a, b in zip(errs[:-1], errs[1:], strict=True)) and errs[-1] < 0.95 * errs[0]

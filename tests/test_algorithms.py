@@ -88,10 +88,10 @@ def test_registry_lookup_and_errors():
     assert set(A.ADVANTAGES) >= {"grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "remax", "gae"}
     assert set(A.LOSSES) >= {"ppo", "decoupled_ppo", "gspo", "reinforce"}
     assert A.get_advantage("grpo") is A.grpo_advantage
-    with pytest.raises(KeyError, match="unknown advantage estimator 'nope'"):
+    with pytest.raises(ValueError, match="actor.adv_estimator='nope' is not registered"):
         A.get_advantage("nope")
-    with pytest.raises(KeyError, match="registered"):
-        A.get_loss("nope")
+    with pytest.raises(ValueError, match="actor.loss='ppx' is not registered; did you mean 'ppo'"):
+        A.get_loss("ppx")
     with pytest.raises(ValueError, match="already registered"):
         A.register_loss("ppo")(A.ppo_loss)
 

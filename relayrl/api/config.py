@@ -134,8 +134,8 @@ class RolloutConfig:
 
 @dataclass
 class ActorConfig:
-    adv_estimator: str = f("grpo", help="Advantage estimator (registry name).", choices=["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "remax", "gae"])
-    loss: str = f("ppo", help="Policy loss (registry name).", choices=["ppo", "decoupled_ppo", "gspo", "reinforce"])
+    adv_estimator: str = f("grpo", help="Advantage estimator, a name registered with @register_advantage: grpo, dr_grpo, rloo, reinforce, reinforce_pp, remax, gae, or your own (checked when the actor is built).")
+    loss: str = f("ppo", help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own (checked when the actor is built).")
     eps_clip: float = f(0.2, help="PPO clip range (lower side, and upper unless eps_clip_higher is set).", gt=0.0, lt=1.0)
     eps_clip_higher: float | None = f(None, help="DAPO clip-higher: upper clip range; None = eps_clip.", gt=0.0, lt=10.0)
     c_clip: float | None = f(None, help="Dual-clip factor for negative advantages, must be > 1; None disables.", gt=1.0)
@@ -208,7 +208,7 @@ class LoggingConfig:
     wandb_mode: str = f("offline", help="W&B mode.", choices=["online", "offline", "disabled"])
     wandb_project: str = f("relayrl", help="W&B project.")
     rollouts_per_step: int = f(4, help="Rollouts (prompt, completion, reward, version) saved per step.", ge=0)
-    progress: str = f("auto", help="Live progress bar: auto (TTY only), on, off (plain lines).", choices=["auto", "on", "off"])
+    progress: str = f("auto", help="Progress display: auto (a live bar on a terminal, lines otherwise), bar, lines.", choices=["auto", "bar", "lines"])
 
 
 @dataclass

@@ -83,6 +83,7 @@ class PPOActor:
             )
         if config.loss == "decoupled_ppo" and not config.recompute_logp:
             raise ValueError("actor.loss='decoupled_ppo' needs actor.recompute_logp=true (the proximal logprobs)")
+        A.get_advantage(config.adv_estimator), A.get_loss(config.loss)  # fail now, naming the field
         self.config, self.engine, self.ref_engine = config, engine, ref_engine
         self.generator = torch.Generator().manual_seed(seed)
         self.adv_stats: dict[str, float] = {}
@@ -284,7 +285,6 @@ class Critic:
                 out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **stats}.items()}})
         return out
 
-    ppo_update = update  # the actor's verb, so a trainer loop can treat both alike
 
 
 # --------------------------------------------------------------------------------------

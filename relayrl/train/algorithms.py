@@ -18,11 +18,14 @@ ones they do not use, so the actor can call any of them the same way.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 Tensor = torch.Tensor
+T = TypeVar("T")
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
 LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
@@ -55,16 +58,22 @@ def register_loss(name: str) -> Callable[[LossFn], LossFn]:
     return deco
 
 
+def _lookup(registry: dict[str, T], name: str, field: str) -> T:
+    if name not in registry:
+        close = difflib.get_close_matches(name, list(registry), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"{field}={name!r} is not registered; {hint}registered: {sorted(registry)}")
+    return registry[name]
+
+
 def get_advantage(name: str) -> AdvantageFn:
-    if name not in ADVANTAGES:
-        raise KeyError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGES)}")
-    return ADVANTAGES[name]
+    """The estimator registered as ``name``; ValueError naming ``actor.adv_estimator`` otherwise."""
+    return _lookup(ADVANTAGES, name, "actor.adv_estimator")
 
 
 def get_loss(name: str) -> LossFn:
-    if name not in LOSSES:
-        raise KeyError(f"unknown policy loss {name!r}; registered: {sorted(LOSSES)}")
-    return LOSSES[name]
+    """The policy loss registered as ``name``; ValueError naming ``actor.loss`` otherwise."""
+    return _lookup(LOSSES, name, "actor.loss")
 
 
 # --------------------------------------------------------------------------------------

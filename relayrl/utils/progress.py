@@ -21,7 +21,7 @@ class Progress:
     def __init__(self, total: int, start: int = 0, mode: str = "auto", stream: TextIO | None = None) -> None:
         self.total, self.start = total, start
         self.stream = stream or sys.stderr
-        self.live = mode == "on" or (mode == "auto" and self.stream.isatty())
+        self.live = mode == "bar" or (mode == "auto" and self.stream.isatty())
         self.t0 = time.monotonic()
         self.last: dict[str, float] = {}
 

@@ -1,0 +1,160 @@
+"""Datasets from files, validated row by row, and a resumable shuffling dataloader.
+
+Rows follow contract 1: ``id``, ``messages`` (chat turns ending with the user's) and
+``answer``; other columns pass through to workflows and reward functions untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from relayrl.api.engine import DataItem
+from relayrl.utils.logging import get_logger
+
+logger = get_logger("data")
+
+
+class DatasetError(ValueError):
+    """A dataset row is missing a field, has a wrong type, or an empty / over-long prompt."""
+
+
+def read_records(path: str | Path) -> list[dict[str, object]]:
+    """Raw records of a ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"dataset file not found: {p}")
+    if p.suffix == ".jsonl":
+        out = []
+        for n, line in enumerate(p.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{p}: line {n + 1} is not valid JSON ({e.msg})") from None
+        return out
+    if p.suffix == ".json":
+        data = json.loads(p.read_text())
+        if not isinstance(data, list):
+            raise DatasetError(f"{p}: a .json dataset must hold a list of objects, got {type(data).__name__}")
+        return data
+    if p.suffix == ".parquet":
+        import datasets
+
+        return [dict(r) for r in datasets.Dataset.from_parquet(str(p))]
+    raise DatasetError(f"{p}: unsupported dataset format {p.suffix!r} (use .jsonl, .json or .parquet)")
+
+
+def gsm8k_answer(text: str) -> str:
+    """The final answer of a GSM8K solution: the text after ``####`` (commas dropped)."""
+    return text.split("####")[-1].strip().replace(",", "") if "####" in text else text.strip()
+
+
+def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: str) -> DataItem:
+    """One validated contract-1 row; DatasetError names the row and the field otherwise."""
+    if not isinstance(record, dict):
+        raise DatasetError(f"row {index}: expected an object, got {type(record).__name__}")
+    where = f"row {index} (id={record.get('id', index)!r})"
+    if prompt_key not in record:
+        raise DatasetError(f"{where}: missing prompt field {prompt_key!r} (has {sorted(record)})")
+    prompt = record[prompt_key]
+    if prompt_key == "messages" or isinstance(prompt, list):
+        ok = isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
+        if not ok:
+            raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty list of {{role, content}} strings")
+        messages = prompt
+    elif isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        raise DatasetError(f"{where}: {prompt_key!r} must be a string or a list of chat turns, got {type(prompt).__name__}")
+    if not any(str(m["content"]).strip() for m in messages):  # type: ignore[index]
+        raise DatasetError(f"{where}: the prompt is empty")
+    if answer_key not in record:
+        raise DatasetError(f"{where}: missing answer field {answer_key!r} (has {sorted(record)})")
+    answer = record[answer_key]
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        raise DatasetError(f"{where}: {answer_key!r} must be a string or number, got {type(answer).__name__}")
+    row: DataItem = {k: v for k, v in record.items() if k not in (prompt_key, answer_key)}
+    row.update({"id": record.get("id", index), "messages": messages, "answer": gsm8k_answer(str(answer))})
+    return row
+
+
+def load_rows_from_file(
+    path: str | Path, prompt_key: str = "question", answer_key: str = "answer",
+    tokenizer: PreTrainedTokenizerBase | None = None, max_prompt_len: int = 0, skip_invalid: bool = False,
+) -> list[DataItem]:
+    """Validated rows of a file. Bad rows raise DatasetError, or are skipped (and counted in
+    a warning) with ``skip_invalid``. With a tokenizer, prompts over ``max_prompt_len``
+    tokens are bad rows too."""
+    from relayrl.data.models import chat_ids
+
+    rows, skipped = [], []
+    for i, record in enumerate(read_records(path)):
+        try:
+            row = to_row(record, i, prompt_key, answer_key)
+            if tokenizer is not None and max_prompt_len:
+                n = len(chat_ids(tokenizer, row["messages"]))  # type: ignore[arg-type]
+                if n > max_prompt_len:
+                    raise DatasetError(f"row {i} (id={row['id']!r}): prompt has {n} tokens > data.max_prompt_len={max_prompt_len}")
+        except DatasetError as e:
+            if not skip_invalid:
+                raise DatasetError(f"{path}: {e}") from None
+            skipped.append(str(e))
+            continue
+        rows.append(row)
+    if skipped:
+        logger.warning("%s: skipped %d invalid rows (first: %s)", path, len(skipped), skipped[0])
+    if not rows:
+        raise DatasetError(f"{path}: no valid rows")
+    return rows
+
+
+class RLDataLoader:
+    """Batches of rows forever, reshuffled each epoch from ``seed``; resumable exactly.
+
+    ``state_dict()`` records (epoch, position); a loader restored from it yields exactly
+    the batches the original would have yielded next, so a resumed run neither loses nor
+    repeats prompts.
+    """
+
+    def __init__(self, rows: list[DataItem], batch_size: int, shuffle: bool = True, seed: int = 0) -> None:
+        if not rows:
+            raise ValueError("RLDataLoader needs at least one row")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[list[DataItem]]:
+        return self
+
+    def __next__(self) -> list[DataItem]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position >= len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            batch.append(self.rows[self._order[self.position]])
+            self.position += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._epoch_order(self.epoch)
