@@ -59,10 +59,12 @@ class DemoSettings:
     n_train: int = 2000
     n_eval: int = 200
     error_rate: float = 0.3  # fraction of wrong demonstrations
-    sft_steps: int = 400
+    sft_steps: int = 1000  # at most; SFT stops once greedy accuracy on a probe of
+    sft_probe_every: int = 100  # training prompts reaches sft_stop_greedy (the moment
+    sft_stop_greedy: float = 0.6  # addition is learned varies by seed: ~300-700 steps)
     sft_batch_size: int = 128
     sft_lr: float = 3e-3  # constant after warmup: addition is learned in a phase transition
-    sft_warmup_steps: int = 20  # that a decaying LR can miss (notes/demo_tuning.md)
+    sft_warmup_steps: int = 50  # that a decaying LR can miss (notes/demo_tuning.md)
     eval_samples: int = 4  # samples per held-out prompt for the sampled accuracy
     max_new_tokens: int = 8
     torch_threads: int = 1
@@ -116,7 +118,7 @@ def warm_start(
     """SFT on imperfect demonstrations of ``train`` (``s.error_rate`` of them wrong)."""
     cfg = SFTConfig(
         run_dir=str(run_dir / "sft"), seed=seed, torch_threads=s.torch_threads, total_steps=s.sft_steps,
-        batch_size=s.sft_batch_size, log_every_n_steps=100, save_final=True,
+        batch_size=s.sft_batch_size, log_every_n_steps=s.sft_probe_every, save_final=True,
         model=ModelConfig(path="tiny"),
         train=TrainEngineConfig(optimizer=OptimizerConfig(
             lr=s.sft_lr, lr_schedule="constant", warmup_steps=s.sft_warmup_steps,
@@ -125,8 +127,16 @@ def warm_start(
         logging=LoggingConfig(tensorboard=False),
     )
     demos = demonstrations(train, s.error_rate, seed)
-    return run_sft(cfg, tokenizer=build_tokenizer(), model=build_demo_model(seed), train_rows=demos,
-                   eval_rows=held_out[:64], logger=logger)
+    tokenizer = build_tokenizer()
+    probe = train[:100]
+
+    def learned(step: int, model: PreTrainedModel) -> bool:
+        acc = held_out_accuracy(model, tokenizer, probe, 1, s.max_new_tokens, seed)
+        log.info("sft step %d: probe greedy accuracy %.2f (stop at %.2f)", step, acc["greedy"], s.sft_stop_greedy)
+        return acc["greedy"] >= s.sft_stop_greedy
+
+    return run_sft(cfg, tokenizer=tokenizer, model=build_demo_model(seed), train_rows=demos,
+                   eval_rows=held_out[:64], logger=logger, stop_fn=learned)
 
 
 RLHook = Callable[[PreTrainedModel, list[Row], list[Row], Path], PreTrainedModel]

@@ -23,7 +23,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -208,12 +208,15 @@ def run_sft(
     train_rows: Sequence[Row] | None = None,
     eval_rows: Sequence[Row] | None = None,
     logger: MetricLogger | None = None,
+    stop_fn: Callable[[int, PreTrainedModel], bool] | None = None,
 ) -> SFTResult:
     """Fine-tune on ``train_rows`` (default: from ``cfg.data``); loss on completion tokens.
 
     ``model`` (default: built from ``cfg.model``) is trained in place. Metrics go to
     ``run_dir/metrics.jsonl`` (``sft/loss``, ``sft/grad_norm``, ``sft/lr``, ``eval/loss``);
     the final HF checkpoint (with tokenizer) to ``run_dir/final`` when ``save_final``.
+    ``stop_fn(step, model)``, asked every ``log_every_n_steps``, ends training early when true
+    (e.g. once a probe accuracy is reached).
     """
     t0 = time.monotonic()
     torch.set_num_threads(cfg.torch_threads)
@@ -274,6 +277,12 @@ def run_sft(
                 log.info("sft step %d/%d loss %.4f lr %.2e%s", step, total, mean, stats["lr"], extra)
                 if step < total:
                     window = []
+                if stop_fn is not None and step < total and stop_fn(step, engine._require()):
+                    log.info("sft: stop_fn ended training at step %d", step)
+                    total, window, ev = step, [stats["loss"]], eval_loss()
+                    if ev is not None:
+                        logger.log({"eval/loss": ev}, step=step)
+                    break
         checkpoint = None
         if cfg.save_final:
             checkpoint = str(Path(cfg.run_dir) / "final")

@@ -110,6 +110,7 @@ class Trainer:
         """Train until ``total_steps``; returns the last step's metrics."""
         cfg, last = self.cfg, {}
         progress = Progress(cfg.total_steps, start=self.step, mode=cfg.logging.progress)
+        self._reseed_generation()
         if cfg.eval.before_training and self.step == 0 and self.eval_rows:
             self.metrics.log(self.evaluate(), step=0)
         try:
@@ -126,10 +127,13 @@ class Trainer:
                     if self.critic is not None:
                         self.critic.update(batch)
                 with stats.record_timing("update_weights"):
+                    self.executor.pause()  # no new episodes until this step's bookkeeping is done
                     self.step += 1
                     self.actor_engine.set_version(self.step)
                     self.actor_engine.update_weights(self.engine)
                 last = self._after_step(batch, time.monotonic() - t0)
+                self._reseed_generation()
+                self.executor.resume()
                 progress.update(self.step, last)
         except KeyboardInterrupt:
             logger.warning("interrupted at step %d", self.step)
@@ -150,6 +154,12 @@ class Trainer:
             batch["ref_logp"] = self.actor.compute_ref_logp(batch)
         if self.critic is not None:
             batch["values"] = self.critic.compute_values(batch)
+
+    def _reseed_generation(self) -> None:
+        """Step N's samples come from a stream that depends only on (seed, N), so a resumed
+        synchronous run samples exactly what an uninterrupted one would (LocalEngine)."""
+        if hasattr(self.engine, "load_state_dict"):
+            self.engine.load_state_dict({"next_key": self.step << 20})
 
     # ------------------------------------------------------------------ bookkeeping
     def _after_step(self, batch: TensorDict, seconds: float) -> dict[str, float]:
@@ -211,10 +221,7 @@ class Trainer:
             self.actor_engine.save(SaveLoadMeta(str(path / "actor"), with_optim=True))
             if self.critic is not None:
                 self.critic.engine.save(SaveLoadMeta(str(path / "critic"), with_optim=True))
-            rngs = {"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()}
-            if hasattr(self.engine, "state_dict"):  # LocalEngine: its sampling stream position
-                rngs["engine"] = self.engine.state_dict()
-            torch.save(rngs, path / "rng.pt")
+            torch.save({"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()}, path / "rng.pt")
 
         state = {"version": self.step, "dataloader": self.dataloader.state_dict(), "executor": self.executor.state_dict()}
         path = self.ckpt.save(self.step, write, state)
@@ -241,8 +248,6 @@ class Trainer:
         rngs = torch.load(path / "rng.pt", weights_only=False)
         set_rng_state(rngs["global"])
         self.actor.generator.set_state(rngs["actor_minibatches"])
-        if "engine" in rngs:
-            self.engine.load_state_dict(rngs["engine"])
         logger.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:

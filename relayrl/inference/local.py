@@ -259,6 +259,18 @@ class LocalEngine(InferenceEngine):
         if errors:
             raise errors[0]
 
+    def state_dict(self) -> dict[str, int]:
+        """The sampling stream's position (requests draw keys in arrival order). The trainer
+        sets it per step so that resumed runs sample exactly like uninterrupted ones."""
+        with self._key_lock:
+            nxt = next(self._keys)
+            self._keys = itertools.count(nxt)
+        return {"next_key": nxt}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        with self._key_lock:
+            self._keys = itertools.count(int(state["next_key"]))
+
     def get_version(self) -> int:
         return self._version
 
