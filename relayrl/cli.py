@@ -124,7 +124,11 @@ def _train(argv: list[str]) -> int:
 
     from relayrl.trainer import train
 
-    last = train(cfg)
+    try:
+        last = train(cfg)
+    except ConfigError as e:  # a rule only the built parts can check (e.g. a registered loss name)
+        print(f"relayrl train: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"run_dir": cfg.run_dir, **{k: last[k] for k in sorted(last) if k.startswith(("eval/", "rollout/reward"))}}))
     return 0
 

@@ -28,7 +28,7 @@ from relayrl.api.workflow import RolloutWorkflow
 from relayrl.data.models import load_model, load_tokenizer
 from relayrl.evaluation import evaluate
 from relayrl.rollout.executor import WorkflowExecutor
-from relayrl.train.actor import Critic, PPOActor
+from relayrl.train.actor import Critic, PPOActor, check_actor_config
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.utils import stats
 from relayrl.utils.checkpoint import CheckpointManager
@@ -59,6 +59,7 @@ class Trainer:
 
         if cfg.actor.overlong_buffer and not cfg.actor.overlong_max_len:
             cfg.actor.overlong_max_len = cfg.gconfig.max_new_tokens  # DAPO's penalty ramps up to the limit
+        check_actor_config(cfg.actor)  # a mistyped loss / estimator fails now, not after models load
         if cfg.train.optimizer.lr_schedule != "constant" and not cfg.train.total_steps:
             cfg.train.total_steps = cfg.total_steps * cfg.actor.ppo_epochs * cfg.actor.n_minibatches
         self.cfg = cfg

@@ -95,7 +95,10 @@ def test_c_clip_must_exceed_one():
         ("inference.addresses=host:1", "inference.addresses: expected a list"),
         ("inference.addresses=[[1]]", "inference.addresses[0]: expected a string"),
         ("actor=3", "actor: expected a mapping of fields"),
-        ("actor.loss=ppo2", "actor.loss='ppo2' is not allowed; choose one of ['ppo'"),
+        ("actor.loss_agg_mode=token_mean", "actor.loss_agg_mode='token_mean' is not allowed; choose one of ['token-mean'"),
+        ("actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_len > 0"),
+        (["actor.loss=decoupled_ppo", "actor.recompute_logp=false"], "actor.loss='decoupled_ppo' needs recompute_logp=true"),
+        ("actor.overlong_buffer=40", "actor.overlong_buffer=40 must be below the generation limit"),
         ("model.dtype=fp8", "model.dtype='fp8' is not allowed"),
         ("gconfig.temperature=0", "gconfig.temperature=0.0 is out of range: must be > 0.0"),
         ("eval.gconfig.top_p=1.5", "eval.gconfig.top_p=1.5 is out of range: must be <= 1.0 (allowed range (0.0, 1.0])"),
@@ -104,7 +107,21 @@ def test_c_clip_must_exceed_one():
     ],
 )
 def test_bad_values_give_one_line_errors_naming_the_field(override, expected):
-    assert expected in _error([override])
+    assert expected in _error(override if isinstance(override, list) else [override])
+
+
+def test_unregistered_loss_fails_before_any_model_loads(tmp_path, capsys):
+    """Loss and estimator names are checked against the registries (users add their own), as
+    the first thing the trainer does: one line naming the field, exit code 2, nothing built."""
+    from relayrl.cli import main
+
+    assert main(["train", f"run_dir={tmp_path}", "actor.loss=ppo2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("relayrl train: actor.loss='ppo2' is not registered; did you mean 'ppo'? "
+                   "registered: ['decoupled_ppo', 'gspo', 'ppo', 'reinforce']"), err
+    assert main(["train", f"run_dir={tmp_path}", "actor.adv_estimator=grop"]) == 2
+    assert "actor.adv_estimator='grop' is not registered; did you mean 'grpo'?" in capsys.readouterr().err
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_nested_generation_config_cross_field_validation():

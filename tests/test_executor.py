@@ -158,6 +158,17 @@ def test_dapo_dynamic_filter_oversamples(engine, tokenizer, rows):
     ex.status.reconcile()
 
 
+def test_dynamic_filter_gives_up_with_a_clear_error_when_every_group_is_filtered(engine, tokenizer, rows):
+    ex = make(engine, batch_size=2, group_size=2, dynamic_filter=True, filter_patience=3)
+    try:
+        with pytest.raises(RuntimeError, match=r"groups in a row were filtered .* rollout.filter_patience=3"):
+            ex.prepare_batch(loader(rows, 2), Delayed(tokenizer, reward=lambda data: 0.0))
+        s = ex.stats()
+        assert s["filtered"] >= 3 * 2 * 2  # patience x batch_size groups x group_size episodes
+    finally:
+        ex.destroy()
+
+
 def test_hanging_reward_fn_times_out(engine, tokenizer, rows):
     hang_id = rows[0]["id"]
 

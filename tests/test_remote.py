@@ -68,8 +68,12 @@ def reference(model, ps, g):
         eng.destroy()
 
 
+def model_info(group) -> list[dict]:
+    return [httpx.get(f"http://{a}/get_model_info", timeout=10).json() for a in group.addresses]
+
+
 def served(group) -> list[int]:
-    return [httpx.get(f"http://{a}/get_model_info", timeout=10).json()["requests_served"] for a in group.addresses]
+    return [info["requests_served"] for info in model_info(group)]
 
 
 def test_generate_through_two_servers(group, shared, tiny_model):
@@ -115,18 +119,30 @@ def test_weight_updates_reach_every_server(group, shared, tiny_model):
     new = build_tiny_model("tiny", seed=1).eval()
     ps = prompts(6)
     try:
-        # HTTP upload, with long generations in flight: they are interrupted and continued
-        g = greedy(40)
+        # HTTP upload, with long generations in flight: they are interrupted and continued.
+        # Once every server has generated some tokens, generation is paused, so the update
+        # lands mid-generation on every server whatever the machine's speed.
+        g = greedy(200)
+        base = [info["tokens_generated"] for info in model_info(group)]
         results = []
         t = threading.Thread(target=lambda: results.extend(run_all(eng, ps, g)))
         t.start()
-        time.sleep(0.5)
-        eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=new.state_dict()))
+        deadline = time.monotonic() + 60
+        while any(i["tokens_generated"] - b < 6 for i, b in zip(model_info(group), base, strict=True)):
+            assert time.monotonic() < deadline, "the servers generated nothing"
+            time.sleep(0.005)
+        eng.pause()
+        try:
+            aborts = [info["aborts"] for info in model_info(group)]
+            eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=new.state_dict()))
+            assert all(i["aborts"] > a for i, a in zip(model_info(group), aborts, strict=True))  # interrupted
+        finally:
+            eng.resume()
         t.join()
         versions = [httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"] for a in group.addresses]
         assert versions == [1, 1] and eng.get_version() == 1
         for r in results:
-            assert r.output_len == 40 and r.output_versions == sorted(r.output_versions)
+            assert r.output_len == 200 and r.output_versions == sorted(r.output_versions)
             assert set(r.output_versions) <= {0, 1}
         assert any(0 in r.output_versions and 1 in r.output_versions for r in results)
         refs = reference(new, ps, greedy(8))
@@ -160,11 +176,16 @@ def test_killed_server_requests_complete_and_server_is_readmitted(group, shared,
     refs = reference(tiny_model, ps, g)
     try:
         # this engine's latest weights (what a restarted server must be given before it serves)
-        eng.update_weights(WeightUpdate(kind="disk", version=3, path=str(shared / "v00000002")))
+        tiny_model.save_pretrained(shared / "kill_test_weights")
+        eng.update_weights(WeightUpdate(kind="disk", version=3, path=str(shared / "kill_test_weights")))
+        base = model_info(group)[1]["tokens_generated"]
         results = []
         t = threading.Thread(target=lambda: results.extend(run_all(eng, ps, g, prefix="kill")))
         t.start()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while model_info(group)[1]["tokens_generated"] - base < 20:  # mid-run: tokens out, most still to come
+            assert time.monotonic() < deadline, "server 1 generated nothing"
+            time.sleep(0.005)
         group.kill(1)  # SIGKILL mid-run
         t.join(timeout=120)
         assert len(results) == 40

@@ -128,3 +128,13 @@ def test_cli_sft_from_jsonl(tmp_path, capsys):
     bad.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": 3, "completion": "2"}\n')
     assert main(["sft", f"run_dir={tmp_path / 'r2'}", "data.task=file", f"data.train_path={bad}"]) == 2
     assert "train row 1: 'prompt' must be a string" in capsys.readouterr().err
+
+
+def test_stop_fn_ends_training_early(tmp_path, tokenizer, tiny_model):
+    cfg = load_config(SFTConfig, overrides=[f"run_dir={tmp_path}", "total_steps=10", "batch_size=4", "log_every_n_steps=2"])
+    asked: list[int] = []
+    res = run_sft(cfg, tokenizer=tokenizer, model=copy.deepcopy(tiny_model), train_rows=ROWS * 4, eval_rows=ROWS,
+                  stop_fn=lambda step, model: asked.append(step) or step >= 4)
+    assert asked == [2, 4] and res.steps == 4 and res.eval_loss is not None
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 4]  # the last row: eval/loss at the stop

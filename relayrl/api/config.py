@@ -121,6 +121,10 @@ class RolloutConfig:
     max_staleness: int = f(0, help="eta: most versions a trajectory may lag the trainer; 0 = synchronous RL.", ge=0)
     max_concurrent_rollouts: int = f(0, help="Most prompts in flight at once (0 = batch_size * (max_staleness + 1)).", ge=0)
     dynamic_filter: bool = f(False, help="DAPO dynamic sampling: drop groups whose rewards are all equal and over-sample.")
+    filter_patience: int = f(
+        20, help="Stop with an error when this many batch_size-worth of groups in a row were filtered "
+        "(dynamic_filter or accept fn) while one batch was being filled: the task gives no learning signal (0 = never).", ge=0,
+    )
     max_failure_rate: float = f(0.5, help="Stop the run when more than this fraction of recent episodes failed.", ge=0.0, le=1.0)
     failure_window: int = f(50, help="Episodes over which the failure rate is measured.", ge=1)
     tail_batch: str = f(
@@ -134,8 +138,8 @@ class RolloutConfig:
 
 @dataclass
 class ActorConfig:
-    adv_estimator: str = f("grpo", help="Advantage estimator, a name registered with @register_advantage: grpo, dr_grpo, rloo, reinforce, reinforce_pp, remax, gae, or your own (checked when the actor is built).")
-    loss: str = f("ppo", help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own (checked when the actor is built).")
+    adv_estimator: str = f("grpo", help="Advantage estimator, a name registered with @register_advantage: grpo, dr_grpo, rloo, reinforce, reinforce_pp, remax, gae, or your own (checked against the registry when the trainer or actor is built, before any model loads).")
+    loss: str = f("ppo", help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own (checked against the registry when the trainer or actor is built, before any model loads).")
     eps_clip: float = f(0.2, help="PPO clip range (lower side, and upper unless eps_clip_higher is set).", gt=0.0, lt=1.0)
     eps_clip_higher: float | None = f(None, help="DAPO clip-higher: upper clip range; None = eps_clip.", gt=0.0, lt=10.0)
     c_clip: float | None = f(None, help="Dual-clip factor for negative advantages, must be > 1; None disables.", gt=1.0)
@@ -167,6 +171,16 @@ class ActorConfig:
     baseline: bool = f(True, help="reinforce: subtract the batch-mean reward as a baseline.")
     value_clip: float = f(0.2, help="Critic: value clipping range.", gt=0.0)
     critic_lr: float = f(1e-5, help="Critic learning rate (PPO with critic).", gt=0.0)
+
+    def validate(self) -> None:
+        """Cross-field rules (``ValueError`` naming the fields; field prefix added by the loader)."""
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_norm_len <= 0:
+            raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_len > 0 (e.g. gconfig.max_new_tokens)")
+        if self.overlong_buffer > 0 and 0 < self.overlong_max_len <= self.overlong_buffer:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer} needs overlong_max_len > overlong_buffer "
+                             f"(the generation limit), got {self.overlong_max_len}")
+        if self.loss == "decoupled_ppo" and not self.recompute_logp:
+            raise ValueError("loss='decoupled_ppo' needs recompute_logp=true (the proximal logprobs)")
 
 
 @dataclass
@@ -231,6 +245,13 @@ class RunConfig:
     eval: EvalConfig = f(EvalConfig(), help="Evaluation.")
     checkpoint: CheckpointConfig = f(CheckpointConfig(), help="Checkpoints and recovery.")
     logging: LoggingConfig = f(LoggingConfig(), help="Metrics and progress.")
+
+    def validate(self) -> None:
+        """Rules across sections (checked after each section's own)."""
+        limit = self.actor.overlong_max_len or self.gconfig.max_new_tokens
+        if self.actor.overlong_buffer and limit <= self.actor.overlong_buffer:
+            raise ValueError(f"actor.overlong_buffer={self.actor.overlong_buffer} must be below the generation limit "
+                             f"(actor.overlong_max_len or gconfig.max_new_tokens = {limit})")
 
 
 @dataclass
@@ -442,9 +463,10 @@ def validate_config(obj: object, prefix: str = "") -> None:
             validate_config(value, name + ".")
         else:
             _check_rules(value, fl.metadata, name)
-    if isinstance(obj, GenerationConfig):
+    check = getattr(obj, "validate", None)  # cross-field rules of a section
+    if check is not None:
         try:
-            obj.validate()
+            check()
         except ValueError as e:
             raise ConfigError(f"{prefix}{e}") from None
 

@@ -429,7 +429,8 @@ def build_app(srv: Server) -> FastAPI:
     async def model_info() -> dict[str, object]:
         return {"model_path": srv.cfg.model.path, "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
                 "is_generation": True, "vocab_size": srv.vocab_size, "max_position_embeddings": srv.max_positions,
-                "weight_version": srv.engine.get_version(), "paused": srv.paused, "requests_served": srv.n_served}
+                "weight_version": srv.engine.get_version(), "paused": srv.paused, "requests_served": srv.n_served,
+                "tokens_generated": srv.engine.stats["tokens"], "aborts": srv.engine.stats["aborts"]}
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:

@@ -104,6 +104,7 @@ class WorkflowExecutor:
         self._next_index = 0
         self._next_group = 0
         self._discarded = 0
+        self._filtered_groups = 0  # groups rejected by the dynamic filter / accept fn, ever
         self._src: Iterable[list[DataItem]] | None = None
         self._src_iter: Iterator[list[DataItem]] | None = None
         self._src_done = False
@@ -288,6 +289,7 @@ class WorkflowExecutor:
                     self.status.finish(SampleStatus.FILTERED)
             if n_bad:
                 self.status.finish(SampleStatus.FILTERED, n_bad)
+                self._filtered_groups += 1
             if p.sync:
                 self._sync_done[p.index] = group
             elif group is not None:
@@ -437,9 +439,11 @@ class WorkflowExecutor:
             self._src, self._src_iter, self._src_done = dataloader, iter(dataloader), False
         self._adopt_restored(workflow)
         bs = self.config.batch_size
+        filtered0 = self._filtered_groups
         while True:
             with self._lock:
                 self._raise_if_failed()
+                self._check_filter_patience(self._filtered_groups - filtered0)
                 self._expire_ready()
                 if len(self._ready) >= bs:
                     batch = self._take_ready(bs)
@@ -461,6 +465,17 @@ class WorkflowExecutor:
                 self._pull(workflow)
         self._fill(workflow)  # keep producing while the trainer trains
         return batch
+
+    def _check_filter_patience(self, filtered: int) -> None:
+        """Over-sampling has a bound: a task where every group is filtered would loop forever."""
+        patience = self.config.filter_patience
+        if patience and filtered >= patience * self.config.batch_size:
+            raise RuntimeError(
+                f"prepare_batch: {filtered} groups in a row were filtered (all rewards equal, or rejected by "
+                f"accept_group) while filling one batch of {self.config.batch_size}; rollout.filter_patience="
+                f"{patience}. The task gives this policy no learning signal: make it easier, warm the model up "
+                f"(relayrl sft), or turn off rollout.dynamic_filter. Episodes: {self.status.as_dict()}"
+            )
 
     def _pull(self, workflow: RolloutWorkflow) -> None:
         assert self._src_iter is not None

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from relayrl.api.config import ActorConfig
+from relayrl.api.config import ActorConfig, ConfigError, validate_config
 from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.train import algorithms as A
 from relayrl.train.engine import TorchTrainEngine
@@ -70,20 +70,22 @@ class _StatsSink:
         return {**{k: v / w for k, v in self.sums.items()}, **self.maxes}
 
 
+def check_actor_config(config: ActorConfig) -> None:
+    """``ConfigError`` naming the ``actor.*`` field when the section is inconsistent or names an
+    estimator / loss nobody registered. Runs before any model is built (Trainer) and again
+    when an actor is made directly from code."""
+    validate_config(config, "actor.")
+    if config.overlong_buffer > 0 and config.overlong_max_len <= config.overlong_buffer:
+        raise ConfigError(f"actor.overlong_buffer={config.overlong_buffer} needs actor.overlong_max_len > overlong_buffer "
+                          f"(the generation limit), got {config.overlong_max_len}")
+    A.get_advantage(config.adv_estimator), A.get_loss(config.loss)
+
+
 class PPOActor:
     """Policy-gradient actor: logprobs, advantages and the clipped update, configured by ``ActorConfig``."""
 
     def __init__(self, config: ActorConfig, engine: TrainEngine, ref_engine: TrainEngine | None = None, seed: int = 0):
-        if config.loss_agg_mode == "seq-mean-token-sum-norm" and config.loss_norm_len <= 0:
-            raise ValueError("actor.loss_agg_mode='seq-mean-token-sum-norm' needs actor.loss_norm_len > 0 (e.g. gconfig.max_new_tokens)")
-        if config.overlong_buffer > 0 and config.overlong_max_len <= config.overlong_buffer:
-            raise ValueError(
-                f"actor.overlong_buffer={config.overlong_buffer} needs actor.overlong_max_len > overlong_buffer "
-                f"(the generation limit), got {config.overlong_max_len}"
-            )
-        if config.loss == "decoupled_ppo" and not config.recompute_logp:
-            raise ValueError("actor.loss='decoupled_ppo' needs actor.recompute_logp=true (the proximal logprobs)")
-        A.get_advantage(config.adv_estimator), A.get_loss(config.loss)  # fail now, naming the field
+        check_actor_config(config)
         self.config, self.engine, self.ref_engine = config, engine, ref_engine
         self.generator = torch.Generator().manual_seed(seed)
         self.adv_stats: dict[str, float] = {}

@@ -24,6 +24,8 @@ from typing import TypeVar
 
 import torch
 
+from relayrl.api.config import ConfigError
+
 Tensor = torch.Tensor
 T = TypeVar("T")
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
@@ -62,17 +64,17 @@ def _lookup(registry: dict[str, T], name: str, field: str) -> T:
     if name not in registry:
         close = difflib.get_close_matches(name, list(registry), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"{field}={name!r} is not registered; {hint}registered: {sorted(registry)}")
+        raise ConfigError(f"{field}={name!r} is not registered; {hint}registered: {sorted(registry)}")
     return registry[name]
 
 
 def get_advantage(name: str) -> AdvantageFn:
-    """The estimator registered as ``name``; ValueError naming ``actor.adv_estimator`` otherwise."""
+    """The estimator registered as ``name``; ConfigError naming ``actor.adv_estimator`` otherwise."""
     return _lookup(ADVANTAGES, name, "actor.adv_estimator")
 
 
 def get_loss(name: str) -> LossFn:
-    """The policy loss registered as ``name``; ValueError naming ``actor.loss`` otherwise."""
+    """The policy loss registered as ``name``; ConfigError naming ``actor.loss`` otherwise."""
     return _lookup(LOSSES, name, "actor.loss")
 
 

@@ -27,6 +27,19 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DATEFMT = "%H:%M:%S"
 
 
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time of the record (a redirection or a test's
+    capture made after the first ``get_logger`` call is honoured; a closed one is never kept)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
 def get_logger(name: str = "relayrl") -> logging.Logger:
     """A logger named ``relayrl.<name>`` (or ``name`` if it already starts with ``relayrl``).
 
@@ -36,7 +49,7 @@ def get_logger(name: str = "relayrl") -> logging.Logger:
     """
     root = logging.getLogger("relayrl")
     if not getattr(root, "_relayrl_configured", False):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = StderrHandler()
         handler.setFormatter(logging.Formatter(_FORMAT, _DATEFMT))
         root.addHandler(handler)
         root.setLevel(os.environ.get("RELAYRL_LOG_LEVEL", "INFO").upper())
