@@ -228,11 +228,12 @@ def varlen_attention_forward(
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=drop, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     bounds = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)  # type: ignore[call-overload]
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    # split, not slicing: the backward of N slices writes N full-length zero tensors (O(N * T)),
+    # the backward of one split is a single concatenation.
     outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, dropout_p=drop, scale=scaling
-        )
-        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop, scale=scaling)
+        for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
     ]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
