@@ -122,13 +122,18 @@ def _train(argv: list[str]) -> int:
         return 2
     import json
 
+    from relayrl.data.datasets import DatasetError
+    from relayrl.train.engine import NonFiniteError
     from relayrl.trainer import train
 
     try:
         last = train(cfg)
-    except ConfigError as e:  # a rule only the built parts can check (e.g. a registered loss name)
+    except (ConfigError, DatasetError) as e:  # a rule only the built parts can check (registered names, rows)
         print(f"relayrl train: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:  # NaN/inf losses too many steps in a row
+        print(f"relayrl train: {e}", file=sys.stderr)
+        return 1
     print(json.dumps({"run_dir": cfg.run_dir, **{k: last[k] for k in sorted(last) if k.startswith(("eval/", "rollout/reward"))}}))
     return 0
 
@@ -202,14 +207,13 @@ def _demo(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="relayrl demo", description="SFT warm start, then GRPO, on a tiny model (CPU).")
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test; learning not guaranteed)")
+    p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test; learning not expected)")
+    p.add_argument("--async", dest="rl_async", action="store_true",
+                   help="GRPO with generation one version ahead (decoupled PPO); faster, not bitwise reproducible")
     ns = p.parse_args(argv)
-    from relayrl.demo import run_demo
+    from relayrl.demo import DemoSettings, run_demo
 
-    result = run_demo(run_dir=ns.run_dir, seed=ns.seed, quick=ns.quick)
-    import json
-
-    print(json.dumps(result))
+    run_demo(run_dir=ns.run_dir, seed=ns.seed, settings=DemoSettings.quick() if ns.quick else None, rl_async=ns.rl_async)
     return 0
 
 

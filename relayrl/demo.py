@@ -1,17 +1,22 @@
-"""The CPU demo: a tiny char-level model learns 2-digit addition, first by imitating
-imperfect demonstrations (SFT), then by RL against the verifier.
+"""The CPU demo (``relayrl demo``): a tiny char-level model learns 2-digit addition, first by
+imitating imperfect demonstrations (SFT), then by GRPO against the verifier.
 
 Everything is built in code (model, tokenizer, task), so it runs offline on a laptop CPU:
 
 1. ``make_task("arithmetic")`` -> training / held-out prompts with reference answers;
 2. ``demonstrations(error_rate)`` -> SFT pairs of which ``error_rate`` are plausibly wrong;
-3. SFT warm start (``run_sft``) of the ``demo`` model: the model learns addition well enough
-   that greedy decoding is mostly right, but it also imitates the mistakes, so its
-   *sampled* (temperature 1) accuracy is clearly short of perfect;
-4. RL (GRPO, hook ``rl``) sharpens the policy towards the verified answers;
-5. held-out sampled accuracy before and after, one JSON line at the end.
+3. SFT warm start (``run_sft``) of the ~0.6M-parameter demo model until greedy decoding is
+   mostly right; the model also imitates the mistakes, so its *sampled* (temperature 1)
+   held-out accuracy is clearly short of perfect (about 0.3);
+4. GRPO through the ordinary ``Trainer`` (LocalEngine, WorkflowExecutor, PPOActor), starting
+   from the SFT checkpoint, sharpens the policy towards verified answers;
+5. held-out sampled accuracy before and after, the learning curves as ``curves.png``, and
+   one JSON line at the end for scripts.
 
-The recipe's numbers (``DemoSettings``) come from the tuning runs in ``notes/demo_tuning.md``.
+The RL stage is synchronous (eta = 0) by default, so a run is reproducible bit for bit on a
+machine; ``--async`` lets generation run one version ahead with the decoupled PPO loss.
+Measured on the 2-core development machine (seed 1): sampled accuracy 0.30 -> 0.68 in 150
+GRPO steps, about 5 minutes in all.
 """
 
 from __future__ import annotations
@@ -20,17 +25,21 @@ import copy
 import dataclasses
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.api.config import (
+    ActorConfig,
+    CheckpointConfig,
+    EvalConfig,
     InferenceConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
+    RolloutConfig,
+    RunConfig,
     SFTConfig,
     SFTDataConfig,
     TrainEngineConfig,
@@ -53,7 +62,7 @@ DEMO_MODEL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers":
 
 @dataclasses.dataclass
 class DemoSettings:
-    """The demo's recipe (see notes/demo_tuning.md for how these were chosen)."""
+    """The demo's recipe; docs/demo.md tells how these numbers were chosen."""
 
     difficulty: int = 2  # digits per operand
     n_train: int = 2000
@@ -64,10 +73,22 @@ class DemoSettings:
     sft_stop_greedy: float = 0.6  # addition is learned varies by seed: ~300-700 steps)
     sft_batch_size: int = 128
     sft_lr: float = 3e-3  # constant after warmup: addition is learned in a phase transition
-    sft_warmup_steps: int = 50  # that a decaying LR can miss (notes/demo_tuning.md)
+    sft_warmup_steps: int = 50  # that a decaying LR can miss
+    rl_steps: int = 150
+    rl_prompts_per_step: int = 32
+    rl_group_size: int = 8
+    rl_lr: float = 2e-4  # 1e-3 first collapses the sampled accuracy, then recovers more slowly
+    rl_eval_every: int = 25
+    rl_max_staleness: int = 0  # 0: synchronous and reproducible; 1 with --async
     eval_samples: int = 4  # samples per held-out prompt for the sampled accuracy
     max_new_tokens: int = 8
     torch_threads: int = 1
+
+    @classmethod
+    def quick(cls) -> DemoSettings:
+        """A smoke-test run (well under a minute); learning is not expected."""
+        return cls(n_train=256, n_eval=32, sft_steps=20, sft_probe_every=10, sft_batch_size=32,
+                   rl_steps=3, rl_prompts_per_step=4, rl_group_size=4, rl_eval_every=3, eval_samples=2)
 
 
 def build_demo_model(seed: int = 0) -> PreTrainedModel:
@@ -139,16 +160,51 @@ def warm_start(
                    eval_rows=held_out[:64], logger=logger, stop_fn=learned)
 
 
-RLHook = Callable[[PreTrainedModel, list[Row], list[Row], Path], PreTrainedModel]
-"""``rl(model, train_rows, eval_rows, run_dir) -> trained model`` (the GRPO stage)."""
+def grpo_stage(
+    s: DemoSettings, checkpoint: str, train: list[Row], held_out: list[Row], run_dir: Path, seed: int,
+) -> PreTrainedModel:
+    """GRPO from the SFT checkpoint through the ordinary ``Trainer``; returns the trained policy.
+
+    The config is an ordinary ``RunConfig`` (written to ``run_dir/config.yaml``), so the same
+    stage runs as ``relayrl train run_dir/config.yaml``.
+    """
+    from relayrl.trainer import Trainer
+
+    gen = GenerationConfig(max_new_tokens=s.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
+    eta = s.rl_max_staleness
+    cfg = RunConfig(
+        run_dir=str(run_dir), seed=seed, total_steps=s.rl_steps, torch_threads=s.torch_threads,
+        model=ModelConfig(path=checkpoint),
+        train=TrainEngineConfig(optimizer=OptimizerConfig(lr=s.rl_lr, grad_clip=1.0)),
+        actor=ActorConfig(adv_estimator="grpo", loss="decoupled_ppo" if eta else "ppo"),
+        gconfig=gen,
+        inference=InferenceConfig(seed=seed, max_batch_size=256),
+        rollout=RolloutConfig(batch_size=s.rl_prompts_per_step, group_size=s.rl_group_size, max_staleness=eta),
+        eval=EvalConfig(every_n_steps=s.rl_eval_every, before_training=True, gconfig=gen, n_samples=s.eval_samples),
+        checkpoint=CheckpointConfig(save_final=True, keep_last=1),
+        logging=LoggingConfig(tensorboard=False, progress="auto"),
+    )
+    trainer = Trainer(cfg, reward_fn=task_reward_fn("arithmetic"), train_rows=train, eval_rows=held_out)
+    try:
+        trainer.fit()
+        return copy.deepcopy(trainer.actor_engine.model)
+    finally:
+        trainer.close()
 
 
 def run_demo(
-    run_dir: str = "runs/demo", seed: int = 1, settings: DemoSettings | None = None, rl: RLHook | None = None,
+    run_dir: str = "runs/demo", seed: int = 1, settings: DemoSettings | None = None, rl_async: bool = False,
 ) -> dict[str, object]:
-    """SFT warm start, held-out accuracy, optional RL stage, accuracy again; returns (and
-    prints as the last line) ``{"accuracy_before", "accuracy_after", "seconds", "run_dir", ...}``."""
+    """SFT warm start, held-out accuracy, GRPO, held-out accuracy again, ``curves.png``; returns
+    (and prints as the last line) ``{"accuracy_before", "accuracy_after", "seconds", "run_dir", ...}``.
+
+    Accuracies are *sampled* (temperature 1, ``eval_samples`` per held-out prompt); the greedy
+    ones are reported alongside."""
+    from relayrl.utils.plot import plot_runs
+
     s = settings or DemoSettings()
+    if rl_async:
+        s = dataclasses.replace(s, rl_max_staleness=1)
     t0 = time.monotonic()
     torch.set_num_threads(s.torch_threads)
     out_dir = Path(run_dir)
@@ -157,20 +213,22 @@ def run_demo(
     tokenizer = build_tokenizer()
     with MetricLogger(out_dir / "sft", tensorboard=False) as logger:
         sft = warm_start(s, train, held_out, out_dir, seed, logger)
-        before = held_out_accuracy(sft.model, tokenizer, held_out, s.eval_samples, s.max_new_tokens, seed)
-        logger.log({"eval/accuracy": before["sampled"], "eval/accuracy_greedy": before["greedy"]}, step=sft.steps)
+    before = held_out_accuracy(sft.model, tokenizer, held_out, s.eval_samples, s.max_new_tokens, seed)
     t_sft = time.monotonic() - t0
     log.info("after SFT (%.0fs): held-out sampled accuracy %.3f, greedy %.3f", t_sft, before["sampled"], before["greedy"])
+    assert sft.checkpoint is not None  # warm_start saves it
+    model = grpo_stage(s, sft.checkpoint, train, held_out, out_dir / "grpo", seed)
+    after = held_out_accuracy(model, tokenizer, held_out, s.eval_samples, s.max_new_tokens, seed)
+    log.info("after GRPO: held-out sampled accuracy %.3f, greedy %.3f", after["sampled"], after["greedy"])
+    curves = plot_runs([out_dir / "grpo"], out_dir / "curves.png")
     result: dict[str, object] = {
-        "accuracy_before": round(before["sampled"], 4), "accuracy_after": None,
-        "greedy_before": round(before["greedy"], 4), "greedy_after": None, "sft_seconds": round(t_sft, 1),
+        "accuracy_before": round(before["sampled"], 4), "accuracy_after": round(after["sampled"], 4),
+        "greedy_before": round(before["greedy"], 4), "greedy_after": round(after["greedy"], 4),
+        "sft_steps": sft.steps, "rl_steps": s.rl_steps, "sft_seconds": round(t_sft, 1),
+        "seconds": round(time.monotonic() - t0, 1), "run_dir": str(out_dir), "curves": str(curves),
     }
-    if rl is not None:
-        model = rl(sft.model, train, held_out, out_dir)
-        after = held_out_accuracy(model, tokenizer, held_out, s.eval_samples, s.max_new_tokens, seed)
-        result.update(accuracy_after=round(after["sampled"], 4), greedy_after=round(after["greedy"], 4))
-        log.info("after RL: held-out sampled accuracy %.3f, greedy %.3f", after["sampled"], after["greedy"])
-    result.update(seconds=round(time.monotonic() - t0, 1), run_dir=str(out_dir))
     (out_dir / "result.json").write_text(json.dumps(result) + "\n")
+    print(f"held-out accuracy (sampled): {before['sampled']:.3f} -> {after['sampled']:.3f}   "
+          f"greedy: {before['greedy']:.3f} -> {after['greedy']:.3f}   curves: {curves}", flush=True)
     print(json.dumps(result), flush=True)
     return result

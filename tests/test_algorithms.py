@@ -92,8 +92,10 @@ def test_registry_lookup_and_errors():
         A.get_advantage("nope")
     with pytest.raises(ValueError, match="actor.loss='ppx' is not registered; did you mean 'ppo'"):
         A.get_loss("ppx")
-    with pytest.raises(ValueError, match="already registered"):
-        A.register_loss("ppo")(A.ppo_loss)
+    with pytest.raises(ValueError, match=r"'ppo' is already registered \(by relayrl.train.algorithms.ppo_loss\)"):
+        A.register_loss("ppo")(A.gspo_loss)
+    assert A.register_loss("ppo")(A.ppo_loss) is A.ppo_loss  # the same function again: a re-import
+    assert A.get_loss("ppo") is A.ppo_loss
 
     @A.register_advantage("_test_const")
     def const(rewards, loss_mask, **_):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from relayrl.api.config import RunConfig, load_config
 from relayrl.trainer import train
@@ -74,4 +77,60 @@ def test_yaml_recipe_trains(tmp_path: Path, name: str):
         os.chdir(old)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    assert last["version"] == 2.0
+
+
+def test_custom_loss_matches_a_plain_reference_and_trains(tmp_path: Path):
+    """recipes/custom_loss.py (docs/write_a_loss.md): CISPO against a loop-by-loop reference,
+    value and gradient, then two training steps with ``actor.loss=cispo``."""
+    module = _load_script("custom_loss")
+    torch.manual_seed(0)
+    n = 12
+    logp = (torch.rand(n) * -3).requires_grad_()
+    old = logp.detach() + torch.randn(n) * 0.5
+    adv, mask = torch.randn(n), torch.rand(n) > 0.3
+    cu = torch.tensor([0, 5, 12])
+    loss, stats = module.cispo_loss(logp, old, adv, mask, cu, eps_clip=0.2, eps_clip_higher=0.3)
+    loss.backward()
+    total, grads, clipped = 0.0, [], 0
+    lp = logp.detach().tolist()
+    for t in range(n):  # reference: plain floats, one token at a time
+        r = math.exp(lp[t] - float(old[t]))
+        w = min(max(r, 0.8), 1.3)
+        clipped += int(mask[t]) * (w != r)
+        total += -w * float(adv[t]) * lp[t] if mask[t] else 0.0
+        grads.append(-w * float(adv[t]) / int(mask.sum()) if mask[t] else 0.0)
+    assert float(loss.detach()) == pytest.approx(total / int(mask.sum()), rel=1e-5)
+    assert logp.grad.tolist() == pytest.approx(grads, rel=1e-5, abs=1e-7)
+    assert float(stats["clip_frac"]) == pytest.approx(clipped / int(mask.sum()))
+    last = module.main([f"run_dir={tmp_path}", *TINY])
+    assert last["version"] == 2.0 and "actor/clip_frac" in last
+
+
+def test_custom_workflow_episode_and_training(tmp_path: Path, tokenizer, tiny_model):
+    """recipes/custom_workflow.py (docs/write_a_workflow.md): a wrong first answer gets the hint
+    as untrained tokens and a second try; the reward charges every generated token."""
+    from relayrl.api import GenerationConfig, validate_trajectory
+    from relayrl.api.config import InferenceConfig
+    from relayrl.data.tasks import make_task
+    from relayrl.inference.local import LocalEngine
+
+    module = _load_script("custom_workflow")
+    row = make_task("arithmetic", 4, 1)[0][0]
+    flow = module.ConciseRetryWorkflow(tokenizer, GenerationConfig(max_new_tokens=5, ignore_eos=True), token_cost=0.01)
+    engine = LocalEngine(InferenceConfig(seed=0), model=tiny_model, tokenizer=tokenizer)
+    engine.initialize()
+    try:
+        traj = asyncio.run(flow.arun_episode(engine, row))
+    finally:
+        engine.destroy()
+    validate_trajectory(traj)
+    mask = traj["loss_mask"][0].tolist()
+    prompt_len = mask.index(1)
+    # prompt (0s), first answer (5 x 1), hint (0s), second answer (5 x 1): the untrained model is wrong twice
+    assert mask[prompt_len:prompt_len + 5] == [1] * 5 and sum(mask) == 10 and mask[-5:] == [1] * 5
+    assert 0 in mask[prompt_len + 5:-5]
+    assert float(traj["rewards"][0]) == pytest.approx(-0.1) and not bool(traj["solved_first_try"][0])
+    assert (traj["versions"][0][traj["loss_mask"][0]] == 0).all()
+    last = module.main([f"run_dir={tmp_path}", *TINY])
     assert last["version"] == 2.0

@@ -36,28 +36,29 @@ LOSSES: dict[str, LossFn] = {}
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an advantage estimator under ``name`` (``ActorConfig.adv_estimator``)."""
+def _register(registry: dict[str, T], kind: str, name: str) -> Callable[[T], T]:
+    """A decorator adding ``fn`` to ``registry``; a second function under one name is an error,
+    the same function registering again (its module re-imported, a notebook cell re-run) is not."""
 
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGES[name] = fn
+    def deco(fn: T) -> T:
+        old = registry.get(name)
+        same = old is not None and (old.__module__, old.__qualname__) == (fn.__module__, fn.__qualname__)  # type: ignore[attr-defined]
+        if old is not None and not same:
+            raise ValueError(f"{kind} {name!r} is already registered (by {old.__module__}.{old.__qualname__})")  # type: ignore[attr-defined]
+        registry[name] = fn
         return fn
 
     return deco
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register an advantage estimator under ``name`` (``ActorConfig.adv_estimator``)."""
+    return _register(ADVANTAGES, "advantage estimator", name)
 
 
 def register_loss(name: str) -> Callable[[LossFn], LossFn]:
     """Register a policy loss under ``name`` (``ActorConfig.loss``)."""
-
-    def deco(fn: LossFn) -> LossFn:
-        if name in LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        LOSSES[name] = fn
-        return fn
-
-    return deco
+    return _register(LOSSES, "policy loss", name)
 
 
 def _lookup(registry: dict[str, T], name: str, field: str) -> T:

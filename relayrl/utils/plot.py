@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 # (panel title, metric keys tried in order)
 PANELS = (
     ("reward", ("rollout/reward",)),
-    ("eval accuracy", ("eval/accuracy",)),
+    ("eval accuracy", ("eval/accuracy_mean", "eval/accuracy")),  # mean over samples when n > 1
     ("KL (approx)", ("actor/approx_kl", "actor/kl")),
     ("entropy", ("actor/entropy",)),
     ("throughput (samples/s)", ("perf/samples_per_s",)),
