@@ -29,7 +29,7 @@ from relayrl.data.models import load_model, load_tokenizer
 from relayrl.evaluation import evaluate
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.train.actor import Critic, PPOActor, check_actor_config
-from relayrl.train.engine import TorchTrainEngine
+from relayrl.train.engine import NonFiniteError, TorchTrainEngine
 from relayrl.utils import stats
 from relayrl.utils.checkpoint import CheckpointManager
 from relayrl.utils.logging import MetricLogger, get_logger
@@ -68,6 +68,9 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint)
         resume_from = self._resume_point()
+        if cfg.recover != "off":  # steps after the checkpoint (all, without one) are re-done: drop their old rows
+            done = 0 if resume_from is None else int(CheckpointManager.load_state(resume_from)["step"])  # type: ignore[call-overload]
+            _drop_rows_after(self.run_dir / "metrics.jsonl", done)
         save_config(cfg, self.run_dir)
         self.metrics = MetricLogger.from_config(cfg.logging, self.run_dir, cfg)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -124,7 +127,7 @@ class Trainer:
                 with stats.record_timing("compute_advantages"):
                     self.actor.compute_advantages(batch)
                 with stats.record_timing("ppo_update"), stats.scope("actor"):
-                    self.actor.ppo_update(batch)
+                    actor_stats = self.actor.ppo_update(batch)
                     if self.critic is not None:
                         self.critic.update(batch)
                 with stats.record_timing("update_weights"):
@@ -132,7 +135,7 @@ class Trainer:
                     self.step += 1
                     self.actor_engine.set_version(self.step)
                     self.actor_engine.update_weights(self.engine)
-                last = self._after_step(batch, time.monotonic() - t0)
+                last = self._after_step(batch, time.monotonic() - t0, actor_stats)
                 self._reseed_generation()
                 self.executor.resume()
                 progress.update(self.step, last)
@@ -141,6 +144,8 @@ class Trainer:
             if cfg.checkpoint.save_final:
                 self.save()
             raise
+        except NonFiniteError as e:
+            raise NonFiniteError(f"training stopped in step {self.step + 1}: {e}") from None
         finally:
             progress.close()
         if cfg.checkpoint.save_final and (self.ckpt.latest() is None or self.ckpt.latest().name != f"step_{self.step:06d}"):
@@ -163,7 +168,7 @@ class Trainer:
             self.engine.load_state_dict({"next_key": self.step << 20})
 
     # ------------------------------------------------------------------ bookkeeping
-    def _after_step(self, batch: TensorDict, seconds: float) -> dict[str, float]:
+    def _after_step(self, batch: TensorDict, seconds: float, actor_stats: list[dict[str, float]]) -> dict[str, float]:
         cfg = self.cfg
         n = int(batch["rewards"].shape[0])
         self._samples += n
@@ -181,13 +186,40 @@ class Trainer:
             "version": float(self.step),
         })
         metrics.update({f"rollout/{k}": float(v) for k, v in self.executor.stats().items()})
+        metrics.update(self._actor_metrics(actor_stats))
+        metrics.update(self._health_metrics())
         if cfg.eval.every_n_steps and self.step % cfg.eval.every_n_steps == 0 and self.eval_rows:
             metrics.update(self.evaluate())
-        self.metrics.log(metrics, step=self.step)
+        # metrics.jsonl also lists the row ids this step trained on (audits: nothing lost or repeated)
+        self.metrics.log({**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}, step=self.step)
         self._save_rollouts(batch)
         if self.ckpt.due(self.step):
             self.save()
         return metrics
+
+    def _actor_metrics(self, steps: list[dict[str, float]]) -> dict[str, float]:
+        """Means over this step's optimizer steps; a step skipped for a NaN/inf loss is counted and logged."""
+        done = [s for s in steps if not s.get("skipped")]
+        out = {"actor/optimizer_steps": float(len(steps)), "actor/skipped_steps": float(len(steps) - len(done))}
+        for key in (done[0] if done else {}):
+            if "/" not in key and key not in ("epoch", "skipped"):
+                out[f"actor/{key}"] = sum(s[key] for s in done if key in s) / len(done)
+        bad = [s for s in steps if s.get("skipped") and not s.get("empty_minibatch")]
+        if bad:
+            logger.warning("step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "
+                           "train.max_nan_skips=%d in a row stop the run", self.step, len(bad), len(steps),
+                           bad[0].get("loss"), bad[0].get("grad_norm"), self.cfg.train.max_nan_skips)
+        return out
+
+    def _health_metrics(self) -> dict[str, float]:
+        """Generator and reward-pool health: live servers, evictions, re-admissions, reward timeouts ..."""
+        out = {f"inference/{k}": float(v) for k, v in getattr(self.engine, "stats", {}).items()}
+        live = getattr(self.engine, "live_servers", None)
+        if callable(live):
+            out["inference/live_servers"] = float(len(live()))
+        pool = getattr(self.workflow, "reward_pool", None)
+        out.update({f"reward/{k}": float(v) for k, v in getattr(pool, "stats", {}).items()})
+        return out
 
     def evaluate(self) -> dict[str, float]:
         """Score the held-out rows with the eval generation config (executor paused)."""
@@ -252,11 +284,30 @@ class Trainer:
         logger.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:
-        """Stop the executor, generators (and launched servers) and flush metrics."""
+        """Stop the executor, generators (and launched servers), reward workers; flush metrics."""
         self.executor.destroy()
         self.engine.destroy()
+        pool = getattr(self.workflow, "reward_pool", None)
+        if pool is not None and hasattr(pool, "close"):
+            pool.close()
         self.actor_engine.destroy()
         self.metrics.close()
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Keep the metrics rows of steps <= ``step`` (and drop a line cut short by a kill)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
 
 
 def train(cfg: RunConfig, **parts: object) -> dict[str, float]:

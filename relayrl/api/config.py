@@ -382,6 +382,10 @@ def _coerce(value: YamlValue, tp: object, name: str) -> object:
         raise ConfigError(f"{name}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (e.g. undecodable bytes in argv)
+                raise ConfigError(f"{name}: {value!r} is not valid UTF-8 text") from None
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
@@ -480,7 +484,7 @@ def parse_override(text: str) -> tuple[list[str], YamlValue]:
         raise ConfigError(f"override {text!r}: {key!r} is not a dotted field name")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: an integer literal too long to convert
         value = raw
     return key.split("."), typing.cast(YamlValue, value)
 
@@ -495,7 +499,7 @@ def _load_yaml(text: str) -> YamlValue:
     if loader is not None:
         try:
             return typing.cast(YamlValue, yaml.load(text, Loader=loader))
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError):
             pass
     return typing.cast(YamlValue, yaml.safe_load(text))
 
@@ -505,10 +509,14 @@ def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overri
     values: dict[str, YamlValue] = {}
     if path is not None:
         try:
-            loaded = _load_yaml(Path(path).read_text())
+            loaded = _load_yaml(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as e:
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        except OSError as e:  # a directory, no permission ...
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+        except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer literal too long to convert
             raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")

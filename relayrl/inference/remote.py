@@ -78,7 +78,7 @@ class RemoteEngine(InferenceEngine):
         self._health: threading.Thread | None = None
         self._launched: object | None = None
         self._rr = 0
-        self.stats = collections.Counter[str]()
+        self.stats = collections.Counter[str]({k: 0 for k in ("evictions", "readmissions", "reissued", "retried", "interrupted")})
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, wait_timeout: float = 60.0) -> None:

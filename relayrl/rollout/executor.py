@@ -110,6 +110,7 @@ class WorkflowExecutor:
         self._src_done = False
         self.staleness_counts: Counter[int] = Counter()
         self.last_staleness: list[int] = []
+        self.last_prompt_ids: list[object] = []  # row ``id`` of each group of the last batch taken
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -376,6 +377,7 @@ class WorkflowExecutor:
     def _take(self, groups: list[_Group]) -> TensorDict:
         version = self.engine.get_version()
         self.last_staleness = [version - g.oldest for g in groups]
+        self.last_prompt_ids = [g.prompt.data.get("id", g.prompt.index) for g in groups]
         self.staleness_counts.update(self.last_staleness)
         for g in groups:
             self.status.finish(SampleStatus.COMPLETED, g.episodes)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import threading
 import uuid
 from collections.abc import Callable
@@ -96,6 +97,9 @@ async def compute_reward(
         value = await _in_thread(reward_fn, kwargs, reward_timeout)
     else:
         value = reward_fn(**kwargs)
+    if not math.isfinite(float(value)):  # the episode fails (counted), the batch fills from others
+        raise ValueError(f"reward fn {getattr(reward_fn, '__name__', 'reward_fn')!r} returned {float(value)} for row "
+                         f"{data.get('id', '?')!r}; rewards must be finite")
     return float(value)
 
 
