@@ -1,0 +1,75 @@
+"""SIGKILL one of two real inference servers while the Trainer is mid-rollout.
+
+The run must finish on the surviving server, every prompt handed out must be trained on
+exactly once or still be pending (checked by row id), and the dead server must be reported
+(``inference/live_servers``, ``inference/evictions`` in metrics.jsonl and a warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+from audit import FAST, audit_prompts, check_steps, metrics_rows
+
+from relayrl.api.config import RunConfig, load_config
+from relayrl.inference.launcher import launch_servers
+from relayrl.trainer import Trainer
+
+TOKEN = "reliability-token"
+T = 8
+
+
+def remote_cfg(run_dir, addresses: list[str], *extra: str) -> RunConfig:
+    return load_config(RunConfig, None, [
+        f"run_dir={run_dir}", *FAST, "inference.backend=remote", f"inference.addresses={addresses}",
+        f"inference.admin_token={TOKEN}", "inference.health_interval=0.2", "inference.max_retries=12",
+        "inference.request_timeout=60", "rollout.max_staleness=1", "gconfig.max_new_tokens=16", *extra,
+    ])
+
+
+@pytest.fixture
+def servers():
+    group = launch_servers(2, admin_token=TOKEN)
+    yield group
+    group.shutdown()
+
+
+def test_server_sigkilled_mid_rollout_run_finishes_and_nothing_is_lost(tmp_path, servers, caplog):
+    cfg = remote_cfg(tmp_path / "run", servers.addresses, f"total_steps={T}")
+    trainer = Trainer(cfg)
+    killed_at: list[int] = []
+
+    def killer() -> None:  # once step 2 is done, wait for a request in flight on server 1, then kill it
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and trainer.step < T - 2:
+            if trainer.step >= 2 and trainer.engine.servers[1].in_flight > 0:
+                killed_at.append(trainer.step)
+                servers.kill(1)
+                return
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    logging.getLogger("relayrl").addHandler(caplog.handler)  # relayrl's logger does not propagate to root
+    try:
+        trainer.fit()
+        thread.join()
+        state = {"dataloader": trainer.dataloader.state_dict(), "executor": trainer.executor.state_dict()}
+    finally:
+        logging.getLogger("relayrl").removeHandler(caplog.handler)
+        trainer.close()
+    assert killed_at, "server 1 was never seen with a request in flight"
+    assert servers.procs[1].poll() is not None  # really dead
+
+    rows = metrics_rows(cfg.run_dir)
+    check_steps(rows, T, eta=1, batch_size=2)
+    _, _, dropped = audit_prompts(trainer.dataloader.rows, rows, state, batch_size=2, seed=cfg.seed)
+    assert not dropped, f"prompts lost with the server: {dict(dropped)}"
+    assert rows[-1]["rollout/failed"] == 0  # requests on the dead server were re-issued, not failed
+    # reported: in the metrics of the steps after the kill, and in the log
+    assert rows[killed_at[0] - 1]["inference/live_servers"] == 2
+    assert rows[-1]["inference/live_servers"] == 1 and rows[-1]["inference/evictions"] >= 1
+    assert any("evicted" in r.getMessage() and servers.addresses[1] in r.getMessage() for r in caplog.records)
