@@ -18,7 +18,7 @@ import torch
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdate
-from relayrl.inference.local import LocalEngine
+from relayrl.inference.local import LocalEngine, prefill_groups
 
 EOS = 1
 
@@ -106,6 +106,21 @@ def test_greedy_equals_hf_generate_mixed_lengths(tiny_model):
         # greedy logprobs are those of softmax(logits) at temperature 1
         lp = reference_logprobs(tiny_model, p, r.output_tokens)
         assert max(abs(a - b) for a, b in zip(r.output_logprobs, lp, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_prefill_groups_cover_every_request_and_bound_padding(seed):
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 80))]
+    groups = prefill_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        padded, real = max(lengths[i] for i in g) * len(g), sum(lengths[i] for i in g)
+        assert padded <= 1.25 * real or len(g) == 1
+    assert prefill_groups([10] * 64) == [list(range(64))]  # equal lengths: one forward
+    assert len(prefill_groups([8, 40] * 32)) == 2
 
 
 def test_concurrent_requests_join_and_leave(tiny_model):
