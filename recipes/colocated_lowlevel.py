@@ -1,6 +1,6 @@
 """Colocated, low-level: every step of the RL loop written out (seed 001's second usage mode).
 
-    python recipes/colocated_lowlevel.py [key=value ...]     # e.g. total_steps=20 actor.lr=1e-4
+    python recipes/colocated_lowlevel.py [key=value ...]     # e.g. total_steps=20 train.optimizer.lr=1e-4
 
 Generation (LocalEngine) runs in this process; the loop is the one of seed 002's ``main``:
 rollout -> compute_logp -> compute_advantages -> ppo_update -> update_weights.

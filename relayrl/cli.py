@@ -99,7 +99,7 @@ def _config_args(prog: str, argv: list[str], extra: Callable[[argparse.ArgumentP
                  ) -> tuple[argparse.Namespace, str | None, list[str]]:
     """Parse ``[CONFIG.yaml] [key=value ...]`` plus the options ``extra`` adds."""
     p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as actor.lr=1e-5")
+    p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as train.optimizer.lr=1e-5")
     if extra is not None:
         extra(p)
     ns = p.parse_args(argv)

@@ -81,8 +81,11 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
     answer = record[answer_key]
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise DatasetError(f"{where}: {answer_key!r} must be a string or number, got {type(answer).__name__}")
+    rid = index if record.get("id") is None else record["id"]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise DatasetError(f"{where}: 'id' must be a string or an integer, got {type(rid).__name__}")
     row: DataItem = {k: v for k, v in record.items() if k not in (prompt_key, answer_key)}
-    row.update({"id": record.get("id", index), "messages": messages, "answer": gsm8k_answer(str(answer))})
+    row.update({"id": rid, "messages": messages, "answer": gsm8k_answer(str(answer))})
     return row
 
 

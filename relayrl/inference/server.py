@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import os
 import socket
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -146,12 +148,21 @@ def confine_path(path: str, roots: list[str]) -> Path:
     """``path`` resolved (symlinks followed) if it lies inside one of ``roots``, else 403."""
     if not roots:
         raise _bad("loading weights from disk is disabled: the server has no allowed_weight_roots", 403)
+    if "\x00" in path:
+        raise _bad(f"model_path {path!r}: NUL characters are refused")
     if ".." in Path(path).parts:
         raise _bad(f"model_path {path!r}: '..' components are refused", 403)
-    real = Path(path).resolve()
+    try:
+        real = Path(path).resolve()
+    except (OSError, RuntimeError) as e:  # e.g. a name too long for the OS
+        raise _bad(f"model_path {path!r} cannot be resolved: {e}") from None
     if not any(real.is_relative_to(Path(r).resolve()) for r in roots):
         raise _bad(f"model_path {path!r} resolves outside the allowed weight roots", 403)
-    if not real.is_dir():
+    try:
+        is_dir = real.is_dir()
+    except OSError as e:  # e.g. a name too long for the OS
+        raise _bad(f"model_path {path!r} cannot be read: {e.strerror}") from None
+    if not is_dir:
         raise _bad(f"model_path {path!r} is not a directory", 400)
     return real
 
@@ -454,6 +465,13 @@ def make_server(cfg: ServerConfig) -> Server:
     return Server(engine, tok, cfg, vocab, int(getattr(model.config, "max_position_embeddings", 2048)), reference)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return host == "localhost"
+
+
 def run_server(cfg: ServerConfig) -> None:
     """Serve until SIGINT/SIGTERM. With ``port=0`` a free port is picked; either way the
     line ``relayrl server listening on http://HOST:PORT`` is printed once ready."""
@@ -465,6 +483,9 @@ def run_server(cfg: ServerConfig) -> None:
     sock.bind((cfg.host, cfg.port))
     sock.listen(2048)
     port = sock.getsockname()[1]
+    if not srv.token and not _is_loopback(cfg.host):
+        print(f"relayrl serve: WARNING: listening on {cfg.host} with no admin token: anyone who can reach port {port} "
+              "can replace the weights or pause generation (set admin_token or RELAYRL_ADMIN_TOKEN)", file=sys.stderr, flush=True)
     app = build_app(srv)
 
     @contextlib.asynccontextmanager
