@@ -1,0 +1,128 @@
+"""Fuzzing config files: whatever a YAML file or an override holds, loading gives a valid
+config or one ``ConfigError`` line naming the field, never a traceback from deep inside.
+
+(tests/test_config.py fuzzes single leaf values; this goes for whole documents: unknown keys
+at any depth, sections of the wrong type, raw bytes, undecodable text, odd YAML.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from audit import start_cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from relayrl.api.config import ConfigError, RunConfig, load_config, save_config
+
+EXAMPLES = int(os.environ.get("RELAYRL_FUZZ_EXAMPLES", "150"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TMP = Path(tempfile.mkdtemp(prefix="relayrl-fuzz-cfg-"))
+
+
+def teardown_module() -> None:
+    shutil.rmtree(TMP, ignore_errors=True)
+
+
+def _fields(cls: type) -> dict[str, object]:
+    """Field name -> sub-dataclass (a section) or None (a leaf)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None for f in dataclasses.fields(cls)}
+
+
+SCALAR = (st.none() | st.booleans() | st.integers(-(10**30), 10**30) | st.floats() | st.text(max_size=12)
+          | st.sampled_from(["1e-5", "nan", "-inf", "ppo", "remote", "requeue", "tiny", "", "0x10", "1_000"]))
+JUNK = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=6)
+
+
+@st.composite
+def document(draw: st.DrawFn, cls: type = RunConfig, depth: int = 0) -> dict[str, object]:
+    """A mapping of real field names (and now and then an unknown one) to values of any type."""
+    fields = _fields(cls)
+    names = draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True))
+    doc: dict[str, object] = {}
+    for name in names:
+        sub = fields[name]
+        if sub is not None and depth < 3 and draw(st.integers(0, 3)):
+            doc[name] = draw(document(sub, depth + 1))  # type: ignore[arg-type]
+        else:
+            doc[name] = draw(JUNK)
+    if draw(st.integers(0, 5)) == 0:
+        doc[draw(st.text(min_size=1, max_size=8))] = draw(JUNK)
+    return doc
+
+
+def _paths(doc: object, prefix: str = "") -> set[str]:
+    """Every dotted key path in a nested mapping."""
+    if not isinstance(doc, dict):
+        return set()
+    out = set()
+    for k, v in doc.items():
+        out |= {f"{prefix}{k}"} | _paths(v, f"{prefix}{k}.")
+    return out
+
+
+def _load(path: Path | None, overrides: list[str] | None = None) -> RunConfig | ConfigError:
+    try:
+        return load_config(RunConfig, path, overrides)
+    except ConfigError as e:
+        assert "\n" not in str(e), f"config errors are one line: {e!r}"
+        return e
+
+
+@FUZZ
+@given(doc=document())
+def test_random_documents_load_or_name_the_field(doc):
+    path = TMP / "doc.yaml"
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    out = _load(path)
+    if isinstance(out, ConfigError):
+        msg = str(out)
+        assert any(p in msg for p in _paths(doc)), f"{msg!r} names none of {sorted(_paths(doc))}"
+    else:
+        assert load_config(RunConfig, save_config(out, TMP / "run")) == out  # what loads survives a save / load
+
+
+@FUZZ
+@given(data=st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+def test_random_bytes_never_crash_the_loader(data):
+    path = TMP / "raw.yaml"
+    path.write_bytes(data)
+    out = _load(path)  # a config or one ConfigError line; any other exception fails the test
+    if not isinstance(out, ConfigError):
+        assert yaml.safe_load(data.decode()) in (None, {}) and out == RunConfig()  # only an empty document loads
+
+
+@FUZZ
+@given(overrides=st.lists(st.text(max_size=30), max_size=3))
+def test_random_overrides_never_crash_the_loader(overrides):
+    _load(None, overrides)
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (b"actor:\n  lr: 1e-5\n", "unknown config key 'actor.lr'; known fields: adv_estimator"),
+    (b"rollout: 8\n", "rollout: expected a mapping of fields, got 8"),
+    (b"rollout:\n  batch_size: [8]\n", "rollout.batch_size: expected an integer, got [8]"),
+    (b"train:\n  optimizer:\n    lr: -1\n", "train.optimizer.lr=-1.0 is out of range"),
+    (b"\xff\xfeseed: 1\n", "is not UTF-8 text"),
+    (b"seed: 1" + b"0" * 5000 + b"\n", "is not valid YAML"),
+    (b"- just\n- a list\n", "must hold a mapping of sections, got list"),
+])
+def test_cli_prints_one_line_naming_the_field_and_no_traceback(tmp_path, content, needle):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_bytes(content)
+    log = tmp_path / "cli.log"
+    proc = start_cli(["train", str(cfg), f"run_dir={tmp_path / 'run'}"], log)
+    proc.join(timeout=120)
+    out = log.read_text()
+    assert proc.exitcode == 2, out
+    assert out.startswith("relayrl train: ") and out.count("\n") == 1 and needle in out, out
+    assert not (tmp_path / "run").exists()  # nothing was started
