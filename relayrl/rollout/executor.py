@@ -271,11 +271,8 @@ class WorkflowExecutor:
                 ok = []
             else:
                 if self._accepts(traj, p):
-                    rows = traj["input_ids"].shape[0]
-                    traj["group_id"] = torch.full((rows,), self._next_group, dtype=torch.int64)
-                    traj["prompt_index"] = torch.full((rows,), p.index, dtype=torch.int64)
+                    traj["prompt_index"] = torch.full((traj["input_ids"].shape[0],), p.index, dtype=torch.int64)
                     versions = traj["versions"]
-                    self._next_group += 1
                     group = _Group(p, traj, int(versions[versions >= 0].min()), len(ok))
                 else:
                     n_bad = len(ok)
@@ -375,6 +372,12 @@ class WorkflowExecutor:
         self._ready = keep
 
     def _take(self, groups: list[_Group]) -> TensorDict:
+        """Consume ``groups`` as one batch, in prompt order (not completion order, which depends on
+        timing): a synchronous run then trains on bitwise the same batch every time."""
+        groups = sorted(groups, key=lambda g: g.prompt.index)
+        for g in groups:
+            g.traj["group_id"] = torch.full_like(g.traj["prompt_index"], self._next_group)
+            self._next_group += 1
         version = self.engine.get_version()
         self.last_staleness = [version - g.oldest for g in groups]
         self.last_prompt_ids = [g.prompt.data.get("id", g.prompt.index) for g in groups]
