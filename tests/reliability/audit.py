@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from relayrl.api.config import RunConfig, load_config
 from relayrl.api.engine import DataItem
 from relayrl.data.datasets import RLDataLoader
 
@@ -23,6 +24,18 @@ FAST = [
     "train.optimizer.lr=1e-3", "actor.entropy_coef=0.01", "logging.tensorboard=false", "logging.progress=lines",
     "logging.rollouts_per_step=0",
 ]
+
+
+TOKEN = "reliability-token"
+
+
+def remote_cfg(run_dir: str | Path, addresses: list[str], *extra: str) -> RunConfig:
+    """A fast asynchronous run (eta=1) generating on the servers at ``addresses``."""
+    return load_config(RunConfig, None, [
+        f"run_dir={run_dir}", *FAST, "inference.backend=remote", f"inference.addresses={addresses}",
+        f"inference.admin_token={TOKEN}", "inference.health_interval=0.2", "inference.max_retries=12",
+        "inference.request_timeout=60", "rollout.max_staleness=1", "gconfig.max_new_tokens=16", *extra,
+    ])
 
 
 def metrics_rows(run_dir: str | Path) -> list[dict]:
