@@ -53,6 +53,7 @@ class Chaos(threading.Thread):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SECONDS + 600)
 def test_soak_async_training_survives_random_server_restarts(tmp_path):
     group = launch_servers(2, admin_token=TOKEN)
     cfg = remote_cfg(tmp_path / "run", group.addresses, "total_steps=1000000000", f"rollout.max_staleness={ETA}",
