@@ -65,7 +65,7 @@ def make_inference_engine(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) ->
         return LocalEngine(inf, model=load_model(cfg.model, cfg.seed), tokenizer=tokenizer, model_config=cfg.model)
     from relayrl.inference.remote import RemoteEngine
 
-    return RemoteEngine(inf)  # launches inference.n_servers local servers when no addresses are given
+    return RemoteEngine(inf, model=cfg.model)  # launches inference.n_servers servers of cfg.model when no addresses are given
 
 
 def make_workflow(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFn) -> RolloutWorkflow:

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import safetensors.torch
 
-from relayrl.api.config import InferenceConfig
+from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
 from relayrl.inference.backends import Call, make_backend
@@ -60,10 +60,12 @@ def _url(address: str) -> str:
 
 
 class RemoteEngine(InferenceEngine):
-    """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched)."""
+    """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched
+    serving ``model``, the policy's ModelConfig, so that its weights fit them)."""
 
-    def __init__(self, config: InferenceConfig, addresses: list[str] | None = None) -> None:
+    def __init__(self, config: InferenceConfig, addresses: list[str] | None = None, model: ModelConfig | None = None) -> None:
         self.config = config
+        self.model = model or ModelConfig()
         self.addresses = list(addresses if addresses is not None else config.addresses)
         self.backend = make_backend(config.protocol)
         self.token = config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
@@ -86,8 +88,11 @@ class RemoteEngine(InferenceEngine):
             from relayrl.inference.launcher import launch_servers
 
             roots = [self.config.weight_sync_dir] if self.config.weight_sync_dir else []
-            group = launch_servers(self.config.n_servers, threads=self.config.server_threads,
-                                   overrides=[f"allowed_weight_roots={roots}"], admin_token=self.token)
+            m = self.model
+            model_args = [f"model.vocab_size={m.vocab_size}", f"model.dtype={m.dtype}"]
+            model_args += [f"model.tokenizer_path={m.tokenizer_path}"] if m.tokenizer_path else []
+            group = launch_servers(self.config.n_servers, model=m.path, threads=self.config.server_threads,
+                                   overrides=[f"allowed_weight_roots={roots}", *model_args], admin_token=self.token)
             self._launched = group
             self.addresses = group.addresses
         if not self.addresses:
