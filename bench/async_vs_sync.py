@@ -1,0 +1,108 @@
+"""Asynchronous vs synchronous RL with a separate inference server: wall-time ratio.
+
+The same GRPO run (``common.RL``: same SFT-warmed model, task, prompts per step, group size,
+completion length, lr; 30 steps in both modes, so the same number of trained samples) with generation in one
+``relayrl serve`` process and training in the trainer process, one torch thread each:
+
+- sync: ``rollout.max_staleness=0``, ``actor.loss=ppo`` with the generator's logprobs as the
+  old policy (``actor.recompute_logp=false``: the fastest synchronous setting);
+- async: ``rollout.max_staleness=2`` (eta), ``actor.loss=decoupled_ppo`` (needs the
+  trainer's proximal logprobs: one extra forward per step), the executor keeps generating
+  while the trainer trains.
+
+ratio = sync wall seconds / async wall seconds of ``Trainer.fit`` (server start-up and model
+loading excluded). Each run starts a fresh server from the checkpoint in its own process;
+repeats alternate the modes. Also reported: the reward reached (last-5-step training reward
+and held-out sampled accuracy of the final policy), the staleness actually seen, and the
+phase timings (``timing/*`` from metrics.jsonl) that explain the ratio. Goal: ratio >= 1.6.
+
+    python bench/async_vs_sync.py [--repeats 3] [--steps 30] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import common
+import torch
+
+ETA = 2
+
+
+def run_mode(ckpt: str, mode: str, seed: int, steps: int) -> dict:
+    """One run against a freshly launched server; returns ``common.run_relayrl``'s dict."""
+    from relayrl.inference.launcher import launch_servers
+
+    rl = common.RL
+    in_flight = rl["prompts_per_step"] * rl["group_size"] * (ETA + 1)
+    # RemoteEngine's own n_servers launch serves the 'tiny' preset; this run serves the checkpoint.
+    group = launch_servers(1, model=ckpt, threads=1, overrides=[f"inference.max_batch_size={in_flight}"])
+    try:
+        overrides = common.relayrl_overrides(ckpt, common.CACHE / "async_vs_sync" / f"{mode}-{seed}", seed, steps)
+        overrides += ["inference.backend=remote", f"inference.addresses={group.addresses}"]
+        if mode == "async":
+            overrides += [f"rollout.max_staleness={ETA}", "actor.loss=decoupled_ppo", "actor.recompute_logp=true"]
+        return common.run_relayrl(overrides)
+    finally:
+        group.shutdown()
+
+
+def phases(steps: list[dict]) -> dict[str, float]:
+    """Mean seconds per step of each ``timing/*`` phase and of the whole step (first step excluded)."""
+    rows = steps[1:] or steps
+    keys = sorted({k for s in rows for k in s if k.startswith("timing/")} | {"perf/step_seconds"})
+    return {k.removeprefix("timing/"): round(statistics.mean(s.get(k, 0.0) for s in rows), 4) for k in keys}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30, help="fewer than grpo_vs_trl's 40: server runs are ~6x slower per step")
+    ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 1, 3
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(1)
+    ckpt = str(common.warm_start(args.quick))
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    for r in range(args.repeats):
+        for mode in ("sync", "async"):
+            res = common.in_child(run_mode, ckpt, mode, r, args.steps)
+            res["phases"] = phases(res.pop("steps"))
+            runs[mode].append(res)
+        s, a = runs["sync"][-1], runs["async"][-1]
+        print(f"repeat {r}: sync {s['seconds']:.1f}s (reward {common.tail_mean(s['rewards']):.3f}, held-out "
+              f"{s['accuracy']:.3f}) | async {a['seconds']:.1f}s (reward {common.tail_mean(a['rewards']):.3f}, held-out "
+              f"{a['accuracy']:.3f}) | ratio {s['seconds'] / a['seconds']:.2f}", flush=True)
+    ratios = [s["seconds"] / a["seconds"] for s, a in zip(runs["sync"], runs["async"], strict=True)]
+
+    def side(name: str) -> dict:
+        rs = runs[name]
+        return {"seconds": common.spread([x["seconds"] for x in rs]),
+                "samples_per_s": common.spread([x["samples_per_s"] for x in rs]),
+                "final_reward": common.spread([common.tail_mean(x["rewards"]) for x in rs]),
+                "held_out_accuracy": common.spread([x["accuracy"] for x in rs]),
+                "phases_s_per_step": rs[len(rs) // 2]["phases"], "samples": rs[0]["samples"]}
+
+    s = common.spread(ratios)
+    # Perfect overlap hides the shorter of (generation, trainer-side work) of a sync step: the ceiling.
+    ceilings = [x["phases"]["perf/step_seconds"] / max(x["phases"]["rollout"], x["phases"]["perf/step_seconds"] - x["phases"]["rollout"])
+                for x in runs["sync"]]
+    common.write_result({
+        "name": "async_vs_sync", "ratio": s["median"], "ratio_min": s["min"], "ratio_max": s["max"], "ratios": s["values"],
+        "goal": "sync wall time / async wall time >= 1.6 to the same number of trained samples",
+        "overlap_ceiling": common.spread(ceilings),
+        "overlap_ceiling_is": "sync step / max(sync rollout phase, rest of the sync step): the best any overlap can do",
+        "sync": side("sync"), "async": side("async"),
+        "settings": {**common.RL, "steps": args.steps, "repeats": args.repeats, "eta": ETA, "servers": 1,
+                     "server_threads": 1, "trainer_threads": 1, "weight_sync": "http upload (safetensors)",
+                     "sync": "max_staleness=0, loss=ppo, recompute_logp=false",
+                     "async": f"max_staleness={ETA}, loss=decoupled_ppo, recompute_logp=true"},
+    }, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Helpers shared by the RL benchmarks: the bench model, its SFT warm start, held-out accuracy,
+median/spread summaries and the result file.
+
+The RL benchmarks (``grpo_vs_trl``, ``async_vs_sync``, ``overhead``) all start from the same
+SFT-warmed checkpoint of a ~0.6M-parameter Qwen2-style model over the offline character
+tokenizer (a random model scores 0 on the arithmetic task, so rewards would mean nothing).
+``warm_start()`` trains it once with ``relayrl.sft.run_sft`` on imperfect demonstrations (30%
+wrong) and caches it under ``runs/bench/sft-<key>/final``; later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` from the repo root
+
+from relayrl.api.config import (  # noqa: E402
+    InferenceConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SFTConfig,
+    SFTDataConfig,
+    TrainEngineConfig,
+)
+from relayrl.api.io import GenerationConfig  # noqa: E402
+from relayrl.data.models import build_tokenizer  # noqa: E402
+from relayrl.data.tasks import demonstrations, make_task  # noqa: E402
+from relayrl.rewards.tasks import task_reward_fn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+CACHE = ROOT / "runs" / "bench"
+
+# ~0.6M parameters (hidden 128, 3 layers): learns 2-digit addition from demonstrations in a
+# few hundred SFT steps on one core.
+BENCH_MODEL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+TASK = {"name": "arithmetic", "difficulty": 2, "n_train": 2000, "n_eval": 200, "seed": 1}
+SFT = {"error_rate": 0.3, "max_steps": 1000, "probe_every": 100, "stop_greedy": 0.6, "batch_size": 128, "lr": 3e-3, "warmup_steps": 50}
+MAX_NEW_TOKENS = 8  # answers are <= 3 digits + EOS
+
+
+def task_rows() -> tuple[list[dict], list[dict]]:
+    """(train, held-out) rows of the bench task."""
+    return make_task(TASK["name"], TASK["n_train"], TASK["n_eval"], TASK["difficulty"], TASK["seed"])
+
+
+def build_bench_model(seed: int = 0) -> PreTrainedModel:
+    tok = build_tokenizer()
+    cfg = AutoConfig.for_model(
+        "qwen2", vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **BENCH_MODEL,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model
+
+
+def held_out_accuracy(model: PreTrainedModel, rows: Sequence[dict], n_samples: int = 4, greedy: bool = False, seed: int = 0) -> float:
+    """Mean accuracy of ``n_samples`` temperature-1 samples (or greedy) per held-out prompt,
+    scored by the task verifier; decoded by LocalEngine on a copy of ``model``."""
+    import copy
+
+    from relayrl.evaluation import evaluate
+    from relayrl.inference.local import LocalEngine
+
+    gen = copy.deepcopy(model).eval()
+    gen.config.use_cache = True
+    gen.set_attn_implementation("sdpa")
+    engine = LocalEngine(InferenceConfig(seed=seed, max_batch_size=256), model=gen, tokenizer=build_tokenizer())
+    engine.initialize()
+    try:
+        g = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, greedy=greedy)
+        n = 1 if greedy else n_samples
+        out = evaluate(engine, build_tokenizer(), list(rows), g, task_reward_fn(TASK["name"]), n_samples=n)
+    finally:
+        engine.destroy()
+    return float(out.get("eval/accuracy_mean", out["eval/accuracy"]))
+
+
+def warm_start(quick: bool = False, log=print) -> Path:  # noqa: ANN001
+    """The SFT-warmed checkpoint directory (HF model + tokenizer), trained once and cached.
+    ``quick`` (smoke tests) uses the untrained model when no SFT checkpoint is cached yet."""
+    from relayrl.sft import run_sft
+
+    key = hashlib.sha1(json.dumps([BENCH_MODEL, TASK, SFT], sort_keys=True).encode()).hexdigest()[:10]
+    run_dir = CACHE / f"sft-{key}"
+    final = run_dir / "final"
+    if (final / "config.json").exists():
+        return final
+    if quick:
+        path = CACHE / "untrained"
+        if not (path / "config.json").exists():
+            build_bench_model(TASK["seed"]).save_pretrained(path)
+            build_tokenizer().save_pretrained(path)
+        log("--quick without a cached SFT checkpoint: using the untrained model (rewards ~0)")
+        return path
+    t0 = time.monotonic()
+    train, held_out = task_rows()
+    tokenizer = build_tokenizer()
+    cfg = SFTConfig(
+        run_dir=str(run_dir), seed=TASK["seed"], torch_threads=1, total_steps=SFT["max_steps"], batch_size=SFT["batch_size"],
+        log_every_n_steps=SFT["probe_every"], save_final=True, model=ModelConfig(path="tiny"),
+        train=TrainEngineConfig(optimizer=OptimizerConfig(lr=SFT["lr"], lr_schedule="constant", warmup_steps=SFT["warmup_steps"])),
+        data=SFTDataConfig(task="arithmetic", difficulty=TASK["difficulty"], error_rate=SFT["error_rate"]),
+        logging=LoggingConfig(tensorboard=False),
+    )
+    probe = train[:100]
+
+    def learned(step: int, model: PreTrainedModel) -> bool:
+        acc = held_out_accuracy(model, probe, greedy=True)
+        log(f"sft step {step}: probe greedy accuracy {acc:.2f} (stop at {SFT['stop_greedy']})")
+        return acc >= SFT["stop_greedy"]
+
+    demos = demonstrations(train, SFT["error_rate"], TASK["seed"])
+    res = run_sft(cfg, tokenizer=tokenizer, model=build_bench_model(TASK["seed"]), train_rows=demos,
+                  eval_rows=held_out[:64], stop_fn=learned)
+    log(f"SFT warm start: {res.steps} steps in {time.monotonic() - t0:.0f}s -> {final}")
+    return final
+
+
+def load_warm(path: Path) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.generation_config.pad_token_id = build_tokenizer().pad_token_id
+    return model
+
+
+# One GRPO step on both sides of grpo_vs_trl (and the base of async_vs_sync / overhead).
+RL = {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+      "lr": 3e-4, "steps": 40, "eps_clip": 0.2, "grad_clip": 1.0, "adam": [0.9, 0.999, 1e-8], "weight_decay": 0.0,
+      "lr_schedule": "constant", "kl_coef": 0.0, "adv": "(r - group mean) / group std", "loss_agg": "token mean over the batch",
+      "torch_threads": 1}
+
+
+def relayrl_overrides(ckpt: Path, run_dir: Path, seed: int, steps: int) -> list[str]:
+    """The RunConfig of a GRPO run with the ``RL`` settings from ``ckpt`` (synchronous, colocated)."""
+    p, g = RL["prompts_per_step"], RL["group_size"]
+    return [
+        f"run_dir={run_dir}", f"seed={seed}", f"total_steps={steps}", "torch_threads=1", f"model.path={ckpt}",
+        f"train.optimizer.lr={RL['lr']}", f"train.optimizer.grad_clip={RL['grad_clip']}", "train.optimizer.lr_schedule=constant",
+        "actor.adv_estimator=grpo", "actor.loss=ppo", "actor.recompute_logp=false", f"actor.eps_clip={RL['eps_clip']}",
+        f"gconfig.max_new_tokens={RL['max_new_tokens']}", "gconfig.temperature=1.0", "gconfig.top_p=1.0", "gconfig.top_k=0",
+        f"rollout.batch_size={p}", f"rollout.group_size={g}", "rollout.max_staleness=0", f"inference.max_batch_size={p * g}",
+        "logging.tensorboard=false", "logging.rollouts_per_step=0", "logging.progress=lines", "checkpoint.save_final=false",
+    ]
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all its threads) so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward: bool = False) -> dict:
+    """Build a Trainer from ``overrides``, time ``fit()``, return per-step metrics, the wall and
+    CPU time and (optionally) held-out sampled accuracy of the trained policy.
+
+    ``inline_reward``: the RLVR workflow calls the reward fn inline on the rollout loop
+    (``reward_timeout=None``) instead of in a new thread per call (what ``relayrl train`` does:
+    ``rollout.reward_timeout`` must be > 0)."""
+    import shutil
+
+    from relayrl.api.config import RunConfig, load_config
+    from relayrl.data.models import load_tokenizer
+    from relayrl.rollout.workflows import RLVRWorkflow
+    from relayrl.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = load_config(RunConfig, None, overrides)
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    train, held_out = task_rows()
+    workflow = None
+    if inline_reward:
+        workflow = RLVRWorkflow(task_reward_fn(TASK["name"]), cfg.gconfig, load_tokenizer(cfg.model), reward_timeout=None)
+    t_build = time.perf_counter()
+    trainer = Trainer(cfg, train_rows=train, eval_rows=held_out, workflow=workflow)
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    try:
+        trainer.fit()
+        seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        model = trainer.actor_engine.model
+        acc = held_out_accuracy(model, held_out) if evaluate_after else None
+    finally:
+        trainer.close()
+    steps = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "perf/samples" in m]
+    samples = int(steps[-1]["perf/samples"])
+    return {"seconds": seconds, "cpu_seconds": cpu, "build_seconds": t0 - t_build, "samples": samples, "samples_per_s": samples / seconds,
+            "rewards": [m["rollout/reward"] for m in steps], "accuracy": acc, "steps": steps,
+            "threads": torch.get_num_threads()}
+
+
+def _child(fn, args, queue) -> None:  # noqa: ANN001
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        queue.put(("error", f"{e!r}\n{traceback.format_exc()}"))
+
+
+def in_child(fn, *args):  # noqa: ANN001, ANN201
+    """``fn(*args)`` in a fresh spawned process (own imports, threads and peak memory); its return value."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, args, queue))
+    proc.start()
+    import queue as queue_mod
+
+    while True:
+        try:
+            status, value = queue.get(timeout=5)
+            break
+        except queue_mod.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{getattr(fn, '__name__', fn)}: child process died (exit code {proc.exitcode})") from None
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in a child process: {value}")
+    return value
+
+
+def tail_mean(xs: Sequence[float], k: int = 5) -> float:
+    return float(statistics.mean(xs[-k:]))
+
+
+def spread(values: Sequence[float]) -> dict[str, float | list[float]]:
+    """Median, min, max and the values themselves (rounded)."""
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4),
+            "values": [round(v, 4) for v in values]}
+
+
+def results_dir(quick: bool = False) -> Path:
+    """``bench/results``; ``--quick`` smoke runs write elsewhere so they never replace recorded figures
+    (``BENCH_RESULTS_DIR`` overrides both)."""
+    return Path(os.environ.get("BENCH_RESULTS_DIR") or (CACHE / "quick-results" if quick else RESULTS))
+
+
+def write_result(result: dict, quick: bool = False) -> dict:
+    """Add the load average, write ``<results>/<name>.json`` and print the JSON as the last line."""
+    result["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    if quick:
+        result["quick"] = True
+    out = results_dir(quick)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":  # `python bench/common.py`: train (or find) the SFT warm start
+    t0 = time.monotonic()
+    print(json.dumps({"name": "sft_warm_start", "checkpoint": str(warm_start()), "seconds": round(time.monotonic() - t0, 1)}))

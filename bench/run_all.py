@@ -1,0 +1,192 @@
+"""Run every benchmark, one process each, then regenerate the table in docs/benchmarks.md.
+
+    python bench/run_all.py                 # all (~10 minutes on the 2-core dev machine)
+    python bench/run_all.py --only grpo_vs_trl,overhead
+    python bench/run_all.py --quick         # smoke: the RL benchmarks with --quick (results elsewhere)
+    python bench/run_all.py --docs-only     # just rebuild the table from bench/results/*.json
+
+Each benchmark prints a JSON object as its last line and writes ``bench/results/<name>.json``;
+this script adds ``bench/results/run_all.json`` (seconds per benchmark, total, load average).
+``gpu`` runs only when CUDA is available. The SFT warm start shared by the RL benchmarks is
+trained first (once; cached under ``runs/bench``) so its cost is visible on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+DOCS = BENCH.parent / "docs" / "benchmarks.md"
+START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- table:end -->"
+ORDER = ["generation", "training", "serving", "grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "gpu"]
+QUICK_ARGS = {"generation": ["--repeats", "1", "--models", "tiny"], "training": ["--repeats", "1"], "serving": ["--repeats", "1"]}
+NEW = {"grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "gpu"}  # these take --quick
+
+
+def run(name: str, args: list[str]) -> tuple[dict | None, float]:
+    """Run ``bench/<name>.py``, echo its output, return (last-line JSON or None, seconds)."""
+    print(f"\n=== {name} {' '.join(args)}", flush=True)
+    t0 = time.monotonic()
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(BENCH / f"{name}.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=BENCH.parent)
+    last = ""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip():
+            last = line
+        print(line[:400], end="" if line.endswith("\n") else "\n", flush=True)
+    code = proc.wait()
+    seconds = time.monotonic() - t0
+    try:
+        result = json.loads(last) if code == 0 else None
+    except json.JSONDecodeError:
+        result = None
+    print(f"=== {name}: {'ok' if result else f'no result (exit {code})'} in {seconds:.0f}s", flush=True)
+    return result, seconds
+
+
+# ------------------------------------------------------------------ the docs table
+
+
+def _f(x: object, fmt: str = "{:.2f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def _med(d: dict, *path: str) -> float | None:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d.get("median") if isinstance(d, dict) else d  # type: ignore[return-value]
+
+
+def describe(r: dict) -> tuple[str, str, str]:
+    """(what the headline number is, goal, key figures) of one result."""
+    n = r["name"]
+    if n == "generation":
+        models = ", ".join(f"{m}: {v['engine_tok_s']:.0f} vs {v['generate_tok_s']:.0f} tok/s" for m, v in r["models"].items())
+        return "LocalEngine ÷ HF `generate` tokens/s (worst model)", "–", models
+    if n == "training":
+        return ("packed ÷ padded train tokens/s", "–",
+                f"{r['packed_tokens_per_s']:.0f} vs {r['padded_tokens_per_s']:.0f} tok/s; pad fraction {r['padded_pad_fraction']:.0%}")
+    if n == "serving":
+        return ("`relayrl serve` ÷ in-process tokens/s", "≥ 0.85",
+                f"{r['server_tokens_per_s']:.0f} vs {r['local_tokens_per_s']:.0f} tok/s; p50 {r['latency_p50_s']:.2f}s, p99 {r['latency_p99_s']:.2f}s")
+    if n == "grpo_vs_trl":
+        rel, trl = r["relayrl"], r["trl"]
+        inline = f"; reward fn inline: **{_med(r, 'ratio_inline_reward'):.2f}**" if "ratio_inline_reward" in r else ""
+        cpu = f"; CPU per sample TRL ÷ relayrl {_med(r, 'cpu_efficiency_ratio'):.2f}" if "cpu_efficiency_ratio" in r else ""
+        return ("relayrl ÷ TRL `GRPOTrainer` samples/s", "≥ 3, reward no worse",
+                f"{_med(rel, 'samples_per_s'):.0f} vs {_med(trl, 'samples_per_s'):.0f} samples/s{inline}{cpu}; held-out accuracy "
+                f"{r['held_out_accuracy_before']:.2f} → {_med(rel, 'held_out_accuracy'):.2f} (relayrl) / "
+                f"{_med(trl, 'held_out_accuracy'):.2f} (TRL); last-5 train reward {_med(rel, 'final_reward'):.2f} / {_med(trl, 'final_reward'):.2f}")
+    if n == "async_vs_sync":
+        s, a = r["sync"], r["async"]
+        return ("sync ÷ async wall time (server process, η = 2)", "≥ 1.6",
+                f"{_med(s, 'seconds'):.1f}s vs {_med(a, 'seconds'):.1f}s for {s['samples']} samples; perfect-overlap ceiling "
+                f"{_med(r, 'overlap_ceiling'):.2f}; held-out accuracy "
+                f"{_med(s, 'held_out_accuracy'):.2f} (sync) / {_med(a, 'held_out_accuracy'):.2f} (async)")
+    if n == "weight_sync":
+        sec = r["seconds"]
+        return ("server (HTTP) ÷ LocalEngine seconds, ~30M model", "–",
+                f"LocalEngine {sec['local']['median']:.3f}s, server HTTP {sec['server_http']['median']:.3f}s, "
+                f"server disk {sec['server_disk']['median']:.3f}s ({r['settings']['bytes'] / 1e6:.0f} MB)")
+    if n == "overhead":
+        s = r["relayrl_s_per_step"]
+        return ("share of a relayrl step outside model compute", "–",
+                f"share of a step outside model compute: relayrl {r['relayrl_share']['median']:.0%}, TRL "
+                f"{r['trl_share']['median']:.0%}; relayrl step {s['step'] * 1e3:.0f} ms = generation "
+                f"{s.get('generation', 0) * 1e3:.0f} + fwd/bwd/opt "
+                f"{(s.get('forward', 0) + s.get('backward', 0) + s.get('optimizer', 0)) * 1e3:.0f} + overhead {s['overhead'] * 1e3:.0f}")
+    if n == "gpu":
+        return ("LocalEngine ÷ HF `generate` tokens/s, 0.5B bf16", "–",
+                f"{r['device']}: training packed ÷ padded {_f(r.get('training_ratio'))}, train MFU {_f(r.get('train_mfu'), '{:.1%}')}")
+    return "ratio", "–", ""
+
+
+def render_table(results_dir: Path) -> str:
+    results = {}
+    for p in sorted(results_dir.glob("*.json")):
+        r = json.loads(p.read_text())
+        if isinstance(r, dict) and "name" in r and r["name"] != "run_all":
+            results[r["name"]] = r
+    timing = json.loads((results_dir / "run_all.json").read_text()) if (results_dir / "run_all.json").exists() else {}
+    rows = ["| benchmark | headline number | median | spread (min–max) | goal | key figures | load avg | s |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name in sorted(results, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER)):
+        r = results[name]
+        what, goal, key = describe(r)
+        head = r.get("ratio") if r.get("ratio") is not None else r.get("figure")
+        spread = f"{_f(r.get('ratio_min'))}–{_f(r.get('ratio_max'))}" if "ratio_min" in r else "–"
+        load = "–" if "loadavg" not in r else f"{r['loadavg'][0]:.1f}"
+        secs = timing.get("seconds", {}).get(name)
+        rows.append(f"| `{name}` | {what} | **{_f(head)}** | {spread} | {goal} | {key} | {load} | {_f(secs, '{:.0f}')} |")
+    total = f"\n\nLast full run: {timing['total_seconds'] / 60:.1f} minutes ({timing.get('date', '')})." if timing.get("total_seconds") else ""
+    return "\n".join(rows) + total
+
+
+def write_docs(results_dir: Path, docs: Path = DOCS) -> None:
+    text = docs.read_text() if docs.exists() else f"# Benchmarks\n\n{START}\n{END}\n"
+    if START not in text or END not in text:
+        text += f"\n{START}\n{END}\n"
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    docs.write_text(f"{head}{START}\n{render_table(results_dir)}\n{END}{tail}")
+    print(f"wrote {docs}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated benchmark names")
+    ap.add_argument("--skip", default="", help="comma-separated benchmark names")
+    ap.add_argument("--quick", action="store_true", help="smoke run of the RL benchmarks (results under runs/bench)")
+    ap.add_argument("--docs-only", action="store_true")
+    args = ap.parse_args()
+    sys.path.insert(0, str(BENCH))
+    import common
+
+    if args.docs_only:
+        write_docs(common.results_dir())
+        return
+    names = args.only.split(",") if args.only else [n for n in ORDER if not (args.quick and n not in NEW)]
+    names = [n for n in names if n not in args.skip.split(",")]
+    import torch
+
+    if "gpu" in names and not torch.cuda.is_available():
+        print("gpu: skipped (no CUDA device)")
+        names.remove("gpu")
+    t0 = time.monotonic()
+    seconds: dict[str, float] = {}
+    failed = []
+    if {"grpo_vs_trl", "async_vs_sync", "overhead"} & set(names) and not args.quick:
+        _, seconds["sft_warm_start"] = run("common", [])
+    for name in names:
+        extra = ["--quick"] if args.quick and name in NEW else QUICK_ARGS.get(name, []) if args.quick else []
+        result, seconds[name] = run(name, extra)
+        if result is None:
+            failed.append(name)
+    total = time.monotonic() - t0
+    summary = {"name": "run_all", "seconds": {k: round(v, 1) for k, v in seconds.items()}, "total_seconds": round(total, 1),
+               "failed": failed, "loadavg": [round(x, 2) for x in os.getloadavg()], "date": time.strftime("%Y-%m-%d %H:%M")}
+    out = common.results_dir(args.quick)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.only and (out / "run_all.json").exists():  # a partial run updates its rows, keeps the full run's total
+        full = json.loads((out / "run_all.json").read_text())
+        summary = {**full, "seconds": {**full.get("seconds", {}), **summary["seconds"]}}
+    (out / "run_all.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if not args.quick:
+        write_docs(out)
+    print(f"\nall done in {total / 60:.1f} min; failed: {failed or 'none'}")
+    print(json.dumps(summary))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The benchmark harness: the docs table renders from the recorded results, the compute clock
+counts nested calls once, and one new benchmark runs end to end with --quick (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+
+def test_docs_table_renders_every_recorded_result(tmp_path: Path) -> None:
+    import run_all
+
+    results = sorted(p for p in (BENCH / "results").glob("*.json") if p.stem != "run_all")
+    assert results, "bench/results holds no recorded results"
+    for p in results:
+        r = json.loads(p.read_text())
+        assert r["name"] == p.stem and ("ratio" in r or "figure" in r), p
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"# Benchmarks\n\nintro\n\n{run_all.START}\nold table\n{run_all.END}\n\noutro\n")
+    run_all.write_docs(BENCH / "results", docs)
+    text = docs.read_text()
+    assert "old table" not in text and text.startswith("# Benchmarks\n\nintro") and text.rstrip().endswith("outro")
+    for p in results:
+        assert f"| `{p.stem}` |" in text
+
+
+def test_compute_clock_counts_the_outermost_call_only() -> None:
+    from overhead import ComputeClock
+
+    class Model:
+        def inner(self) -> None:
+            time.sleep(0.01)
+
+        def outer(self) -> None:
+            self.inner()
+            self.inner()
+
+    clock = ComputeClock()
+    clock.wrap(Model, "inner", "forward")
+    clock.wrap(Model, "outer", "generation")
+    Model().outer()
+    Model().inner()
+    assert set(clock.seconds) == {"generation", "forward"}
+    assert clock.seconds["generation"] >= 0.02 and 0.01 <= clock.seconds["forward"] < 0.02
+
+
+@pytest.mark.slow
+def test_weight_sync_quick_prints_a_json_result(tmp_path: Path) -> None:
+    env = dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, str(BENCH / "weight_sync.py"), "--quick"], capture_output=True, text=True,
+                         env=env, timeout=300, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["name"] == "weight_sync" and result["quick"] is True
+    assert set(result["seconds"]) == {"local", "server_http", "server_disk"}
+    assert json.loads((tmp_path / "weight_sync.json").read_text()) == result
