@@ -90,7 +90,7 @@ class DemoSettings:
     def quick(cls) -> DemoSettings:
         """A smoke-test run (well under a minute); learning is not expected."""
         return cls(n_train=256, n_eval=32, sft_steps=20, sft_probe_every=10, sft_batch_size=32,
-                   rl_steps=3, rl_prompts_per_step=4, rl_group_size=4, rl_eval_every=3, eval_samples=2)
+                   rl_steps=4, rl_prompts_per_step=4, rl_group_size=4, rl_eval_every=2, eval_samples=2)
 
 
 def build_demo_model(seed: int = 0) -> PreTrainedModel:

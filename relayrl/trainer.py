@@ -114,9 +114,9 @@ class Trainer:
         """Train until ``total_steps``; returns the last step's metrics."""
         cfg, last = self.cfg, {}
         progress = Progress(cfg.total_steps, start=self.step, mode=cfg.logging.progress)
-        self._reseed_generation()
         if cfg.eval.before_training and self.step == 0 and self.eval_rows:
             self.metrics.log(self.evaluate(), step=0)
+        self._reseed_generation()
         try:
             while self.step < cfg.total_steps:
                 t0 = time.monotonic()
@@ -222,12 +222,15 @@ class Trainer:
         return out
 
     def evaluate(self) -> dict[str, float]:
-        """Score the held-out rows with the eval generation config (executor paused)."""
+        """Score the held-out rows with the eval generation config (executor paused; it resumes
+        only if it was running: between steps the loop resumes it after reseeding generation)."""
+        was_paused = self.executor.paused
         self.executor.pause()
         try:
             return evaluate(self.engine, self.tokenizer, self.eval_rows, self.cfg.eval.gconfig, self.reward_fn, self.cfg.eval.n_samples)
         finally:
-            self.executor.resume()
+            if not was_paused:
+                self.executor.resume()
 
     def _save_rollouts(self, batch: TensorDict) -> None:
         k = min(self.cfg.logging.rollouts_per_step, int(batch["rewards"].shape[0]))

@@ -33,8 +33,9 @@ def _learning(run_dir: Path) -> list[dict]:
 def test_quick_demo_runs_end_to_end_and_repeats_exactly(tmp_path: Path):
     result = run_demo_cli(tmp_path / "a", "--quick", timeout=300)
     assert {"accuracy_before", "accuracy_after", "seconds", "run_dir"} <= set(result)
-    assert result["rl_steps"] == 3 and result["run_dir"] == str(tmp_path / "a")
-    assert [r["step"] for r in _learning(tmp_path / "a")] == [0, 1, 2, 3]  # eval before training, three steps
+    assert result["rl_steps"] == 4 and result["run_dir"] == str(tmp_path / "a")
+    assert [r["step"] for r in _learning(tmp_path / "a")] == [0, 1, 2, 3, 4]  # eval before training, 4 steps
+    assert "eval/accuracy_mean" in _learning(tmp_path / "a")[2]  # an eval between steps: step 3 must not see it
     again = run_demo_cli(tmp_path / "b", "--quick", timeout=300)  # seeded: the same numbers again
     assert _learning(tmp_path / "a") == _learning(tmp_path / "b")
     assert {k: v for k, v in result.items() if "seconds" not in k and k not in ("run_dir", "curves")} == \

@@ -122,3 +122,21 @@ def test_plot_and_show(tmp_path: Path) -> None:
     shown = subprocess.run([sys.executable, "-m", "relayrl.cli", "show", cfg.run_dir, "--step", "2"],
                            capture_output=True, text=True, check=True).stdout
     assert "completion:" in shown and "reward" in shown
+
+
+def test_evaluation_never_perturbs_training(tmp_path: Path) -> None:
+    """A synchronous run samples and trains exactly the same with or without evaluations between
+    steps (the executor stays paused until generation is reseeded for the next step)."""
+    rows = {}
+    for name, every in (("with_eval", "1"), ("without", "0")):
+        cfg = load_config(RunConfig, None, [f"run_dir={tmp_path / name}", *FAST, "total_steps=3", "rollout.batch_size=4",
+                                            "rollout.group_size=4", f"eval.every_n_steps={every}", "eval.n_samples=3",
+                                            "eval.gconfig.greedy=false", "data.n_eval=8"])
+        train(cfg)
+        rows[name] = _metrics(cfg.run_dir)
+    assert "eval/accuracy" in rows["with_eval"][0] and "eval/accuracy" not in rows["without"][0]
+    keys = ("prompt_ids", "rollout/reward", "rollout/completion_len", "actor/loss", "actor/entropy", "actor/grad_norm")
+    for a, b in zip(rows["with_eval"], rows["without"], strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+    a, b = _weights(tmp_path / "with_eval", 3), _weights(tmp_path / "without", 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)

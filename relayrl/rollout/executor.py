@@ -179,6 +179,10 @@ class WorkflowExecutor:
         with self._lock:
             self._paused = True
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     def resume(self) -> None:
         with self._lock:
             self._paused = False
