@@ -11,7 +11,8 @@ completion length, lr; 30 steps in both modes, so the same number of trained sam
   while the trainer trains.
 
 ratio = sync wall seconds / async wall seconds of ``Trainer.fit`` (server start-up and model
-loading excluded). Each run starts a fresh server from the checkpoint in its own process;
+loading excluded). Each run launches a fresh server of the checkpoint
+(``inference.backend=remote``, ``inference.n_servers=1``, ``inference.server_threads=1``);
 repeats alternate the modes. Also reported: the reward reached (last-5-step training reward
 and held-out sampled accuracy of the final policy), the staleness actually seen, and the
 phase timings (``timing/*`` from metrics.jsonl) that explain the ratio. Goal: ratio >= 1.6.
@@ -32,21 +33,12 @@ ETA = 2
 
 
 def run_mode(ckpt: str, mode: str, seed: int, steps: int) -> dict:
-    """One run against a freshly launched server; returns ``common.run_relayrl``'s dict."""
-    from relayrl.inference.launcher import launch_servers
-
-    rl = common.RL
-    in_flight = rl["prompts_per_step"] * rl["group_size"] * (ETA + 1)
-    # RemoteEngine's own n_servers launch serves the 'tiny' preset; this run serves the checkpoint.
-    group = launch_servers(1, model=ckpt, threads=1, overrides=[f"inference.max_batch_size={in_flight}"])
-    try:
-        overrides = common.relayrl_overrides(ckpt, common.CACHE / "async_vs_sync" / f"{mode}-{seed}", seed, steps)
-        overrides += ["inference.backend=remote", f"inference.addresses={group.addresses}"]
-        if mode == "async":
-            overrides += [f"rollout.max_staleness={ETA}", "actor.loss=decoupled_ppo", "actor.recompute_logp=true"]
-        return common.run_relayrl(overrides)
-    finally:
-        group.shutdown()
+    """One run; the trainer launches its own ``relayrl serve`` process of the checkpoint."""
+    overrides = common.relayrl_overrides(ckpt, common.CACHE / "async_vs_sync" / f"{mode}-{seed}", seed, steps)
+    overrides += ["inference.backend=remote", "inference.n_servers=1", "inference.server_threads=1"]
+    if mode == "async":
+        overrides += [f"rollout.max_staleness={ETA}", "actor.loss=decoupled_ppo", "actor.recompute_logp=true"]
+    return common.run_relayrl(overrides)
 
 
 def phases(steps: list[dict]) -> dict[str, float]:
