@@ -426,7 +426,9 @@ def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known fields: {', '.join(fields)}"
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+            shown = f"{prefix}{key}"
+            shown = shown if shown.isprintable() else shown.encode("unicode_escape").decode()  # one line, always
+            raise ConfigError(f"unknown config key '{shown}'{hint}")
     kwargs: dict[str, object] = {}
     for name in fields:
         if name not in values:

@@ -86,7 +86,8 @@ def test_random_documents_load_or_name_the_field(doc):
     out = _load(path)
     if isinstance(out, ConfigError):
         msg = str(out)
-        assert any(p in msg for p in _paths(doc)), f"{msg!r} names none of {sorted(_paths(doc))}"
+        named = {p if p.isprintable() else p.encode("unicode_escape").decode() for p in _paths(doc)}  # one line
+        assert any(p in msg for p in named), f"{msg!r} names none of {sorted(named)}"
     else:
         assert load_config(RunConfig, save_config(out, TMP / "run")) == out  # what loads survives a save / load
 
@@ -126,3 +127,13 @@ def test_cli_prints_one_line_naming_the_field_and_no_traceback(tmp_path, content
     assert proc.exitcode == 2, out
     assert out.startswith("relayrl train: ") and out.count("\n") == 1 and needle in out, out
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_undecodable_text_is_refused_naming_the_field(tmp_path):
+    """Lone surrogates (undecodable argv bytes, or a YAML escape) would crash saving the config later."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text('run_dir: "\\ud800"\n')
+    for path, overrides in ((cfg, []), (None, ["run_dir=\udcff"]), (None, ["actor.loss=pp\udcff"])):
+        out = _load(path, overrides)
+        assert isinstance(out, ConfigError) and "is not valid UTF-8 text" in str(out), out
+        assert str(out).startswith(("run_dir:", "actor.loss:")), str(out)
