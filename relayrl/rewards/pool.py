@@ -127,6 +127,9 @@ class RewardPool:
             ready = w.conn.poll(self.timeout)
         except (BrokenPipeError, EOFError, OSError):
             ready = True  # dead before the call started: recv below reports it
+        except BaseException:  # kwargs that cannot be pickled: nothing was sent, the worker is fine
+            self._idle.put(w)
+            raise
         if not ready:
             self._count("timeouts")
             self._replace(w)

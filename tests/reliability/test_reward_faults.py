@@ -37,6 +37,9 @@ def test_pool_survives_raising_hanging_and_dying_reward_fns():
         assert math.isnan(pool.call(id="t/9", **KW))
         assert pool.n_alive == 2  # the hung and the dead worker were replaced
         assert dict(pool.stats) == {"calls": 6, "ok": 3, "errors": 1, "timeouts": 1, "worker_deaths": 1, "replaced": 2}
+        with pytest.raises(AttributeError, match="pickle"):  # a row column that cannot travel to a worker
+            pool.call(id="t/0", **KW, column=lambda: 0)
+        assert pool.n_alive == 2 and pool.call(id="t/0", **KW) == 1.0  # ... costs no worker
 
         # a hanging call holds one worker; the other keeps serving meanwhile
         timeouts: list[TimeoutError] = []
@@ -49,7 +52,7 @@ def test_pool_survives_raising_hanging_and_dying_reward_fns():
 
         hung = threading.Thread(target=hang)
         hung.start()
-        while pool.stats["calls"] < 7:  # the hanging call has its worker
+        while pool.stats["calls"] < 9:  # the hanging call has its worker
             time.sleep(0.01)
         t0 = time.monotonic()
         assert [pool.call(id=f"t/{i}", **KW) for i in (20, 21, 22)] == [1.0, 1.0, 1.0]
