@@ -100,5 +100,5 @@ def test_soak_async_training_survives_random_server_restarts(tmp_path):
     _, _, dropped = audit_prompts(trainer.dataloader.rows, rows, state, batch_size=2, seed=cfg.seed)
     assert not dropped, f"prompts lost: {dict(dropped)}"
     assert figures["episodes_failed"] == 0 and live == 2
-    assert figures["restarts_survived"] >= max(1, int(SECONDS // 30)), figures
+    assert figures["restarts_survived"] >= max(1, int(SECONDS // 60)), figures
     assert figures["readmissions"] >= figures["restarts_survived"]
