@@ -24,8 +24,6 @@ FAST = [
     "train.optimizer.lr=1e-3", "actor.entropy_coef=0.01", "logging.tensorboard=false", "logging.progress=lines",
     "logging.rollouts_per_step=0",
 ]
-
-
 TOKEN = "reliability-token"
 
 
@@ -54,7 +52,6 @@ def latest_state(run_dir: str | Path) -> dict:
 def train_rows_of(run_dir: str | Path) -> list[DataItem]:
     """The training rows of a run, rebuilt from its saved config.yaml."""
     from relayrl import wiring
-    from relayrl.api.config import RunConfig, load_config
     from relayrl.data.models import load_tokenizer
 
     cfg = load_config(RunConfig, Path(run_dir) / "config.yaml")
