@@ -18,7 +18,8 @@ import torch
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdate
-from relayrl.inference.local import LocalEngine, prefill_groups
+from relayrl.inference.local import LocalEngine
+from relayrl.utils.batching import length_groups
 
 EOS = 1
 
@@ -109,18 +110,18 @@ def test_greedy_equals_hf_generate_mixed_lengths(tiny_model):
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_prefill_groups_cover_every_request_and_bound_padding(seed):
+def test_length_groups_cover_every_index_and_bound_padding(seed):
     import random
 
     rng = random.Random(seed)
     lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 80))]
-    groups = prefill_groups(lengths)
+    groups = length_groups(lengths)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for g in groups:
         padded, real = max(lengths[i] for i in g) * len(g), sum(lengths[i] for i in g)
         assert padded <= 1.25 * real or len(g) == 1
-    assert prefill_groups([10] * 64) == [list(range(64))]  # equal lengths: one forward
-    assert len(prefill_groups([8, 40] * 32)) == 2
+    assert length_groups([10] * 64) == [list(range(64))]  # equal lengths: one forward
+    assert len(length_groups([8, 40] * 32)) == 2
 
 
 def test_concurrent_requests_join_and_leave(tiny_model):

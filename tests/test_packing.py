@@ -126,12 +126,16 @@ def test_token_logprobs_and_entropy_match_plain_loop(temperature):
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
 
 
+# mixed lengths (mostly one document per padded group), and many similar ones (groups of up to 8)
+LENGTH_MIXES = [[7, 31, 2, 18, 1], [10, 12, 11, 10, 13, 12, 9, 12, 30, 28]]
+
+
+@pytest.mark.parametrize("lengths", LENGTH_MIXES)
 @pytest.mark.parametrize("impl", ["varlen", "sdpa"])
-def test_packed_forward_equals_separate(tiny_model, impl):
+def test_packed_forward_equals_separate(tiny_model, impl, lengths):
     name = register_varlen_attention() if impl == "varlen" else "sdpa"
     model = copy.deepcopy(tiny_model)
     model.set_attn_implementation(name)
-    lengths = [7, 31, 2, 18, 1]
     b = make_batch(lengths, seed=1)
     p = pack(b)
     with torch.no_grad():
@@ -140,13 +144,14 @@ def test_packed_forward_equals_separate(tiny_model, impl):
     assert (packed - separate).abs().max() <= 1e-5
 
 
-def test_varlen_gradients_equal_separate(tiny_model):
+@pytest.mark.parametrize("lengths", [[6, 13, 9], LENGTH_MIXES[1]])
+def test_varlen_gradients_equal_separate(tiny_model, lengths):
     model = copy.deepcopy(tiny_model)
     model.set_attn_implementation(register_varlen_attention())
     ref = copy.deepcopy(tiny_model)
-    b = make_batch([6, 13, 9], seed=2)
+    b = make_batch(lengths, seed=2)
     model(**model_inputs(pack(b))).logits.pow(2).sum().backward()
-    sum(ref(input_ids=b["input_ids"][i : i + 1, :n]).logits.pow(2).sum() for i, n in enumerate([6, 13, 9])).backward()
+    sum(ref(input_ids=b["input_ids"][i : i + 1, :n]).logits.pow(2).sum() for i, n in enumerate(lengths)).backward()
     for a, r in zip(model.parameters(), ref.parameters(), strict=True):
         assert (a.grad - r.grad).abs().max() <= 1e-5 * max(1.0, float(r.grad.abs().max()))
 

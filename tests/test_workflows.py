@@ -136,3 +136,28 @@ def test_generative_judge_grades_with_engine(engine, tokenizer):
     assert traj["rewards"].item() == pytest.approx(judge.parse_fn(judge.last_reply))
     with pytest.raises(ValueError, match="no engine"):
         asyncio.run(judge.grade(None, "q", "a"))
+
+
+def test_hung_reward_calls_never_starve_the_reward_threads():
+    """More calls hang than there are reward threads; each times out, its thread is replaced,
+    and a well-behaved call still answers at once."""
+    import threading
+
+    from relayrl.rollout.workflows.rlvr import _in_thread
+
+    release = threading.Event()
+
+    def hang(**_):
+        release.wait()
+        return 0.0
+
+    async def go():
+        hung = await asyncio.gather(*(_in_thread(hang, {}, 0.2) for _ in range(6)), return_exceptions=True)
+        return hung, await _in_thread(lambda x: x + 1.0, {"x": 1.0}, 5.0)  # starved threads would time out
+
+    try:
+        hung, value = asyncio.run(go())
+    finally:
+        release.set()
+    assert all(isinstance(h, TimeoutError) and "did not return within 0.2s" in str(h) for h in hung)
+    assert value == 2.0

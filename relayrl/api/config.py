@@ -99,6 +99,10 @@ class InferenceConfig:
     max_tokens_in_flight: int = f(65536, help="LocalEngine: most prompt+generated tokens held in the running batch.", ge=16)
     seed: int = f(0, help="Sampling seed of the engine.")
     fast_decode: bool = f(True, help="LocalEngine: lean decode step for Llama/Qwen2-style models (else the generic HF forward).")
+    admit_window_ms: float = f(
+        5.0, help="LocalEngine: an idle engine waits up to this long while requests keep arriving, so a burst is "
+        "prefilled in one forward (0 = admit at once).", ge=0.0, le=1000.0,
+    )
     protocol: str = f("relayrl", help="Remote server protocol.", choices=["relayrl", "sglang", "vllm"])
     addresses: list[str] = f([], help="Remote servers as host:port; empty with n_servers > 0 launches local servers.")
     n_servers: int = f(0, help="Local `relayrl serve` processes to launch for backend=remote.", ge=0)
@@ -112,6 +116,12 @@ class InferenceConfig:
     )
     weight_sync_dir: str = f("", help="Shared directory for weight_sync=disk (versioned safetensors dirs); auto uses disk when set.")
     health_interval: float = f(1.0, help="Seconds between health checks of remote servers (dead ones are re-admitted).", gt=0.0)
+    batch_window_ms: float = f(
+        1.0, help="RemoteEngine: generation requests headed to the same server within this many milliseconds go out "
+        "as one batched HTTP call (each still retried, continued and balanced on its own); 0 = one call per request.",
+        ge=0.0, le=1000.0,
+    )
+    batch_max_requests: int = f(256, help="RemoteEngine: most generation requests in one batched HTTP call.", ge=1)
 
 
 @dataclass

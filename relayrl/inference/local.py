@@ -40,6 +40,7 @@ from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason, WeightUpdate
 from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.sampling import RowParams, sample
+from relayrl.utils.batching import length_groups
 
 
 @dataclass
@@ -82,7 +83,8 @@ class LocalEngine(InferenceEngine):
         self.model = model
         self.tokenizer = tokenizer
         self.model_config = model_config
-        self.stats = {"requests": 0, "aborts": 0, "tokens": 0, "steps": 0}
+        # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
+        self.stats = {"requests": 0, "aborts": 0, "tokens": 0, "steps": 0, "prefills": 0, "prefill_rows": 0, "prefill_unique": 0}
         self._version = 0
         self._waiting: queue.Queue[_Seq] = queue.Queue()
         self._control: queue.Queue[tuple[Callable[[], None], threading.Event, list[BaseException]]] = queue.Queue()
@@ -338,6 +340,8 @@ class LocalEngine(InferenceEngine):
         self._pos = torch.zeros(0, dtype=torch.long)
 
     def _step(self) -> None:
+        if not self._rows:
+            self._coalesce()
         self._admit()
         if not self._rows:
             return
@@ -404,6 +408,18 @@ class LocalEngine(InferenceEngine):
         return sample(self._logits, self._params, banned)
 
     # ------------------------------------------------------------------ batch and KV cache
+    def _coalesce(self) -> None:
+        """Idle engine: wait (up to ``admit_window_ms``) while requests keep arriving. Episodes
+        submit one by one; admitting the first at once would prefill a burst piecemeal and
+        miss that the samples of a group share their prompt (``_prefill``)."""
+        deadline = time.perf_counter() + self.config.admit_window_ms / 1000
+        n = self._waiting.qsize()
+        while time.perf_counter() < deadline:
+            time.sleep(0.0005)
+            if self._waiting.qsize() == n:
+                return  # nothing arrived during the pause: the burst is over
+            n = self._waiting.qsize()
+
     def _admit(self) -> None:
         """Move waiting requests into the running batch (prefilled in groups of similar length)."""
         new: list[_Seq] = []
@@ -418,7 +434,7 @@ class LocalEngine(InferenceEngine):
         if not new:
             return
         n_old = len(self._rows)
-        groups = [[new[i] for i in g] for g in prefill_groups([len(s.prompt) + len(s.out) for s in new])]
+        groups = [[new[i] for i in g] for g in length_groups([len(s.prompt) + len(s.out) for s in new])]
         new = [s for g in groups for s in g]  # rows join in prefill order
         parts = [self._prefill(g) for g in groups]
         if n_old:
@@ -438,8 +454,22 @@ class LocalEngine(InferenceEngine):
         self._mask_bool = self._mask.bool()
 
     def _prefill(self, seqs: list[_Seq]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
-        """One left-padded forward over ``seqs``: per-layer (keys, values), mask [n, L], last logits [n, V]."""
-        inputs = [s.prompt + s.out for s in seqs]
+        """One left-padded forward over ``seqs``: per-layer (keys, values), mask [n, L], last logits [n, V].
+
+        Identical inputs (the samples of one GRPO group share their prompt) are computed once
+        and their rows copied, which divides the prefill work by the group size."""
+        first: dict[tuple[int, ...], int] = {}
+        rows = [first.setdefault(tuple(s.prompt + s.out), len(first)) for s in seqs]
+        kv, mask, logits = self._prefill_unique([list(x) for x in first])
+        self.stats["prefills"] += 1
+        self.stats["prefill_rows"] += len(seqs)
+        self.stats["prefill_unique"] += len(first)
+        if len(first) == len(seqs):
+            return kv, mask, logits
+        idx = torch.tensor(rows)
+        return [(k[idx], v[idx]) for k, v in kv], mask[idx], logits[idx]
+
+    def _prefill_unique(self, inputs: list[list[int]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
         length = max(len(x) for x in inputs)
         ids = torch.tensor([[0] * (length - len(x)) + x for x in inputs])
         mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in inputs])
@@ -486,27 +516,6 @@ class LocalEngine(InferenceEngine):
             ).logits[:, -1]
         self._pos = self._pos + 1
         self._logits = logits.float()
-
-
-def prefill_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
-    """Indices of requests grouped by length, each group one padded prefill forward.
-
-    Lengths are sorted; a group grows while its padded size (longest x count) stays within
-    ``1 + waste`` times its real tokens. Prompts of 8-40 tokens padded together waste ~40% of
-    the prefill compute, which for a model of ~30M parameters on a CPU is most of the cost of
-    a short RL rollout; a few more, smaller forwards cost far less.
-    """
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    groups: list[list[int]] = [[]]
-    real = 0
-    for i in order:
-        n = lengths[i]
-        if groups[-1] and n * (len(groups[-1]) + 1) > (1 + waste) * (real + n):
-            groups.append([])
-            real = 0
-        groups[-1].append(i)
-        real += n
-    return groups
 
 
 def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:

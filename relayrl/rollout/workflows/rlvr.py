@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import queue
 import threading
 import uuid
 from collections.abc import Callable
@@ -49,8 +50,38 @@ def prompt_ids_of(tokenizer: object, data: DataItem) -> list[int]:
     return chat_ids(tokenizer, messages)  # type: ignore[arg-type]
 
 
+class _RewardThreads:
+    """Daemon threads that run blocking reward fns: no thread is started per call (that cost
+    ~20% of a short RL step), and a call that hangs past its timeout costs one thread, which is
+    replaced, never the process's exit (daemon threads are not joined)."""
+
+    def __init__(self, size: int = 4) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        for _ in range(size):
+            self.add_thread()
+
+    def add_thread(self) -> None:
+        threading.Thread(target=self._work, name="reward-fn", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+
+_THREADS: _RewardThreads | None = None
+_THREADS_LOCK = threading.Lock()
+
+
 async def _in_thread(fn: RewardFn, kwargs: dict[str, object], timeout: float) -> float:
-    """Run ``fn`` in a daemon thread; a hang past ``timeout`` fails the call, not the process."""
+    """Run ``fn`` on a reward thread; a hang past ``timeout`` fails the call, not the process."""
+    global _THREADS
+    with _THREADS_LOCK:
+        if _THREADS is None:
+            _THREADS = _RewardThreads()
+        threads = _THREADS
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[float] = loop.create_future()
 
@@ -68,10 +99,11 @@ async def _in_thread(fn: RewardFn, kwargs: dict[str, object], timeout: float) ->
         except RuntimeError:  # loop closed: nobody waits any more
             pass
 
-    threading.Thread(target=run, name="reward-fn", daemon=True).start()
+    threads.submit(run)
     try:
         return await asyncio.wait_for(fut, timeout)
     except TimeoutError:
+        threads.add_thread()  # the hung call keeps its thread; the others keep serving
         raise TimeoutError(f"reward fn {getattr(fn, '__name__', fn)!r} did not return within {timeout}s") from None
 
 
