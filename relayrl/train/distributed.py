@@ -19,19 +19,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from relayrl.utils import dist as dist_utils
+
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
+    """More than one rank (a group of one behaves like no group)."""
+    return dist_utils.world_size() > 1
 
 
 def maybe_init_process_group() -> None:
@@ -65,11 +60,6 @@ def all_reduce_tensor_(t: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(t)
     return t
-
-
-def barrier() -> None:
-    if is_distributed():
-        dist.barrier()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

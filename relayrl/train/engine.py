@@ -26,6 +26,7 @@ from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.train import distributed as D
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
 from relayrl.train.packing import model_inputs, pack, resolve_attn_impl, split_by_token_budget, token_logprobs, unpack
+from relayrl.utils import dist as dist_utils
 
 HEADS = ("lm", "value", "reward")
 TRAIN_STATE = "train_state.pt"
@@ -151,14 +152,14 @@ class TorchTrainEngine(TrainEngine):
             raise ValueError(f"batch needs 'input_ids' and 'attention_mask', got keys {sorted(batch)}")
         lengths = batch["attention_mask"].bool().sum(1).tolist()
         budget = self.config.mb_max_tokens
-        world = D.world_size()
+        world = dist_utils.world_size()
         if world == 1:
             return split_by_token_budget(lengths, budget)
         if len(lengths) < world:
             raise ValueError(f"batch has {len(lengths)} sequences, fewer than the {world} ranks that share it")
         shares = split_by_token_budget(lengths, sum(lengths) + 1, min_groups=world, multiple_of=world)
         n_mb = max(len(split_by_token_budget([lengths[i] for i in s], budget)) for s in shares)
-        mine = shares[D.rank()]
+        mine = shares[dist_utils.rank()]
         return [[mine[j] for j in g] for g in split_by_token_budget([lengths[i] for i in mine], budget, min_groups=n_mb)]
 
     def _micro_batches(self, batch: TensorDict) -> Iterator[tuple[TensorDict, bool]]:
@@ -252,7 +253,7 @@ class TorchTrainEngine(TrainEngine):
             raise ValueError(f"train_batch: total loss weight is {total_w}; loss_weight_fn must be > 0 on the batch")
         fsdp = D.is_fsdp(model)
         # FSDP2 averages gradients over ranks; we want the sum of the weighted losses.
-        scale = D.world_size() if fsdp else 1.0
+        scale = dist_utils.world_size() if fsdp else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, n_tokens = 0.0, 0
         for i, ((packed, dummy), w) in enumerate(zip(mbs, weights, strict=True)):
@@ -320,18 +321,18 @@ class TorchTrainEngine(TrainEngine):
         if self.head != "lm":
             raise ValueError(f"update_weights pushes policy weights; this engine has head={self.head!r}")
         tensors = self.state_dict()
-        if D.rank() == 0:
+        if dist_utils.rank() == 0:
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
             target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
-        D.barrier()
+        dist_utils.barrier()
 
     def broadcast_weights(self, group: D.WeightBroadcastGroup) -> None:
         """Send the full weights over a ``WeightBroadcastGroup`` (NCCL on GPUs); every rank
         gathers, rank 0 sends. Receivers call ``group.broadcast(their_state_dict)``."""
         tensors = self.state_dict()
-        if D.rank() == 0:
+        if dist_utils.rank() == 0:
             group.broadcast(tensors)
-        D.barrier()
+        dist_utils.barrier()
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -342,7 +343,7 @@ class TorchTrainEngine(TrainEngine):
         os.makedirs(meta.path, exist_ok=True)
         weights = self.state_dict()
         optim = D.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
-        if D.rank() == 0:
+        if dist_utils.rank() == 0:
             model.save_pretrained(meta.path, state_dict=weights)
             if meta.tokenizer_path:
                 from transformers import AutoTokenizer
@@ -361,8 +362,8 @@ class TorchTrainEngine(TrainEngine):
             rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
             if torch.cuda.is_available():
                 rng["cuda"] = torch.cuda.get_rng_state()
-            torch.save(rng, os.path.join(meta.path, f"rng_rank{D.rank()}.pt"))
-        D.barrier()
+            torch.save(rng, os.path.join(meta.path, f"rng_rank{dist_utils.rank()}.pt"))
+        dist_utils.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
         """Load HF weights from ``meta.path``; with ``with_optim`` the training state as well."""
@@ -385,7 +386,7 @@ class TorchTrainEngine(TrainEngine):
         if self.scheduler is not None and ts["scheduler"] is not None:
             self.scheduler.load_state_dict(ts["scheduler"])
         self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]
-        rng_path = os.path.join(meta.path, f"rng_rank{D.rank()}.pt")
+        rng_path = os.path.join(meta.path, f"rng_rank{dist_utils.rank()}.pt")
         if os.path.exists(rng_path):
             rng = torch.load(rng_path, weights_only=False)
             torch.set_rng_state(rng["torch"])
