@@ -107,8 +107,8 @@ def _alive_and_unchanged(url: str) -> None:
     """The server still answers, generates, and loaded no weights from anything the fuzzer sent."""
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert httpx.get(url + "/get_weight_version", timeout=30).json()["weight_version"] == 0
-    r = _post(url, "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
-    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+    r = _post(url, "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2, r.text
 
 
 def _post(url: str, path: str, body: object = None, raw: bytes | None = None) -> httpx.Response:
