@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("serve", help="HTTP inference server (SGLang + OpenAI protocols) around LocalEngine.", add_help=False)
     sub.add_parser("sft", help="Supervised fine-tuning on prompt/completion data (SFTConfig).", add_help=False)
     sub.add_parser("train", help="RL training from a RunConfig YAML plus dotted overrides.", add_help=False)
-    sub.add_parser("eval", help="Evaluate a run's latest checkpoint (or a model) on held-out rows.", add_help=False)
+    sub.add_parser("eval", help="Evaluate a run directory's latest checkpoint (or a config's model) on held-out rows.", add_help=False)
     sub.add_parser("plot", help="PNG learning curves of one or more run directories.", add_help=False)
     sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
     sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
@@ -134,20 +134,35 @@ def _train(argv: list[str]) -> int:
     except NonFiniteError as e:  # NaN/inf losses too many steps in a row
         print(f"relayrl train: {e}", file=sys.stderr)
         return 1
-    print(json.dumps({"run_dir": cfg.run_dir, **{k: last[k] for k in sorted(last) if k.startswith(("eval/", "rollout/reward"))}}))
+    from relayrl.utils import dist as dist_utils
+
+    if dist_utils.is_main():  # under torchrun: one summary line, from the driver
+        print(json.dumps({"run_dir": cfg.run_dir, **{k: last[k] for k in sorted(last) if k.startswith(("eval/", "rollout/reward"))}}))
     return 0
 
 
 def _eval(argv: list[str]) -> int:
-    """``relayrl eval CONFIG.yaml [key=value ...]``: evaluate ``model.path`` on the eval rows."""
-    ns, path, overrides = _config_args("relayrl eval", argv)
-    from relayrl.api.config import ConfigError, RunConfig, load_config
+    """``relayrl eval RUN_DIR|CONFIG.yaml [key=value ...]``: held-out evaluation, one JSON line.
 
+    A run directory is evaluated with its own config and its latest checkpoint's policy (the
+    model it started from if it has none); a YAML config evaluates its ``model.path``."""
+    ns, path, overrides = _config_args("relayrl eval", argv)
+    from pathlib import Path
+
+    from relayrl.api.config import ConfigError, RunConfig, load_config
+    from relayrl.utils.checkpoint import CheckpointManager
+
+    run_dir = Path(path) if path is not None and Path(path).is_dir() else None
     try:
-        cfg = load_config(RunConfig, path, overrides)
+        cfg = load_config(RunConfig, run_dir / "config.yaml" if run_dir else path, overrides)
     except ConfigError as e:
         print(f"relayrl eval: {e}", file=sys.stderr)
         return 2
+    if run_dir is not None:
+        latest = CheckpointManager(run_dir, cfg.checkpoint).latest()
+        if latest is not None:  # the tokenizer stays where the run found it
+            cfg.model.tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
+            cfg.model.path = str(latest / "actor")
     import json
 
     from relayrl import wiring
@@ -156,13 +171,17 @@ def _eval(argv: list[str]) -> int:
 
     tokenizer = load_tokenizer(cfg.model)
     _, rows = wiring.load_rows(cfg, tokenizer)
+    if not rows:
+        print("relayrl eval: no eval rows (set data.eval_path, or data.n_eval for a synthetic task)", file=sys.stderr)
+        return 2
     engine = wiring.make_inference_engine(cfg, tokenizer)
     engine.initialize()
     try:
         rows = rows[: cfg.eval.max_prompts or None]
-        print(json.dumps(evaluate(engine, tokenizer, rows, cfg.eval.gconfig, wiring.reward_fn_for(cfg), cfg.eval.n_samples)))
+        out = evaluate(engine, tokenizer, rows, cfg.eval.gconfig, wiring.reward_fn_for(cfg), cfg.eval.n_samples)
     finally:
         engine.destroy()
+    print(json.dumps({"model": cfg.model.path, **out}))
     return 0
 
 

@@ -8,6 +8,11 @@ Configuration alone picks the mode:
 - ``inference.backend`` = ``local`` generates in this process (LocalEngine);
   ``remote`` talks to servers (``inference.addresses``, or ``n_servers`` launched here).
 
+Under ``torchrun`` (FSDP2 over ``torch.distributed``) rank 0 is the driver: it owns the
+generators, the executor, evaluation, metrics and the run directory, and broadcasts each
+batch; every rank trains its share of it (``TorchTrainEngine`` splits by tokens) and joins
+the collectives of weight sync and checkpoints.
+
 ``Trainer.fit`` is the loop (rollout -> compute_logp -> compute_advantages -> ppo_update ->
 update_weights); everything else in this file is set-up, bookkeeping and recovery.
 """
@@ -28,8 +33,10 @@ from relayrl.api.workflow import RolloutWorkflow
 from relayrl.data.models import load_model, load_tokenizer
 from relayrl.evaluation import evaluate
 from relayrl.rollout.executor import WorkflowExecutor
+from relayrl.train import distributed as D
 from relayrl.train.actor import Critic, PPOActor, check_actor_config
 from relayrl.train.engine import NonFiniteError, TorchTrainEngine
+from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats
 from relayrl.utils.checkpoint import CheckpointManager
 from relayrl.utils.logging import MetricLogger, get_logger
@@ -65,22 +72,25 @@ class Trainer:
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
+        D.maybe_init_process_group()  # under torchrun; a no-op in one process
+        self.driver = dist_utils.is_main()  # generates, evaluates, logs and writes the run directory
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint)
         resume_from = self._resume_point()
-        if cfg.recover != "off":  # steps after the checkpoint (all, without one) are re-done: drop their old rows
-            done = 0 if resume_from is None else int(CheckpointManager.load_state(resume_from)["step"])  # type: ignore[call-overload]
-            _drop_rows_after(self.run_dir / "metrics.jsonl", done)
-        save_config(cfg, self.run_dir)
-        self.metrics = MetricLogger.from_config(cfg.logging, self.run_dir, cfg)
-        self.tokenizer = load_tokenizer(cfg.model)
-        if train_rows is None:
-            train_rows, eval_rows = wiring.load_rows(cfg, self.tokenizer)
-        self.eval_rows = (eval_rows or [])[: cfg.eval.max_prompts or None]
-        self.reward_fn = reward_fn or wiring.reward_fn_for(cfg)
-        self.dataloader = wiring.make_dataloader(cfg, train_rows)
+        if self.driver:
+            if cfg.recover != "off":  # steps after the checkpoint (all, without one) are re-done: drop their old rows
+                done = 0 if resume_from is None else int(CheckpointManager.load_state(resume_from)["step"])  # type: ignore[call-overload]
+                _drop_rows_after(self.run_dir / "metrics.jsonl", done)
+            save_config(cfg, self.run_dir)
+            self.metrics = MetricLogger.from_config(cfg.logging, self.run_dir, cfg)
+            self.tokenizer = load_tokenizer(cfg.model)
+            if train_rows is None:
+                train_rows, eval_rows = wiring.load_rows(cfg, self.tokenizer)
+            self.eval_rows = (eval_rows or [])[: cfg.eval.max_prompts or None]
+            self.reward_fn = reward_fn or wiring.reward_fn_for(cfg)
+            self.dataloader = wiring.make_dataloader(cfg, train_rows)
 
-        # Train side: the actor, and a critic / reference model when the algorithm needs them.
+        # Train side (every rank): the actor, and a critic / reference model when the algorithm needs them.
         self.actor_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
         self.actor_engine.initialize()
         ref_engine = None
@@ -94,18 +104,20 @@ class Trainer:
             critic_engine.initialize()
             self.critic = Critic(cfg.actor, critic_engine)
 
-        # Generation side.
-        self.engine: InferenceEngine = wiring.make_inference_engine(cfg, self.tokenizer)
-        self.engine.initialize()
-        self.executor = WorkflowExecutor(cfg.rollout, self.engine)
-        self.executor.initialize()
-        self.workflow = workflow or wiring.make_workflow(cfg, self.tokenizer, self.reward_fn)
+        # Generation side (the driver).
+        self.engine: InferenceEngine | None = None
+        if self.driver:
+            self.engine = wiring.make_inference_engine(cfg, self.tokenizer)
+            self.engine.initialize()
+            self.executor = WorkflowExecutor(cfg.rollout, self.engine)
+            self.executor.initialize()
+            self.workflow = workflow or wiring.make_workflow(cfg, self.tokenizer, self.reward_fn)
 
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)
         # Generators start from the trainer's weights and version.
-        self.actor_engine.update_weights(self.engine)
+        self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]  # a collective; rank 0 pushes
         self._samples = 0
         self._t_start = time.monotonic()
 
@@ -113,15 +125,16 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train until ``total_steps``; returns the last step's metrics."""
         cfg, last = self.cfg, {}
-        progress = Progress(cfg.total_steps, start=self.step, mode=cfg.logging.progress)
-        if cfg.eval.before_training and self.step == 0 and self.eval_rows:
+        progress = Progress(cfg.total_steps, start=self.step, mode=cfg.logging.progress if self.driver else "off")
+        if self.driver and cfg.eval.before_training and self.step == 0 and self.eval_rows:
             self.metrics.log(self.evaluate(), step=0)
         self._reseed_generation()
         try:
             while self.step < cfg.total_steps:
                 t0 = time.monotonic()
                 with stats.record_timing("rollout"):
-                    batch = self.executor.prepare_batch(self.dataloader, self.workflow)
+                    batch = self.executor.prepare_batch(self.dataloader, self.workflow) if self.driver else None
+                    batch = dist_utils.broadcast_object(batch)  # every rank trains on the driver's batch
                 with stats.record_timing("compute_logp"):
                     self.compute_logp(batch)
                 with stats.record_timing("compute_advantages"):
@@ -131,13 +144,15 @@ class Trainer:
                     if self.critic is not None:
                         self.critic.update(batch)
                 with stats.record_timing("update_weights"):
-                    self.executor.pause()  # no new episodes until this step's bookkeeping is done
+                    if self.driver:
+                        self.executor.pause()  # no new episodes until this step's bookkeeping is done
                     self.step += 1
                     self.actor_engine.set_version(self.step)
-                    self.actor_engine.update_weights(self.engine)
+                    self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]
                 last = self._after_step(batch, time.monotonic() - t0, actor_stats)
                 self._reseed_generation()
-                self.executor.resume()
+                if self.driver:
+                    self.executor.resume()
                 progress.update(self.step, last)
         except KeyboardInterrupt:
             logger.warning("interrupted at step %d", self.step)
@@ -148,9 +163,13 @@ class Trainer:
             raise NonFiniteError(f"training stopped in step {self.step + 1}: {e}") from None
         finally:
             progress.close()
-        if cfg.checkpoint.save_final and (self.ckpt.latest() is None or self.ckpt.latest().name != f"step_{self.step:06d}"):
+        if cfg.checkpoint.save_final and self._latest_step() != self.step:
             self.save()
         return last
+
+    def _latest_step(self) -> int | None:
+        latest = self.ckpt.latest() if self.driver else None
+        return dist_utils.broadcast_object(None if latest is None else int(latest.name.removeprefix("step_")))  # type: ignore[return-value]
 
     def compute_logp(self, batch: TensorDict) -> None:
         """Recompute logprobs the losses need: proximal/old policy, reference, values."""
@@ -164,7 +183,7 @@ class Trainer:
     def _reseed_generation(self) -> None:
         """Step N's samples come from a stream that depends only on (seed, N), so a resumed
         synchronous run samples exactly what an uninterrupted one would (LocalEngine)."""
-        if hasattr(self.engine, "load_state_dict"):
+        if self.engine is not None and hasattr(self.engine, "load_state_dict"):
             self.engine.load_state_dict({"next_key": self.step << 20})
 
     # ------------------------------------------------------------------ bookkeeping
@@ -174,7 +193,11 @@ class Trainer:
         self._samples += n
         loss_tokens = batch["loss_mask"].bool()
         lag = (self.step - 1) - batch["versions"][loss_tokens]
-        metrics = stats.export()
+        metrics = stats.export()  # a collective under torchrun
+        if not self.driver:
+            if dist_utils.broadcast_object(None):  # the driver's checkpoint decision
+                self.save()
+            return metrics
         metrics.update({
             "rollout/reward": float(batch["rewards"].float().mean()),
             "rollout/completion_len": float(loss_tokens.sum(1).float().mean()),
@@ -193,7 +216,7 @@ class Trainer:
         # metrics.jsonl also lists the row ids this step trained on (audits: nothing lost or repeated)
         self.metrics.log({**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}, step=self.step)
         self._save_rollouts(batch)
-        if self.ckpt.due(self.step):
+        if dist_utils.broadcast_object(self.ckpt.due(self.step)):  # (wall-clock rules: the driver decides)
             self.save()
         return metrics
 
@@ -253,16 +276,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        def write(path: Path) -> None:
-            self.actor_engine.save(SaveLoadMeta(str(path / "actor"), with_optim=True))
-            if self.critic is not None:
-                self.critic.engine.save(SaveLoadMeta(str(path / "critic"), with_optim=True))
-            torch.save({"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()}, path / "rng.pt")
-
-        state = {"version": self.step, "dataloader": self.dataloader.state_dict(), "executor": self.executor.state_dict()}
-        path = self.ckpt.save(self.step, write, state)
-        logger.info("saved checkpoint %s", path)
-        return path
+        """A complete checkpoint of this step (a collective under torchrun: engines gather)."""
+        tmp = dist_utils.broadcast_object(self.ckpt.begin(self.step) if self.driver else None)
+        assert isinstance(tmp, Path)
+        self.actor_engine.save(SaveLoadMeta(str(tmp / "actor"), with_optim=True))
+        if self.critic is not None:
+            self.critic.engine.save(SaveLoadMeta(str(tmp / "critic"), with_optim=True))
+        final = tmp.parent / f"step_{self.step:06d}"
+        if self.driver:
+            torch.save({"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()}, tmp / "rng.pt")
+            state = {"version": self.step, "dataloader": self.dataloader.state_dict(), "executor": self.executor.state_dict()}
+            final = self.ckpt.commit(self.step, tmp, state)
+            logger.info("saved checkpoint %s", final)
+        dist_utils.barrier()
+        return final
 
     def _resume_point(self) -> Path | None:
         if self.cfg.recover == "off":
@@ -279,8 +306,9 @@ class Trainer:
             self.critic.engine.load(SaveLoadMeta(str(path / "critic"), with_optim=True))
         self.step = int(state["step"])  # type: ignore[arg-type]
         self.actor_engine.set_version(int(state["version"]))  # type: ignore[arg-type]
-        self.dataloader.load_state_dict(state["dataloader"])  # type: ignore[arg-type]
-        self.executor.load_state_dict(state["executor"])  # type: ignore[arg-type]
+        if self.driver:
+            self.dataloader.load_state_dict(state["dataloader"])  # type: ignore[arg-type]
+            self.executor.load_state_dict(state["executor"])  # type: ignore[arg-type]
         rngs = torch.load(path / "rng.pt", weights_only=False)
         set_rng_state(rngs["global"])
         self.actor.generator.set_state(rngs["actor_minibatches"])
@@ -288,13 +316,14 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the executor, generators (and launched servers), reward workers; flush metrics."""
-        self.executor.destroy()
-        self.engine.destroy()
-        pool = getattr(self.workflow, "reward_pool", None)
-        if pool is not None and hasattr(pool, "close"):
-            pool.close()
+        if self.driver:
+            self.executor.destroy()
+            self.engine.destroy()  # type: ignore[union-attr]
+            pool = getattr(self.workflow, "reward_pool", None)
+            if pool is not None and hasattr(pool, "close"):
+                pool.close()
+            self.metrics.close()
         self.actor_engine.destroy()
-        self.metrics.close()
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

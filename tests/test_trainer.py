@@ -140,3 +140,44 @@ def test_evaluation_never_perturbs_training(tmp_path: Path) -> None:
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
     a, b = _weights(tmp_path / "with_eval", 3), _weights(tmp_path / "without", 3)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_cli_scores_a_run_directorys_latest_checkpoint(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "total_steps=2", "data.n_eval=6")
+    train(cfg)
+    out = subprocess.run([sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir, "eval.gconfig.max_new_tokens=4"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["model"].endswith("checkpoints/step_000002/actor")  # the trained policy, not the start
+    assert result["eval/n_prompts"] == 6.0 and 0.0 <= result["eval/accuracy"] <= 1.0
+    bad = subprocess.run([sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir, "eval.n_samples=0"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "eval.n_samples=0 is out of range" in bad.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path) -> None:
+    """``torchrun --nproc_per_node 2 -m relayrl.cli train`` (FSDP2 over gloo): rank 0 generates and
+    broadcasts each batch, both ranks train their share of it. The run trains on the same prompts
+    with the same rewards as one process, writes one run directory, and ends with the same
+    weights up to summation order."""
+    args = [*FAST, "total_steps=3", "rollout.batch_size=4", "rollout.group_size=2", "checkpoint.every_n_steps=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "relayrl.cli", "train", f"run_dir={tmp_path / 'one'}", *args],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "relayrl.cli", "train", f"run_dir={tmp_path / 'two'}", *args],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert len([line for line in two.stdout.splitlines() if line.startswith("{")]) == 1  # the driver's summary only
+    a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["prompt_ids"] == rb["prompt_ids"] and ra["rollout/reward"] == rb["rollout/reward"]
+        assert rb["actor/loss"] == pytest.approx(ra["actor/loss"], abs=1e-5)
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    wa, wb = _weights(tmp_path / "one", 3), _weights(tmp_path / "two", 3)
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-5

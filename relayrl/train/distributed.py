@@ -84,10 +84,18 @@ def is_fsdp(model: nn.Module) -> bool:
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU state dict; a collective under FSDP2 (call on every rank)."""
-    if is_fsdp(model):
-        return get_model_state_dict(model, options=FULL)
-    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    """Full (unsharded) CPU state dict; a collective under FSDP2 (call on every rank).
+
+    Tied weights (``lm_head`` = ``embed_tokens``) stay one tensor, as in the model, so a saved
+    checkpoint stores them once whether or not the model was sharded."""
+    if not is_fsdp(model):
+        return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    state = get_model_state_dict(model, options=FULL)
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):  # type: ignore[operator, union-attr]
+        for target, source in (getattr(model, "_tied_weights_keys", None) or {}).items():
+            if target in state and source in state:
+                state[target] = state[source]
+    return state
 
 
 def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from relayrl.api.config import CheckpointConfig
@@ -32,13 +31,16 @@ class CheckpointManager:
         minutes = (time.monotonic() - self._last_save) / 60
         return bool(self.config.every_minutes) and minutes >= self.config.every_minutes
 
-    def save(self, step: int, write: Callable[[Path], None], state: dict[str, object]) -> Path:
-        """``write(tmp_dir)`` saves engines; ``state`` (JSON) goes to trainer_state.json."""
-        final = self.root / f"step_{step:06d}"
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory for the checkpoint of ``step`` (engines write into it)."""
         tmp = self.root / f".tmp_step_{step:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write(tmp)
+        return tmp
+
+    def commit(self, step: int, tmp: Path, state: dict[str, object]) -> Path:
+        """Write ``state`` (JSON) to trainer_state.json, rename ``tmp`` into place, keep the last N."""
+        final = self.root / f"step_{step:06d}"
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

@@ -73,6 +73,16 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> li
     return out
 
 
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """``obj`` of rank ``src`` on every rank (picklable; tensors travel inside the pickle);
+    ``obj`` itself without a process group."""
+    if not is_dist() or world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now (for a process group or a test server)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

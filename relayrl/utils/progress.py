@@ -22,6 +22,7 @@ class Progress:
         self.total, self.start = total, start
         self.stream = stream or sys.stderr
         self.live = mode == "bar" or (mode == "auto" and self.stream.isatty())
+        self.off = mode == "off"  # e.g. the non-driver ranks of a torchrun
         self.t0 = time.monotonic()
         self.last: dict[str, float] = {}
 
@@ -36,6 +37,8 @@ class Progress:
         return " | ".join(parts)
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
+        if self.off:
+            return
         text = self.line(step, metrics)
         if self.live:
             width = 30
@@ -46,7 +49,7 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        if self.live:
+        if self.live and not self.off:
             self.stream.write("\n")
             self.stream.flush()
 
