@@ -123,3 +123,49 @@ def test_make_backend():
     assert [make_backend(p).name for p in ("relayrl", "sglang", "vllm")] == ["relayrl", "sglang", "vllm"]
     with pytest.raises(ValueError, match="protocol"):
         make_backend("tgi")
+
+
+def test_sglang_batch_is_the_documented_batch_form():
+    """SGLang's GenerateReqInput: ``rid`` / ``input_ids`` / ``sampling_params`` as lists, one per item;
+    the reply is a list of per-item replies."""
+    sg = SGLangBackend()
+    calls = [sg.generate(f"r{i}", [1, 2 + i], G.new(max_new_tokens=4 + i), 4 + i, 0) for i in range(3)]
+    [(call, idx)] = sg.batch(calls)
+    assert (call.method, call.path, idx) == ("POST", "/generate", [0, 1, 2])
+    b = call.json
+    assert b["rid"] == ["r0", "r1", "r2"] and b["input_ids"] == [[1, 2], [1, 3], [1, 4]]
+    assert [sp["max_new_tokens"] for sp in b["sampling_params"]] == [4, 5, 6]
+    assert b["sampling_params"][0] == calls[0].json["sampling_params"] and b["return_logprob"] is True
+    assert sg.batch(calls[:1]) == [(calls[0], [0])]  # one item keeps the single form
+    reply = [SGLANG_REPLY, {**SGLANG_REPLY, "output_ids": [7], "meta_info": {
+        **SGLANG_REPLY["meta_info"], "output_token_logprobs": [[-0.5, 7, None]], "finish_reason": {"type": "length"}}}]
+    parts = [sg.parse_generate(x) for x in sg.split(reply, 2)]
+    assert [p.tokens for p in parts] == [[12366, 13], [7]] and [p.stop_reason for p in parts] == ["stop", "length"]
+    with pytest.raises(ProtocolError, match="of 3 items answered 2 items"):
+        sg.split(reply, 3)
+    with pytest.raises(ProtocolError, match="answered dict"):
+        sg.split(SGLANG_REPLY, 2)
+
+
+def test_vllm_batch_shares_one_call_per_set_of_sampling_params():
+    """vLLM's /v1/completions takes a list of token-id prompts with one set of sampling parameters;
+    choice i (n=1) answers prompt i."""
+    vl = VLLMBackend(model="m")
+    calls = [vl.generate("a", [1, 2], G, 8, 0), vl.generate("b", [3], G, 8, 0), vl.generate("c", [4], G, 5, 0),
+             vl.generate("d", [5, 6], G, 8, 0)]
+    groups = vl.batch(calls)
+    assert [idx for _, idx in groups] == [[0, 1, 3], [2]]
+    (shared, _), (alone, _) = groups
+    assert shared.path == "/v1/completions" and shared.json["prompt"] == [[1, 2], [3], [5, 6]]
+    assert {k: v for k, v in shared.json.items() if k not in ("prompt", "request_id")} == {
+        k: v for k, v in calls[0].json.items() if k not in ("prompt", "request_id")}
+    assert alone is calls[2]
+    choice = VLLM_REPLY["choices"][0]
+    reply = {**VLLM_REPLY, "choices": [{**choice, "index": 1, "token_ids": [9]}, {**choice, "index": 0},
+                                       {**choice, "index": 2, "finish_reason": "stop"}]}
+    reply["choices"][0]["logprobs"] = {"token_logprobs": [-0.1], "tokens": ["token_id:9"]}
+    parts = [vl.parse_generate(x) for x in vl.split(reply, 3)]
+    assert [p.tokens for p in parts] == [[12366, 13], [9], [12366, 13]]
+    assert [p.stop_reason for p in parts] == ["length", "length", "stop"]
+    with pytest.raises(ProtocolError, match="of 2 prompts answered 3 choices"):
+        vl.split(reply, 2)

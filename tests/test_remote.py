@@ -104,6 +104,73 @@ def test_generate_through_two_servers(group, shared, tiny_model):
         eng.destroy()
 
 
+def _burst(tiny_model, k: int):
+    """k greedy requests with per-item limits: different lengths, and stop tokens that end some early
+    (and where each of those stops)."""
+    ps = prompts(k)
+    refs = reference(tiny_model, ps, greedy(8))
+    gs, stops = [], []
+    for i, ref in enumerate(refs):
+        g = greedy(4 + i % 5)
+        toks = ref.output_tokens
+        k = next((k for k in range(1, len(toks)) if toks[k] not in toks[:k]), 0)
+        if i % 3 == 0:  # stops at its first new token
+            g = GenerationConfig(max_new_tokens=8, greedy=True, stop_token_ids=[toks[k]])
+        gs.append(g)
+        stops.append(k + 1)
+    return ps, gs, stops
+
+
+def run_each(engine, ps, gs, prefix="b"):
+    async def go():
+        return await asyncio.gather(*(engine.agenerate(ModelRequest(f"{prefix}{i}", p, g))
+                                      for i, (p, g) in enumerate(zip(ps, gs, strict=True))), return_exceptions=True)
+
+    return asyncio.run(go())
+
+
+def test_a_burst_goes_out_in_few_http_calls_with_single_request_results(group, shared, tiny_model):
+    ps, gs, stops = _burst(tiny_model, 30)
+    for protocol in ("relayrl", "sglang", "vllm"):
+        alone = make_engine(group, shared, protocol=protocol, batch_window_ms=0)
+        batched = make_engine(group, shared, protocol=protocol)  # default window
+        try:
+            calls0 = sum(i["generate_calls"] for i in model_info(group))
+            singles = run_each(alone, ps, gs)
+            calls1 = sum(i["generate_calls"] for i in model_info(group))
+            outs = run_each(batched, ps, gs)
+            calls2 = sum(i["generate_calls"] for i in model_info(group))
+        finally:
+            alone.destroy()
+            batched.destroy()
+        assert calls1 - calls0 == alone.stats["http_calls"] == 30, protocol
+        # relayrl/sglang: one call per server; vllm: one per server and distinct set of sampling params
+        limit = 2 if protocol != "vllm" else 2 * len({(g.max_new_tokens, tuple(g.stop_token_ids)) for g in gs})
+        assert calls2 - calls1 == batched.stats["http_calls"] <= min(limit, 20), (protocol, calls2 - calls1)
+        assert batched.stats["requests"] == 30
+        for o, s, g, stop in zip(outs, singles, gs, stops, strict=True):
+            assert o.output_tokens == s.output_tokens and o.stop_reason == s.stop_reason, protocol
+            assert o.output_logprobs == pytest.approx(s.output_logprobs, abs=1e-5)
+            assert o.output_versions == s.output_versions == [0] * o.output_len
+            assert o.stop_reason == ("stop" if g.stop_token_ids else "length") and o.output_len == (stop if g.stop_token_ids else g.max_new_tokens)
+
+
+def test_a_bad_request_in_a_batch_fails_alone(group, shared, tiny_model):
+    ps, gs, _ = _burst(tiny_model, 12)
+    eng = make_engine(group, shared)
+    try:
+        refs = run_each(eng, ps, gs, prefix="ok")
+        bad = list(ps)
+        bad[5] = [3, 5000, 4]  # out of vocabulary: the server refuses it
+        outs = run_each(eng, bad, gs, prefix="bad")
+    finally:
+        eng.destroy()
+    assert isinstance(outs[5], ValueError) and "input_ids[1]=5000 is out of vocabulary" in str(outs[5])
+    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
+        if i != 5:
+            assert o.output_tokens == r.output_tokens and o.stop_reason == r.stop_reason
+
+
 def test_200_concurrent_requests(group, shared):
     eng = make_engine(group, shared)
     try:
@@ -191,6 +258,7 @@ def test_killed_server_requests_complete_and_server_is_readmitted(group, shared,
         assert len(results) == 40
         assert [r.output_tokens for r in results] == [r.output_tokens for r in refs]  # no lost or doubled tokens
         assert eng.stats["evictions"] >= 1 and eng.stats["reissued"] >= 1
+        assert eng.stats["http_calls"] < eng.stats["requests"] / 4  # the requests went out batched
         assert eng.live_servers() == [f"http://{group.addresses[0]}"]
         # the server comes back (fresh process, version 0): it is re-admitted with the current weights
         group.restart(1)

@@ -101,6 +101,71 @@ def test_bad_requests_get_4xx_naming_the_field(server, body, needle):
     assert httpx.get(server + "/health", timeout=10).status_code == 200
 
 
+def test_batch_generate_matches_single_requests(server, tiny_model):
+    """SGLang's batch form: one reply per prompt, in order, each as the single form answers it."""
+    prompts = [PROMPT, [3, 30, 31, 4], [3, 40, 41, 42, 43, 44, 4]]
+    refs = reference(tiny_model, prompts, 8)
+    toks = refs[2].output_tokens
+    k = next((k for k in range(1, len(toks)) if toks[k] not in toks[:k]), 0)  # stop at the first new token
+    info = httpx.get(server + "/get_model_info", timeout=10).json()
+    calls0, served0 = info["generate_calls"], info["requests_served"]
+    body = {"input_ids": prompts, "return_logprob": True, "rid": ["a", "b", "c"],
+            "sampling_params": [{"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+                                {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+                                {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [toks[k]]}]}
+    r = httpx.post(server + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["a", "b", "c"]
+    assert out[0]["output_ids"] == refs[0].output_tokens and out[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert out[1]["output_ids"] == refs[1].output_tokens[:3] and out[1]["meta_info"]["completion_tokens"] == 3
+    assert out[2]["output_ids"] == toks[:k + 1] and out[2]["meta_info"]["finish_reason"]["type"] == "stop"
+    for o, ref in zip(out, refs, strict=True):
+        n = len(o["output_ids"])
+        assert [t[0] for t in o["meta_info"]["output_token_logprobs"]] == pytest.approx(ref.output_logprobs[:n], abs=1e-4)
+        assert o["meta_info"]["output_token_versions"] == [0] * n
+    single = gen(server, PROMPT).json()  # the same item alone: the same reply (timings aside)
+    assert {k: v for k, v in single.items() if k != "meta_info"} == {k: v for k, v in out[0].items() if k != "meta_info"}
+    assert set(single["meta_info"]) == set(out[0]["meta_info"])
+    # shared sampling_params / return_logprob and a rid prefix; text prompts
+    shared = httpx.post(server + "/generate", json={"input_ids": prompts[:2], "rid": "grp", "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
+    assert [o["output_ids"] for o in shared] == [refs[0].output_tokens, refs[1].output_tokens]
+    assert [o["meta_info"]["id"] for o in shared] == ["grp-0", "grp-1"] and "output_token_logprobs" not in shared[0]["meta_info"]
+    texts = httpx.post(server + "/generate", json={"text": ["1+1=", "2+2="], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert texts.status_code == 200 and [len(o["output_ids"]) for o in texts.json()] == [2, 2]
+    info = httpx.get(server + "/get_model_info", timeout=10).json()
+    assert (info["generate_calls"] - calls0, info["requests_served"] - served0) == (4, 8)  # a batch is one call
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ('{"input_ids": [[3, 4], [3, 999]]}', "input_ids[1][1]=999 is out of vocabulary"),
+        ('{"input_ids": [[3, 4], []]}', "input_ids[1]: the prompt is empty"),
+        ('{"input_ids": [[3, 4], 5]}', "input_ids[1]: Input should be a valid list"),
+        ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"top_p": 1.5}]}', "sampling_params[1].top_p"),
+        ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"max_new_tokenz": 1}]}',
+         "unknown field 'sampling_params[1].max_new_tokenz'"),
+        ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}]}', "sampling_params: 1 values for 2 prompts"),
+        ('{"input_ids": [[3, 4], [3, 5]], "rid": ["a"]}', "rid: 1 values for 2 prompts"),
+        ('{"input_ids": [[3, 4], [3, 5]], "return_logprob": [true, 1, false]}', "return_logprob: 3 values for 2 prompts"),
+        ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"max_new_tokens": 5000}]}',
+         "input_ids[1]: input length 2 + sampling_params[1].max_new_tokens=5000 exceeds"),
+        ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"stop_token_ids": [7000]}]}',
+         "sampling_params[1].stop_token_ids[0]=7000"),
+        ('{"input_ids": [[3, 4]], "text": ["a"]}', "exactly one of input_ids or text"),
+        ('{"input_ids": [[3, 4]], "colour": 1}', "unknown field 'colour'"),
+    ],
+)
+def test_bad_batches_get_4xx_naming_the_item(server, body, needle):
+    served = httpx.get(server + "/get_model_info", timeout=10).json()["requests_served"]
+    r = httpx.post(server + "/generate", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"], r.json()["error"]
+    assert httpx.get(server + "/get_model_info", timeout=10).json()["requests_served"] == served  # nothing generated
+
+
 def test_admin_needs_the_token(server):
     assert httpx.post(server + "/pause_generation", timeout=10).status_code == 401
     bad = httpx.post(server + "/pause_generation", headers={"Authorization": "Bearer wrong"}, timeout=10)
@@ -178,6 +243,21 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
     # token-id prompts (vLLM style) give the same
     r2 = httpx.post(server + "/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0}, timeout=60)
     assert r2.json()["choices"][0]["token_ids"] == ref.output_tokens
+    # a list of prompts: choice p * n + j is sample j of prompt p (vLLM's order)
+    other = [3, 30, 31, 4]
+    oref = reference(tiny_model, [other], 6)[0]
+    r3 = httpx.post(server + "/v1/completions", json={"prompt": [ids, other], "max_tokens": 6, "temperature": 0, "n": 2,
+                                                      "logprobs": 0, "return_tokens_as_token_ids": True}, timeout=60)
+    assert r3.status_code == 200, r3.text
+    chs = r3.json()["choices"]
+    assert [c["index"] for c in chs] == [0, 1, 2, 3]
+    assert [c["token_ids"] for c in chs] == [ref.output_tokens] * 2 + [oref.output_tokens] * 2
+    assert chs[2]["logprobs"]["tokens"] == [f"token_id:{t}" for t in oref.output_tokens]
+    assert r3.json()["usage"] == {"prompt_tokens": len(ids) + 4, "completion_tokens": 24, "total_tokens": len(ids) + 28}
+    r4 = httpx.post(server + "/v1/completions", json={"prompt": ["1+1=", "2+2="], "max_tokens": 2}, timeout=60)
+    assert r4.status_code == 200 and len(r4.json()["choices"]) == 2
+    bad = httpx.post(server + "/v1/completions", json={"prompt": [ids, [3, 999]], "max_tokens": 2}, timeout=60)
+    assert bad.status_code == 400 and "prompt[1][1]=999" in bad.json()["error"]
 
     messages = [{"role": "user", "content": "2+2?"}]
     cref = reference(tiny_model, [chat_ids(tokenizer, messages)], 5)[0]
@@ -191,7 +271,7 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
         assert [c["logprob"] for c in ch["logprobs"]["content"]] == pytest.approx(cref.output_logprobs, abs=1e-4)
         assert ch["token_ids"] == cref.output_tokens
     bad = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}, timeout=10)
-    assert bad.status_code == 400 and "messages.0.role" in bad.json()["error"]
+    assert bad.status_code == 400 and "messages[0].role" in bad.json()["error"]
     assert httpx.post(server + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10).status_code == 400
     info = httpx.get(server + "/get_model_info", timeout=10).json()
     assert info["vocab_size"] == tiny_model.config.vocab_size and info["is_generation"] is True

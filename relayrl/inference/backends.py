@@ -13,6 +13,12 @@ payloads documented by its project:
   ``return_tokens_as_token_ids`` makes every returned token read ``"token_id:<id>"``. Pause
   and resume are the RL routes ``/pause?mode=keep`` and ``/resume``; a disk reload goes
   through the dev-mode ``/collective_rpc`` route.
+
+Batches (``batch`` / ``split``): several generate calls to one server become one HTTP call in
+each project's documented batch form. SGLang's ``/generate`` takes lists (``rid``,
+``input_ids`` as a list of lists, one ``sampling_params`` dict per item) and answers a list
+of per-item replies; vLLM's ``/v1/completions`` takes a list of token-id prompts sharing one
+set of sampling parameters and answers one choice per prompt, in prompt order.
 """
 
 from __future__ import annotations
@@ -109,6 +115,28 @@ class SGLangBackend:
             weight_version=_int_or_none(meta.get("weight_version")),
         )
 
+    def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
+        """``generate`` calls merged into batched calls: (call, indices of the items it carries).
+        One item keeps the single form."""
+        if len(calls) == 1:
+            return [(calls[0], [0])]
+        bodies = [c.json or {} for c in calls]
+        body: JsonDict = {
+            "rid": [b["rid"] for b in bodies],
+            "input_ids": [b["input_ids"] for b in bodies],
+            "sampling_params": [b["sampling_params"] for b in bodies],
+            "return_logprob": True,
+            "stream": False,
+        }
+        return [(Call("POST", "/generate", body), list(range(len(calls))))]
+
+    def split(self, body: object, n: int) -> list[object]:
+        """The per-item replies of a batched call's reply (each one for ``parse_generate``)."""
+        if not isinstance(body, list) or len(body) != n:
+            got = f"{len(body)} items" if isinstance(body, list) else type(body).__name__
+            raise ProtocolError(f"batched /generate of {n} items answered {got}")
+        return body
+
     def update_from_disk(self, path: str, version: int) -> Call:
         # abort_all_requests: in-flight requests end with finish_reason "abort" and the client
         # resubmits prompt + partial tokens under the new weights (interruptible rollout).
@@ -183,6 +211,33 @@ class VLLMBackend:
             "stream": False,
         }
         return Call("POST", "/v1/completions", body)
+
+    def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
+        """Calls that differ only in their prompt share one call (vLLM takes one set of sampling
+        parameters per request): (call, indices of the items it carries)."""
+        groups: dict[str, list[int]] = {}
+        for i, c in enumerate(calls):
+            key = repr([(k, v) for k, v in (c.json or {}).items() if k not in ("prompt", "request_id")])
+            groups.setdefault(key, []).append(i)
+        out = []
+        for idx in groups.values():
+            if len(idx) == 1:
+                out.append((calls[idx[0]], idx))
+                continue
+            first = calls[idx[0]].json or {}
+            body: JsonDict = {**first, "prompt": [(calls[i].json or {})["prompt"] for i in idx],
+                              "request_id": f"{first.get('request_id')}+{len(idx) - 1}"}
+            out.append((Call("POST", "/v1/completions", body), idx))
+        return out
+
+    def split(self, body: object, n: int) -> list[object]:
+        """One reply per prompt: choice ``i`` (n=1 per prompt) is prompt ``i``'s."""
+        choices = body.get("choices") if isinstance(body, dict) else None
+        if not isinstance(choices, list) or len(choices) != n:
+            got = len(choices) if isinstance(choices, list) else "no"
+            raise ProtocolError(f"batched /v1/completions of {n} prompts answered {got} choices")
+        order = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+        return [{**body, "choices": [c]} for c in order]  # type: ignore[dict-item]
 
     def parse_generate(self, body: object) -> Parsed:
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:

@@ -7,8 +7,11 @@ OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the 
 serves RemoteEngine (any of its protocols) and agents written against the OpenAI SDK.
 The OpenAPI schema is at ``/openapi.json``.
 
+``/generate`` also takes SGLang's batch form (``input_ids`` a list of prompts; ``rid``,
+``sampling_params`` and ``return_logprob`` one per item or one for all) and answers a list of
+per-item replies; ``/v1/completions`` takes a list of prompts (one choice per prompt and sample).
 Every body is validated (unknown fields, out-of-range values, out-of-vocabulary ids) and
-answered with a 4xx naming the field; the process stays up. Admin routes (weights, pause)
+answered with a 4xx naming the field (and the item index in a batch); the process stays up. Admin routes (weights, pause)
 need ``Authorization: Bearer <token>`` when a token is configured. Disk paths are confined
 to ``allowed_weight_roots`` (symlinks resolved, ``..`` refused).
 """
@@ -19,6 +22,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import json
 import os
 import socket
 import sys
@@ -26,107 +30,44 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Literal
 
 import safetensors.torch
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response
 
 from relayrl.api.config import ServerConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdate
+from relayrl.inference.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DiskUpdate,
+    GenerateBatchRequest,
+    GenerateBody,
+    GenerateRequest,
+    PauseRequest,
+    SamplingParams,
+)
 
 LISTEN_PREFIX = "relayrl server listening on "
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SamplingParams(_Body):
-    max_new_tokens: int = Field(128, ge=1)
-    min_new_tokens: int = Field(0, ge=0)
-    temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 or 0 = off")
-    stop: str | list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    n: int = Field(1, ge=1, le=1, description="one sample per request")
-
-
-class GenerateRequest(_Body):
-    input_ids: list[int] | None = None
-    text: str | None = None
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    return_logprob: bool = False
-    rid: str | None = None
-    stream: bool = Field(False, description="streaming is not supported")
-
-
-class DiskUpdate(_Body):
-    model_path: str
-    weight_version: int | str | None = None
-    load_format: str | None = None
-    abort_all_requests: bool = False  # in-flight requests are continued under the new weights anyway
-    flush_cache: bool = True
-
-
-class PauseRequest(_Body):
-    mode: Literal["in_place", "retract"] = "in_place"
-
-
-class CompletionRequest(_Body):
-    model: str | None = None
-    prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    logprobs: int | None = Field(None, ge=0, le=5, description="the sampled tokens' logprobs (no alternatives)")
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    seed: int | None = None  # accepted for SDK compatibility; the engine's seed is used
-    user: str | None = None
-    stream: bool = False
-    echo: bool = False
-    skip_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False
-    request_id: str | None = None
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-    name: str | None = None
-
-
-class ChatRequest(_Body):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="alternatives are not returned")
-    seed: int | None = None
-    user: str | None = None
-    stream: bool = False
-
-
 def _bad(msg: str, status: int = 400) -> HTTPException:
     return HTTPException(status_code=status, detail=msg)
+
+
+def _path(loc: tuple[object, ...]) -> str:
+    """``("body", "<batch>", "sampling_params", "<many>", 3, "top_p")`` -> ``sampling_params[3].top_p``
+    (union tags ``<...>`` dropped)."""
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p != "body" and not str(p).startswith("<"):
+            out += f".{p}" if out else str(p)
+    return out
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
@@ -134,7 +75,7 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     msgs = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = _path(err.get("loc", ()))
         if err.get("type") == "json_invalid":
             msgs.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
         elif err.get("type") == "extra_forbidden":
@@ -178,7 +119,8 @@ class Server:
         self.token = cfg.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
         self.weight_lock = asyncio.Lock()
         self.paused = False
-        self.n_served = 0
+        self.n_served = 0  # generation requests answered
+        self.n_calls = 0  # HTTP calls that carried them (a batch is one)
 
     # ---------------------------------------------------------------- helpers
     def admin(self, request: Request) -> None:
@@ -197,7 +139,8 @@ class Server:
             if not 0 <= t < self.vocab_size:
                 raise _bad(f"{field}[{i}]={t} is out of vocabulary [0, {self.vocab_size})")
 
-    def gconfig(self, sp: SamplingParams, prompt_len: int, field: str = "sampling_params") -> GenerationConfig:
+    def gconfig(self, sp: SamplingParams, prompt_len: int, field: str = "sampling_params",
+                prompt: str = "input_ids") -> GenerationConfig:
         greedy = sp.temperature == 0.0
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
         g = GenerationConfig(
@@ -211,9 +154,9 @@ class Server:
             raise _bad(f"{field}.{e}") from None
         self.check_ids(g.stop_token_ids, f"{field}.stop_token_ids")
         if prompt_len == 0:
-            raise _bad("input_ids: the prompt is empty")
+            raise _bad(f"{prompt}: the prompt is empty")
         if prompt_len + g.max_new_tokens > self.max_positions:
-            raise _bad(f"input length {prompt_len} + {field}.max_new_tokens={g.max_new_tokens} exceeds the "
+            raise _bad(f"{prompt}: input length {prompt_len} + {field}.max_new_tokens={g.max_new_tokens} exceeds the "
                        f"model's {self.max_positions} positions")
         return g
 
@@ -236,7 +179,16 @@ class Server:
         return {"type": "stop", "matched": r.output_tokens[-1] if r.output_tokens else None}
 
     # ---------------------------------------------------------------- SGLang native
-    async def generate(self, req: GenerateRequest) -> dict[str, object]:
+    async def generate(self, req: GenerateBody) -> Response:  # type: ignore[valid-type]
+        """One prompt -> one reply object; SGLang's batch form -> a list of them, in order."""
+        if isinstance(req, GenerateBatchRequest):
+            replies: object = await self.generate_batch(req)
+        else:
+            replies = await self.generate_one(req)
+        self.n_calls += 1
+        return _json(replies)
+
+    async def generate_one(self, req: GenerateRequest) -> dict[str, object]:
         if req.stream:
             raise _bad("stream: streaming is not supported; send stream=false")
         if (req.input_ids is None) == (req.text is None):
@@ -246,16 +198,42 @@ class Server:
         g = self.gconfig(req.sampling_params, len(ids))
         rid = req.rid or uuid.uuid4().hex
         r = await self.run(rid, ids, g)
+        return self.reply(rid, r, req.return_logprob, req.sampling_params.skip_special_tokens)
+
+    async def generate_batch(self, req: GenerateBatchRequest) -> list[dict[str, object]]:
+        """Every item is validated before any is generated (errors name the item index); the items
+        then run concurrently in the engine."""
+        if req.stream:
+            raise _bad("stream: streaming is not supported; send stream=false")
+        if (req.input_ids is None) == (req.text is None):
+            raise _bad("give exactly one of input_ids or text")
+        prompts = req.input_ids if req.input_ids is not None else [list(self.tok.encode(t)) for t in req.text or []]  # type: ignore[attr-defined]
+        n = len(prompts)
+        sps: list[SamplingParams] = _per_item(req.sampling_params, n, "sampling_params")
+        logprob: list[bool] = _per_item(req.return_logprob, n, "return_logprob")
+        if isinstance(req.rid, list):
+            rids = _per_item(req.rid, n, "rid")
+        else:
+            prefix = req.rid or uuid.uuid4().hex
+            rids = [f"{prefix}-{i}" for i in range(n)]
+        gs = []
+        for i, ids in enumerate(prompts):
+            self.check_ids(ids, f"input_ids[{i}]")
+            gs.append(self.gconfig(sps[i], len(ids), field=f"sampling_params[{i}]", prompt=f"input_ids[{i}]"))
+        outs = await asyncio.gather(*(self.run(rid, ids, g) for rid, ids, g in zip(rids, prompts, gs, strict=True)))
+        return [self.reply(rid, r, lp, sp.skip_special_tokens) for rid, r, lp, sp in zip(rids, outs, logprob, sps, strict=True)]
+
+    def reply(self, rid: str, r: ModelResponse, logprob: bool, skip_special: bool) -> dict[str, object]:
+        """One item's SGLang reply (+ relayrl's per-token ``output_token_versions``)."""
         meta: dict[str, object] = {
             "id": rid, "prompt_tokens": r.input_len, "completion_tokens": r.output_len,
             "finish_reason": self.finish(r),
             "weight_version": r.output_versions[-1] if r.output_versions else self.engine.get_version(),
             "output_token_versions": r.output_versions, "e2e_latency": r.latency, "ttft": r.ttft,
         }
-        if req.return_logprob:
+        if logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)]
-        text = self.decode(r.output_tokens, req.sampling_params.skip_special_tokens)
-        return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
+        return {"text": self.decode(r.output_tokens, skip_special), "output_ids": r.output_tokens, "meta_info": meta}
 
     async def apply(self, tensors: dict[str, torch.Tensor], version: int | None) -> dict[str, object]:
         for name, t in tensors.items():
@@ -305,7 +283,7 @@ class Server:
         return await self.apply(tensors, _version(request.query_params.get("weight_version")))
 
     # ---------------------------------------------------------------- OpenAI
-    def openai_gconfig(self, req: CompletionRequest | ChatRequest, prompt_len: int) -> GenerationConfig:
+    def openai_gconfig(self, req: CompletionRequest | ChatRequest, prompt_len: int, prompt: str = "prompt") -> GenerationConfig:
         max_tokens = (req.max_completion_tokens or req.max_tokens) if isinstance(req, ChatRequest) else req.max_tokens
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         sp = SamplingParams(
@@ -314,16 +292,32 @@ class Server:
             top_k=req.top_k, stop=stop, stop_token_ids=list(getattr(req, "stop_token_ids", [])),
             ignore_eos=getattr(req, "ignore_eos", False),
         )
-        return self.gconfig(sp, prompt_len, field="body")
+        return self.gconfig(sp, prompt_len, field="body", prompt=prompt)
 
-    async def completions(self, req: CompletionRequest) -> dict[str, object]:
+    def completion_prompts(self, prompt: str | list[int] | list[list[int]] | list[str]) -> tuple[list[list[int]], bool]:
+        """(token ids of each prompt, whether a list of prompts was sent)."""
+        if isinstance(prompt, str):
+            return [list(self.tok.encode(prompt))], False  # type: ignore[attr-defined]
+        if prompt and isinstance(prompt[0], str):
+            return [list(self.tok.encode(p)) for p in prompt], True  # type: ignore[attr-defined]
+        if prompt and isinstance(prompt[0], list):
+            return [list(p) for p in prompt], True  # type: ignore[arg-type]
+        return [list(prompt)], False  # type: ignore[arg-type]
+
+    async def completions(self, req: CompletionRequest) -> Response:
+        """Choice ``p * n + j`` is sample ``j`` of prompt ``p`` (vLLM's order)."""
         if req.stream or req.echo:
             raise _bad("stream and echo are not supported")
-        ids = list(req.prompt) if isinstance(req.prompt, list) else list(self.tok.encode(req.prompt))  # type: ignore[attr-defined]
-        self.check_ids(ids, "prompt")
-        g = self.openai_gconfig(req, len(ids))
+        prompts, many = self.completion_prompts(req.prompt)
+        gs = []
+        for p, ids in enumerate(prompts):
+            name = f"prompt[{p}]" if many else "prompt"
+            self.check_ids(ids, name)
+            gs.append(self.openai_gconfig(req, len(ids), prompt=name))
         cid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-        outs = await asyncio.gather(*(self.run(f"{cid}-{i}", ids, g) for i in range(req.n)))
+        jobs = [(f"{cid}-{p * req.n + i}", ids, g) for p, (ids, g) in enumerate(zip(prompts, gs, strict=True)) for i in range(req.n)]
+        outs = await asyncio.gather(*(self.run(*job) for job in jobs))
+        self.n_calls += 1
         choices = []
         for i, r in enumerate(outs):
             lp = None
@@ -337,8 +331,8 @@ class Server:
             choices.append({"index": i, "text": self.decode(r.output_tokens, req.skip_special_tokens), "logprobs": lp,
                             "finish_reason": r.stop_reason, "token_ids": r.output_tokens,
                             "token_versions": r.output_versions})
-        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": _usage(len(ids), outs)}
+        return _json({"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                      "choices": choices, "usage": _usage(sum(len(ids) for ids, _ in zip(prompts, gs, strict=True)), outs)})
 
     async def chat(self, req: ChatRequest) -> dict[str, object]:
         if req.stream:
@@ -378,6 +372,20 @@ def _version(v: object) -> int | None:
         return int(v)  # type: ignore[call-overload, no-any-return]
     except (TypeError, ValueError):
         raise _bad(f"weight_version must be an integer, got {v!r}") from None
+
+
+def _per_item(value: object, n: int, field: str) -> list:  # type: ignore[type-arg]
+    """A batch field: one value per item (checked), or one value for all ``n`` items."""
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise _bad(f"{field}: {len(value)} values for {n} prompts (give one per prompt, or one for all)")
+    return value
+
+
+def _json(content: object) -> Response:
+    """A JSON reply written directly (no FastAPI encoder pass over every token and logprob)."""
+    return Response(json.dumps(content, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(), media_type="application/json")
 
 
 def _usage(prompt_len: int, outs: list[ModelResponse]) -> dict[str, int]:
@@ -441,6 +449,7 @@ def build_app(srv: Server) -> FastAPI:
         return {"model_path": srv.cfg.model.path, "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
                 "is_generation": True, "vocab_size": srv.vocab_size, "max_position_embeddings": srv.max_positions,
                 "weight_version": srv.engine.get_version(), "paused": srv.paused, "requests_served": srv.n_served,
+                "generate_calls": srv.n_calls,
                 "tokens_generated": srv.engine.stats["tokens"], "aborts": srv.engine.stats["aborts"]}
 
     @app.get("/v1/models")

@@ -1,0 +1,147 @@
+"""Request bodies of ``relayrl serve`` (pydantic models: validation and the OpenAPI schema).
+
+SGLang's ``/generate`` (single and batch form), OpenAI's completions and chat, the admin
+bodies. Unknown fields are refused. Unions whose members differ by shape (one prompt or a
+list of prompts; one sampling dict or one per item) are tagged unions: a body is validated
+only against the form it was sent in, so an error is reported once, at its own path (tags read
+``<...>`` and are dropped from the paths shown to users).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(_Body):
+    max_new_tokens: int = Field(128, ge=1)
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 = off")
+    stop: str | list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(1, ge=1, le=1, description="one sample per request")
+
+
+def _one_or_many(t: type) -> object:
+    """``t`` or a list of ``t`` (SGLang batch fields: one value for all items, or one per item)."""
+    return Annotated[  # type: ignore[valid-type]
+        Annotated[t, Tag("<one>")] | Annotated[list[t], Tag("<many>")],  # type: ignore[valid-type]
+        Discriminator(lambda v: "<many>" if isinstance(v, list) else "<one>"),
+    ]
+
+
+class GenerateRequest(_Body):
+    input_ids: list[int] | None = None
+    text: str | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    rid: str | None = None
+    stream: bool = Field(False, description="streaming is not supported")
+
+
+class GenerateBatchRequest(_Body):
+    """SGLang's batch form of /generate: one reply per prompt, in order."""
+
+    input_ids: list[list[int]] | None = Field(None, min_length=1)
+    text: list[str] | None = Field(None, min_length=1)
+    sampling_params: _one_or_many(SamplingParams) = Field(default_factory=SamplingParams)  # type: ignore[valid-type]
+    return_logprob: _one_or_many(bool) = False  # type: ignore[valid-type]
+    rid: _one_or_many(str) | None = Field(None, description="one per item, or a prefix (item i gets '<rid>-<i>')")  # type: ignore[valid-type]
+    stream: bool = Field(False, description="streaming is not supported")
+
+
+def _body_form(v: object) -> str:
+    """'<batch>' when the prompts are a list of prompts (SGLang's batch form), else '<single>'."""
+    if isinstance(v, dict):
+        ids, text = v.get("input_ids"), v.get("text")
+        if isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)):
+            return "<batch>"
+    return "<single>"
+
+
+GenerateBody = Annotated[
+    Annotated[GenerateRequest, Tag("<single>")] | Annotated[GenerateBatchRequest, Tag("<batch>")], Discriminator(_body_form)
+]
+
+
+class DiskUpdate(_Body):
+    model_path: str
+    weight_version: int | str | None = None
+    load_format: str | None = None
+    abort_all_requests: bool = False  # in-flight requests are continued under the new weights anyway
+    flush_cache: bool = True
+
+
+class PauseRequest(_Body):
+    mode: Literal["in_place", "retract"] = "in_place"
+
+
+def _prompt_form(v: object) -> str:
+    if isinstance(v, str):
+        return "<text>"
+    if isinstance(v, list) and v and isinstance(v[0], list):
+        return "<id lists>"
+    if isinstance(v, list) and v and isinstance(v[0], str):
+        return "<texts>"
+    return "<ids>"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("<text>")] | Annotated[list[int], Tag("<ids>")] | Annotated[list[list[int]], Tag("<id lists>")]
+    | Annotated[list[str], Tag("<texts>")],
+    Discriminator(_prompt_form),
+]
+
+
+class CompletionRequest(_Body):
+    model: str | None = None
+    prompt: Prompt = Field(description="text, token ids, or a list of either (one choice per prompt and sample)")
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    logprobs: int | None = Field(None, ge=0, le=5, description="the sampled tokens' logprobs (no alternatives)")
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    seed: int | None = None  # accepted for SDK compatibility; the engine's seed is used
+    user: str | None = None
+    stream: bool = False
+    echo: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    request_id: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    name: str | None = None
+
+
+class ChatRequest(_Body):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="alternatives are not returned")
+    seed: int | None = None
+    user: str | None = None
+    stream: bool = False
