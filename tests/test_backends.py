@@ -137,6 +137,11 @@ def test_sglang_batch_is_the_documented_batch_form():
     assert [sp["max_new_tokens"] for sp in b["sampling_params"]] == [4, 5, 6]
     assert b["sampling_params"][0] == calls[0].json["sampling_params"] and b["return_logprob"] is True
     assert sg.batch(calls[:1]) == [(calls[0], [0])]  # one item keeps the single form
+    assert "stream_items" not in call.json and not sg.streams_items
+    rr = RelayrlBackend()  # relayrl's server answers a batch item by item (NDJSON) as items finish
+    [(rcall, _)] = rr.batch([rr.generate(f"r{i}", [1], G, 4, 0) for i in range(2)])
+    assert rcall.json["stream_items"] is True and rr.streams_items
+    assert "stream_items" not in rr.batch([calls[0]])[0][0].json
     reply = [SGLANG_REPLY, {**SGLANG_REPLY, "output_ids": [7], "meta_info": {
         **SGLANG_REPLY["meta_info"], "output_token_logprobs": [[-0.5, 7, None]], "finish_reason": {"type": "length"}}}]
     parts = [sg.parse_generate(x) for x in sg.split(reply, 2)]

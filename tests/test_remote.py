@@ -171,6 +171,21 @@ def test_a_bad_request_in_a_batch_fails_alone(group, shared, tiny_model):
             assert o.output_tokens == r.output_tokens and o.stop_reason == r.stop_reason
 
 
+def test_no_item_of_a_batch_waits_for_the_slowest(group, shared):
+    """relayrl streams a batch's items as they finish: short requests return long before a long
+    one that went out in the same HTTP call."""
+    eng = RemoteEngine(InferenceConfig(backend="remote", admin_token=TOKEN, request_timeout=60), addresses=group.addresses[:1])
+    eng.initialize()
+    gs = [greedy(150)] + [greedy(2)] * 7
+    try:
+        outs = run_each(eng, prompts(8), gs, prefix="hol")
+    finally:
+        eng.destroy()
+    assert eng.stats["http_calls"] == 1 and eng.stats["requests"] == 8
+    assert [o.output_len for o in outs] == [150] + [2] * 7
+    assert max(o.latency for o in outs[1:]) < outs[0].latency / 2, [round(o.latency, 3) for o in outs]
+
+
 def test_200_concurrent_requests(group, shared):
     eng = make_engine(group, shared)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import httpx
@@ -136,6 +137,25 @@ def test_batch_generate_matches_single_requests(server, tiny_model):
     assert texts.status_code == 200 and [len(o["output_ids"]) for o in texts.json()] == [2, 2]
     info = httpx.get(server + "/get_model_info", timeout=10).json()
     assert (info["generate_calls"] - calls0, info["requests_served"] - served0) == (4, 8)  # a batch is one call
+
+
+def test_batch_items_stream_as_they_finish(server, tiny_model):
+    """relayrl's ``stream_items``: one NDJSON line per item, in finishing order, each the item's reply."""
+    prompts = [PROMPT, [3, 30, 31, 4], [3, 40, 41, 4]]
+    lengths = [60, 2, 5]
+    refs = reference(tiny_model, prompts, 60)
+    sps = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in lengths]
+    body = {"input_ids": prompts, "sampling_params": sps, "return_logprob": True, "rid": ["a", "b", "c"], "stream_items": True}
+    with httpx.stream("POST", server + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert sorted(x["index"] for x in lines) == [0, 1, 2] and lines[-1]["index"] == 0  # the longest comes last
+    for x in lines:
+        i = x["index"]
+        assert x["meta_info"]["id"] == "abc"[i] and x["output_ids"] == refs[i].output_tokens[:lengths[i]]
+        assert [t[0] for t in x["meta_info"]["output_token_logprobs"]] == pytest.approx(refs[i].output_logprobs[:lengths[i]], abs=1e-4)
+    bad = httpx.post(server + "/generate", json={**body, "input_ids": [PROMPT, [3, 999], PROMPT]}, timeout=60)
+    assert bad.status_code == 400 and "input_ids[1][1]=999" in bad.json()["error"]  # validated before streaming
 
 
 @pytest.mark.parametrize(

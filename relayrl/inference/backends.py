@@ -7,8 +7,9 @@ payloads documented by its project:
   ``return_logprob``; the reply's ``meta_info`` holds ``output_token_logprobs`` as
   ``[logprob, token_id, text]`` triples, ``finish_reason`` ``{"type": ...}`` and
   ``weight_version``. Weights: ``/update_weights_from_disk`` ``{"model_path", ...}``.
-- relayrl: the SGLang protocol plus per-token ``output_token_versions`` and an HTTP weight
-  upload (``/update_weights_from_tensor``, a safetensors body).
+- relayrl: the SGLang protocol plus per-token ``output_token_versions``, an HTTP weight
+  upload (``/update_weights_from_tensor``, a safetensors body), and batches answered item by
+  item as they finish (``stream_items``: NDJSON lines ``{"index": i, ...}``).
 - vLLM: OpenAI ``/v1/completions`` with token-id ``prompt`` and ``logprobs=0``;
   ``return_tokens_as_token_ids`` makes every returned token read ``"token_id:<id>"``. Pause
   and resume are the RL routes ``/pause?mode=keep`` and ``/resume``; a disk reload goes
@@ -32,6 +33,10 @@ JsonDict = dict[str, object]
 
 class ProtocolError(ValueError):
     """A server reply that does not have the documented shape."""
+
+
+class ServerError(RuntimeError):
+    """A server answered 5xx (retried elsewhere)."""
 
 
 @dataclass
@@ -66,6 +71,7 @@ class SGLangBackend:
 
     name = "sglang"
     supports_upload = False
+    streams_items = False  # batched replies come as one list
 
     def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
         return {
@@ -172,6 +178,14 @@ class RelayrlBackend(SGLangBackend):
 
     name = "relayrl"
     supports_upload = True
+    streams_items = True  # batched replies come item by item as they finish (NDJSON)
+
+    def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
+        groups = super().batch(calls)
+        for call, idx in groups:
+            if len(idx) > 1 and call.json is not None:
+                call.json["stream_items"] = True
+        return groups
 
     def update_from_disk(self, path: str, version: int) -> Call:
         return Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version})
@@ -185,6 +199,7 @@ class VLLMBackend:
 
     name = "vllm"
     supports_upload = False
+    streams_items = False
     health_path = "/health"
     reload_method = "reload_weights"
 

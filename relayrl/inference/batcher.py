@@ -7,9 +7,12 @@ error, exactly as if it had sent its request alone. So retries, eviction, re-iss
 continuation stay per request, in RemoteEngine.agenerate. Why: an HTTP round trip costs the
 trainer ~ms of CPU, a 4-token generation on the server far less.
 
-- A batch the server refuses (4xx) is re-sent item by item, so one bad request fails alone.
-- A connection error or 5xx reaches every item of the call; each is then retried or
-  re-issued elsewhere by its own caller.
+- Backends that stream batched replies (relayrl) resolve each item as its line arrives, so no
+  item waits for the slowest of its call; the others get the whole reply at once.
+- A batch the server refuses (4xx) or answers malformed is re-sent item by item (the items
+  not yet answered), so one bad request fails alone.
+- A connection error or 5xx reaches every item of the call not yet answered; each is then
+  retried or re-issued elsewhere by its own caller.
 - Callers that gave up (cancelled) before the flush are left out of the call.
 
 One batcher per event loop (its futures belong to that loop).
@@ -18,19 +21,20 @@ One batcher per event loop (its futures belong to that loop).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from relayrl.inference.backends import Backend, Call
+from relayrl.inference.backends import Backend, Call, ProtocolError
 
 Send = Callable[[str, Call], Awaitable[object]]
+Stream = Callable[[str, Call], AsyncIterator[object]]
 _Item = tuple[Call, "asyncio.Future[object]"]
 
 
 class MicroBatcher:
     """Collects generate calls per server URL and sends them as batched calls."""
 
-    def __init__(self, backend: Backend, send: Send, window_s: float, max_items: int) -> None:
-        self.backend, self.send = backend, send
+    def __init__(self, backend: Backend, send: Send, stream: Stream, window_s: float, max_items: int) -> None:
+        self.backend, self.send, self.stream = backend, send, stream
         self.window_s, self.max_items = window_s, max_items
         self._pending: dict[str, list[_Item]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -65,6 +69,8 @@ class MicroBatcher:
         await asyncio.gather(*(self._send_group(url, call, [items[i] for i in idx]) for call, idx in groups))
 
     async def _send_group(self, url: str, call: Call, items: list[_Item]) -> None:
+        if len(items) > 1 and self.backend.streams_items:
+            return await self._stream_group(url, call, items)
         try:
             body = await self.send(url, call)
             replies = [body] if len(items) == 1 else self.backend.split(body, len(items))
@@ -84,6 +90,31 @@ class MicroBatcher:
             return
         for (_, fut), reply in zip(items, replies, strict=True):
             _settle(fut, value=reply)
+
+    async def _stream_group(self, url: str, call: Call, items: list[_Item]) -> None:
+        """Lines ``{"index": i, ...reply}`` (or ``{"index": i, "error": ...}``) in finishing order."""
+        pending = dict(enumerate(items))
+        try:
+            async for line in self.stream(url, call):
+                i = line.get("index") if isinstance(line, dict) else None
+                if not isinstance(i, int) or i not in pending:
+                    raise ProtocolError(f"{url}{call.path} streamed an item with no pending index: {str(line)[:200]}")
+                _, fut = pending.pop(i)
+                if "error" in line:  # type: ignore[operator]
+                    _settle(fut, error=ValueError(f"{url}{call.path} refused item {i}: {line['error']}"))  # type: ignore[index]
+                else:
+                    _settle(fut, value=line)
+            if pending:
+                raise ProtocolError(f"{url}{call.path} ended its stream with {len(pending)} of {len(items)} items unanswered")
+        except asyncio.CancelledError:
+            for _, fut in pending.values():
+                fut.cancel()
+            raise
+        except ValueError:  # refused (4xx) or malformed: the unanswered items one at a time
+            await asyncio.gather(*(self._send_group(url, c, [(c, f)]) for c, f in pending.values()))
+        except BaseException as e:  # noqa: BLE001 - handed to every unanswered caller, each handles it
+            for _, fut in pending.values():
+                _settle(fut, error=e)
 
 
 def _settle(fut: asyncio.Future[object], value: object = None, error: BaseException | None = None) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import os
 import random
@@ -28,7 +29,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ import safetensors.torch
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
-from relayrl.inference.backends import Call, make_backend
+from relayrl.inference.backends import Call, ProtocolError, ServerError, make_backend
 from relayrl.inference.batcher import MicroBatcher
 
 log = logging.getLogger(__name__)
@@ -48,16 +49,19 @@ log = logging.getLogger(__name__)
 DEAD_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 
 
-class ServerError(RuntimeError):
-    """A server answered 5xx (retried elsewhere)."""
-
-
 @dataclass
 class _Server:
     url: str
     alive: bool = True
     in_flight: int = 0
     version: int = 0
+
+
+def _check_status(url: str, call: Call, r: httpx.Response) -> None:
+    if r.status_code >= 500:
+        raise ServerError(f"{url}{call.path} answered {r.status_code}: {r.text[:200]}")
+    if r.status_code >= 400:
+        raise ValueError(f"{url}{call.path} refused the request ({r.status_code}): {r.text[:500]}")
 
 
 def _url(address: str) -> str:
@@ -195,11 +199,22 @@ class RemoteEngine(InferenceEngine):
     async def _send(self, url: str, call: Call) -> object:
         self.stats["http_calls"] += 1
         r = await self._client().request(call.method, url + call.path, json=call.json)
-        if r.status_code >= 500:
-            raise ServerError(f"{url}{call.path} answered {r.status_code}: {r.text[:200]}")
-        if r.status_code >= 400:
-            raise ValueError(f"{url}{call.path} refused the request ({r.status_code}): {r.text[:500]}")
+        _check_status(url, call, r)
         return r.json()
+
+    async def _stream(self, url: str, call: Call) -> AsyncIterator[object]:
+        """The JSON lines of an NDJSON reply, as they arrive."""
+        self.stats["http_calls"] += 1
+        async with self._client().stream(call.method, url + call.path, json=call.json) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                _check_status(url, call, r)
+            async for line in r.aiter_lines():
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except ValueError as e:
+                        raise ProtocolError(f"{url}{call.path} streamed a line that is not JSON: {line[:200]!r}") from e
 
     def _generate_call(self, srv: _Server, call: Call) -> Awaitable[object]:
         """``call`` sent alone (``batch_window_ms=0``) or batched with others to the same server."""
@@ -208,7 +223,8 @@ class RemoteEngine(InferenceEngine):
         loop = asyncio.get_running_loop()
         batcher = self._batchers.get(loop)
         if batcher is None:
-            batcher = MicroBatcher(self.backend, self._send, self.config.batch_window_ms / 1000, self.config.batch_max_requests)
+            batcher = MicroBatcher(self.backend, self._send, self._stream, self.config.batch_window_ms / 1000,
+                                   self.config.batch_max_requests)
             self._batchers[loop] = batcher
         return batcher.submit(srv.url, call)
 

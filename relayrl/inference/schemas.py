@@ -57,6 +57,8 @@ class GenerateBatchRequest(_Body):
     return_logprob: _one_or_many(bool) = False  # type: ignore[valid-type]
     rid: _one_or_many(str) | None = Field(None, description="one per item, or a prefix (item i gets '<rid>-<i>')")  # type: ignore[valid-type]
     stream: bool = Field(False, description="streaming is not supported")
+    stream_items: bool = Field(False, description="relayrl: answer NDJSON, one line {'index': i, ...item's reply} (or "
+                               "{'index': i, 'error': ...}) per item as soon as it finishes, instead of one list")
 
 
 def _body_form(v: object) -> str:

@@ -35,7 +35,7 @@ import safetensors.torch
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from relayrl.api.config import ServerConfig
 from relayrl.api.engine import InferenceEngine
@@ -52,6 +52,8 @@ from relayrl.inference.schemas import (
 )
 
 LISTEN_PREFIX = "relayrl server listening on "
+
+_Job = tuple[str, list[int], GenerationConfig, bool, bool]  # rid, prompt ids, gconfig, return_logprob, skip_special_tokens
 
 
 def _bad(msg: str, status: int = 400) -> HTTPException:
@@ -180,13 +182,15 @@ class Server:
 
     # ---------------------------------------------------------------- SGLang native
     async def generate(self, req: GenerateBody) -> Response:  # type: ignore[valid-type]
-        """One prompt -> one reply object; SGLang's batch form -> a list of them, in order."""
-        if isinstance(req, GenerateBatchRequest):
-            replies: object = await self.generate_batch(req)
-        else:
-            replies = await self.generate_one(req)
+        """One prompt -> one reply object; SGLang's batch form -> a list of them, in order (or,
+        with ``stream_items``, NDJSON lines in the order the items finish)."""
         self.n_calls += 1
-        return _json(replies)
+        if isinstance(req, GenerateBatchRequest):
+            jobs = self.batch_jobs(req)
+            if req.stream_items:
+                return StreamingResponse(self.stream_items(jobs), media_type="application/x-ndjson")
+            return _json(list(await asyncio.gather(*(self.generate_item(*job) for job in jobs))))
+        return _json(await self.generate_one(req))
 
     async def generate_one(self, req: GenerateRequest) -> dict[str, object]:
         if req.stream:
@@ -200,9 +204,8 @@ class Server:
         r = await self.run(rid, ids, g)
         return self.reply(rid, r, req.return_logprob, req.sampling_params.skip_special_tokens)
 
-    async def generate_batch(self, req: GenerateBatchRequest) -> list[dict[str, object]]:
-        """Every item is validated before any is generated (errors name the item index); the items
-        then run concurrently in the engine."""
+    def batch_jobs(self, req: GenerateBatchRequest) -> list[_Job]:
+        """Every item validated before any is generated (errors name the item index)."""
         if req.stream:
             raise _bad("stream: streaming is not supported; send stream=false")
         if (req.input_ids is None) == (req.text is None):
@@ -216,12 +219,34 @@ class Server:
         else:
             prefix = req.rid or uuid.uuid4().hex
             rids = [f"{prefix}-{i}" for i in range(n)]
-        gs = []
+        jobs = []
         for i, ids in enumerate(prompts):
             self.check_ids(ids, f"input_ids[{i}]")
-            gs.append(self.gconfig(sps[i], len(ids), field=f"sampling_params[{i}]", prompt=f"input_ids[{i}]"))
-        outs = await asyncio.gather(*(self.run(rid, ids, g) for rid, ids, g in zip(rids, prompts, gs, strict=True)))
-        return [self.reply(rid, r, lp, sp.skip_special_tokens) for rid, r, lp, sp in zip(rids, outs, logprob, sps, strict=True)]
+            g = self.gconfig(sps[i], len(ids), field=f"sampling_params[{i}]", prompt=f"input_ids[{i}]")
+            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens))
+        return jobs
+
+    async def generate_item(self, rid: str, ids: list[int], g: GenerationConfig, logprob: bool, skip: bool) -> dict[str, object]:
+        return self.reply(rid, await self.run(rid, ids, g), logprob, skip)
+
+    async def stream_items(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
+        """One NDJSON line per item as soon as it finishes: a batch costs one HTTP call, yet no
+        item waits for the slowest one."""
+
+        async def indexed(i: int, job: _Job) -> tuple[int, dict[str, object]]:
+            try:
+                return i, await self.generate_item(*job)
+            except HTTPException as e:
+                return i, {"error": e.detail, "status": e.status_code}
+
+        tasks = [asyncio.ensure_future(indexed(i, job)) for i, job in enumerate(jobs)]
+        try:
+            for done in asyncio.as_completed(tasks):
+                i, reply = await done
+                yield _dumps({"index": i, **reply}) + b"\n"
+        finally:
+            for t in tasks:  # the client went away: nobody reads the rest
+                t.cancel()
 
     def reply(self, rid: str, r: ModelResponse, logprob: bool, skip_special: bool) -> dict[str, object]:
         """One item's SGLang reply (+ relayrl's per-token ``output_token_versions``)."""
@@ -383,9 +408,13 @@ def _per_item(value: object, n: int, field: str) -> list:  # type: ignore[type-a
     return value
 
 
+def _dumps(content: object) -> bytes:
+    return json.dumps(content, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
 def _json(content: object) -> Response:
     """A JSON reply written directly (no FastAPI encoder pass over every token and logprob)."""
-    return Response(json.dumps(content, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(), media_type="application/json")
+    return Response(_dumps(content), media_type="application/json")
 
 
 def _usage(prompt_len: int, outs: list[ModelResponse]) -> dict[str, int]:
