@@ -65,7 +65,12 @@ class MicroBatcher:
         task.add_done_callback(self._tasks.discard)
 
     async def _send(self, url: str, items: list[_Item]) -> None:
-        groups = self.backend.batch([c for c, _ in items])
+        try:
+            groups = self.backend.batch([c for c, _ in items])
+        except Exception as e:  # noqa: BLE001 - a caller must never wait for a call that was never sent
+            for _, fut in items:
+                _settle(fut, error=e)
+            return
         await asyncio.gather(*(self._send_group(url, call, [items[i] for i in idx]) for call, idx in groups))
 
     async def _send_group(self, url: str, call: Call, items: list[_Item]) -> None:
