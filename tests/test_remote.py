@@ -186,6 +186,33 @@ def test_no_item_of_a_batch_waits_for_the_slowest(group, shared):
     assert max(o.latency for o in outs[1:]) < outs[0].latency / 2, [round(o.latency, 3) for o in outs]
 
 
+def test_batch_size_cap_and_callers_that_give_up(group, shared):
+    """batch_max_requests splits a burst; requests cancelled before their batch leaves are not sent."""
+    eng = RemoteEngine(InferenceConfig(backend="remote", admin_token=TOKEN, batch_max_requests=4, batch_window_ms=50),
+                       addresses=group.addresses[:1])
+    eng.initialize()
+
+    async def go():
+        tasks = [asyncio.ensure_future(eng.agenerate(ModelRequest(f"cap{i}", p, greedy(3)))) for i, p in enumerate(prompts(11))]
+        await asyncio.sleep(0)  # every request is queued: 8 left in full batches, 3 wait for the window
+        tasks[9].cancel()
+        tasks[10].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    served = served_by(group, 0)
+    try:
+        outs = asyncio.run(go())
+    finally:
+        eng.destroy()
+    assert eng.stats["http_calls"] == 3 and served_by(group, 0) - served == 9  # 4 + 4 + the one not cancelled
+    assert [isinstance(o, asyncio.CancelledError) for o in outs] == [False] * 9 + [True, True]
+    assert all(o.output_len == 3 for i, o in enumerate(outs) if i not in (9, 10))
+
+
+def served_by(group, i: int) -> int:
+    return httpx.get(f"http://{group.addresses[i]}/get_model_info", timeout=10).json()["requests_served"]
+
+
 def test_200_concurrent_requests(group, shared):
     eng = make_engine(group, shared)
     try:
