@@ -195,7 +195,7 @@ class ActorConfig:
 
 @dataclass
 class DataConfig:
-    task: str = f("arithmetic", help="A synthetic task name, or 'file' to read train_path/eval_path.", choices=["arithmetic", "countdown", "file"])
+    task: str = f("arithmetic", help="A synthetic task name, or 'file' to read train_path/eval_path.", choices=["arithmetic", "countdown", "count", "file"])
     train_path: str = f("", help="jsonl / parquet / json file of training rows (task=file).")
     eval_path: str = f("", help="Held-out rows (task=file).")
     prompt_key: str = f("question", help="Column holding the prompt text (or 'messages' for chat rows).")
@@ -205,7 +205,7 @@ class DataConfig:
     max_prompt_len: int = f(1024, help="Prompts longer than this (tokens) are rejected.", ge=1)
     skip_invalid_rows: bool = f(False, help="Skip (and count) bad rows instead of stopping with an error.")
     shuffle: bool = f(True, help="Shuffle the training set each epoch (seeded).")
-    difficulty: int = f(2, help="Synthetic task: number of digits / operands.", ge=1, le=6)
+    difficulty: int = f(2, help="Synthetic task: number of digits / operands (count: length scale, median 3x numbers).", ge=1, le=6)
 
 
 @dataclass
@@ -287,7 +287,7 @@ class ServerConfig:
 class SFTDataConfig:
     task: str = f(
         "arithmetic", help="'file': read train_path/eval_path; a synthetic task name: its demonstrations.",
-        choices=["arithmetic", "countdown", "file"],
+        choices=["arithmetic", "countdown", "count", "file"],
     )
     train_path: str = f("", help="jsonl / json / parquet rows: prompt + completion, or messages (+ answer).")
     eval_path: str = f("", help="Held-out rows in the same format (empty = no eval loss).")
@@ -299,7 +299,7 @@ class SFTDataConfig:
     skip_invalid_rows: bool = f(False, help="Skip (and count) bad rows instead of stopping with an error.")
     n_train: int = f(2000, help="Synthetic task: training demonstrations.", ge=1)
     n_eval: int = f(200, help="Synthetic task: held-out rows (eval loss).", ge=0)
-    difficulty: int = f(2, help="Synthetic task: digits / numbers.", ge=1, le=6)
+    difficulty: int = f(2, help="Synthetic task: digits / numbers (count: length scale, median 3x numbers).", ge=1, le=6)
     error_rate: float = f(0.0, help="Synthetic task: fraction of demonstrations that are wrong.", ge=0.0, le=1.0)
 
 

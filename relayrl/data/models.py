@@ -8,7 +8,9 @@ character-level tokenizer below, so tests and the CPU demo run anywhere.
 
 from __future__ import annotations
 
+import json
 import string
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -80,10 +82,18 @@ def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]])
     return [int(i) for i in ids]
 
 
+_PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # how build_tokenizer() saves itself
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     path = cfg.tokenizer_path or cfg.path
     if path in TINY_PRESETS:
         return build_tokenizer()
+    saved = Path(path) / "tokenizer_config.json"
+    if saved.is_file() and json.loads(saved.read_text()).get("tokenizer_class") in _PLAIN_TOKENIZERS:
+        # Loaded as saved: AutoTokenizer would pick the model type's class (qwen2 -> Qwen2Tokenizer), which
+        # rebuilds the pre-tokenizer (byte-level regex) and silently drops the offline tokenizer's spaces.
+        return PreTrainedTokenizerFast.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
 
 

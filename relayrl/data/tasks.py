@@ -8,18 +8,27 @@ given the arguments, and no problem appears in both splits.
   operators ("+", "-", "+-"); subtraction keeps the result non-negative.
 - ``countdown``: "Make 26 with 3 7 5:" -> an expression using each number exactly once,
   e.g. "3*7+5". ``difficulty`` = how many numbers (>= 2); numbers are 1..``max_number``.
+- ``count``: "Count to 34700 from 34696:" -> "34696 34697 34698 34699 34700" (up to the next
+  multiple of 100): the long-tailed completion lengths of chain-of-thought rollouts in
+  miniature, with rules a tiny model learns in ~100 SFT steps (copy the start, add one, stop
+  at a multiple of 100). How many numbers is log-normal with median ``3 * difficulty`` and
+  sigma 0.75, clamped to ``[1, 15 * difficulty]``; numbers have 5 digits, so a completion is
+  exactly ``6 * count`` tokens with EOS under a character tokenizer. ``difficulty=2``: median 6
+  numbers (36 tokens), mean ~8 (49 tokens), 90th percentile ~17 (102 tokens), longest 30 (180).
 
 Verifiers live in ``relayrl.rewards.tasks`` (``task_reward_fn(name)``); the expected
 completion is the bare answer, optionally followed by EOS.
 
 ``demonstrations(rows, error_rate, seed)`` writes prompt/completion pairs for SFT warm-up of
 which exactly ``round(error_rate * len(rows))`` are wrong in plausible ways (a dropped carry,
-one digit off, swapped digits, off by one or ten; for countdown a changed operator or number),
+one digit off, swapped digits, off by one or ten; for countdown a changed operator or number;
+for count a skipped or repeated number, or stopping 1-3 numbers early or late),
 so a model imitating them is measurably short of perfect and RL has room to improve it.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -116,7 +125,24 @@ def countdown_task(
     return _split("countdown", problem, n_train, n_eval, difficulty, seed, capacity)
 
 
-TASKS = {"arithmetic": arithmetic_task, "countdown": countdown_task}
+def count_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, sigma: float = 0.75) -> tuple[list[Row], list[Row]]:
+    """Count up to the next multiple of 100: "Count to 34700 from 34696:" -> "34696 34697 34698 34699 34700"."""
+    if not 1 <= difficulty <= 6:
+        raise ValueError(f"count difficulty (length scale) must be in [1, 6], got {difficulty}")
+    median, longest = 3 * difficulty, 15 * difficulty
+
+    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+        n = min(longest, max(1, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
+        b = 100 * rng.randint(101, 999)  # every number has 5 digits
+        a = b - n + 1
+        row: Row = {"messages": _user(f"Count to {b} from {a}:"), "answer": " ".join(map(str, range(a, b + 1))),
+                    "task": "count", "start": a, "end": b}
+        return (a, b), row
+
+    return _split("count", problem, n_train, n_eval, difficulty, seed, 899 * longest)
+
+
+TASKS = {"arithmetic": arithmetic_task, "countdown": countdown_task, "count": count_task}
 
 
 def make_task(name: str, n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, **options: object) -> tuple[list[Row], list[Row]]:
@@ -189,6 +215,28 @@ def _wrong_expression(rng: random.Random, row: Row) -> str:
     return expr + "+1"
 
 
+COUNT_ERRORS = ("skip", "repeat", "early", "late")
+
+
+def _wrong_count(rng: random.Random, row: Row) -> str:
+    """A miscount of a count row: one number skipped or repeated, or stopping 1-3 numbers early or late."""
+    a, b = int(str(row["start"])), int(str(row["end"]))
+    nums = list(range(a, b + 1))
+    fits = {"skip": len(nums) >= 3, "repeat": True, "early": len(nums) >= 2, "late": True}
+    kinds = [k for k in COUNT_ERRORS if fits[k]]
+    kind = rng.choice(kinds)
+    if kind == "skip":
+        del nums[rng.randrange(1, len(nums) - 1)]
+    elif kind == "repeat":
+        i = rng.randrange(len(nums))
+        nums.insert(i, nums[i])
+    elif kind == "early":
+        del nums[len(nums) - rng.randint(1, min(3, len(nums) - 1)) :]
+    else:
+        nums += range(b + 1, b + rng.randint(1, 3) + 1)
+    return " ".join(map(str, nums))
+
+
 def demonstrations(
     rows: list[Row], error_rate: float, seed: int = 0, kinds: tuple[str, ...] = ERROR_KINDS,
 ) -> list[Row]:
@@ -213,6 +261,8 @@ def demonstrations(
                 completion = _wrong_number(rng, row, tuple(kinds))
             elif task == "countdown":
                 completion = _wrong_expression(rng, row)
+            elif task == "count":
+                completion = _wrong_count(rng, row)
             else:
                 raise ValueError(f"row {i} (id={row.get('id')!r}): demonstrations need a synthetic task row, got task={task!r}")
         out.append({"id": row["id"], "messages": row["messages"], "completion": completion,

@@ -1,13 +1,13 @@
 """Verifiers of the synthetic tasks in ``relayrl.data.tasks`` (contract-2 reward fns).
 
-Completion format, shared by both tasks: the completion *is* the answer, optionally
+Completion format, shared by all tasks: the completion *is* the answer, optionally
 followed by an end-of-sequence marker. The text is cut at the first newline or special
 token (``<eos>``, ``</s>``, ``<pad>``, ``<|...|>``) and stripped of surrounding spaces;
 what remains is the answer.
 
 Rewards: 1.0 for a correct answer, ``format_reward`` (default 0.0) for a well-formed but
 wrong answer (an integer for arithmetic, an expression over the right numbers for
-countdown), 0.0 for anything else. ``task_reward_fn(name, format_reward)`` returns a
+countdown, space-separated integers for count), 0.0 for anything else. ``task_reward_fn(name, format_reward)`` returns a
 picklable reward fn, so it can run in a ``RewardPool`` worker.
 """
 
@@ -24,6 +24,7 @@ RewardFn = Callable[..., float]
 _END = re.compile(r"<eos>|</s>|<pad>|<\|[^|<>]*\|>|\n")
 _INT = re.compile(r"-?\d+")
 _EXPR_CHARS = re.compile(r"[\d+\-*() ]+")
+_NUMBERS = re.compile(r"\d+( +\d+)*")
 
 
 def completion_answer(text: str) -> str:
@@ -81,7 +82,19 @@ def countdown_reward_fn(
     return 1.0 if value == int(target) else float(format_reward)
 
 
-TASK_REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward_fn, "countdown": countdown_reward_fn}
+def count_reward_fn(
+    prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int],
+    answer: str, format_reward: float = 0.0, **data: object,
+) -> float:
+    """1.0 if the completion is exactly the numbers of ``answer`` ("123 124 125"), space-separated
+    (runs of spaces count as one); nothing skipped, repeated or added, no early or late stop."""
+    got = completion_answer(completions)
+    if _NUMBERS.fullmatch(got) is None:
+        return 0.0
+    return 1.0 if got.split() == str(answer).split() else float(format_reward)
+
+
+TASK_REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward_fn, "countdown": countdown_reward_fn, "count": count_reward_fn}
 
 
 def task_reward_fn(name: str, format_reward: float = 0.0) -> RewardFn:
