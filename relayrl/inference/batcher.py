@@ -21,6 +21,7 @@ One batcher per event loop (its futures belong to that loop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from relayrl.inference.backends import Backend, Call, ProtocolError
@@ -87,7 +88,7 @@ class MicroBatcher:
             if len(items) == 1:
                 _settle(items[0][1], error=e)
                 return
-            await asyncio.gather(*(self._send_group(url, c, [(c, f)]) for c, f in items))
+            await asyncio.gather(*(self._send_group(url, c, [(c, f)]) for c, f in items if not f.done()))
             return
         except BaseException as e:  # noqa: BLE001 - handed to every caller, each handles it
             for _, fut in items:
@@ -100,15 +101,16 @@ class MicroBatcher:
         """Lines ``{"index": i, ...reply}`` (or ``{"index": i, "error": ...}``) in finishing order."""
         pending = dict(enumerate(items))
         try:
-            async for line in self.stream(url, call):
-                i = line.get("index") if isinstance(line, dict) else None
-                if not isinstance(i, int) or i not in pending:
-                    raise ProtocolError(f"{url}{call.path} streamed an item with no pending index: {str(line)[:200]}")
-                _, fut = pending.pop(i)
-                if "error" in line:  # type: ignore[operator]
-                    _settle(fut, error=ValueError(f"{url}{call.path} refused item {i}: {line['error']}"))  # type: ignore[index]
-                else:
-                    _settle(fut, value=line)
+            async with contextlib.aclosing(self.stream(url, call)) as lines:  # closes the connection on any exit
+                async for line in lines:
+                    i = line.get("index") if isinstance(line, dict) else None
+                    if not isinstance(i, int) or i not in pending:
+                        raise ProtocolError(f"{url}{call.path} streamed an item with no pending index: {str(line)[:200]}")
+                    _, fut = pending.pop(i)
+                    if "error" in line:  # type: ignore[operator]
+                        _settle(fut, error=ValueError(f"{url}{call.path} refused item {i}: {line['error']}"))  # type: ignore[index]
+                    else:
+                        _settle(fut, value=line)
             if pending:
                 raise ProtocolError(f"{url}{call.path} ended its stream with {len(pending)} of {len(items)} items unanswered")
         except asyncio.CancelledError:
@@ -116,7 +118,7 @@ class MicroBatcher:
                 fut.cancel()
             raise
         except ValueError:  # refused (4xx) or malformed: the unanswered items one at a time
-            await asyncio.gather(*(self._send_group(url, c, [(c, f)]) for c, f in pending.values()))
+            await asyncio.gather(*(self._send_group(url, c, [(c, f)]) for c, f in pending.values() if not f.done()))
         except BaseException as e:  # noqa: BLE001 - handed to every unanswered caller, each handles it
             for _, fut in pending.values():
                 _settle(fut, error=e)
