@@ -391,15 +391,17 @@ class RemoteEngine(InferenceEngine):
         self._version = version
 
     # ------------------------------------------------------------------ health
-    def _probe(self, srv: _Server) -> bool:
-        """True when ``srv`` answers /health (and records its weight version)."""
+    def _probe(self, srv: _Server, record_version: bool = True) -> bool:
+        """True when ``srv`` answers /health (and records its weight version when asked: not for a
+        server in service, whose version only ``update_weights`` sets; a probe racing an update
+        would write back the version from before it)."""
         try:
             with self._sync_client(5.0) as c:
                 r = c.get(srv.url + self.backend.health_path)
                 if r.status_code != 200:
                     return False
                 call = self.backend.get_version()
-                if call is not None:
+                if call is not None and record_version:
                     v = self.backend.parse_version(c.get(srv.url + call.path).json())
                     srv.version = v if v is not None else srv.version
             return True
@@ -409,7 +411,7 @@ class RemoteEngine(InferenceEngine):
     def _health_loop(self) -> None:
         while not self._stop.wait(self.config.health_interval):
             for srv in list(self.servers):
-                ok = self._probe(srv)
+                ok = self._probe(srv, record_version=not srv.alive)
                 if srv.alive and not ok:
                     self._evict(srv, "health check failed")
                 elif not srv.alive and ok:

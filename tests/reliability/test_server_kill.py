@@ -14,17 +14,51 @@ import time
 import pytest
 from audit import TOKEN, audit_prompts, check_steps, metrics_rows, remote_cfg
 
+from relayrl.api.config import InferenceConfig
+from relayrl.api.io import WeightUpdate
+from relayrl.data.models import build_tiny_model
 from relayrl.inference.launcher import launch_servers
+from relayrl.inference.remote import RemoteEngine
 from relayrl.trainer import Trainer
 
 T = 8
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def servers():
     group = launch_servers(2, admin_token=TOKEN)
     yield group
     group.shutdown()
+
+
+def test_a_health_probe_racing_a_weight_update_never_rolls_the_version_back(servers):
+    """Found by the soak: a probe that read the version just before an update and wrote it back
+    just after made the next ``update_weights`` fail ("no server confirmed weight version")."""
+    eng = RemoteEngine(InferenceConfig(backend="remote", admin_token=TOKEN, health_interval=0.3, weight_sync="http"),
+                       addresses=servers.addresses[:1])
+    eng.initialize()
+    read, release = threading.Event(), threading.Event()
+    parse = eng.backend.parse_version
+
+    def late_parse(body):  # the health thread's reading of the version reaches it late
+        if threading.current_thread().name == "relayrl-health":
+            read.set()
+            release.wait(30)
+        return parse(body)
+
+    eng.backend.parse_version = late_parse
+    try:
+        read.wait(1)  # a probe holds the old version now (a fixed engine does not read it at all)
+        eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=build_tiny_model("tiny").state_dict()))
+        release.set()
+        seen = set()
+        for _ in range(20):  # until well before the next probe (0.3 s) could correct a rollback
+            seen.add(eng.servers[0].version)
+            time.sleep(0.01)
+        assert seen == {1} and eng.get_version() == 1, f"the engine believed the server was at versions {seen}"
+    finally:
+        release.set()
+        eng.destroy()
 
 
 def test_server_sigkilled_mid_rollout_run_finishes_and_nothing_is_lost(tmp_path, servers, caplog):
