@@ -1,11 +1,16 @@
 """Helpers shared by the RL benchmarks: the bench model, its SFT warm start, held-out accuracy,
 median/spread summaries and the result file.
 
-The RL benchmarks (``grpo_vs_trl``, ``async_vs_sync``, ``overhead``) all start from the same
+The RL benchmarks (``grpo_vs_trl``, ``async_vs_sync``, ``overhead``) start from an
 SFT-warmed checkpoint of a ~0.6M-parameter Qwen2-style model over the offline character
-tokenizer (a random model scores 0 on the arithmetic task, so rewards would mean nothing).
-``warm_start()`` trains it once with ``relayrl.sft.run_sft`` on imperfect demonstrations (30%
-wrong) and caches it under ``runs/bench/sft-<key>/final``; later runs reuse it.
+tokenizer (a random model scores 0 on the tasks, so rewards would mean nothing).
+``warm_start()`` trains it once per workload with ``relayrl.sft.run_sft`` on imperfect
+demonstrations (30% wrong) and caches it under ``runs/bench/sft-<key>/final``; later runs reuse it.
+
+Two workloads (``WORKLOADS``): ``arithmetic`` (2-digit addition, 3-5 token completions, all
+about the same length: the default of every RL benchmark) and ``count`` ("Count to 34700 from
+34696:" -> "34696 34697 34698 34699 34700": log-normal completion lengths, median 36 tokens,
+longest 180, the long tail of chain-of-thought rollouts; ``grpo_vs_trl --task count``).
 """
 
 from __future__ import annotations
@@ -49,11 +54,31 @@ BENCH_MODEL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers"
 TASK = {"name": "arithmetic", "difficulty": 2, "n_train": 2000, "n_eval": 200, "seed": 1}
 SFT = {"error_rate": 0.3, "max_steps": 1000, "probe_every": 100, "stop_greedy": 0.6, "batch_size": 128, "lr": 3e-3, "warmup_steps": 50}
 MAX_NEW_TOKENS = 8  # answers are <= 3 digits + EOS
+# Per workload: task rows, SFT warm start, generation limit, RL steps of grpo_vs_trl.
+WORKLOADS: dict[str, dict] = {
+    "arithmetic": {"task": TASK, "sft": SFT, "max_new_tokens": MAX_NEW_TOKENS, "steps": 40},
+    # count: completions of 6 tokens per number (5 digits + space / EOS); the longest problem is
+    # 30 numbers = 180 tokens, and 192 leaves room for a miscount that runs 2 numbers past the end.
+    "count": {"task": {**TASK, "name": "count"}, "max_new_tokens": 192, "steps": 12,
+              "sft": {**SFT, "max_steps": 400, "probe_every": 50, "stop_greedy": 0.6}},
+}
 
 
-def task_rows() -> tuple[list[dict], list[dict]]:
-    """(train, held-out) rows of the bench task."""
-    return make_task(TASK["name"], TASK["n_train"], TASK["n_eval"], TASK["difficulty"], TASK["seed"])
+def task_rows(workload: str = "arithmetic") -> tuple[list[dict], list[dict]]:
+    """(train, held-out) rows of the workload's task."""
+    t = WORKLOADS[workload]["task"]
+    return make_task(t["name"], t["n_train"], t["n_eval"], t["difficulty"], t["seed"])
+
+
+def rl_rows(workload: str, seed: int) -> tuple[list[dict], list[dict]]:
+    """``task_rows`` with the training rows in the order of run ``seed``: both sides of a comparison
+    read them in this order, unshuffled, so every step trains on the same prompts on both sides
+    (with long-tailed lengths, different prompts would be different work)."""
+    import random
+
+    train, held_out = task_rows(workload)
+    random.Random(f"rl-order-{seed}").shuffle(train)
+    return train, held_out
 
 
 def build_bench_model(seed: int = 0) -> PreTrainedModel:
@@ -69,7 +94,8 @@ def build_bench_model(seed: int = 0) -> PreTrainedModel:
     return model
 
 
-def held_out_accuracy(model: PreTrainedModel, rows: Sequence[dict], n_samples: int = 4, greedy: bool = False, seed: int = 0) -> float:
+def held_out_accuracy(model: PreTrainedModel, rows: Sequence[dict], n_samples: int = 4, greedy: bool = False, seed: int = 0,
+                      workload: str = "arithmetic") -> float:
     """Mean accuracy of ``n_samples`` temperature-1 samples (or greedy) per held-out prompt,
     scored by the task verifier; decoded by LocalEngine on a copy of ``model``."""
     import copy
@@ -83,20 +109,22 @@ def held_out_accuracy(model: PreTrainedModel, rows: Sequence[dict], n_samples: i
     engine = LocalEngine(InferenceConfig(seed=seed, max_batch_size=256), model=gen, tokenizer=build_tokenizer())
     engine.initialize()
     try:
-        g = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, greedy=greedy)
+        w = WORKLOADS[workload]
+        g = GenerationConfig(max_new_tokens=w["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, greedy=greedy)
         n = 1 if greedy else n_samples
-        out = evaluate(engine, build_tokenizer(), list(rows), g, task_reward_fn(TASK["name"]), n_samples=n)
+        out = evaluate(engine, build_tokenizer(), list(rows), g, task_reward_fn(w["task"]["name"]), n_samples=n)
     finally:
         engine.destroy()
     return float(out.get("eval/accuracy_mean", out["eval/accuracy"]))
 
 
-def warm_start(quick: bool = False, log=print) -> Path:  # noqa: ANN001
-    """The SFT-warmed checkpoint directory (HF model + tokenizer), trained once and cached.
-    ``quick`` (smoke tests) uses the untrained model when no SFT checkpoint is cached yet."""
+def warm_start(quick: bool = False, log=print, workload: str = "arithmetic") -> Path:  # noqa: ANN001
+    """The SFT-warmed checkpoint directory (HF model + tokenizer) of ``workload``, trained once and
+    cached. ``quick`` (smoke tests) uses the untrained model when no SFT checkpoint is cached yet."""
     from relayrl.sft import run_sft
 
-    key = hashlib.sha1(json.dumps([BENCH_MODEL, TASK, SFT], sort_keys=True).encode()).hexdigest()[:10]
+    task, sft = WORKLOADS[workload]["task"], WORKLOADS[workload]["sft"]
+    key = hashlib.sha1(json.dumps([BENCH_MODEL, task, sft], sort_keys=True).encode()).hexdigest()[:10]
     run_dir = CACHE / f"sft-{key}"
     final = run_dir / "final"
     if (final / "config.json").exists():
@@ -109,24 +137,24 @@ def warm_start(quick: bool = False, log=print) -> Path:  # noqa: ANN001
         log("--quick without a cached SFT checkpoint: using the untrained model (rewards ~0)")
         return path
     t0 = time.monotonic()
-    train, held_out = task_rows()
+    train, held_out = task_rows(workload)
     tokenizer = build_tokenizer()
     cfg = SFTConfig(
-        run_dir=str(run_dir), seed=TASK["seed"], torch_threads=1, total_steps=SFT["max_steps"], batch_size=SFT["batch_size"],
-        log_every_n_steps=SFT["probe_every"], save_final=True, model=ModelConfig(path="tiny"),
-        train=TrainEngineConfig(optimizer=OptimizerConfig(lr=SFT["lr"], lr_schedule="constant", warmup_steps=SFT["warmup_steps"])),
-        data=SFTDataConfig(task="arithmetic", difficulty=TASK["difficulty"], error_rate=SFT["error_rate"]),
+        run_dir=str(run_dir), seed=task["seed"], torch_threads=1, total_steps=sft["max_steps"], batch_size=sft["batch_size"],
+        log_every_n_steps=sft["probe_every"], save_final=True, model=ModelConfig(path="tiny"),
+        train=TrainEngineConfig(optimizer=OptimizerConfig(lr=sft["lr"], lr_schedule="constant", warmup_steps=sft["warmup_steps"])),
+        data=SFTDataConfig(task=task["name"], difficulty=task["difficulty"], error_rate=sft["error_rate"]),
         logging=LoggingConfig(tensorboard=False),
     )
     probe = train[:100]
 
     def learned(step: int, model: PreTrainedModel) -> bool:
-        acc = held_out_accuracy(model, probe, greedy=True)
-        log(f"sft step {step}: probe greedy accuracy {acc:.2f} (stop at {SFT['stop_greedy']})")
-        return acc >= SFT["stop_greedy"]
+        acc = held_out_accuracy(model, probe, greedy=True, workload=workload)
+        log(f"sft step {step}: probe greedy accuracy {acc:.2f} (stop at {sft['stop_greedy']})")
+        return acc >= sft["stop_greedy"]
 
-    demos = demonstrations(train, SFT["error_rate"], TASK["seed"])
-    res = run_sft(cfg, tokenizer=tokenizer, model=build_bench_model(TASK["seed"]), train_rows=demos,
+    demos = demonstrations(train, sft["error_rate"], task["seed"])
+    res = run_sft(cfg, tokenizer=tokenizer, model=build_bench_model(task["seed"]), train_rows=demos,
                   eval_rows=held_out[:64], stop_fn=learned)
     log(f"SFT warm start: {res.steps} steps in {time.monotonic() - t0:.0f}s -> {final}")
     return final
@@ -145,15 +173,18 @@ RL = {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": MAX_NEW_TOKENS, 
       "torch_threads": 1}
 
 
-def relayrl_overrides(ckpt: Path, run_dir: Path, seed: int, steps: int) -> list[str]:
+def relayrl_overrides(ckpt: Path, run_dir: Path, seed: int, steps: int, workload: str = "arithmetic") -> list[str]:
     """The RunConfig of a GRPO run with the ``RL`` settings from ``ckpt`` (synchronous, colocated)."""
     p, g = RL["prompts_per_step"], RL["group_size"]
+    w = WORKLOADS[workload]
     return [
         f"run_dir={run_dir}", f"seed={seed}", f"total_steps={steps}", "torch_threads=1", f"model.path={ckpt}",
+        f"data.task={w['task']['name']}", f"data.difficulty={w['task']['difficulty']}",
         f"train.optimizer.lr={RL['lr']}", f"train.optimizer.grad_clip={RL['grad_clip']}", "train.optimizer.lr_schedule=constant",
         "actor.adv_estimator=grpo", "actor.loss=ppo", "actor.recompute_logp=false", f"actor.eps_clip={RL['eps_clip']}",
-        f"gconfig.max_new_tokens={RL['max_new_tokens']}", "gconfig.temperature=1.0", "gconfig.top_p=1.0", "gconfig.top_k=0",
+        f"gconfig.max_new_tokens={w['max_new_tokens']}", "gconfig.temperature=1.0", "gconfig.top_p=1.0", "gconfig.top_k=0",
         f"rollout.batch_size={p}", f"rollout.group_size={g}", "rollout.max_staleness=0", f"inference.max_batch_size={p * g}",
+        "data.shuffle=false",  # rows come in rl_rows' order, as on the TRL side
         "logging.tensorboard=false", "logging.rollouts_per_step=0", "logging.progress=lines", "checkpoint.save_final=false",
     ]
 
@@ -169,8 +200,8 @@ def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward
     CPU time and (optionally) held-out sampled accuracy of the trained policy.
 
     ``inline_reward``: the RLVR workflow calls the reward fn inline on the rollout loop
-    (``reward_timeout=None``) instead of in a new thread per call (what ``relayrl train`` does:
-    ``rollout.reward_timeout`` must be > 0)."""
+    (``reward_timeout=None``) instead of on a reward thread (what ``relayrl train`` does:
+    ``rollout.reward_timeout`` must be > 0). The workload is ``data.task``'s."""
     import shutil
 
     from relayrl.api.config import RunConfig, load_config
@@ -181,10 +212,10 @@ def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward
     torch.set_num_threads(1)
     cfg = load_config(RunConfig, None, overrides)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    train, held_out = task_rows()
+    train, held_out = rl_rows(cfg.data.task, cfg.seed)
     workflow = None
     if inline_reward:
-        workflow = RLVRWorkflow(task_reward_fn(TASK["name"]), cfg.gconfig, load_tokenizer(cfg.model), reward_timeout=None)
+        workflow = RLVRWorkflow(task_reward_fn(cfg.data.task), cfg.gconfig, load_tokenizer(cfg.model), reward_timeout=None)
     t_build = time.perf_counter()
     trainer = Trainer(cfg, train_rows=train, eval_rows=held_out, workflow=workflow)
     c0, t0 = cpu_seconds(), time.perf_counter()
@@ -192,14 +223,16 @@ def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward
         trainer.fit()
         seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         model = trainer.actor_engine.model
-        acc = held_out_accuracy(model, held_out) if evaluate_after else None
+        acc = held_out_accuracy(model, held_out, workload=cfg.data.task) if evaluate_after else None
     finally:
         trainer.close()
     steps = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "perf/samples" in m]
     samples = int(steps[-1]["perf/samples"])
+    timed = steps[1:] or steps  # the first step includes warm-up
+    phases = {k.split("/", 1)[1]: statistics.mean(m.get(k, 0.0) for m in timed) for k in steps[-1] if k.startswith("timing/")}
     return {"seconds": seconds, "cpu_seconds": cpu, "build_seconds": t0 - t_build, "samples": samples, "samples_per_s": samples / seconds,
-            "rewards": [m["rollout/reward"] for m in steps], "accuracy": acc, "steps": steps,
+            "rewards": [m["rollout/reward"] for m in steps], "accuracy": acc, "steps": steps, "phase_s_per_step": phases,
             "threads": torch.get_num_threads()}
 
 
@@ -263,6 +296,8 @@ def write_result(result: dict, quick: bool = False) -> dict:
     return result
 
 
-if __name__ == "__main__":  # `python bench/common.py`: train (or find) the SFT warm start
-    t0 = time.monotonic()
-    print(json.dumps({"name": "sft_warm_start", "checkpoint": str(warm_start()), "seconds": round(time.monotonic() - t0, 1)}))
+if __name__ == "__main__":  # `python bench/common.py [workload ...]`: train (or find) the SFT warm starts
+    for name in sys.argv[1:] or ["arithmetic"]:
+        t0 = time.monotonic()
+        print(json.dumps({"name": "sft_warm_start", "workload": name, "checkpoint": str(warm_start(workload=name)),
+                          "seconds": round(time.monotonic() - t0, 1)}))

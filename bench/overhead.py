@@ -84,7 +84,7 @@ def measure_relayrl(ckpt: str, seed: int, steps: int) -> dict:
     clock = install()
     cfg = load_config(RunConfig, None, common.relayrl_overrides(Path(ckpt), common.CACHE / "overhead" / f"relayrl-{seed}", seed, steps))
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    train, held_out = common.task_rows()
+    train, held_out = common.rl_rows("arithmetic", seed)  # the TRL side's prompts, step for step
     trainer = Trainer(cfg, train_rows=train, eval_rows=held_out)
     clock.seconds.clear()
     t0 = time.perf_counter()

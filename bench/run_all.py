@@ -1,6 +1,6 @@
 """Run every benchmark, one process each, then regenerate the table in docs/benchmarks.md.
 
-    python bench/run_all.py                 # all (~10 minutes on the 2-core dev machine)
+    python bench/run_all.py                 # all (~15 minutes on the 2-core dev machine)
     python bench/run_all.py --only grpo_vs_trl,overhead
     python bench/run_all.py --quick         # smoke: the RL benchmarks with --quick (results elsewhere)
     python bench/run_all.py --docs-only     # just rebuild the table from bench/results/*.json
@@ -24,9 +24,17 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs" / "benchmarks.md"
 START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- table:end -->"
-ORDER = ["generation", "training", "serving", "grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "gpu"]
+ORDER = ["generation", "training", "serving", "grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl", "async_vs_sync",
+         "weight_sync", "overhead", "gpu"]
+OPTIONAL = {"grpo_vs_trl_count_async"}  # only with --only (4 sides x 3 repeats would take run_all past ~15 minutes)
 QUICK_ARGS = {"generation": ["--repeats", "1", "--models", "tiny"], "training": ["--repeats", "1"], "serving": ["--repeats", "1"]}
-NEW = {"grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "gpu"}  # these take --quick
+NEW = {"grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "gpu"}  # take --quick
+SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
+    "grpo_vs_trl_count": ("grpo_vs_trl", ["--task", "count"]),
+    "grpo_vs_trl_count_async": ("grpo_vs_trl", ["--task", "count", "--sides", "relayrl,relayrl_async,trl,trl_2threads", "--tag", "async"]),
+}
+RL_BENCHES = {"grpo_vs_trl_count": "count", "grpo_vs_trl_count_async": "count", "grpo_vs_trl": "arithmetic",
+              "async_vs_sync": "arithmetic", "overhead": "arithmetic"}  # benchmark -> the SFT warm start it needs
 
 
 def run(name: str, args: list[str]) -> tuple[dict | None, float]:
@@ -79,14 +87,8 @@ def describe(r: dict) -> tuple[str, str, str]:
     if n == "serving":
         return ("`relayrl serve` ÷ in-process tokens/s", "≥ 0.85",
                 f"{r['server_tokens_per_s']:.0f} vs {r['local_tokens_per_s']:.0f} tok/s; p50 {r['latency_p50_s']:.2f}s, p99 {r['latency_p99_s']:.2f}s")
-    if n == "grpo_vs_trl":
-        rel, trl = r["relayrl"], r["trl"]
-        inline = f"; reward fn inline: **{_med(r, 'ratio_inline_reward'):.2f}**" if "ratio_inline_reward" in r else ""
-        cpu = f"; CPU per sample TRL ÷ relayrl {_med(r, 'cpu_efficiency_ratio'):.2f}" if "cpu_efficiency_ratio" in r else ""
-        return ("relayrl ÷ TRL `GRPOTrainer` samples/s", "≥ 3, reward no worse",
-                f"{_med(rel, 'samples_per_s'):.0f} vs {_med(trl, 'samples_per_s'):.0f} samples/s{inline}{cpu}; held-out accuracy "
-                f"{r['held_out_accuracy_before']:.2f} → {_med(rel, 'held_out_accuracy'):.2f} (relayrl) / "
-                f"{_med(trl, 'held_out_accuracy'):.2f} (TRL); last-5 train reward {_med(rel, 'final_reward'):.2f} / {_med(trl, 'final_reward'):.2f}")
+    if n.startswith("grpo_vs_trl"):
+        return describe_grpo(r)
     if n == "async_vs_sync":
         s, a = r["sync"], r["async"]
         return ("sync ÷ async wall time (server process, η = 2)", "≥ 1.6",
@@ -109,6 +111,29 @@ def describe(r: dict) -> tuple[str, str, str]:
         return ("LocalEngine ÷ HF `generate` tokens/s, 0.5B bf16", "–",
                 f"{r['device']}: training packed ÷ padded {_f(r.get('training_ratio'))}, train MFU {_f(r.get('train_mfu'), '{:.1%}')}")
     return "ratio", "–", ""
+
+
+def describe_grpo(r: dict) -> tuple[str, str, str]:
+    """grpo_vs_trl (short answers) and grpo_vs_trl_count (long-tailed completion lengths)."""
+    rel, trl = r["relayrl"], r["trl"]
+    sides = []
+    for key, label in [("ratio_inline_reward", "reward fn inline"), ("ratio_relayrl_inline", "reward fn inline"),
+                       ("ratio_relayrl_async", "relayrl η = 1 ÷ TRL"), ("ratio_async_vs_trl_2threads", "relayrl η = 1 ÷ TRL 2 threads"),
+                       ("ratio_trl_2threads", "TRL 2 threads ÷ 1 thread")]:
+        if key in r:
+            sides.append(f"{label}: **{_med(r, key):.2f}**" if key != "ratio_trl_2threads" else f"{label}: {_med(r, key):.2f}")
+    cpu = f"CPU per sample TRL ÷ relayrl {_med(r, 'cpu_efficiency_ratio'):.2f}; " if "cpu_efficiency_ratio" in r else ""
+    lengths = ""
+    if rel.get("completion_len_mean") and trl.get("completion_len_max_per_step"):
+        lengths = f"completion length mean {trl['completion_len_mean']:.0f}, longest per step {trl['completion_len_max_per_step']:.0f} tokens; "
+    what = ("relayrl ÷ TRL `GRPOTrainer` samples/s, long-tailed completions (count)" if r.get("task") == "count"
+            else "relayrl ÷ TRL `GRPOTrainer` samples/s, short answers (arithmetic)")
+    if "relayrl_async" in r:
+        what += ", with relayrl η = 1 and TRL 2 threads (`--only grpo_vs_trl_count_async`)"
+    return (what, "≥ 3, reward no worse",
+            f"{_med(rel, 'samples_per_s'):.0f} vs {_med(trl, 'samples_per_s'):.0f} samples/s; {'; '.join(sides) + '; ' if sides else ''}"
+            f"{cpu}{lengths}held-out accuracy {r['held_out_accuracy_before']:.2f} → {_med(rel, 'held_out_accuracy'):.2f} (relayrl) / "
+            f"{_med(trl, 'held_out_accuracy'):.2f} (TRL); last-5 train reward {_med(rel, 'final_reward'):.2f} / {_med(trl, 'final_reward'):.2f}")
 
 
 def render_table(results_dir: Path) -> str:
@@ -155,7 +180,7 @@ def main() -> None:
     if args.docs_only:
         write_docs(common.results_dir())
         return
-    names = args.only.split(",") if args.only else [n for n in ORDER if not (args.quick and n not in NEW)]
+    names = args.only.split(",") if args.only else [n for n in ORDER if n not in OPTIONAL and not (args.quick and n not in NEW)]
     names = [n for n in names if n not in args.skip.split(",")]
     import torch
 
@@ -165,11 +190,13 @@ def main() -> None:
     t0 = time.monotonic()
     seconds: dict[str, float] = {}
     failed = []
-    if {"grpo_vs_trl", "async_vs_sync", "overhead"} & set(names) and not args.quick:
-        _, seconds["sft_warm_start"] = run("common", [])
+    warm = sorted({RL_BENCHES[n] for n in names if n in RL_BENCHES})
+    if warm and not args.quick:  # the SFT warm starts, once (cached), so their cost shows on its own
+        _, seconds["sft_warm_start"] = run("common", warm)
     for name in names:
         extra = ["--quick"] if args.quick and name in NEW else QUICK_ARGS.get(name, []) if args.quick else []
-        result, seconds[name] = run(name, extra)
+        script, script_args = SCRIPTS.get(name, (name, []))
+        result, seconds[name] = run(script, [*script_args, *extra])
         if result is None:
             failed.append(name)
     total = time.monotonic() - t0

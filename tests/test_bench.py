@@ -62,3 +62,18 @@ def test_weight_sync_quick_prints_a_json_result(tmp_path: Path) -> None:
     assert result["name"] == "weight_sync" and result["quick"] is True
     assert set(result["seconds"]) == {"local", "server_http", "server_disk"}
     assert json.loads((tmp_path / "weight_sync.json").read_text()) == result
+
+
+@pytest.mark.slow
+def test_grpo_vs_trl_count_quick_prints_a_json_result(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    env = dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, str(BENCH / "grpo_vs_trl.py"), "--task", "count", "--quick"], capture_output=True,
+                         text=True, env=env, timeout=600, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["name"] == "grpo_vs_trl_count" and result["task"] == "count" and result["quick"] is True
+    assert result["settings"]["max_new_tokens"] == 192 and result["settings"]["sides"] == ["relayrl", "trl"]
+    for side in ("relayrl", "trl"):
+        assert len(result[side]["reward_curves"][0]) == 3 and 0 <= result[side]["held_out_accuracy"]["median"] <= 1
+    assert set(result["relayrl"]["phase_s_per_step"]) >= {"rollout", "ppo_update"}
+    assert json.loads((tmp_path / "grpo_vs_trl_count.json").read_text()) == result
