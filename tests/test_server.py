@@ -74,6 +74,19 @@ def test_generate_matches_in_process_engine(server, tiny_model):
         assert meta["weight_version"] == 0 and meta["output_token_versions"] == [0] * 8
     sampled = gen(server, PROMPT, temperature=0.8, top_k=5, top_p=0.9).json()
     assert len(sampled["output_ids"]) == 8 and all(t[0] <= 0 for t in sampled["meta_info"]["output_token_logprobs"])
+    # a vanishing temperature decodes greedily (as SGLang and vLLM do) instead of overflowing the logits
+    tiny = gen(server, PROMPT, temperature=1e-300).json()
+    assert tiny["output_ids"] == refs[0].output_tokens and tiny["meta_info"]["output_token_logprobs"] == out_lps(gen(server, PROMPT))
+
+
+def out_lps(r):
+    return r.json()["meta_info"]["output_token_logprobs"]
+
+
+def test_replies_never_hold_invalid_json():
+    from relayrl.inference.server import _dumps
+
+    assert _dumps({"a": [float("-inf"), 1.5, {"b": float("nan")}], "c": "é"}) == '{"a":[null,1.5,{"b":null}],"c":"é"}'.encode()
 
 
 @pytest.mark.parametrize(

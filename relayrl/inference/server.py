@@ -23,6 +23,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import math
 import os
 import socket
 import sys
@@ -52,6 +53,7 @@ from relayrl.inference.schemas import (
 )
 
 LISTEN_PREFIX = "relayrl server listening on "
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
 _Job = tuple[str, list[int], GenerationConfig, bool, bool]  # rid, prompt ids, gconfig, return_logprob, skip_special_tokens
 
@@ -143,7 +145,7 @@ class Server:
 
     def gconfig(self, sp: SamplingParams, prompt_len: int, field: str = "sampling_params",
                 prompt: str = "input_ids") -> GenerationConfig:
-        greedy = sp.temperature == 0.0
+        greedy = sp.temperature < GREEDY_BELOW  # as SGLang and vLLM do: a tinier one only overflows the logits
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
         g = GenerationConfig(
             max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.min_new_tokens, greedy=greedy,
@@ -409,7 +411,22 @@ def _per_item(value: object, n: int, field: str) -> list:  # type: ignore[type-a
 
 
 def _dumps(content: object) -> bytes:
-    return json.dumps(content, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    """Compact JSON; a non-finite float (a degenerate sampling setting can yield a -inf logprob)
+    is written as null, as FastAPI's own encoder does, never as invalid JSON."""
+    try:
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        return json.dumps(_finite(content), ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _finite(x: object) -> object:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _json(content: object) -> Response:
