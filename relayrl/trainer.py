@@ -172,8 +172,9 @@ class Trainer:
         return dist_utils.broadcast_object(None if latest is None else int(latest.name.removeprefix("step_")))  # type: ignore[return-value]
 
     def compute_logp(self, batch: TensorDict) -> None:
-        """Recompute logprobs the losses need: proximal/old policy, reference, values."""
-        if self.cfg.actor.recompute_logp:
+        """Recompute logprobs the losses need: proximal/old policy (unless the update's own
+        forward provides them, ``actor.logp_from_update``), reference, values."""
+        if self.cfg.actor.recompute_logp and not self.actor.logp_from_update:
             batch["prox_logp"] = self.actor.compute_logp(batch)
         if self.actor.ref_engine is not None:
             batch["ref_logp"] = self.actor.compute_ref_logp(batch)

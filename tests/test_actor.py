@@ -145,7 +145,7 @@ def test_decoupled_ppo_with_stale_behaviour_policy(tiny_model, tokenizer):
     batch["logprobs"] = (batch["logprobs"] - 0.8 * torch.rand(batch["logprobs"].shape, generator=g)) * batch["loss_mask"]
     eng.set_version(3)
     batch["versions"] = torch.where(batch["loss_mask"], torch.randint(1, 4, batch["versions"].shape, generator=g), -1)
-    cfg = ActorConfig(loss="decoupled_ppo", behav_imp_weight_cap=1.5)
+    cfg = ActorConfig(loss="decoupled_ppo", behav_imp_weight_cap=1.5, reuse_update_logp=False)  # keep prox_logp to check
     actor = PPOActor(cfg, eng)
     actor.prepare(batch)
     lag = 3 - batch["versions"][batch["loss_mask"]]
@@ -165,7 +165,7 @@ def test_kl_to_reference_and_kl_in_reward(tiny_model, tokenizer):
     eng = make_engine(tiny_model)
     ref = make_engine(tiny_model, trainable=False)
     batch = make_batch(eng, tokenizer, seed=3)
-    actor = PPOActor(ActorConfig(kl_coef=0.1, n_minibatches=1), eng, ref_engine=ref)
+    actor = PPOActor(ActorConfig(kl_coef=0.1, n_minibatches=1, reuse_update_logp=False), eng, ref_engine=ref)
     actor.prepare(batch)
     assert torch.allclose(batch["ref_logp"], batch["old_logp"], atol=1e-5)
     s1 = actor.ppo_update(batch)[0]
@@ -255,3 +255,26 @@ def test_recipes_load_and_build_an_actor(path, tiny_model):
 def test_all_recipes_present():
     names = {p.stem for p in RECIPES.glob("*.yaml")}
     assert names >= {"grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo_critic", "remax", "decoupled_ppo"}
+
+
+@pytest.mark.parametrize("loss", ["ppo", "decoupled_ppo"])
+def test_one_step_update_reuses_its_own_forward_for_old_logprobs(tiny_model, tokenizer, loss):
+    """With one epoch of one minibatch the logprobs before the update are those of the update's
+    own forward: skipping the recompute pass gives the same update (and no recompute happens)."""
+    batch = make_batch(make_engine(tiny_model), tokenizer, seed=5)
+    results = []
+    for reuse in (True, False):
+        eng, b = make_engine(tiny_model), {k: v.clone() for k, v in batch.items()}
+        actor = PPOActor(ActorConfig(loss=loss, reuse_update_logp=reuse), eng)
+        assert actor.logp_from_update is reuse
+        actor.prepare(b)
+        stats = actor.ppo_update(b)[0]
+        assert ("prox_logp" in b or "old_logp" in b) is not reuse  # reuse: no recompute pass ran
+        results.append((stats, {k: v.clone() for k, v in eng.model.state_dict().items()}))
+    (s_reuse, w_reuse), (s_recompute, w_recompute) = results
+    assert s_reuse["loss"] == pytest.approx(s_recompute["loss"], abs=1e-6)
+    assert s_reuse["approx_kl"] == pytest.approx(0.0, abs=1e-7)  # the ratio is exactly 1 at the only step
+    for k in w_reuse:
+        assert (w_reuse[k] - w_recompute[k]).abs().max() <= 1e-6, k
+    assert not PPOActor(ActorConfig(ppo_epochs=2), make_engine(tiny_model)).logp_from_update
+    assert not PPOActor(ActorConfig(kl_coef=0.1, kl_in_reward=True), make_engine(tiny_model)).logp_from_update

@@ -167,6 +167,11 @@ class ActorConfig:
     ppo_epochs: int = f(1, help="Passes over each batch.", ge=1)
     n_minibatches: int = f(1, help="Optimizer steps per pass.", ge=1)
     recompute_logp: bool = f(True, help="Recompute old logprobs with the trainer (needed for decoupled PPO).")
+    reuse_update_logp: bool = f(
+        True, help="With ppo_epochs=1 and n_minibatches=1 the policy before the update is the one the update's own "
+        "forward runs: its detached logprobs serve as the old / proximal ones, saving a forward pass per step "
+        "(identical unless the model has dropout).",
+    )
     reward_scale: float = f(1.0, help="Rewards are multiplied by this ...", gt=0.0)
     reward_bias: float = f(0.0, help="... then shifted by this ...")
     reward_clip: float = f(0.0, help="... then clipped to [-c, c] (0 disables).", ge=0.0)
@@ -232,7 +237,7 @@ class LoggingConfig:
     wandb_mode: str = f("offline", help="W&B mode.", choices=["online", "offline", "disabled"])
     wandb_project: str = f("relayrl", help="W&B project.")
     rollouts_per_step: int = f(4, help="Rollouts (prompt, completion, reward, version) saved per step.", ge=0)
-    progress: str = f("auto", help="Progress display: auto (a live bar on a terminal, lines otherwise), bar, lines.", choices=["auto", "bar", "lines"])
+    progress: str = f("auto", help="Progress display: auto (a live bar on a terminal, lines otherwise), bar, lines, off.", choices=["auto", "bar", "lines", "off"])
 
 
 @dataclass

@@ -178,10 +178,14 @@ class PPOActor:
             logp = token_logprobs(logits, packed, cfg.temperature)
             mask = packed["loss_mask"].bool()
             cu = packed["cu_seqlens"]
-            old = packed["logprobs"] if cfg.loss == "decoupled_ppo" else packed["old_logp"]
+            before = logp.detach()  # the policy before this update, when logp_from_update
+            if cfg.loss == "decoupled_ppo":
+                old, prox = packed["logprobs"], packed.get("prox_logp", before)
+            else:
+                old, prox = packed.get("old_logp", before), None
             loss, stats = policy_loss(
                 logp=logp, old_logp=old, advantages=packed["advantages"], loss_mask=mask, cu_seqlens=cu,
-                prox_logp=packed.get("prox_logp"), eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher,
+                prox_logp=prox, eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher,
                 c_clip=cfg.c_clip, behav_imp_weight_cap=cfg.behav_imp_weight_cap, **agg,
             )
             stats["policy_loss"] = loss.detach()
@@ -210,10 +214,20 @@ class PPOActor:
         out = {f"staleness/{k}": float(n) for k, n in sorted(Counter(lag).items())}
         return {**out, "staleness_mean": sum(lag) / len(lag), "staleness_max": float(max(lag))}
 
+    @property
+    def logp_from_update(self) -> bool:
+        """One optimizer step per batch (and ``reuse_update_logp``): the update's own forward
+        gives the old / proximal logprobs, so no separate recompute pass is needed."""
+        c = self.config
+        kl_reward = c.kl_in_reward and c.kl_coef > 0  # needs the policy's logprobs before the advantages
+        return c.reuse_update_logp and c.recompute_logp and c.ppo_epochs == 1 and c.n_minibatches == 1 and not kl_reward
+
     def _fill_old_logp(self, batch: TensorDict) -> None:
         """The ratio's denominator: ``prox_logp`` for decoupled PPO, else ``old_logp`` (the
         trainer's recomputation, ``prox_logp`` if the trainer stored it under that name, or the
-        generator's ``logprobs`` when ``recompute_logp`` is off)."""
+        generator's ``logprobs`` when ``recompute_logp`` is off); nothing when ``logp_from_update``."""
+        if self.logp_from_update:
+            return
         if self.config.loss == "decoupled_ppo":
             if "prox_logp" not in batch:
                 batch["prox_logp"] = self.compute_logp(batch)
