@@ -39,7 +39,9 @@ between repeats, seed = repeat; both sides read the training rows in the same or
   ``beta=0`` (no reference model), HF ``generate`` with KV cache (transformers' continuous
   batching measured slower here; ``--trl-cb`` to try it), ``loss_type="dapo"`` (token mean
   over the batch, as relayrl's ``token-mean``), no logging sinks, no checkpoints; one torch thread.
-- ``trl_2threads``: the same with ``torch.set_num_threads(2)``.
+- ``trl_2threads``: the same with ``torch.set_num_threads(2)`` and ``OMP_WAIT_POLICY=PASSIVE``
+  (OpenMP's default spin-waiting at every op's barrier made it 10-17x slower than one thread
+  on the shared 2-core machine: 134 s vs 7.6 s for 3 steps; passive: 8.2 s).
 
 samples/s = trained samples / wall seconds of the training loop (``Trainer.fit`` /
 ``GRPOTrainer.train``; model loading excluded on both sides). Also the CPU seconds per sample
@@ -111,9 +113,15 @@ def run_trl(ckpt: str, run_dir: str, seed: int, steps: int, continuous_batching:
 
 def run_side(name: str, ckpt: Path, out: Path, seed: int, args: argparse.Namespace) -> dict:
     """One run of side ``name`` in a fresh process."""
-    if name.startswith("trl"):
-        threads = 2 if name == "trl_2threads" else 1
-        return common.in_child(run_trl, str(ckpt), str(out / f"{name}-{seed}"), seed, args.steps, args.trl_cb, True, args.task, threads)
+    if name == "trl_2threads":  # OpenMP threads that spin at barriers: 10-17x slower on the shared 2-core machine
+        before = os.environ.get("OMP_WAIT_POLICY")
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read by the child's OpenMP runtime at start
+        try:
+            return common.in_child(run_trl, str(ckpt), str(out / f"{name}-{seed}"), seed, args.steps, args.trl_cb, True, args.task, 2)
+        finally:
+            os.environ.pop("OMP_WAIT_POLICY") if before is None else os.environ.update(OMP_WAIT_POLICY=before)
+    if name == "trl":
+        return common.in_child(run_trl, str(ckpt), str(out / f"{name}-{seed}"), seed, args.steps, args.trl_cb, True, args.task, 1)
     overrides = common.relayrl_overrides(ckpt, out / f"{name}-{seed}", seed, args.steps, args.task)
     if name == "relayrl_async":
         overrides.append("rollout.max_staleness=1")
