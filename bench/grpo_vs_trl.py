@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=0, help="RL steps (0 = the workload's)")
     ap.add_argument("--sides", default=DEFAULT_SIDES, help=f"comma-separated, of {SIDES}")
+    ap.add_argument("--first-seed", type=int, default=0, help="repeat r runs with seed first_seed + r")
     ap.add_argument("--tag", default="", help="suffix of the result name (e.g. 'async' for a run with extra sides)")
     ap.add_argument("--trl-cb", action="store_true", help="TRL: transformers continuous batching instead of generate")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
@@ -161,7 +162,7 @@ def main() -> None:
     for r in range(args.repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order: no side always runs first
             load, t0 = os.getloadavg()[0], time.perf_counter()
-            res = run_side(name, ckpt, out, r, args)
+            res = run_side(name, ckpt, out, args.first_seed + r, args)
             res["load1"], res["process_seconds"] = round(load, 2), round(time.perf_counter() - t0, 1)
             runs[name].append(res)
         line = " | ".join(f"{k} {v[-1]['samples_per_s']:.0f} samples/s ({v[-1]['seconds']:.1f}s, cpu {v[-1]['cpu_seconds']:.1f}s, "
@@ -214,6 +215,7 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, acc_before:
         "reward_no_worse": {k: acc[k] >= acc["trl"] - 0.03 for k in runs if k.startswith("relayrl")},
         "held_out_accuracy_before": round(acc_before, 4), **result,
         "settings": {**common.RL, "max_new_tokens": w["max_new_tokens"], "steps": args.steps, "repeats": args.repeats,
+                     "seeds": [args.first_seed + r for r in range(args.repeats)],
                      "sides": list(runs), "model": common.BENCH_MODEL, "task": w["task"], "sft": w["sft"],
                      "relayrl": "Trainer, eta=0 (relayrl_async: eta=1), LocalEngine, actor.loss=ppo, actor.recompute_logp=false",
                      "trl": f"trl GRPOTrainer, fp32, no grad checkpointing, per_device_train_batch_size=prompts*group, "

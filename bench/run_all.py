@@ -24,16 +24,17 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs" / "benchmarks.md"
 START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- table:end -->"
-ORDER = ["generation", "training", "serving", "grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl", "async_vs_sync",
-         "weight_sync", "overhead", "gpu"]
-OPTIONAL = {"grpo_vs_trl_count_async"}  # only with --only (4 sides x 3 repeats would take run_all past ~15 minutes)
+ORDER = ["generation", "training", "serving", "grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6",
+         "grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "gpu"]
+OPTIONAL = {"grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6"}  # only with --only: run_all would take past ~15 minutes
 QUICK_ARGS = {"generation": ["--repeats", "1", "--models", "tiny"], "training": ["--repeats", "1"], "serving": ["--repeats", "1"]}
 NEW = {"grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "gpu"}  # take --quick
 SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
     "grpo_vs_trl_count": ("grpo_vs_trl", ["--task", "count"]),
     "grpo_vs_trl_count_async": ("grpo_vs_trl", ["--task", "count", "--sides", "relayrl,relayrl_async,trl,trl_2threads", "--tag", "async"]),
+    "grpo_vs_trl_count_seeds3to6": ("grpo_vs_trl", ["--task", "count", "--repeats", "4", "--first-seed", "3", "--tag", "seeds3to6"]),
 }
-RL_BENCHES = {"grpo_vs_trl_count": "count", "grpo_vs_trl_count_async": "count", "grpo_vs_trl": "arithmetic",
+RL_BENCHES = {"grpo_vs_trl_count": "count", "grpo_vs_trl_count_async": "count", "grpo_vs_trl_count_seeds3to6": "count", "grpo_vs_trl": "arithmetic",
               "async_vs_sync": "arithmetic", "overhead": "arithmetic"}  # benchmark -> the SFT warm start it needs
 
 
@@ -130,6 +131,8 @@ def describe_grpo(r: dict) -> tuple[str, str, str]:
             else "relayrl ÷ TRL `GRPOTrainer` samples/s, short answers (arithmetic)")
     if "relayrl_async" in r:
         what += ", with relayrl η = 1 and TRL 2 threads (`--only grpo_vs_trl_count_async`)"
+    elif r["settings"].get("seeds", [0])[0]:
+        what += f", seeds {r['settings']['seeds'][0]}-{r['settings']['seeds'][-1]} (`--only {r['name']}`)"
     return (what, "≥ 3, reward no worse",
             f"{_med(rel, 'samples_per_s'):.0f} vs {_med(trl, 'samples_per_s'):.0f} samples/s; {'; '.join(sides) + '; ' if sides else ''}"
             f"{cpu}{lengths}held-out accuracy {r['held_out_accuracy_before']:.2f} → {_med(rel, 'held_out_accuracy'):.2f} (relayrl) / "
