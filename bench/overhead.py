@@ -15,7 +15,7 @@ log-softmax and loss math, advantages, weight hand-over, logging. overhead share
 1 - compute seconds / loop wall seconds, median over repeats; TRL's share is measured the
 same way for reference, and relayrl's ``timing/*`` phases say where the rest goes.
 
-    python bench/overhead.py [--repeats 3] [--steps 20] [--quick]
+    python bench/overhead.py [--repeats 3] [--steps 20] [--task arithmetic|count] [--quick]
 """
 
 from __future__ import annotations
@@ -76,15 +76,16 @@ def install() -> ComputeClock:
     return clock
 
 
-def measure_relayrl(ckpt: str, seed: int, steps: int) -> dict:
+def measure_relayrl(ckpt: str, seed: int, steps: int, task: str = "arithmetic") -> dict:
     from relayrl.api.config import RunConfig, load_config
     from relayrl.trainer import Trainer
 
     torch.set_num_threads(1)
     clock = install()
-    cfg = load_config(RunConfig, None, common.relayrl_overrides(Path(ckpt), common.CACHE / "overhead" / f"relayrl-{seed}", seed, steps))
+    run_dir = common.CACHE / f"overhead-{task}" / f"relayrl-{seed}"
+    cfg = load_config(RunConfig, None, common.relayrl_overrides(Path(ckpt), run_dir, seed, steps, task))
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    train, held_out = common.rl_rows("arithmetic", seed)  # the TRL side's prompts, step for step
+    train, held_out = common.rl_rows(task, seed)  # the TRL side's prompts, step for step
     trainer = Trainer(cfg, train_rows=train, eval_rows=held_out)
     clock.seconds.clear()
     t0 = time.perf_counter()
@@ -100,11 +101,11 @@ def measure_relayrl(ckpt: str, seed: int, steps: int) -> dict:
     return {"wall": wall, "compute": dict(clock.seconds), "phases": phases}
 
 
-def measure_trl(ckpt: str, seed: int, steps: int) -> dict:
+def measure_trl(ckpt: str, seed: int, steps: int, task: str = "arithmetic") -> dict:
     import grpo_vs_trl
 
     clock = install()
-    res = grpo_vs_trl.run_trl(ckpt, str(common.CACHE / "overhead" / f"trl-{seed}"), seed, steps, evaluate_after=False)
+    res = grpo_vs_trl.run_trl(ckpt, str(common.CACHE / f"overhead-{task}" / f"trl-{seed}"), seed, steps, evaluate_after=False, workload=task)
     return {"wall": res["seconds"], "compute": dict(clock.seconds)}
 
 
@@ -112,16 +113,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--task", default="arithmetic", choices=sorted(common.WORKLOADS), help="the grpo_vs_trl workload (result: overhead_<task> unless arithmetic)")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.steps = 1, 3
     torch.set_num_threads(1)
-    ckpt = str(common.warm_start(args.quick))
+    ckpt = str(common.warm_start(args.quick, workload=args.task))
     runs: dict[str, list[dict]] = {"relayrl": [], "trl": []}
     for r in range(args.repeats):
         for name, fn in (("relayrl", measure_relayrl), ("trl", measure_trl)):
-            res = common.in_child(fn, ckpt, r, args.steps)
+            res = common.in_child(fn, ckpt, r, args.steps, args.task)
             res["share"] = 1.0 - sum(res["compute"].values()) / res["wall"]
             runs[name].append(res)
         print(f"repeat {r}: overhead share relayrl {runs['relayrl'][-1]['share']:.1%}, TRL {runs['trl'][-1]['share']:.1%}", flush=True)
@@ -138,12 +140,12 @@ def main() -> None:
     trl = common.spread([x["share"] for x in runs["trl"]])
     phases = runs["relayrl"][len(runs["relayrl"]) // 2]["phases"]
     common.write_result({
-        "name": "overhead", "figure": rel["median"], "figure_is": "relayrl: share of a step outside model compute",
+        "name": "overhead" if args.task == "arithmetic" else f"overhead_{args.task}", "task": args.task, "figure": rel["median"], "figure_is": "relayrl: share of a step outside model compute",
         "ratio_min": rel["min"], "ratio_max": rel["max"],  # spread of the figure (the table reads these keys)
         "relayrl_share": rel, "trl_share": trl,
         "relayrl_s_per_step": per_step("relayrl"), "trl_s_per_step": per_step("trl"),
         "relayrl_phases_s_per_step": {k: round(v, 4) for k, v in phases.items()},
-        "settings": {**common.RL, "steps": args.steps, "repeats": args.repeats,
+        "settings": {**common.RL, "max_new_tokens": common.WORKLOADS[args.task]["max_new_tokens"], "steps": args.steps, "repeats": args.repeats,
                      "compute": "LocalEngine._step / GenerationMixin.generate, Qwen2ForCausalLM.forward, Tensor.backward, AdamW.step"},
     }, quick=args.quick)
 

@@ -25,17 +25,18 @@ BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs" / "benchmarks.md"
 START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- table:end -->"
 ORDER = ["generation", "training", "serving", "grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6",
-         "grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "gpu"]
-OPTIONAL = {"grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6"}  # only with --only: run_all would take past ~15 minutes
+         "grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "overhead_count", "gpu"]
+OPTIONAL = {"grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6", "overhead_count"}  # only with --only: run_all would take past ~15 minutes
 QUICK_ARGS = {"generation": ["--repeats", "1", "--models", "tiny"], "training": ["--repeats", "1"], "serving": ["--repeats", "1"]}
-NEW = {"grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "gpu"}  # take --quick
+NEW = {"grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl", "async_vs_sync", "weight_sync", "overhead", "overhead_count", "gpu"}
 SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
     "grpo_vs_trl_count": ("grpo_vs_trl", ["--task", "count"]),
     "grpo_vs_trl_count_async": ("grpo_vs_trl", ["--task", "count", "--sides", "relayrl,relayrl_async,trl,trl_2threads", "--tag", "async"]),
     "grpo_vs_trl_count_seeds3to6": ("grpo_vs_trl", ["--task", "count", "--repeats", "4", "--first-seed", "3", "--tag", "seeds3to6"]),
+    "overhead_count": ("overhead", ["--task", "count", "--steps", "8"]),
 }
 RL_BENCHES = {"grpo_vs_trl_count": "count", "grpo_vs_trl_count_async": "count", "grpo_vs_trl_count_seeds3to6": "count", "grpo_vs_trl": "arithmetic",
-              "async_vs_sync": "arithmetic", "overhead": "arithmetic"}  # benchmark -> the SFT warm start it needs
+              "async_vs_sync": "arithmetic", "overhead": "arithmetic", "overhead_count": "count"}  # benchmark -> the SFT warm start it needs
 
 
 def run(name: str, args: list[str]) -> tuple[dict | None, float]:
@@ -101,13 +102,14 @@ def describe(r: dict) -> tuple[str, str, str]:
         return ("server (HTTP) ÷ LocalEngine seconds, ~30M model", "–",
                 f"LocalEngine {sec['local']['median']:.3f}s, server HTTP {sec['server_http']['median']:.3f}s, "
                 f"server disk {sec['server_disk']['median']:.3f}s ({r['settings']['bytes'] / 1e6:.0f} MB)")
-    if n == "overhead":
-        s = r["relayrl_s_per_step"]
-        return ("share of a relayrl step outside model compute", "–",
+    if n.startswith("overhead"):
+        def step(side: str) -> str:
+            s = r[f"{side}_s_per_step"]
+            return (f"{s['step'] * 1e3:.0f} ms = generation {s.get('generation', 0) * 1e3:.0f} + fwd/bwd/opt "
+                    f"{(s.get('forward', 0) + s.get('backward', 0) + s.get('optimizer', 0)) * 1e3:.0f} + overhead {s['overhead'] * 1e3:.0f}")
+        return (f"share of a relayrl step outside model compute ({r.get('task', 'arithmetic')})", "–",
                 f"share of a step outside model compute: relayrl {r['relayrl_share']['median']:.0%}, TRL "
-                f"{r['trl_share']['median']:.0%}; relayrl step {s['step'] * 1e3:.0f} ms = generation "
-                f"{s.get('generation', 0) * 1e3:.0f} + fwd/bwd/opt "
-                f"{(s.get('forward', 0) + s.get('backward', 0) + s.get('optimizer', 0)) * 1e3:.0f} + overhead {s['overhead'] * 1e3:.0f}")
+                f"{r['trl_share']['median']:.0%}; relayrl step {step('relayrl')}; TRL step {step('trl')}")
     if n == "gpu":
         return ("LocalEngine ÷ HF `generate` tokens/s, 0.5B bf16", "–",
                 f"{r['device']}: training packed ÷ padded {_f(r.get('training_ratio'))}, train MFU {_f(r.get('train_mfu'), '{:.1%}')}")
