@@ -17,7 +17,7 @@ repeats alternate the modes. Also reported: the reward reached (last-5-step trai
 and held-out sampled accuracy of the final policy), the staleness actually seen, and the
 phase timings (``timing/*`` from metrics.jsonl) that explain the ratio. Goal: ratio >= 1.6.
 
-    python bench/async_vs_sync.py [--repeats 3] [--steps 30] [--quick]
+    python bench/async_vs_sync.py [--repeats 3] [--steps 30] [--task arithmetic|count] [--quick]
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import torch
 ETA = 2
 
 
-def run_mode(ckpt: str, mode: str, seed: int, steps: int) -> dict:
+def run_mode(ckpt: str, mode: str, seed: int, steps: int, task: str = "arithmetic") -> dict:
     """One run; the trainer launches its own ``relayrl serve`` process of the checkpoint."""
-    overrides = common.relayrl_overrides(ckpt, common.CACHE / "async_vs_sync" / f"{mode}-{seed}", seed, steps)
+    overrides = common.relayrl_overrides(ckpt, common.CACHE / f"async_vs_sync-{task}" / f"{mode}-{seed}", seed, steps, task)
     overrides += ["inference.backend=remote", "inference.n_servers=1", "inference.server_threads=1"]
     if mode == "async":
         overrides += [f"rollout.max_staleness={ETA}", "actor.loss=decoupled_ppo", "actor.recompute_logp=true"]
@@ -52,17 +52,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30, help="fewer than grpo_vs_trl's 40: server runs are ~6x slower per step")
+    ap.add_argument("--task", default="arithmetic", choices=sorted(common.WORKLOADS), help="the grpo_vs_trl workload (result: async_vs_sync_<task> unless arithmetic)")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.steps = 1, 3
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)
-    ckpt = str(common.warm_start(args.quick))
+    ckpt = str(common.warm_start(args.quick, workload=args.task))
     runs: dict[str, list[dict]] = {"sync": [], "async": []}
     for r in range(args.repeats):
         for mode in ("sync", "async"):
-            res = common.in_child(run_mode, ckpt, mode, r, args.steps)
+            res = common.in_child(run_mode, ckpt, mode, r, args.steps, args.task)
             res["phases"] = phases(res.pop("steps"))
             runs[mode].append(res)
         s, a = runs["sync"][-1], runs["async"][-1]
@@ -84,12 +85,12 @@ def main() -> None:
     ceilings = [x["phases"]["perf/step_seconds"] / max(x["phases"]["rollout"], x["phases"]["perf/step_seconds"] - x["phases"]["rollout"])
                 for x in runs["sync"]]
     common.write_result({
-        "name": "async_vs_sync", "ratio": s["median"], "ratio_min": s["min"], "ratio_max": s["max"], "ratios": s["values"],
+        "name": "async_vs_sync" if args.task == "arithmetic" else f"async_vs_sync_{args.task}", "task": args.task, "ratio": s["median"], "ratio_min": s["min"], "ratio_max": s["max"], "ratios": s["values"],
         "goal": "sync wall time / async wall time >= 1.6 to the same number of trained samples",
         "overlap_ceiling": common.spread(ceilings),
         "overlap_ceiling_is": "sync step / max(sync rollout phase, rest of the sync step): the best any overlap can do",
         "sync": side("sync"), "async": side("async"),
-        "settings": {**common.RL, "steps": args.steps, "repeats": args.repeats, "eta": ETA, "servers": 1,
+        "settings": {**common.RL, "max_new_tokens": common.WORKLOADS[args.task]["max_new_tokens"], "steps": args.steps, "repeats": args.repeats, "eta": ETA, "servers": 1,
                      "server_threads": 1, "trainer_threads": 1, "weight_sync": "http upload (safetensors)",
                      "sync": "max_staleness=0, loss=ppo, recompute_logp=false",
                      "async": f"max_staleness={ETA}, loss=decoupled_ppo, recompute_logp=true"},

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` from the repo root
 
@@ -42,15 +42,16 @@ from relayrl.api.config import (  # noqa: E402
 from relayrl.api.io import GenerationConfig  # noqa: E402
 from relayrl.data.models import build_tokenizer  # noqa: E402
 from relayrl.data.tasks import demonstrations, make_task  # noqa: E402
+from relayrl.demo import DEMO_MODEL, build_demo_model, generation_copy  # noqa: E402
 from relayrl.rewards.tasks import task_reward_fn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 CACHE = ROOT / "runs" / "bench"
 
-# ~0.6M parameters (hidden 128, 3 layers): learns 2-digit addition from demonstrations in a
-# few hundred SFT steps on one core.
-BENCH_MODEL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+# The demo's ~0.6M-parameter model (hidden 128, 3 layers): learns 2-digit addition from
+# demonstrations in a few hundred SFT steps on one core.
+BENCH_MODEL = DEMO_MODEL
 TASK = {"name": "arithmetic", "difficulty": 2, "n_train": 2000, "n_eval": 200, "seed": 1}
 SFT = {"error_rate": 0.3, "max_steps": 1000, "probe_every": 100, "stop_greedy": 0.6, "batch_size": 128, "lr": 3e-3, "warmup_steps": 50}
 MAX_NEW_TOKENS = 8  # answers are <= 3 digits + EOS
@@ -81,32 +82,14 @@ def rl_rows(workload: str, seed: int) -> tuple[list[dict], list[dict]]:
     return train, held_out
 
 
-def build_bench_model(seed: int = 0) -> PreTrainedModel:
-    tok = build_tokenizer()
-    cfg = AutoConfig.for_model(
-        "qwen2", vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **BENCH_MODEL,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model
-
-
 def held_out_accuracy(model: PreTrainedModel, rows: Sequence[dict], n_samples: int = 4, greedy: bool = False, seed: int = 0,
                       workload: str = "arithmetic") -> float:
     """Mean accuracy of ``n_samples`` temperature-1 samples (or greedy) per held-out prompt,
     scored by the task verifier; decoded by LocalEngine on a copy of ``model``."""
-    import copy
-
     from relayrl.evaluation import evaluate
     from relayrl.inference.local import LocalEngine
 
-    gen = copy.deepcopy(model).eval()
-    gen.config.use_cache = True
-    gen.set_attn_implementation("sdpa")
-    engine = LocalEngine(InferenceConfig(seed=seed, max_batch_size=256), model=gen, tokenizer=build_tokenizer())
+    engine = LocalEngine(InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=build_tokenizer())
     engine.initialize()
     try:
         w = WORKLOADS[workload]
@@ -132,7 +115,7 @@ def warm_start(quick: bool = False, log=print, workload: str = "arithmetic") -> 
     if quick:
         path = CACHE / "untrained"
         if not (path / "config.json").exists():
-            build_bench_model(TASK["seed"]).save_pretrained(path)
+            build_demo_model(TASK["seed"]).save_pretrained(path)
             build_tokenizer().save_pretrained(path)
         log("--quick without a cached SFT checkpoint: using the untrained model (rewards ~0)")
         return path
@@ -154,7 +137,7 @@ def warm_start(quick: bool = False, log=print, workload: str = "arithmetic") -> 
         return acc >= sft["stop_greedy"]
 
     demos = demonstrations(train, sft["error_rate"], task["seed"])
-    res = run_sft(cfg, tokenizer=tokenizer, model=build_bench_model(task["seed"]), train_rows=demos,
+    res = run_sft(cfg, tokenizer=tokenizer, model=build_demo_model(task["seed"]), train_rows=demos,
                   eval_rows=held_out[:64], stop_fn=learned)
     log(f"SFT warm start: {res.steps} steps in {time.monotonic() - t0:.0f}s -> {final}")
     return final
