@@ -89,7 +89,7 @@ class ModelRequest:
 
 @dataclass
 class ModelResponse:
-    """The result of one request (one sample; ``n_samples`` > 1 yields a list of these).
+    """The result of one request: one sample (``agenerate`` takes ``n_samples=1`` only).
 
     ``output_logprobs[i]`` is log pi(token_i) under the distribution actually sampled from;
     ``output_versions[i]`` is the weight version that produced token i. A response that was
