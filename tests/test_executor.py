@@ -263,3 +263,31 @@ def test_state_dict_round_trip_neither_loses_nor_repeats(engine, tiny_model, tok
     assert sorted(consumed) == list(range(len(data)))  # every prompt exactly once
     ex2.status.reconcile()
     assert ex2.stats()["completed"] == 2 * len(data)
+
+
+@pytest.mark.parametrize("policy", ["discard", "requeue"])
+def test_expired_prompts_follow_the_tail_policy(engine, tiny_model, tokenizer, rows, policy):
+    """Groups produced ahead go stale when the version jumps past eta: ``discard`` drops their
+    prompts (counted), ``requeue`` runs them again; no prompt is ever trained on twice."""
+    ex = make(engine, max_staleness=1, tail_batch=policy)
+    wf = Delayed(tokenizer)
+    src = loader(rows[:60], 2)
+    try:
+        consumed = ex.prepare_batch(src, wf)["prompt_index"][0::2].tolist()
+        time.sleep(1.0)  # the executor produces the next batches ahead at this version
+        bump(engine, tiny_model)
+        bump(engine, tiny_model)  # now they are 2 > eta versions old
+        for _ in range(4):
+            batch = ex.prepare_batch(src, wf)
+            assert batch["versions"].max() >= 0 and (engine.get_version() - batch["versions"][batch["loss_mask"].bool()].min()) <= 1
+            consumed += batch["prompt_index"][0::2].tolist()
+        s = ex.stats()
+    finally:
+        ex.destroy()
+    assert s["expired"] > 0
+    assert len(consumed) == len(set(consumed)) == 10
+    if policy == "discard":
+        assert s["discarded_prompts"] == s["expired"] / 2  # group_size 2: every expired prompt dropped
+        assert max(consumed) >= 10 + s["discarded_prompts"] - 1  # later prompts took their place
+    else:
+        assert s["discarded_prompts"] == 0 and sorted(consumed) == list(range(10))  # expired ones ran again
