@@ -19,7 +19,6 @@ Column names come from ``SFTDataConfig``. Each example is ``(input_ids, loss_mas
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 import time
@@ -32,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from relayrl.api.config import SFTConfig, SFTDataConfig, save_config
 from relayrl.api.engine import TensorDict
 from relayrl.api.io import SaveLoadMeta
+from relayrl.data.datasets import read_records
 from relayrl.data.models import chat_ids, load_tokenizer
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import token_logprobs
@@ -46,32 +46,6 @@ log = get_logger("sft")
 # --------------------------------------------------------------------------------------
 # Data
 # --------------------------------------------------------------------------------------
-
-
-def read_rows(path: str) -> list[Row]:
-    """Rows of a ``.jsonl`` / ``.json`` (list of objects) / ``.parquet`` file."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"SFT data file not found: {path}")
-    if p.suffix == ".parquet":
-        import pandas as pd
-
-        return [dict(r) for r in pd.read_parquet(p).to_dict(orient="records")]
-    if p.suffix == ".json":
-        rows = json.loads(p.read_text())
-        if not isinstance(rows, list):
-            raise ValueError(f"{path}: a .json SFT file must hold a list of objects, got {type(rows).__name__}")
-        return rows
-    out: list[Row] = []
-    with p.open() as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-    return out
 
 
 def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig) -> Example:
@@ -134,7 +108,7 @@ def sft_rows(cfg: SFTDataConfig, seed: int) -> tuple[list[Row], list[Row]]:
     if cfg.task == "file":
         if not cfg.train_path:
             raise ValueError("data.task='file' needs data.train_path")
-        return read_rows(cfg.train_path), (read_rows(cfg.eval_path) if cfg.eval_path else [])
+        return read_records(cfg.train_path), (read_records(cfg.eval_path) if cfg.eval_path else [])
     from relayrl.data.tasks import demonstrations, make_task
 
     train, held_out = make_task(cfg.task, cfg.n_train, cfg.n_eval, cfg.difficulty, seed)

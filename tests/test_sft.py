@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +139,23 @@ def test_stop_fn_ends_training_early(tmp_path, tokenizer, tiny_model):
     assert asked == [2, 4] and res.steps == 4 and res.eval_loss is not None
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 4]  # the last row: eval/loss at the stop
+
+
+def test_parquet_json_and_jsonl_files_read_the_same(tmp_path, capsys):
+    """The GSM8K recipe's local files: .parquet, .json and .jsonl give the same rows, for RL
+    (``load_rows_from_file``) and for ``relayrl sft``."""
+    import datasets
+
+    from relayrl.cli import main
+    from relayrl.data.datasets import load_rows_from_file, read_records
+
+    src = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
+    records = [json.loads(line) for line in src.read_text().splitlines()]
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "rows.parquet"))
+    (tmp_path / "rows.json").write_text(json.dumps(records))
+    assert read_records(tmp_path / "rows.parquet") == read_records(tmp_path / "rows.json") == read_records(src) == records
+    rl = load_rows_from_file(tmp_path / "rows.parquet", "question", "answer")
+    assert [r["answer"] for r in rl] == [r["answer"] for r in load_rows_from_file(src, "question", "answer")] and len(rl) == len(records)
+    rc = main(["sft", f"run_dir={tmp_path / 'run'}", "data.task=file", f"data.train_path={tmp_path / 'rows.parquet'}",
+               "data.prompt_key=question", "data.completion_key=answer", "batch_size=4", "total_steps=2", "model.path=tiny"])
+    assert rc == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2
