@@ -102,6 +102,32 @@ def test_sigkill_and_recover_is_bitwise_equal_in_sync_mode(tmp_path: Path) -> No
     assert [r["step"] for r in _metrics(killed)][-2:] == [3, 4]
 
 
+@pytest.mark.slow
+def test_ctrl_c_saves_a_final_checkpoint_and_stops_the_servers(tmp_path: Path) -> None:
+    import psutil
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run_dir={run}", *FAST, "total_steps=10000",
+           "checkpoint.every_n_steps=0", "rollout.max_staleness=1", "inference.backend=remote", "inference.n_servers=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if (run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+    servers = psutil.Process(proc.pid).children(recursive=True)
+    assert any("serve" in " ".join(c.cmdline()) for c in servers)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0 and "interrupted at step" in out, out[-3000:]
+    step = int(out.split("interrupted at step ")[1].split()[0])
+    assert step >= 2 and (run / "checkpoints" / f"step_{step:06d}" / "actor" / "model.safetensors").exists()
+    gone, alive = psutil.wait_procs(servers, timeout=30)
+    assert not alive, [c.cmdline() for c in alive]  # no orphan server left behind
+
+
 def test_async_recover_keeps_staleness_bound(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "total_steps=2", "rollout.max_staleness=1", "checkpoint.every_n_steps=1")
     train(cfg)
@@ -113,12 +139,22 @@ def test_async_recover_keeps_staleness_bound(tmp_path: Path) -> None:
 
 
 def test_plot_and_show(tmp_path: Path) -> None:
+    from relayrl.utils.plot import PANELS, figure
+
     cfg = _cfg(tmp_path, "total_steps=2")
+    other = load_config(RunConfig, None, [f"run_dir={tmp_path / 'b' / 'run'}", *FAST, "total_steps=3", "seed=7"])
     train(cfg)
+    train(other)
     png = tmp_path / "curves.png"
-    res = subprocess.run([sys.executable, "-m", "relayrl.cli", "plot", cfg.run_dir, cfg.run_dir, "--out", str(png)],
+    res = subprocess.run([sys.executable, "-m", "relayrl.cli", "plot", cfg.run_dir, other.run_dir, "--out", str(png)],
                          capture_output=True, text=True, check=True)
     assert png.exists() and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG", res.stderr
+    fig = figure([cfg.run_dir, other.run_dir])  # what the PNG draws: both runs overlaid, told apart
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert set(panels) == {title for title, _ in PANELS}
+    reward = {line.get_label(): list(line.get_ydata()) for line in panels["reward"].get_lines()}
+    assert reward == {cfg.run_dir: [r["rollout/reward"] for r in _metrics(cfg.run_dir)],
+                      other.run_dir: [r["rollout/reward"] for r in _metrics(other.run_dir)]}
     shown = subprocess.run([sys.executable, "-m", "relayrl.cli", "show", cfg.run_dir, "--step", "2"],
                            capture_output=True, text=True, check=True).stdout
     assert "completion:" in shown and "reward" in shown

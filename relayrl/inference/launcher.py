@@ -1,8 +1,9 @@
 """Start N local ``relayrl serve`` processes, wait until healthy, never leave orphans.
 
 Each child runs ``python -m relayrl.cli serve ... port=0`` and announces its port on stdout.
-Children are torn down by ``shutdown()``, at interpreter exit (atexit), on SIGTERM/SIGINT,
-and -- when the parent is SIGKILLed -- by the kernel: every child is started with
+Children are torn down by ``shutdown()``, at interpreter exit (atexit, which also covers
+Ctrl-C: SIGINT stays Python's KeyboardInterrupt so the trainer can save its final checkpoint
+first), on SIGTERM, and -- when the parent is SIGKILLed -- by the kernel: every child is started with
 ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux), so it dies with the thread that spawned it.
 """
 
@@ -52,9 +53,8 @@ def _install_handlers() -> None:
     _handlers_installed = True
     atexit.register(_shutdown_all)
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-                signal.signal(sig, _on_signal)
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_signal)
 
 
 class ServerGroup:

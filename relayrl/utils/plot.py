@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import matplotlib.figure
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -28,9 +29,15 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
-    """Write one PNG with a panel per metric family; returns its path."""
-    runs = {str(d): read_metrics(d) for d in run_dirs}
+def run_labels(run_dirs: list[str | Path]) -> list[str]:
+    """Each run's legend label: its directory name, or its whole path where names repeat."""
+    names = [Path(d).name for d in run_dirs]
+    return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs, strict=True)]
+
+
+def figure(run_dirs: list[str | Path]) -> matplotlib.figure.Figure:
+    """The learning curves of ``run_dirs`` overlaid: one panel per metric family, one line per run."""
+    runs = {label: read_metrics(d) for label, d in zip(run_labels(run_dirs), run_dirs, strict=True)}
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
         for name, rows in runs.items():
@@ -38,7 +45,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
                 pts = [(r["step"], r[key]) for r in rows if key in r]
                 if pts:
                     xs, ys = zip(*pts, strict=True)
-                    ax.plot(xs, ys, marker="." if len(pts) < 30 else None, label=Path(name).name)
+                    ax.plot(xs, ys, marker="." if len(pts) < 30 else None, label=name)
                     break
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -52,6 +59,12 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     if handles:
         fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4))
     fig.tight_layout(rect=(0, 0, 1, 0.94))
+    return fig
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+    """Write ``figure(run_dirs)`` as one PNG (default: ``curves.png`` in the first run); returns its path."""
+    fig = figure(run_dirs)
     out_path = Path(out) if out else Path(run_dirs[0]) / "curves.png"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=90)
