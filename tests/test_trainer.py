@@ -217,3 +217,18 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path) -> None:
     wa, wb = _weights(tmp_path / "one", 3), _weights(tmp_path / "two", 3)
     assert wa.keys() == wb.keys()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-5
+
+
+def test_checkpoints_are_due_every_n_steps_or_every_n_minutes(tmp_path: Path) -> None:
+    from relayrl.api.config import CheckpointConfig
+    from relayrl.utils.checkpoint import CheckpointManager
+
+    by_steps = CheckpointManager(tmp_path / "a", CheckpointConfig(every_n_steps=3))
+    assert [s for s in range(1, 10) if by_steps.due(s)] == [3, 6, 9]
+    by_time = CheckpointManager(tmp_path / "b", CheckpointConfig(every_n_steps=0, every_minutes=0.005))  # 0.3 s
+    assert not by_time.due(1)
+    time.sleep(0.35)
+    assert by_time.due(2)
+    by_time.commit(2, by_time.begin(2), {})
+    assert not by_time.due(3)  # the clock restarts at each save
+    assert [p.name for p in by_time.complete()] == ["step_000002"]
