@@ -102,7 +102,8 @@ def describe(r: dict) -> tuple[str, str, str]:
         sec = r["seconds"]
         return ("server (HTTP) ÷ LocalEngine seconds, ~30M model", "–",
                 f"LocalEngine {sec['local']['median']:.3f}s, server HTTP {sec['server_http']['median']:.3f}s, "
-                f"server disk {sec['server_disk']['median']:.3f}s ({r['settings']['bytes'] / 1e6:.0f} MB)")
+                f"server disk {sec['server_disk']['median']:.3f}s, server broadcast (gloo) "
+                f"{sec.get('server_broadcast', {}).get('median', float('nan')):.3f}s ({r['settings']['bytes'] / 1e6:.0f} MB)")
     if n.startswith("overhead"):
         def step(side: str) -> str:
             s = r[f"{side}_s_per_step"]

@@ -6,7 +6,9 @@ clone, hand-over, the target loads it and confirms the version), for
 - ``local``: an in-process ``LocalEngine`` (tensor copy at a step boundary);
 - ``server_http``: one ``relayrl serve`` process, safetensors upload over HTTP (the default);
 - ``server_disk``: the same server, a versioned safetensors directory it reads
-  (``inference.weight_sync_dir``; here on the local disk).
+  (``inference.weight_sync_dir``; here on the local disk);
+- ``server_broadcast``: the same server, a collective broadcast over a process group of
+  their own (``inference.weight_sync=broadcast``: gloo here, NCCL between GPUs).
 
 Median and spread over ``--repeats`` (after one warm-up each); ``ratio`` = server (HTTP)
 seconds / LocalEngine seconds. Also the effective GB/s of fp32 weights.
@@ -69,7 +71,7 @@ def main() -> None:
     sync_dir.mkdir(parents=True)
     group = launch_servers(1, model=args.model, threads=1, overrides=[f"allowed_weight_roots=[{sync_dir}]"])
     try:
-        for mode in ("http", "disk"):
+        for mode in ("http", "disk", "broadcast"):
             cfg = InferenceConfig(backend="remote", addresses=group.addresses, weight_sync=mode,
                                   weight_sync_dir=str(sync_dir) if mode == "disk" else "")
             remote = RemoteEngine(cfg)

@@ -102,6 +102,24 @@ def test_weight_and_control_calls():
         sg.parse_update({"success": False, "message": "bad path"})
 
 
+def test_weight_broadcast_calls_are_sglangs_documented_bodies():
+    """SGLang's InitWeightsUpdateGroupReqInput / UpdateWeightsFromDistributedReqInput fields."""
+    sg = SGLangBackend()
+    init = sg.init_weight_group("10.0.0.5", 29500, 2, 3, "nccl")
+    assert (init.method, init.path) == ("POST", "/init_weights_update_group")
+    assert init.json == {"master_address": "10.0.0.5", "master_port": 29500, "rank_offset": 2, "world_size": 3,
+                         "group_name": "weight_update_group", "backend": "nccl"}
+    up = sg.update_distributed(["a.weight", "b.bias"], ["bfloat16", "float32"], [[4, 2], [4]], 9)
+    assert (up.method, up.path) == ("POST", "/update_weights_from_distributed")
+    assert up.json == {"names": ["a.weight", "b.bias"], "dtypes": ["bfloat16", "float32"], "shapes": [[4, 2], [4]],
+                       "group_name": "weight_update_group", "weight_version": "9", "abort_all_requests": True}
+    assert RelayrlBackend().init_weight_group("h", 1, 1, 2, "gloo").json == {**init.json, "master_address": "h",
+                                                                             "master_port": 1, "rank_offset": 1,
+                                                                             "world_size": 2, "backend": "gloo"}
+    with pytest.raises(NotImplementedError, match="weight_sync=disk"):
+        VLLMBackend().init_weight_group("h", 1, 1, 2, "nccl")
+
+
 def test_vllm_completion_request_and_reply():
     call = VLLMBackend(model="m").generate("r9", [5, 6], G, 12, 1)
     assert (call.method, call.path) == ("POST", "/v1/completions")

@@ -318,6 +318,39 @@ def test_killed_server_requests_complete_and_server_is_readmitted(group, shared,
         eng.destroy()
 
 
+def test_weights_by_collective_broadcast_survive_a_dead_and_a_returning_server(group, shared, tiny_model):
+    """weight_sync=broadcast: SGLang's weight-group protocol over gloo, with real servers."""
+    eng = make_engine(group, shared, weight_sync="broadcast")
+    new = build_tiny_model("tiny", seed=2).eval()
+    ps = prompts(6)
+
+    def versions(servers=(0, 1)) -> list[int]:
+        return [httpx.get(f"http://{group.addresses[i]}/get_weight_version", timeout=10).json()["weight_version"] for i in servers]
+
+    try:
+        eng.update_weights(WeightUpdate(kind="tensors", version=5, tensors=new.state_dict()))
+        assert versions() == [5, 5] and eng.get_version() == 5
+        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [r.output_tokens for r in reference(new, ps, greedy(8))]
+        eng.update_weights(WeightUpdate(kind="tensors", version=6, tensors=tiny_model.state_dict()))  # the same group again
+        assert versions() == [6, 6]
+
+        group.kill(1)  # the next update goes to the survivor through a new group
+        eng.update_weights(WeightUpdate(kind="tensors", version=7, tensors=new.state_dict()))
+        assert eng.live_servers() == [f"http://{group.addresses[0]}"] and versions([0]) == [7]
+        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [r.output_tokens for r in reference(new, ps, greedy(8))]
+
+        group.restart(1)  # back at version 0: it rejoins (a group of both) and gets version 7
+        deadline = time.monotonic() + 60
+        while len(eng.live_servers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(eng.live_servers()) == 2 and versions() == [7, 7]
+        eng.update_weights(WeightUpdate(kind="tensors", version=8, tensors=tiny_model.state_dict()))
+        assert versions() == [8, 8]
+        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [r.output_tokens for r in reference(tiny_model, ps, greedy(8))]
+    finally:
+        eng.destroy()
+
+
 @pytest.mark.slow
 def test_launched_children_die_with_a_sigkilled_parent():
     code = textwrap.dedent("""

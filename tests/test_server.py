@@ -212,6 +212,23 @@ def test_admin_needs_the_token(server):
     assert no_auth_update.status_code == 401
 
 
+def test_weight_group_routes_are_admin_and_validate(server):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    init = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
+    update = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[320]]}
+    for path, body in (("/init_weights_update_group", init), ("/update_weights_from_distributed", update),
+                       ("/destroy_weights_update_group", {})):
+        assert httpx.post(server + path, json=body, timeout=10).status_code == 401, path
+    r = httpx.post(server + "/update_weights_from_distributed", json=update, headers=auth, timeout=10)
+    assert r.status_code == 400 and "no weight group 'weight_update_group'" in r.json()["error"]
+    for field, value in (("world_size", 1), ("rank_offset", 0), ("backend", "mpi"), ("master_port", 70000)):
+        r = httpx.post(server + "/init_weights_update_group", json={**init, field: value}, headers=auth, timeout=10)
+        assert r.status_code == 400 and r.json()["error"].startswith(field), (field, r.text)
+    r = httpx.post(server + "/destroy_weights_update_group", json={}, headers=auth, timeout=10)
+    assert r.status_code == 200 and r.json()["success"] is False
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
 def test_disk_paths_are_confined(server, roots):
     root, outside = roots
     auth = {"Authorization": f"Bearer {TOKEN}"}

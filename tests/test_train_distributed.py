@@ -94,19 +94,19 @@ def test_two_ranks_equal_one_process(tmp_path, fsdp):
 
 def _receiver(rank: int, port: int, out_dir: str) -> None:
     from relayrl.data.models import build_tiny_model
-    from relayrl.train.distributed import WeightBroadcastGroup
+    from relayrl.inference.weight_group import WeightBroadcastGroup
 
     torch.set_num_threads(1)
     model = build_tiny_model("tiny", seed=123)  # different weights, same shapes
     group = WeightBroadcastGroup("127.0.0.1", port, world_size=2, rank=1, backend="gloo")
     with torch.no_grad():
-        group.broadcast(model.state_dict())
+        group.broadcast(dict(sorted(model.state_dict().items())))  # the sender's order
     torch.save(model.state_dict(), os.path.join(out_dir, "received.pt"))
 
 
 @pytest.mark.slow
 def test_weight_broadcast_group_gloo(tmp_path):
-    from relayrl.train.distributed import WeightBroadcastGroup
+    from relayrl.inference.weight_group import WeightBroadcastGroup
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -115,7 +115,7 @@ def test_weight_broadcast_group_gloo(tmp_path):
     eng = engine()
     eng.train_batch(make_batch(LENGTHS), pg_loss, n_loss_tokens)
     group = WeightBroadcastGroup("127.0.0.1", port, world_size=2, rank=0, backend="gloo")
-    eng.broadcast_weights(group)
+    group.broadcast(dict(sorted(eng.state_dict().items())))
     proc.join(timeout=120)
     assert proc.exitcode == 0
     received = torch.load(tmp_path / "received.pt")
@@ -125,7 +125,7 @@ def test_weight_broadcast_group_gloo(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL broadcast needs two CUDA devices (one per process)")
 def test_weight_broadcast_group_nccl():
-    from relayrl.train.distributed import WeightBroadcastGroup
+    from relayrl.inference.weight_group import WeightBroadcastGroup
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -139,7 +139,7 @@ def test_weight_broadcast_group_nccl():
 
 
 def _nccl_receiver(port: int) -> None:
-    from relayrl.train.distributed import WeightBroadcastGroup
+    from relayrl.inference.weight_group import WeightBroadcastGroup
 
     torch.cuda.set_device(1)
     group = WeightBroadcastGroup("127.0.0.1", port, world_size=2, rank=1, backend="nccl")

@@ -37,9 +37,10 @@ def _metrics(run_dir: str | Path) -> list[dict[str, float]]:
     [
         ["rollout.max_staleness=0", "inference.backend=local"],
         ["rollout.max_staleness=2", "inference.backend=local", "actor.loss=decoupled_ppo"],
-        # launched servers serve the policy's model, overrides included (a vocab they did not have once)
-        pytest.param(["rollout.max_staleness=0", "inference.backend=remote", "inference.n_servers=1", "model.vocab_size=128"],
-                     marks=pytest.mark.slow),
+        # launched servers serve the policy's model, overrides included (a vocab they did not have once),
+        # ... and take the weights by collective broadcast (gloo)
+        pytest.param(["rollout.max_staleness=0", "inference.backend=remote", "inference.n_servers=1", "model.vocab_size=128",
+                      "inference.weight_sync=broadcast"], marks=pytest.mark.slow),
         pytest.param(["rollout.max_staleness=1", "inference.backend=remote", "inference.n_servers=2"], marks=pytest.mark.slow),
     ],
     ids=["sync-colocated", "async-colocated", "sync-disaggregated", "async-disaggregated"],

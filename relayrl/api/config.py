@@ -110,10 +110,9 @@ class InferenceConfig:
     request_timeout: float = f(300.0, help="Seconds before one HTTP request is abandoned and retried.", gt=0.0)
     max_retries: int = f(5, help="Retries of a request on connection errors (with backoff).", ge=0)
     admin_token: str = f("", help="Bearer token for admin endpoints of servers (also read from RELAYRL_ADMIN_TOKEN).")
-    weight_sync: str = f(
-        "auto", help="How weights reach servers: 'disk' (versioned dir), 'http' (upload), 'nccl', 'auto'.",
-        choices=["auto", "disk", "http", "nccl"],
-    )
+    weight_sync: str = f("auto", help="How weights reach servers: 'disk' (versioned dir), 'http' (upload), 'broadcast' "
+                         "(a process group with the servers: NCCL on GPUs, gloo on CPU), 'auto' (disk if weight_sync_dir, else http).",
+                         choices=["auto", "disk", "http", "broadcast"])
     weight_sync_dir: str = f("", help="Shared directory for weight_sync=disk (versioned safetensors dirs); auto uses disk when set.")
     health_interval: float = f(1.0, help="Seconds between health checks of remote servers (dead ones are re-admitted).", gt=0.0)
     batch_window_ms: float = f(

@@ -113,17 +113,17 @@ class ModelResponse:
         return len(self.output_tokens)
 
 
-WeightKind = Literal["tensors", "disk", "nccl"]
+WeightKind = Literal["tensors", "disk"]
 
 
 @dataclass
 class WeightUpdate:
     """New policy weights for generators.
 
-    - ``tensors``: an in-memory state dict (in-process engines; remote engines upload it
-      over HTTP to servers without shared disk);
-    - ``disk``: a Hugging Face checkpoint directory at ``path`` (shared filesystem);
-    - ``nccl``: a broadcast from trainer rank 0 (GPU only; ``path`` holds the group address).
+    - ``tensors``: an in-memory state dict (in-process engines copy it; remote engines send it
+      as ``inference.weight_sync`` says: HTTP upload, a versioned dir on shared disk, or a
+      collective broadcast to the servers, NCCL on GPUs);
+    - ``disk``: a Hugging Face checkpoint directory at ``path`` (shared filesystem).
 
     ``version`` is the version the generators report once the update is applied.
     """
@@ -134,11 +134,11 @@ class WeightUpdate:
     tensors: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("tensors", "disk", "nccl"):
-            raise ValueError(f"WeightUpdate.kind must be 'tensors', 'disk' or 'nccl', got {self.kind!r}")
+        if self.kind not in ("tensors", "disk"):
+            raise ValueError(f"WeightUpdate.kind must be 'tensors' or 'disk', got {self.kind!r}")
         if self.kind == "tensors" and self.tensors is None:
             raise ValueError("WeightUpdate(kind='tensors') needs `tensors` (a state dict)")
-        if self.kind in ("disk", "nccl") and not self.path:
+        if self.kind == "disk" and not self.path:
             raise ValueError(f"WeightUpdate(kind={self.kind!r}) needs `path`")
 
 

@@ -59,6 +59,9 @@ class Call:
     json: JsonDict | None = None
 
 
+WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
+
+
 def _int_or_none(v: object) -> int | None:
     try:
         return int(v)  # type: ignore[call-overload, no-any-return]
@@ -153,6 +156,16 @@ class SGLangBackend:
         raise NotImplementedError(
             f"{self.name} servers take no safetensors upload; use inference.weight_sync=disk with a shared weight_sync_dir"
         )
+
+    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> Call:
+        body: JsonDict = {"master_address": host, "master_port": port, "rank_offset": rank_offset,
+                          "world_size": world_size, "group_name": WEIGHT_GROUP, "backend": backend}
+        return Call("POST", "/init_weights_update_group", body)
+
+    def update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> Call:
+        body: JsonDict = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": WEIGHT_GROUP,
+                          "weight_version": str(version), "abort_all_requests": True}
+        return Call("POST", "/update_weights_from_distributed", body)
 
     def pause(self) -> Call:
         return Call("POST", "/pause_generation", {})
@@ -279,6 +292,13 @@ class VLLMBackend:
 
     def upload(self, version: int) -> Call:
         raise NotImplementedError("vLLM servers take no safetensors upload; use inference.weight_sync=disk")
+
+    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> Call:
+        raise NotImplementedError("vLLM servers have no standard weight-broadcast route (it takes a worker extension); "
+                                  "use inference.weight_sync=disk")
+
+    def update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> Call:
+        raise NotImplementedError("vLLM servers have no standard weight-broadcast route; use inference.weight_sync=disk")
 
     def pause(self) -> Call:
         return Call("POST", "/pause?mode=keep")

@@ -9,7 +9,8 @@
 - Interruption: a reply that ends with ``abort`` (weights changing) is resubmitted as
   prompt + partial output; every token keeps the version that produced it.
 - Weights: ``update_weights`` fans out to every live server (a versioned safetensors dir on
-  shared disk, or an HTTP upload) and checks that each reports the new version.
+  shared disk, an HTTP upload, or one collective broadcast to all of them over a process
+  group of their own, NCCL on GPUs) and checks that each reports the new version.
 - Batching: requests headed to the same server within ``batch_window_ms`` share one HTTP
   call (``batcher.MicroBatcher``); everything above still happens per request.
 
@@ -29,19 +30,21 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import safetensors.torch
+import torch
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
-from relayrl.inference.backends import Call, ProtocolError, ServerError, make_backend
+from relayrl.inference.backends import WEIGHT_GROUP, Call, ProtocolError, ServerError, make_backend
 from relayrl.inference.batcher import MicroBatcher
+from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,10 @@ class RemoteEngine(InferenceEngine):
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, MicroBatcher] = weakref.WeakKeyDictionary()
         self._version = 0
-        self._last_weights: tuple[str, str | bytes] | None = None  # ("disk", path) or ("http", payload)
+        # ("disk", path), ("http", payload) or ("broadcast", tensors): what a returning server is given
+        self._last_weights: tuple[str, str | bytes | dict[str, torch.Tensor]] | None = None
+        self._group: WeightBroadcastGroup | None = None  # weight_sync=broadcast: the group and its members
+        self._group_members: list[str] = []
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
         self._launched: object | None = None
@@ -318,14 +324,88 @@ class RemoteEngine(InferenceEngine):
         if errors:
             raise errors[0]
 
-    def _push(self, srv: _Server, weights: tuple[str, str | bytes], version: int) -> None:
+    def _push(self, srv: _Server, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int) -> None:
         kind, data = weights
+        if kind == "broadcast":  # a server (re)joining: the group is rebuilt with it in
+            self._broadcast(data, version, [s for s in self.servers if s.alive or s is srv])  # type: ignore[arg-type]
+            return
         if kind == "disk":
             body = self._admin(srv, self.backend.update_from_disk(str(data), version))
         else:
             body = self._admin(srv, self.backend.upload(version), content=data)  # type: ignore[arg-type]
         self.backend.parse_update(body)
         self._confirm(srv, version)
+
+    def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[_Server]) -> None:
+        """weight_sync=broadcast: every server receives ``tensors`` from one collective broadcast.
+
+        The group (this process = rank 0, server i = rank i + 1) is built on first use and
+        rebuilt whenever its members change: a dead server leaves it, a returning one rejoins.
+        A server that fails mid-way is evicted (dead) or its error raised; either way the group
+        is dropped, to be rebuilt from the live servers at the next update."""
+        members = [s.url for s in servers]
+        errors: list[BaseException] = []
+        ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
+        try:
+            if self._group is None or self._group_members != members:
+                self._group = None
+                host = address_towards(httpx.URL(servers[0].url).host)
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+                group = WeightBroadcastGroup(host, 0, len(servers) + 1, 0, backend, WEIGHT_GROUP, self.config.request_timeout)
+                calls = [self.backend.init_weight_group(host, group.port, i + 1, len(servers) + 1, backend) for i in range(len(servers))]
+                joins = [ex.submit(self._admin, s, c) for s, c in zip(servers, calls, strict=True)]
+                self._settle(servers, joins, group.join, errors)
+                if errors:
+                    raise errors[0]
+                self._group, self._group_members = group, members
+            group = self._group
+            call = self.backend.update_distributed(list(tensors), [dtype_name(t.dtype) for t in tensors.values()],
+                                                   [list(t.shape) for t in tensors.values()], version)
+            replies = [ex.submit(self._admin, s, call) for s in servers]
+            self._settle(servers, replies, lambda: group.broadcast(tensors), errors)
+        finally:
+            ex.shutdown(wait=False)
+        for s, f in zip(servers, replies, strict=True):
+            if not errors:
+                self.backend.parse_update(f.result())
+                self._confirm(s, version)
+        if errors:
+            raise errors[0]
+
+    def _settle(self, servers: list[_Server], replies: list[Future[object]], collective: Callable[[], None],
+                errors: list[BaseException]) -> None:
+        """Run this side of a collective (on a thread) while the servers' HTTP calls run theirs.
+
+        A failed call (a dead server, a refusal) or a failed collective ends the wait at once:
+        the rest cannot complete without that member (its thread and the servers' handlers time
+        out on their own). Failures go to ``errors``, dead servers are evicted, the group dropped."""
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                collective()
+            except BaseException as e:  # noqa: BLE001 - reported through `failed`
+                failed.append(e)
+
+        thread = threading.Thread(target=run, name="relayrl-weight-broadcast", daemon=True)
+        thread.start()
+        owner = dict(zip(replies, servers, strict=True))
+        pending = set(replies)
+        while pending and not failed and not errors:
+            done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+            for f in done:
+                try:
+                    f.result()
+                except DEAD_ERRORS as e:
+                    self._evict(owner[f], repr(e))
+                    errors.append(ConnectionError(f"{owner[f].url} died during a weight broadcast"))
+                except BaseException as e:  # noqa: BLE001 - collected, raised by the caller
+                    errors.append(e)
+        if not errors and not failed:
+            thread.join()
+        errors.extend(failed)
+        if errors:
+            self._group = None
 
     def _confirm(self, srv: _Server, version: int) -> None:
         call = self.backend.get_version()
@@ -341,7 +421,16 @@ class RemoteEngine(InferenceEngine):
             live = [s for s in self.servers if s.alive]
             if not live:
                 raise ConnectionError("no live server to update")
-            self._fan_out(lambda s: self._push(s, weights, update.version), live)
+            if weights[0] == "broadcast":
+                try:
+                    self._broadcast(weights[1], update.version, live)  # type: ignore[arg-type]
+                except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
+                    live = [s for s in self.servers if s.alive]
+                    if not live:
+                        raise
+                    self._broadcast(weights[1], update.version, live)  # type: ignore[arg-type]
+            else:
+                self._fan_out(lambda s: self._push(s, weights, update.version), live)
             if not any(s.alive and s.version == update.version for s in self.servers):
                 raise ConnectionError(f"no server confirmed weight version {update.version}")
             self._version = update.version
@@ -351,20 +440,20 @@ class RemoteEngine(InferenceEngine):
         mode = self.config.weight_sync
         if mode == "auto":
             mode = "disk" if self.config.weight_sync_dir else "http"
-        if mode == "nccl":
-            raise NotImplementedError("weight_sync=nccl needs GPUs; use disk or http")
         if mode == "disk" and not self.config.weight_sync_dir:
             raise ValueError("inference.weight_sync=disk needs inference.weight_sync_dir (a directory all servers can read)")
+        if mode == "broadcast" and self.backend.name == "vllm":
+            raise ValueError("vllm servers have no standard weight-broadcast route: set inference.weight_sync=disk and weight_sync_dir")
         if mode == "http" and not self.backend.supports_upload:
             raise ValueError(f"{self.backend.name} servers take no HTTP upload: set inference.weight_sync=disk and weight_sync_dir")
         return mode
 
-    def _prepare(self, update: WeightUpdate) -> tuple[str, str | bytes]:
+    def _prepare(self, update: WeightUpdate) -> tuple[str, str | bytes | dict[str, torch.Tensor]]:
         if update.kind == "disk":
             return ("disk", update.path)
-        if update.kind == "nccl":
-            raise NotImplementedError("WeightUpdate(kind='nccl') is not supported by RemoteEngine on CPU")
         assert update.tensors is not None
+        if self._sync_mode() == "broadcast":
+            return ("broadcast", {k: v.detach().contiguous() for k, v in sorted(update.tensors.items())})
         # clone: safetensors refuses tensors that share storage (tied embeddings)
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in update.tensors.items()}
         if self._sync_mode() == "http":
@@ -429,7 +518,7 @@ class RemoteEngine(InferenceEngine):
                                     "known to push; not re-admitted", srv.url, srv.version, self._version)
                         return
                     self._push(srv, self._last_weights, self._version)
-            except (httpx.HTTPError, RuntimeError) as e:
+            except (httpx.HTTPError, RuntimeError, ConnectionError) as e:
                 log.warning("server %s answered but could not take weights v%d: %s", srv.url, self._version, e)
                 return
             with self._lock:

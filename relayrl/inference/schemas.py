@@ -83,6 +83,34 @@ class DiskUpdate(_Body):
     flush_cache: bool = True
 
 
+class InitWeightGroup(_Body):
+    """SGLang's ``/init_weights_update_group``: join the trainer's weight group as ``rank_offset``."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+
+class DistributedUpdate(_Body):
+    """SGLang's ``/update_weights_from_distributed``: receive these tensors, in this order, by broadcast."""
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False  # in-flight requests are continued under the new weights anyway
+    weight_version: int | str | None = None
+    load_format: str | None = None
+
+
+class DestroyWeightGroup(_Body):
+    group_name: str = "weight_update_group"
+
+
 class PauseRequest(_Body):
     mode: Literal["in_place", "retract"] = "in_place"
 

@@ -1,7 +1,8 @@
 """``relayrl serve``: an HTTP server around LocalEngine.
 
-Speaks SGLang's native protocol (``/generate``, ``/update_weights_from_disk``,
-``/pause_generation``, ``/continue_generation``, ``/health``, ``/get_model_info``,
+Speaks SGLang's native protocol (``/generate``, ``/update_weights_from_disk``, weights by
+collective broadcast (``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``: NCCL on GPUs, gloo on CPU), ``/pause_generation``, ``/continue_generation``, ``/health``, ``/get_model_info``,
 ``/get_weight_version``), a safetensors weight upload (``/update_weights_from_tensor``), and
 OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the same process
 serves RemoteEngine (any of its protocols) and agents written against the OpenAI SDK.
@@ -44,13 +45,17 @@ from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, Weight
 from relayrl.inference.schemas import (
     ChatRequest,
     CompletionRequest,
+    DestroyWeightGroup,
     DiskUpdate,
+    DistributedUpdate,
     GenerateBatchRequest,
     GenerateBody,
     GenerateRequest,
+    InitWeightGroup,
     PauseRequest,
     SamplingParams,
 )
+from relayrl.inference.weight_group import WeightBroadcastGroup, parse_dtype
 
 LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
@@ -122,6 +127,7 @@ class Server:
         self.reference = reference or {}  # parameter name -> (shape, dtype), to check updates
         self.token = cfg.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
         self.weight_lock = asyncio.Lock()
+        self.groups: dict[str, WeightBroadcastGroup] = {}  # weight groups this server joined, by name
         self.paused = False
         self.n_served = 0  # generation requests answered
         self.n_calls = 0  # HTTP calls that carried them (a batch is one)
@@ -289,6 +295,44 @@ class Server:
         for fp in files:
             tensors.update(safetensors.torch.load_file(str(fp)))
         return await self.apply(tensors, _version(req.weight_version))
+
+    async def init_group(self, req: InitWeightGroup) -> dict[str, object]:
+        """Join the trainer's weight group (blocks until every member joined; replaces a group of that name)."""
+        self.groups.pop(req.group_name, None)
+
+        def join() -> WeightBroadcastGroup:
+            group = WeightBroadcastGroup(req.master_address, req.master_port, req.world_size, req.rank_offset, req.backend,
+                                         req.group_name, self.cfg.inference.request_timeout)
+            group.join()
+            return group
+
+        try:
+            self.groups[req.group_name] = await asyncio.to_thread(join)
+        except (RuntimeError, ValueError) as e:  # bad address, timeout, no CUDA for nccl
+            raise _bad(f"could not join weight group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}") from None
+        return {"success": True, "message": f"joined {req.group_name!r} as rank {req.rank_offset} of {req.world_size}"}
+
+    async def update_distributed(self, req: DistributedUpdate) -> dict[str, object]:
+        """Receive ``names`` by broadcast from rank 0, then load them like any other update."""
+        group = self.groups.get(req.group_name)
+        if group is None:
+            raise _bad(f"no weight group {req.group_name!r}: call /init_weights_update_group first")
+        if not len(req.names) == len(req.dtypes) == len(req.shapes):
+            raise _bad(f"names, dtypes and shapes differ in length ({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})")
+        try:
+            buffers = {n: torch.empty(shape, dtype=parse_dtype(d)) for n, d, shape in zip(req.names, req.dtypes, req.shapes, strict=True)}
+        except ValueError as e:
+            raise _bad(f"dtypes: {e}") from None
+        try:
+            await asyncio.to_thread(group.broadcast, buffers)
+        except RuntimeError as e:  # a member died or timed out: the group is unusable now
+            self.groups.pop(req.group_name, None)
+            raise _bad(f"weight broadcast in {req.group_name!r} failed: {e}", 500) from None
+        return await self.apply(buffers, _version(req.weight_version))
+
+    async def destroy_group(self, req: DestroyWeightGroup) -> dict[str, object]:
+        found = self.groups.pop(req.group_name, None) is not None
+        return {"success": found, "message": f"left {req.group_name!r}" if found else f"no weight group {req.group_name!r}"}
 
     async def upload(self, request: Request) -> dict[str, object]:
         limit = self.cfg.max_upload_mb << 20
@@ -469,6 +513,9 @@ def build_app(srv: Server) -> FastAPI:
     app.post("/v1/chat/completions")(srv.chat)
     app.post("/update_weights_from_disk", dependencies=admin)(srv.update_from_disk)
     app.post("/update_weights_from_tensor", dependencies=admin)(srv.upload)
+    app.post("/init_weights_update_group", dependencies=admin)(srv.init_group)
+    app.post("/update_weights_from_distributed", dependencies=admin)(srv.update_distributed)
+    app.post("/destroy_weights_update_group", dependencies=admin)(srv.destroy_group)
 
     @app.post("/pause_generation", dependencies=admin)
     async def pause(req: PauseRequest | None = None) -> dict[str, object]:

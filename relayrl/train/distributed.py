@@ -118,34 +118,3 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dic
 
 def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, object]) -> None:
     set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=True))  # type: ignore[arg-type]
-
-
-class WeightBroadcastGroup:
-    """A process group of its own between trainer rank 0 (src) and generator processes.
-
-    ``nccl`` on GPUs (the fast path); ``gloo`` works on CPU with the same code. Each side
-    creates it with the same address and ``world_size``; the trainer is rank 0.
-    """
-
-    def __init__(self, host: str, port: int, world_size: int, rank: int, backend: str = "nccl", timeout_s: float = 300.0):
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError("WeightBroadcastGroup(backend='nccl') needs CUDA; use backend='gloo' on CPU")
-        self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
-        if backend == "nccl":
-            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(self.store, rank, world_size)
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size)
-            self.device = torch.device("cpu")
-
-    def broadcast(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Broadcast from rank 0, in sorted key order; receivers pass same-shaped buffers (filled in place)."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        for name in sorted(tensors):
-            t = tensors[name]
-            buf = t.detach().to(self.device).contiguous()
-            self.pg.broadcast([buf], opts).wait()
-            if self.rank != 0:
-                t.copy_(buf)

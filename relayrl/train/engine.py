@@ -316,7 +316,8 @@ class TorchTrainEngine(TrainEngine):
         """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0.
 
         Every rank must call it (the weights are gathered collectively); only rank 0 talks to
-        the target, which picks the transport (in-process copy, disk dir or HTTP upload).
+        the target, which picks the transport (in-process copy; for servers a disk dir, an HTTP
+        upload or a collective broadcast: ``inference.weight_sync``).
         """
         if self.head != "lm":
             raise ValueError(f"update_weights pushes policy weights; this engine has head={self.head!r}")
@@ -324,14 +325,6 @@ class TorchTrainEngine(TrainEngine):
         if dist_utils.rank() == 0:
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
             target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
-        dist_utils.barrier()
-
-    def broadcast_weights(self, group: D.WeightBroadcastGroup) -> None:
-        """Send the full weights over a ``WeightBroadcastGroup`` (NCCL on GPUs); every rank
-        gathers, rank 0 sends. Receivers call ``group.broadcast(their_state_dict)``."""
-        tensors = self.state_dict()
-        if dist_utils.rank() == 0:
-            group.broadcast(tensors)
         dist_utils.barrier()
 
     # ---------------------------------------------------------------- checkpoints

@@ -1,0 +1,81 @@
+"""Weights by collective broadcast: a process group of its own between the trainer (rank 0)
+and the inference servers (ranks 1..n), driven by SGLang's HTTP protocol
+(``/init_weights_update_group``, ``/update_weights_from_distributed``).
+
+NCCL between GPUs is the fast path of disaggregated GPU training (no serialisation, no disk);
+gloo runs the same code on CPU, which is how it is tested here. The store keys follow torch's
+own process-group helper (``<group_name>/<device>/...``), the layout SGLang's servers use when
+they join the group the same way. Tensors go out one broadcast each, in the order of the
+``names`` the servers were sent.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling of SGLang's ``dtypes`` field)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` or ``"torch.bfloat16"`` -> ``torch.bfloat16``; ValueError names the value otherwise."""
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (what a server there can reach us at)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+        return str(s.getsockname()[0])
+
+
+class WeightBroadcastGroup:
+    """One weight-update process group; ``rank`` 0 (the trainer) hosts the rendezvous store
+    (``port=0`` picks a free port: read it from ``.port`` and tell the other members).
+
+    The store is up when the constructor returns; ``join()`` (or the first ``broadcast``)
+    blocks until all ``world_size`` members joined, or ``timeout_s`` passed.
+    """
+
+    def __init__(self, host: str, port: int, world_size: int, rank: int, backend: str = "nccl",
+                 group_name: str = "weight_update_group", timeout_s: float = 300.0) -> None:
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"weight group backend must be 'nccl' or 'gloo', got {backend!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError("a weight group with backend='nccl' needs CUDA; gloo works on CPU")
+        self.rank, self.world_size, self.backend, self.name = rank, world_size, backend, group_name
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=self.timeout, wait_for_workers=False)
+        self.port = self.store.port
+        self.pg: dist.ProcessGroup | None = None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def join(self) -> None:
+        """Build the process group: returns once every member has joined."""
+        store = dist.PrefixStore(f"{self.device.type}/", dist.PrefixStore(f"{self.name}/", self.store))
+        if self.backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+
+    def broadcast(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Rank 0 sends ``tensors`` in dict order; other ranks pass same-shaped buffers, filled in place."""
+        if self.pg is None:
+            self.join()
+        assert self.pg is not None
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for t in tensors.values():
+            buf = t.detach().to(self.device).contiguous()
+            self.pg.broadcast([buf], opts).wait()
+            if self.rank != 0 and buf is not t:
+                t.copy_(buf)
