@@ -44,9 +44,7 @@ def f(default: T, help: str = "", **rules: object) -> T:
     List and dataclass defaults are copied per instance.
     """
     meta = {"help": help, **rules}
-    if isinstance(default, list):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)  # type: ignore[return-value]
-    if dataclasses.is_dataclass(default):
+    if isinstance(default, list) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)  # type: ignore[return-value]
     return field(default=default, metadata=meta)  # type: ignore[no-any-return]
 
@@ -115,11 +113,9 @@ class InferenceConfig:
                          choices=["auto", "disk", "http", "broadcast"])
     weight_sync_dir: str = f("", help="Shared directory for weight_sync=disk (versioned safetensors dirs); auto uses disk when set.")
     health_interval: float = f(1.0, help="Seconds between health checks of remote servers (dead ones are re-admitted).", gt=0.0)
-    batch_window_ms: float = f(
-        1.0, help="RemoteEngine: generation requests headed to the same server within this many milliseconds go out "
-        "as one batched HTTP call (each still retried, continued and balanced on its own); 0 = one call per request.",
-        ge=0.0, le=1000.0,
-    )
+    batch_window_ms: float = f(1.0, help="RemoteEngine: generation requests headed to the same server within this many "
+                               "milliseconds go out as one batched HTTP call (each still retried, continued and balanced on its "
+                               "own); 0 = one call per request.", ge=0.0, le=1000.0)
     batch_max_requests: int = f(256, help="RemoteEngine: most generation requests in one batched HTTP call.", ge=1)
 
 

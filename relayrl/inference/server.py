@@ -299,15 +299,10 @@ class Server:
     async def init_group(self, req: InitWeightGroup) -> dict[str, object]:
         """Join the trainer's weight group (blocks until every member joined; replaces a group of that name)."""
         self.groups.pop(req.group_name, None)
-
-        def join() -> WeightBroadcastGroup:
-            group = WeightBroadcastGroup(req.master_address, req.master_port, req.world_size, req.rank_offset, req.backend,
-                                         req.group_name, self.cfg.inference.request_timeout)
-            group.join()
-            return group
-
         try:
-            self.groups[req.group_name] = await asyncio.to_thread(join)
+            self.groups[req.group_name] = await asyncio.to_thread(lambda: WeightBroadcastGroup(
+                req.master_address, req.master_port, req.world_size, req.rank_offset, req.backend, req.group_name,
+                self.cfg.inference.request_timeout).join())
         except (RuntimeError, ValueError) as e:  # bad address, timeout, no CUDA for nccl
             raise _bad(f"could not join weight group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}") from None
         return {"success": True, "message": f"joined {req.group_name!r} as rank {req.rank_offset} of {req.world_size}"}
@@ -319,6 +314,9 @@ class Server:
             raise _bad(f"no weight group {req.group_name!r}: call /init_weights_update_group first")
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
             raise _bad(f"names, dtypes and shapes differ in length ({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})")
+        for name, shape in zip(req.names, req.shapes, strict=True):  # before allocating anything
+            if self.reference and (name not in self.reference or list(self.reference[name][0]) != shape):
+                raise _bad(f"weights: {name!r} of shape {shape} is not a parameter of the served model")
         try:
             buffers = {n: torch.empty(shape, dtype=parse_dtype(d)) for n, d, shape in zip(req.names, req.dtypes, req.shapes, strict=True)}
         except ValueError as e:
@@ -331,8 +329,8 @@ class Server:
         return await self.apply(buffers, _version(req.weight_version))
 
     async def destroy_group(self, req: DestroyWeightGroup) -> dict[str, object]:
-        found = self.groups.pop(req.group_name, None) is not None
-        return {"success": found, "message": f"left {req.group_name!r}" if found else f"no weight group {req.group_name!r}"}
+        left = self.groups.pop(req.group_name, None) is not None
+        return {"success": left, "message": f"{'left' if left else 'no weight group'} {req.group_name!r}"}
 
     async def upload(self, request: Request) -> dict[str, object]:
         limit = self.cfg.max_upload_mb << 20

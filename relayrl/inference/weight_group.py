@@ -59,13 +59,14 @@ class WeightBroadcastGroup:
         self.pg: dist.ProcessGroup | None = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def join(self) -> None:
-        """Build the process group: returns once every member has joined."""
+    def join(self) -> WeightBroadcastGroup:
+        """Build the process group; returns (itself) once every member has joined."""
         store = dist.PrefixStore(f"{self.device.type}/", dist.PrefixStore(f"{self.name}/", self.store))
         if self.backend == "nccl":
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size)
         else:
             self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+        return self
 
     def broadcast(self, tensors: dict[str, torch.Tensor]) -> None:
         """Rank 0 sends ``tensors`` in dict order; other ranks pass same-shaped buffers, filled in place."""
