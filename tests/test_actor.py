@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,25 @@ def test_ppo_update_moves_logp_in_advantage_direction(tiny_model, tokenizer, los
 class _Sink:
     def add(self, stats, weight):
         pass
+
+
+def test_behaviour_kl_stat_is_k3_over_loss_tokens(tiny_model, tokenizer):
+    """actor/behav_kl = mean over loss tokens of exp(r) - 1 - r, r = log pi_theta - log pi_behaviour."""
+    eng = make_engine(tiny_model)
+    batch = make_batch(eng, tokenizer, seed=4)
+    policy = batch["logprobs"].clone()  # the engine's own logprobs (make_batch is on-policy)
+    shift = torch.randn(policy.shape, generator=torch.Generator().manual_seed(0)) * 0.3
+    batch["logprobs"] = (policy + shift) * batch["loss_mask"]  # a behaviour policy that differs
+    actor = PPOActor(ActorConfig(), eng)
+    actor.prepare(batch)
+    stats = actor.ppo_update(batch)[0]
+    total, n = 0.0, 0
+    for i in range(policy.shape[0]):
+        for j in range(policy.shape[1]):
+            if batch["loss_mask"][i, j]:
+                r = float(policy[i, j]) - float(batch["logprobs"][i, j])
+                total, n = total + math.exp(r) - 1 - r, n + 1
+    assert stats["behav_kl"] == pytest.approx(total / n, rel=1e-4) and stats["behav_kl"] > 0.01
 
 
 def test_decoupled_ppo_with_stale_behaviour_policy(tiny_model, tokenizer):

@@ -105,6 +105,8 @@ def test_replies_never_hold_invalid_json():
         ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5000}}', "exceeds the model"),
         ('{"input_ids": []}', "empty"),
         ('{"input_ids": "abc"}', "input_ids"),
+        ('{"input_ids": [3, true]}', "input_ids[1]: Input should be a valid integer"),  # a boolean is not a token id
+        ('{"input_ids": [3, "4"]}', "input_ids[1]: Input should be a valid integer"),
         ("[1, 2]", "body"),
     ],
 )

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+TokenId = StrictInt  # JSON true/false or "5" are not token ids (lax ints would read them as 1/0/5)
 
 
 class SamplingParams(_Body):
@@ -25,7 +28,7 @@ class SamplingParams(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 or 0 = off")
     stop: str | list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = Field(1, ge=1, le=1, description="one sample per request")
@@ -40,7 +43,7 @@ def _one_or_many(t: type) -> object:
 
 
 class GenerateRequest(_Body):
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     text: str | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = False
@@ -51,7 +54,7 @@ class GenerateRequest(_Body):
 class GenerateBatchRequest(_Body):
     """SGLang's batch form of /generate: one reply per prompt, in order."""
 
-    input_ids: list[list[int]] | None = Field(None, min_length=1)
+    input_ids: list[list[TokenId]] | None = Field(None, min_length=1)
     text: list[str] | None = Field(None, min_length=1)
     sampling_params: _one_or_many(SamplingParams) = Field(default_factory=SamplingParams)  # type: ignore[valid-type]
     return_logprob: _one_or_many(bool) = False  # type: ignore[valid-type]
@@ -99,7 +102,7 @@ class DistributedUpdate(_Body):
 
     names: list[str] = Field(min_length=1)
     dtypes: list[str]
-    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    shapes: list[list[Annotated[StrictInt, Field(ge=0)]]]
     group_name: str = "weight_update_group"
     flush_cache: bool = True
     abort_all_requests: bool = False  # in-flight requests are continued under the new weights anyway
@@ -126,7 +129,7 @@ def _prompt_form(v: object) -> str:
 
 
 Prompt = Annotated[
-    Annotated[str, Tag("<text>")] | Annotated[list[int], Tag("<ids>")] | Annotated[list[list[int]], Tag("<id lists>")]
+    Annotated[str, Tag("<text>")] | Annotated[list[TokenId], Tag("<ids>")] | Annotated[list[list[TokenId]], Tag("<id lists>")]
     | Annotated[list[str], Tag("<texts>")],
     Discriminator(_prompt_form),
 ]
@@ -141,7 +144,7 @@ class CompletionRequest(_Body):
     top_k: int = Field(-1, ge=-1)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     logprobs: int | None = Field(None, ge=0, le=5, description="the sampled tokens' logprobs (no alternatives)")
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False

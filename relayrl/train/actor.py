@@ -189,6 +189,10 @@ class PPOActor:
                 c_clip=cfg.c_clip, behav_imp_weight_cap=cfg.behav_imp_weight_cap, **agg,
             )
             stats["policy_loss"] = loss.detach()
+            # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
+            # that generated them (staleness in async runs; any inference/training mismatch always)
+            r = before - packed["logprobs"]
+            stats["behav_kl"] = A.masked_mean(r.exp() - 1 - r, mask)
             if cfg.kl_coef > 0 and not cfg.kl_in_reward:
                 kl = A.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, **agg)
                 loss = loss + cfg.kl_coef * kl

@@ -11,11 +11,13 @@ import matplotlib.figure
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-# (panel title, metric keys tried in order)
+# (panel title, metric keys tried in order: the first one a run logged with a non-zero value, else the first it logged)
 PANELS = (
     ("reward", ("rollout/reward",)),
     ("eval accuracy", ("eval/accuracy_mean", "eval/accuracy")),  # mean over samples when n > 1
-    ("KL (approx)", ("actor/approx_kl", "actor/kl")),
+    # to the reference policy when a KL term is used; else PPO's (0 when one step consumes each batch);
+    # else KL(behaviour || policy): staleness and inference/training mismatch
+    ("KL", ("actor/kl_loss", "actor/approx_kl", "actor/behav_kl")),
     ("entropy", ("actor/entropy",)),
     ("throughput (samples/s)", ("perf/samples_per_s",)),
     ("staleness (max)", ("rollout/staleness_max",)),
@@ -41,12 +43,14 @@ def figure(run_dirs: list[str | Path]) -> matplotlib.figure.Figure:
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
         for name, rows in runs.items():
-            for key in keys:
-                pts = [(r["step"], r[key]) for r in rows if key in r]
-                if pts:
-                    xs, ys = zip(*pts, strict=True)
-                    ax.plot(xs, ys, marker="." if len(pts) < 30 else None, label=name)
-                    break
+            series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
+            logged = [k for k in keys if series[k]]
+            key = next((k for k in logged if any(y for _, y in series[k])), logged[0] if logged else None)
+            if key is not None:
+                xs, ys = zip(*series[key], strict=True)
+                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=name)
+                if len(keys) > 1:
+                    ax.set_ylabel(key.split("/")[-1])
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
