@@ -9,7 +9,8 @@ Two measurements per model, same process:
 
 From them, ``ideal_ratio`` = HF ``generate`` seconds ÷ (prefill + steps × fixed + tokens × per
 row): what an engine with no overhead at all beyond prefill and the model's decode work would
-reach against ``generate`` in this run. Writes ``bench/results/decode_cost.json``.
+reach against ``generate`` in this run. Writes ``bench/results/decode_cost.json``; not part of a
+full ``run_all`` (``run_all.py --only decode_cost``).
 
     python bench/decode_cost.py [--models tiny,tiny-30m]
 """
@@ -18,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
-from pathlib import Path
 
+import common
 import generation as gen
 import torch
 
@@ -99,10 +99,8 @@ def main() -> None:
         print(f"{preset}: step {r['step_ms_by_rows']} ms by rows; engine {run['seconds']:.2f}s = prefill {run['prefill']:.2f} + "
               f"decode {run['decode']:.2f} + other {run['other']:.2f}; generate {g_s:.2f}s; ratio {r['ratio']:.2f}, "
               f"no-overhead ideal {r['ideal_ratio']:.2f}", flush=True)
-    result = {"name": "decode_cost", "models": out, "figure_is": "ideal_ratio: generate seconds / (prefill + decode work alone)"}
-    path = Path(__file__).parent / "results" / "decode_cost.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    common.write_result({"name": "decode_cost", "figure": min(m["ideal_ratio"] for m in out.values()), "models": out,
+                         "figure_is": "ideal_ratio (worst model): generate seconds / (prefill + the model's decode work alone)"})
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs" / "benchmarks.md"
 START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- table:end -->"
-ORDER = ["generation", "training", "serving", "grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6",
+ORDER = ["generation", "decode_cost", "training", "serving", "grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6",
          "grpo_vs_trl", "async_vs_sync", "async_vs_sync_count", "weight_sync", "overhead", "overhead_count", "gpu"]
-OPTIONAL = {"grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6", "overhead_count", "async_vs_sync_count"}  # only with --only: run_all would take past ~15 minutes
+OPTIONAL = {"decode_cost", "grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6", "overhead_count", "async_vs_sync_count"}  # only with --only: run_all would take past ~15 minutes
 QUICK_ARGS = {"generation": ["--repeats", "1", "--models", "tiny"], "training": ["--repeats", "1"], "serving": ["--repeats", "1"]}
 NEW = {"grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl", "async_vs_sync", "async_vs_sync_count", "weight_sync", "overhead", "overhead_count", "gpu"}
 SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
@@ -84,6 +84,11 @@ def describe(r: dict) -> tuple[str, str, str]:
     if n == "generation":
         models = ", ".join(f"{m}: {v['engine_tok_s']:.0f} vs {v['generate_tok_s']:.0f} tok/s" for m, v in r["models"].items())
         return "LocalEngine ÷ HF `generate` tokens/s (worst model)", "–", models
+    if n == "decode_cost":
+        models = "; ".join(f"{m}: measured {v['ratio']:.2f}, engine {v['engine']['seconds']:.2f}s = prefill {v['engine']['prefill']:.2f} "
+                           f"+ decode {v['engine']['decode']:.2f} + other {v['engine']['other']:.2f}, step {v['fixed_ms']:.1f} ms "
+                           f"+ {v['per_row_ms']:.2f} ms/row" for m, v in r["models"].items())
+        return "LocalEngine ÷ HF `generate` with zero engine overhead (worst model; `--only decode_cost`)", "–", models
     if n == "training":
         return ("packed ÷ padded train tokens/s", "–",
                 f"{r['packed_tokens_per_s']:.0f} vs {r['padded_tokens_per_s']:.0f} tok/s; pad fraction {r['padded_pad_fraction']:.0%}")

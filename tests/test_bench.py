@@ -60,7 +60,7 @@ def test_weight_sync_quick_prints_a_json_result(tmp_path: Path) -> None:
                          env=env, timeout=300, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["name"] == "weight_sync" and result["quick"] is True
-    assert set(result["seconds"]) == {"local", "server_http", "server_disk"}
+    assert set(result["seconds"]) == {"local", "server_http", "server_disk", "server_broadcast"}
     assert json.loads((tmp_path / "weight_sync.json").read_text()) == result
 
 

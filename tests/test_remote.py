@@ -318,6 +318,35 @@ def test_killed_server_requests_complete_and_server_is_readmitted(group, shared,
         eng.destroy()
 
 
+def test_a_hung_server_times_out_is_evicted_and_comes_back(group, shared, tiny_model):
+    """SIGSTOP: the server accepts connections but never answers. Requests time out and are
+    retried elsewhere, the health probe evicts it; after SIGCONT it is re-admitted."""
+    eng = make_engine(group, shared, request_timeout=2.0)
+    ps = prompts(8)
+    refs = reference(tiny_model, ps, greedy(8))
+    hung = group.procs[1].pid
+    try:
+        eng.update_weights(WeightUpdate(kind="tensors", version=eng.get_version(), tensors=tiny_model.state_dict()))
+        os.kill(hung, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            outs = run_all(eng, ps, greedy(8), prefix="hung")
+            assert [o.output_tokens for o in outs] == [r.output_tokens for r in refs]  # all done, none lost or doubled
+            assert time.monotonic() - t0 < 60
+            deadline = time.monotonic() + 30
+            while len(eng.live_servers()) > 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert eng.live_servers() == [f"http://{group.addresses[0]}"]
+        finally:
+            os.kill(hung, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while len(eng.live_servers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(eng.live_servers()) == 2
+    finally:
+        eng.destroy()
+
+
 def test_weights_by_collective_broadcast_survive_a_dead_and_a_returning_server(group, shared, tiny_model):
     """weight_sync=broadcast: SGLang's weight-group protocol over gloo, with real servers."""
     eng = make_engine(group, shared, weight_sync="broadcast")

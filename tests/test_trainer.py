@@ -110,8 +110,11 @@ def test_ctrl_c_saves_a_final_checkpoint_and_stops_the_servers(tmp_path: Path) -
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run_dir={run}", *FAST, "total_steps=10000",
            "checkpoint.every_n_steps=0", "rollout.max_staleness=1", "inference.backend=remote", "inference.n_servers=1"]
+    # SIG_DFL in the child: a suite started in the background (`cmd &`) ignores SIGINT, and Python
+    # then never turns it into KeyboardInterrupt
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if (run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2:
