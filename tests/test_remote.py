@@ -37,8 +37,8 @@ def group(shared):
 
 
 def make_engine(group, shared, **kw) -> RemoteEngine:
-    cfg = InferenceConfig(backend="remote", admin_token=TOKEN, health_interval=0.2, request_timeout=60,
-                          max_retries=10, weight_sync_dir=str(shared), **kw)
+    cfg = InferenceConfig(**{"backend": "remote", "admin_token": TOKEN, "health_interval": 0.2, "request_timeout": 60,
+                             "max_retries": 10, "weight_sync_dir": str(shared), **kw})
     eng = RemoteEngine(cfg, addresses=group.addresses)
     eng.initialize()
     return eng
