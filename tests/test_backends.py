@@ -95,7 +95,9 @@ def test_weight_and_control_calls():
         sg.upload(1)
     assert (sg.pause().path, sg.resume().path) == ("/pause_generation", "/continue_generation")
     assert (vl.pause().path, vl.resume().path) == ("/pause?mode=keep", "/resume")
-    assert vl.update_from_disk("/w", 1).json == {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}
+    vc = vl.update_from_disk("/w", 1)
+    assert (vc.method, vc.path) == ("POST", "/collective_rpc")
+    assert vc.json == {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}
     assert sg.parse_version({"weight_version": "7"}) == 7 and vl.get_version() is None
     sg.parse_update({"success": True, "message": "ok", "num_paused_requests": 0})
     with pytest.raises(RuntimeError, match="refused: bad path"):
