@@ -197,9 +197,14 @@ def test_kl_to_reference_and_kl_in_reward(tiny_model, tokenizer):
     cfg = ActorConfig(adv_estimator="reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1")
     PPOActor(cfg, eng, ref_engine=ref).prepare(batch2)
     kl = (batch2["old_logp"] - batch2["ref_logp"]) * batch2["loss_mask"]
-    tok_r = A.last_token_rewards(batch2["rewards"].double(), batch2["loss_mask"]) - 0.5 * kl.double()
-    exp_ret = A.discounted_returns(tok_r, batch2["loss_mask"], 1.0)
-    assert torch.allclose(batch2["returns"].double(), exp_ret, atol=1e-5)
+    # plainly: the return of a loss token = the sequence reward (paid at its last loss token) minus
+    # 0.5 * KL summed over this and every later loss token of the sequence (gamma 1)
+    mask = batch2["loss_mask"]
+    for i in range(mask.shape[0]):
+        idx = [j for j in range(mask.shape[1]) if mask[i, j]]
+        for n, j in enumerate(idx):
+            expected = float(batch2["rewards"][i]) - 0.5 * sum(float(kl[i, k]) for k in idx[n:])
+            assert float(batch2["returns"][i, j]) == pytest.approx(expected, abs=1e-5), (i, j)
     assert float(kl.abs().sum()) > 0
 
 
