@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -329,3 +330,48 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
     assert info["vocab_size"] == tiny_model.config.vocab_size and info["is_generation"] is True
     schema = httpx.get(server + "/openapi.json", timeout=10).json()
     assert {"/generate", "/v1/completions", "/v1/chat/completions", "/update_weights_from_disk"} <= set(schema["paths"])
+
+
+def test_a_stale_broadcast_failing_late_leaves_the_new_weight_group_alone(server, tiny_model):
+    """A broadcast abandoned by the trainer fails on the server only when its group goes away,
+    possibly after a new group of the same name was joined: the new group must survive it."""
+    import gc
+    import threading
+
+    from relayrl.inference.weight_group import WeightBroadcastGroup, dtype_name
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    weights = dict(sorted(tiny_model.state_dict().items()))  # what the server serves: no visible change
+    update = {"names": list(weights), "dtypes": [dtype_name(t.dtype) for t in weights.values()],
+              "shapes": [list(t.shape) for t in weights.values()], "weight_version": 0}
+
+    def join() -> WeightBroadcastGroup:
+        group = WeightBroadcastGroup("127.0.0.1", 0, 2, 0, "gloo", timeout_s=60)
+        init = {"master_address": "127.0.0.1", "master_port": group.port, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+        reply: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: reply.append(httpx.post(server + "/init_weights_update_group", json=init,
+                                                                      headers=auth, timeout=60)))
+        t.start()
+        group.join()
+        t.join()
+        assert reply[0].status_code == 200, reply[0].text
+        return group
+
+    old = join()
+    stale: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: stale.append(httpx.post(server + "/update_weights_from_distributed", json=update,
+                                                                 headers=auth, timeout=60)))
+    t.start()  # the server waits for a broadcast the trainer never sends
+    time.sleep(0.5)
+    new = join()  # the trainer gave up on the old group and built a new one
+    del old
+    gc.collect()  # the old group's connections close: the stale receive fails now
+    t.join(timeout=60)
+    assert stale and stale[0].status_code == 500 and "failed" in stale[0].json()["error"]
+    reply: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: reply.append(httpx.post(server + "/update_weights_from_distributed", json=update,
+                                                                 headers=auth, timeout=60)))
+    t.start()
+    new.broadcast(weights)
+    t.join(timeout=60)
+    assert reply[0].status_code == 200 and reply[0].json()["weight_version"] == 0, reply[0].text

@@ -323,8 +323,9 @@ class Server:
             raise _bad(f"dtypes: {e}") from None
         try:
             await asyncio.to_thread(group.broadcast, buffers)
-        except RuntimeError as e:  # a member died or timed out: the group is unusable now
-            self.groups.pop(req.group_name, None)
+        except RuntimeError as e:  # a member died or timed out: this group is unusable (a newer one may have replaced it)
+            if self.groups.get(req.group_name) is group:
+                del self.groups[req.group_name]
             raise _bad(f"weight broadcast in {req.group_name!r} failed: {e}", 500) from None
         return await self.apply(buffers, _version(req.weight_version))
 
