@@ -134,3 +134,20 @@ def test_custom_workflow_episode_and_training(tmp_path: Path, tokenizer, tiny_mo
     assert (traj["versions"][0][traj["loss_mask"][0]] == 0).all()
     last = module.main([f"run_dir={tmp_path}", *TINY])
     assert last["version"] == 2.0
+
+
+def test_reward_model_recipe_scores_rollouts_with_the_reward_model(tmp_path: Path):
+    from relayrl.api.config import ModelConfig
+    from relayrl.data.models import load_tokenizer
+
+    recipe = _load_script("reward_model")
+    result = recipe.main([*TINY, f"run_dir={tmp_path}", "logging.rollouts_per_step=4"])
+    assert result["version"] == 2.0  # two steps trained
+    fn = recipe.reward_model("tiny", seed=1).as_reward_fn()  # the same reward model (grpo.yaml's seed)
+    tok = load_tokenizer(ModelConfig(path="tiny"))
+    rows = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for row in rows:  # each saved reward is the reward model's score of that prompt + completion
+        p, c = tok.encode(row["prompt"], add_special_tokens=False), tok.encode(row["completion"], add_special_tokens=False)
+        assert row["reward"] == pytest.approx(fn(prompt=row["prompt"], completions=row["completion"], prompt_ids=p, completion_ids=c), abs=1e-4)
+    assert len({round(r["reward"], 6) for r in rows}) > 2  # real-valued scores, not a verifier's 0/1
