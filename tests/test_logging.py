@@ -131,3 +131,34 @@ def test_rng_state_round_trip_through_torch_save(tmp_path):
         assert e[0] == g[0] and e[1] == g[1] and torch.equal(e[2], g[2])
     with pytest.raises(KeyError, match="'numpy'"):
         set_rng_state({"python": state["python"], "torch": state["torch"]})
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_is_a_live_bar_on_a_terminal_and_plain_lines_otherwise(tty):
+    from relayrl.utils.progress import Progress
+
+    stream = _Terminal() if tty else io.StringIO()
+    p = Progress(total=4, stream=stream)
+    p.update(1, {"rollout/reward": 0.25, "perf/samples_per_s": 100.0})
+    p.update(2, {"rollout/reward": 0.5, "eval/accuracy": 0.75})  # values not given again stay shown
+    p.close()
+    out = stream.getvalue()
+    if tty:
+        frames = out.split("\r")[1:]
+        assert len(frames) == 2 and out.endswith("\n") and "\n" not in "".join(frames)[:-1]
+        assert frames[1].startswith("[###############...............] step 2/4 | reward 0.5 | eval 0.75 | samples/s 100")
+    else:
+        lines = out.splitlines()
+        assert "\r" not in out and len(lines) == 2
+        assert lines[0].startswith("step 1/4 | reward 0.25 | samples/s 100 | eta ")
+        assert lines[1].startswith("step 2/4 | reward 0.5 | eval 0.75 | samples/s 100 | eta ")
+    quiet = io.StringIO()
+    off = Progress(total=4, mode="off", stream=quiet)
+    off.update(1, {"rollout/reward": 1.0})
+    off.close()
+    assert quiet.getvalue() == ""
