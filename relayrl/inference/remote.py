@@ -350,7 +350,8 @@ class RemoteEngine(InferenceEngine):
             if self._group is None or self._group_members != members:
                 self._group = None
                 host = address_towards(httpx.URL(servers[0].url).host)
-                backend = "nccl" if torch.cuda.is_available() else "gloo"
+                # NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU)
+                backend = "nccl" if torch.cuda.is_available() and self.backend.name != "relayrl" else "gloo"
                 group = WeightBroadcastGroup(host, 0, len(servers) + 1, 0, backend, WEIGHT_GROUP, self.config.request_timeout)
                 calls = [self.backend.init_weight_group(host, group.port, i + 1, len(servers) + 1, backend) for i in range(len(servers))]
                 joins = [ex.submit(self._admin, s, c) for s, c in zip(servers, calls, strict=True)]
