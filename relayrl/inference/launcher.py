@@ -3,8 +3,9 @@
 Each child runs ``python -m relayrl.cli serve ... port=0`` and announces its port on stdout.
 Children are torn down by ``shutdown()``, at interpreter exit (atexit, which also covers
 Ctrl-C: SIGINT stays Python's KeyboardInterrupt so the trainer can save its final checkpoint
-first), on SIGTERM, and -- when the parent is SIGKILLed -- by the kernel: every child is started with
-``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux), so it dies with the thread that spawned it.
+first), on SIGTERM, and -- when the parent is SIGKILLed -- by the kernel: every child is
+started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux), so it dies with the thread that
+spawned it.
 """
 
 from __future__ import annotations

@@ -366,12 +366,11 @@ class RemoteEngine(InferenceEngine):
             self._settle(servers, replies, lambda: group.broadcast(tensors), errors)
         finally:
             ex.shutdown(wait=False)
-        for s, f in zip(servers, replies, strict=True):
-            if not errors:
-                self.backend.parse_update(f.result())
-                self._confirm(s, version)
         if errors:
             raise errors[0]
+        for s, f in zip(servers, replies, strict=True):
+            self.backend.parse_update(f.result())
+            self._confirm(s, version)
 
     def _settle(self, servers: list[_Server], replies: list[Future[object]], collective: Callable[[], None],
                 errors: list[BaseException]) -> None:
@@ -453,11 +452,12 @@ class RemoteEngine(InferenceEngine):
         if update.kind == "disk":
             return ("disk", update.path)
         assert update.tensors is not None
-        if self._sync_mode() == "broadcast":
+        mode = self._sync_mode()
+        if mode == "broadcast":
             return ("broadcast", {k: v.detach().contiguous() for k, v in sorted(update.tensors.items())})
         # clone: safetensors refuses tensors that share storage (tied embeddings)
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in update.tensors.items()}
-        if self._sync_mode() == "http":
+        if mode == "http":
             return ("http", safetensors.torch.save(tensors))
         root = Path(self.config.weight_sync_dir)
         final = root / f"v{update.version:08d}"

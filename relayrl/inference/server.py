@@ -2,8 +2,9 @@
 
 Speaks SGLang's native protocol (``/generate``, ``/update_weights_from_disk``, weights by
 collective broadcast (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``: NCCL on GPUs, gloo on CPU), ``/pause_generation``, ``/continue_generation``, ``/health``, ``/get_model_info``,
-``/get_weight_version``), a safetensors weight upload (``/update_weights_from_tensor``), and
+``/destroy_weights_update_group``: NCCL on GPUs, gloo on CPU), ``/pause_generation``,
+``/continue_generation``, ``/health``, ``/get_model_info``, ``/get_weight_version``), a
+safetensors weight upload (``/update_weights_from_tensor``), and
 OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the same process
 serves RemoteEngine (any of its protocols) and agents written against the OpenAI SDK.
 The OpenAPI schema is at ``/openapi.json``.
@@ -12,9 +13,9 @@ The OpenAPI schema is at ``/openapi.json``.
 ``sampling_params`` and ``return_logprob`` one per item or one for all) and answers a list of
 per-item replies; ``/v1/completions`` takes a list of prompts (one choice per prompt and sample).
 Every body is validated (unknown fields, out-of-range values, out-of-vocabulary ids) and
-answered with a 4xx naming the field (and the item index in a batch); the process stays up. Admin routes (weights, pause)
-need ``Authorization: Bearer <token>`` when a token is configured. Disk paths are confined
-to ``allowed_weight_roots`` (symlinks resolved, ``..`` refused).
+answered with a 4xx naming the field (and the item index in a batch); the process stays up.
+Admin routes (weights, pause) need ``Authorization: Bearer <token>`` when a token is
+configured. Disk paths are confined to ``allowed_weight_roots`` (symlinks resolved, ``..`` refused).
 """
 
 from __future__ import annotations
@@ -268,15 +269,21 @@ class Server:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)]
         return {"text": self.decode(r.output_tokens, skip_special), "output_ids": r.output_tokens, "meta_info": meta}
 
-    async def apply(self, tensors: dict[str, torch.Tensor], version: int | None) -> dict[str, object]:
-        for name, t in tensors.items():
-            if self.reference and name not in self.reference:
+    def check_weights(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Every served parameter present (a tied lm_head may be left out), none unknown, shapes equal."""
+        if not self.reference:
+            return
+        for name, shape in shapes.items():
+            if name not in self.reference:
                 raise _bad(f"weights: unknown parameter {name!r}")
-            if self.reference and tuple(t.shape) != tuple(self.reference[name][0]):
-                raise _bad(f"weights: {name} has shape {tuple(t.shape)}, expected {tuple(self.reference[name][0])}")
-        missing = sorted(set(self.reference) - set(tensors) - {"lm_head.weight"})  # lm_head may be tied
-        if self.reference and missing:
+            if tuple(shape) != tuple(self.reference[name][0]):
+                raise _bad(f"weights: {name} has shape {tuple(shape)}, expected {tuple(self.reference[name][0])}")
+        missing = sorted(set(self.reference) - set(shapes) - {"lm_head.weight"})
+        if missing:
             raise _bad(f"weights: missing {len(missing)} parameters, e.g. {missing[:3]}")
+
+    async def apply(self, tensors: dict[str, torch.Tensor], version: int | None) -> dict[str, object]:
+        self.check_weights({name: tuple(t.shape) for name, t in tensors.items()})
         async with self.weight_lock:
             v = self.engine.get_version() + 1 if version is None else version
             update = WeightUpdate(kind="tensors", version=v, tensors=tensors)
@@ -314,9 +321,7 @@ class Server:
             raise _bad(f"no weight group {req.group_name!r}: call /init_weights_update_group first")
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
             raise _bad(f"names, dtypes and shapes differ in length ({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})")
-        for name, shape in zip(req.names, req.shapes, strict=True):  # before allocating anything
-            if self.reference and (name not in self.reference or list(self.reference[name][0]) != shape):
-                raise _bad(f"weights: {name!r} of shape {shape} is not a parameter of the served model")
+        self.check_weights({n: tuple(shape) for n, shape in zip(req.names, req.shapes, strict=True)})  # before allocating
         try:
             buffers = {n: torch.empty(shape, dtype=parse_dtype(d)) for n, d, shape in zip(req.names, req.dtypes, req.shapes, strict=True)}
         except ValueError as e:
@@ -401,8 +406,8 @@ class Server:
             choices.append({"index": i, "text": self.decode(r.output_tokens, req.skip_special_tokens), "logprobs": lp,
                             "finish_reason": r.stop_reason, "token_ids": r.output_tokens,
                             "token_versions": r.output_versions})
-        return _json({"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                      "choices": choices, "usage": _usage(sum(len(ids) for ids, _ in zip(prompts, gs, strict=True)), outs)})
+        return _json({"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.cfg.model.path,
+                      "choices": choices, "usage": _usage(sum(len(ids) for ids in prompts), outs)})
 
     async def chat(self, req: ChatRequest) -> dict[str, object]:
         if req.stream:
@@ -427,12 +432,8 @@ class Server:
                 lp = {"content": content}
             choices.append({"index": i, "message": {"role": "assistant", "content": self.decode(r.output_tokens)},
                             "logprobs": lp, "finish_reason": r.stop_reason, "token_ids": r.output_tokens})
-        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.cfg.model.path,
                 "choices": choices, "usage": _usage(len(ids), outs)}
-
-    @property
-    def model_name(self) -> str:
-        return self.cfg.model.path
 
 
 def _version(v: object) -> int | None:
@@ -546,7 +547,7 @@ def build_app(srv: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
-        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "owned_by": "relayrl"}]}
+        return {"object": "list", "data": [{"id": srv.cfg.model.path, "object": "model", "owned_by": "relayrl"}]}
 
     return app
 
@@ -562,8 +563,7 @@ def make_server(cfg: ServerConfig) -> Server:
     reference = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
     engine = LocalEngine(cfg.inference, model=model, tokenizer=tok, model_config=cfg.model)
     engine.initialize()
-    vocab = int(model.config.vocab_size)
-    return Server(engine, tok, cfg, vocab, int(getattr(model.config, "max_position_embeddings", 2048)), reference)
+    return Server(engine, tok, cfg, int(model.config.vocab_size), int(getattr(model.config, "max_position_embeddings", 2048)), reference)
 
 
 def _is_loopback(host: str) -> bool:

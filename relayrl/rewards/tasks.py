@@ -7,8 +7,9 @@ what remains is the answer.
 
 Rewards: 1.0 for a correct answer, ``format_reward`` (default 0.0) for a well-formed but
 wrong answer (an integer for arithmetic, an expression over the right numbers for
-countdown, space-separated integers for count), 0.0 for anything else. ``task_reward_fn(name, format_reward)`` returns a
-picklable reward fn, so it can run in a ``RewardPool`` worker.
+countdown, space-separated integers for count), 0.0 for anything else.
+``task_reward_fn(name, format_reward)`` returns a picklable reward fn, so it can run in a
+``RewardPool`` worker.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        if self.live and not self.off:
+        if self.live:
             self.stream.write("\n")
             self.stream.flush()
 
