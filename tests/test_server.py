@@ -224,9 +224,12 @@ def test_weight_group_routes_are_admin_and_validate(server):
         assert httpx.post(server + path, json=body, timeout=10).status_code == 401, path
     r = httpx.post(server + "/update_weights_from_distributed", json=update, headers=auth, timeout=10)
     assert r.status_code == 400 and "no weight group 'weight_update_group'" in r.json()["error"]
-    for field, value in (("world_size", 1), ("rank_offset", 0), ("backend", "mpi"), ("master_port", 70000)):
+    for field, value in (("world_size", 1), ("world_size", 2**70), ("rank_offset", 0), ("backend", "mpi"),
+                         ("master_port", 70000)):
         r = httpx.post(server + "/init_weights_update_group", json={**init, field: value}, headers=auth, timeout=10)
         assert r.status_code == 400 and r.json()["error"].startswith(field), (field, r.text)
+    r = httpx.post(server + "/init_weights_update_group", json={**init, "rank_offset": 2}, headers=auth, timeout=10)
+    assert r.status_code == 400 and "rank_offset=2 must be below world_size=2" in r.json()["error"], r.text
     r = httpx.post(server + "/destroy_weights_update_group", json={}, headers=auth, timeout=10)
     assert r.status_code == 200 and r.json()["success"] is False
     assert httpx.get(server + "/health", timeout=10).status_code == 200

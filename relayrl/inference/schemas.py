@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, model_validator
 
 
 class _Body(BaseModel):
@@ -91,10 +91,16 @@ class InitWeightGroup(_Body):
 
     master_address: str
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
+    rank_offset: int = Field(ge=1, lt=1 << 16)
+    world_size: int = Field(ge=2, le=1 << 16)
     group_name: str = "weight_update_group"
     backend: Literal["nccl", "gloo"] = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> InitWeightGroup:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset={self.rank_offset} must be below world_size={self.world_size}")
+        return self
 
 
 class DistributedUpdate(_Body):

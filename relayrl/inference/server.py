@@ -310,7 +310,7 @@ class Server:
             self.groups[req.group_name] = await asyncio.to_thread(lambda: WeightBroadcastGroup(
                 req.master_address, req.master_port, req.world_size, req.rank_offset, req.backend, req.group_name,
                 self.cfg.inference.request_timeout).join())
-        except (RuntimeError, ValueError) as e:  # bad address, timeout, no CUDA for nccl
+        except (RuntimeError, ValueError, TypeError, OSError) as e:  # bad address, timeout, no CUDA for nccl
             raise _bad(f"could not join weight group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}") from None
         return {"success": True, "message": f"joined {req.group_name!r} as rank {req.rank_offset} of {req.world_size}"}
 
