@@ -25,7 +25,7 @@ from relayrl.train.engine import TorchTrainEngine
 from relayrl.utils import stats
 
 
-def main(overrides: list[str]) -> dict[str, float]:
+def main(overrides: list[str]) -> list[dict[str, float]]:
     cfg = load_config(RunConfig, None, ["total_steps=3", "rollout.batch_size=4", "rollout.group_size=4", *overrides])
     torch.set_num_threads(cfg.torch_threads)
     tokenizer = load_tokenizer(cfg.model)
@@ -39,6 +39,7 @@ def main(overrides: list[str]) -> dict[str, float]:
     actor = PPOActor(cfg.actor, actor_engine)
     workflow = RLVRWorkflow(task_reward_fn("arithmetic"), cfg.gconfig, tokenizer)
 
+    history = []
     batches = (train_rows[i : i + cfg.rollout.batch_size] for i in itertools.count(0, cfg.rollout.batch_size))
     for step in range(cfg.total_steps):
         with stats.record_timing("rollout"):
@@ -48,16 +49,17 @@ def main(overrides: list[str]) -> dict[str, float]:
         with stats.record_timing("compute_advantages"):
             actor.compute_advantages(batch)
         with stats.record_timing("ppo_update"), stats.scope("actor"):
-            for s in actor.ppo_update(batch):
+            for s in actor.ppo_update(batch):  # each optimizer step also advances the LR schedule
                 stats.scalar(**{k: v for k, v in s.items() if isinstance(v, float)})
-            actor_engine.step_lr_scheduler()
         with stats.record_timing("update_weights"):
             actor_engine.set_version(step + 1)
             actor_engine.update_weights(rollout)
         metrics = {"reward": float(batch["rewards"].mean()), **stats.export()}
-        print(f"step {step + 1}: reward {metrics['reward']:.3f}  loss {metrics.get('actor/loss', float('nan')):.4f}")
+        history.append(metrics)
+        print(f"step {step + 1}: reward {metrics['reward']:.3f}  loss {metrics.get('actor/loss', float('nan')):.4f}  "
+              f"lr {metrics['actor/lr']:.2e}")
     rollout.destroy()
-    return metrics
+    return history
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ def main(overrides: list[str]) -> list[float]:
         batch["rewards"] = batch["rewards"] - batch["baseline_rewards"]  # seed 002: reward difference
         with stats.record_timing("train_step"), stats.scope("actor"):
             stats.scalar(**actor.train_reinforce(batch))
-            actor.step_lr_scheduler()
         with stats.record_timing("update_weights"):
             actor.set_version(step + 1)
             actor.update_weights(rollout)

@@ -233,7 +233,6 @@ def run_sft(
         for step in range(1, total + 1):
             epoch, examples = next(stream)
             stats = engine.train_batch(collate(examples), sft_loss_fn, sft_loss_weight)
-            engine.step_lr_scheduler()
             window.append(stats["loss"])
             metrics = {f"sft/{k}": v for k, v in stats.items()} | {"sft/epoch": float(epoch)}
             if cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0 and step < total:

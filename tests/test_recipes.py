@@ -30,9 +30,18 @@ def _load_script(name: str):
     return module
 
 
-def test_colocated_lowlevel():
-    metrics = _load_script("colocated_lowlevel").main(TINY)
-    assert "timing/rollout" in metrics and "actor/loss" in metrics
+def test_colocated_lowlevel_follows_the_lr_schedule():
+    from relayrl.api.config import OptimizerConfig
+    from relayrl.train.engine import lr_factor
+
+    sched = ["train.optimizer.lr=1e-3", "train.optimizer.warmup_steps=2", "train.optimizer.lr_schedule=cosine",
+             "train.optimizer.min_lr_ratio=0.1", "train.total_steps=4"]
+    history = _load_script("colocated_lowlevel").main([*TINY, "total_steps=4", *sched])
+    assert "timing/rollout" in history[-1] and "actor/loss" in history[-1]
+    opt = OptimizerConfig(lr=1e-3, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    # warmup 0.5e-3, 1e-3, then cosine decay to 0.1e-3 at the last step
+    assert [m["actor/lr"] for m in history] == pytest.approx([1e-3 * lr_factor(s, opt, 4) for s in range(4)])
+    assert history[-1]["actor/lr"] == pytest.approx(1e-4)
 
 
 def test_separate_producer(tmp_path: Path):

@@ -41,7 +41,6 @@ def run_steps(eng: TorchTrainEngine, seeds: range) -> list[dict[str, float]]:
         out = eng.train_batch(make_batch(LENGTHS, seed=s), pg_loss, n_loss_tokens)
         out.pop("n_mbs")  # per rank
         stats.append(out)
-        eng.step_lr_scheduler()
     return stats
 
 

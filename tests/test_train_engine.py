@@ -103,12 +103,12 @@ def test_lr_schedules(tiny_model, schedule):
     }[schedule]
     assert [lr_factor(s, opt, 10) for s in range(6)] == pytest.approx(expected)
     assert lr_factor(50, opt, 10) == pytest.approx(1.0 if schedule == "constant" else 0.1)
+    # train_batch steps the schedule itself: each step reports the rate it trained at
     eng = make_engine(tiny_model, lr=1e-3, lr_schedule=schedule, warmup_steps=2, min_lr_ratio=0.1)
-    seen = []
-    for _ in range(6):
-        seen.append(eng.get_lr())
-        eng.step_lr_scheduler()
+    batch = make_batch(LENGTHS[:2])
+    seen = [eng.train_batch(batch, pg_loss, n_loss_tokens)["lr"] for _ in range(6)]
     assert seen == pytest.approx([1e-3 * f for f in expected])
+    assert eng.get_lr() == pytest.approx(1e-3 * lr_factor(6, opt, 10))
 
 
 def test_nan_guard_skips_and_then_stops(tiny_model):
@@ -140,14 +140,13 @@ def test_save_load_resume_is_exact_and_hf_reloadable(tiny_model, tmp_path):
     kw = dict(budget=64, lr_schedule="cosine", warmup_steps=1)
     a = make_engine(tiny_model, **kw)
     a.train_batch(b1, pg_loss, n_loss_tokens)
-    a.step_lr_scheduler()
     a.set_version(7)
     a.save(SaveLoadMeta(str(tmp_path / "ckpt"), with_optim=True))
     s_a = a.train_batch(b2, pg_loss, n_loss_tokens)
 
     b = make_engine(tiny_model, **kw)  # fresh engine, untrained weights
     b.load(SaveLoadMeta(str(tmp_path / "ckpt"), with_optim=True))
-    assert b.get_version() == 7 and b.get_lr() == a.optimizer.param_groups[0]["lr"]
+    assert b.get_version() == 7 and b.get_lr() == s_a["lr"]  # the schedule resumes where it was saved
     s_b = b.train_batch(b2, pg_loss, n_loss_tokens)
     assert s_a == s_b
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))

@@ -202,7 +202,8 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path) -> None:
     broadcasts each batch, both ranks train their share of it. The run trains on the same prompts
     with the same rewards as one process, writes one run directory, and ends with the same
     weights up to summation order."""
-    args = [*FAST, "total_steps=3", "rollout.batch_size=4", "rollout.group_size=2", "checkpoint.every_n_steps=2"]
+    args = [*FAST, "total_steps=3", "rollout.batch_size=4", "rollout.group_size=2", "checkpoint.every_n_steps=2",
+            "train.optimizer.warmup_steps=2", "train.optimizer.lr_schedule=cosine", "train.optimizer.min_lr_ratio=0.1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, "-m", "relayrl.cli", "train", f"run_dir={tmp_path / 'one'}", *args],
                          capture_output=True, text=True, timeout=600, env=env)
@@ -214,6 +215,8 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path) -> None:
     assert len([line for line in two.stdout.splitlines() if line.startswith("{")]) == 1  # the driver's summary only
     a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert [r["step"] for r in b] == [1, 2, 3]
+    # `relayrl train` follows the LR schedule, in one process and under torchrun: warmup, then cosine decay
+    assert [r["actor/lr"] for r in a] == [r["actor/lr"] for r in b] == pytest.approx([5e-4, 1e-3, 1e-4])
     for ra, rb in zip(a, b, strict=True):
         assert ra["prompt_ids"] == rb["prompt_ids"] and ra["rollout/reward"] == rb["rollout/reward"]
         assert rb["actor/loss"] == pytest.approx(ra["actor/loss"], abs=1e-5)
@@ -221,6 +224,16 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path) -> None:
     wa, wb = _weights(tmp_path / "one", 3), _weights(tmp_path / "two", 3)
     assert wa.keys() == wb.keys()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-5
+
+
+def test_relayrl_train_follows_the_lr_schedule(tmp_path: Path) -> None:
+    """The trainer's optimizer steps advance the schedule: warmup over 2 steps, then linear decay
+    to min_lr_ratio at the last of total_steps x n_minibatches optimizer steps."""
+    cfg = _cfg(tmp_path, "total_steps=3", "actor.n_minibatches=2", "train.optimizer.warmup_steps=2",
+               "train.optimizer.lr_schedule=linear", "train.optimizer.min_lr_ratio=0.2", "checkpoint.save_final=false")
+    train(cfg)
+    f = [1e-3 * x for x in (0.5, 1.0, 1 - 0.8 * 1 / 4, 1 - 0.8 * 2 / 4, 1 - 0.8 * 3 / 4, 0.2)]  # 6 optimizer steps
+    assert [r["actor/lr"] for r in _metrics(cfg.run_dir)] == pytest.approx([(f[0] + f[1]) / 2, (f[2] + f[3]) / 2, (f[4] + f[5]) / 2])
 
 
 def test_checkpoints_are_due_every_n_steps_or_every_n_minutes(tmp_path: Path) -> None:

@@ -164,16 +164,14 @@ class TrainEngine(abc.ABC):
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         """One optimizer step over the whole batch (split into micro-batches by tokens).
 
-        Returns stats including ``loss``, ``grad_norm``, ``lr`` and ``skipped`` (1.0 when
-        the NaN/inf guard skipped the step).
+        Returns stats including ``loss``, ``grad_norm``, ``lr`` (the rate this step used) and
+        ``skipped`` (1.0 when the NaN/inf guard skipped the step). The LR schedule advances
+        once per call, here, so no training loop has to remember to step it.
         """
 
     @abc.abstractmethod
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> float:
         """The weighted loss of the batch, no gradient."""
-
-    @abc.abstractmethod
-    def step_lr_scheduler(self) -> None: ...
 
     @abc.abstractmethod
     def save(self, meta: SaveLoadMeta) -> None: ...

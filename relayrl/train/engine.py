@@ -278,6 +278,8 @@ class TorchTrainEngine(TrainEngine):
         finite = math.isfinite(float(grad_norm)) and math.isfinite(loss_value)
         if finite:
             self.optimizer.step()
+            if self.scheduler is not None:  # stepped where the optimizer steps: no training loop can forget it
+                self.scheduler.step()
             self._steps += 1
             self._nan_skips = 0
         else:
@@ -292,10 +294,6 @@ class TorchTrainEngine(TrainEngine):
             "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0 if finite else 1.0,
             "n_tokens": D.all_reduce_sum(n_tokens), "n_mbs": float(len(mbs)),
         }
-
-    def step_lr_scheduler(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.step()
 
     def get_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
