@@ -8,8 +8,10 @@ import json
 import os
 import shutil
 import tempfile
+import types
 import typing
 from pathlib import Path
+from typing import get_args, get_origin
 
 import pytest
 import yaml
@@ -224,3 +226,75 @@ def test_random_values_give_a_valid_config_or_a_config_error_naming_the_field(as
         return
     # Valid: it survives a save / load round trip unchanged.
     assert load_config(RunConfig, save_config(cfg, _TMP / "run")) == cfg
+
+
+# --------------------------------------------------------------------------------------
+# YAML 1.1 reads on/off/yes/no as bools and ~/null as null: a string field keeps the word typed.
+# --------------------------------------------------------------------------------------
+
+YAML_WORDS = ["on", "off", "On", "OFF", "yes", "no", "Yes", "NO", "y", "n", "Y", "N", "true", "false", "True",
+              "FALSE", "~", "null", "Null", "NULL"]
+BOOL_WORDS = {"on": True, "off": False, "yes": True, "no": False, "true": True, "false": False}
+
+
+def _field_types(cls: type = RunConfig, prefix: str = "") -> dict[str, tuple[object, dict]]:
+    hints, out = typing.get_type_hints(cls), {}
+    for fl in dataclasses.fields(cls):
+        tp = hints[fl.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_field_types(typing.cast(type, tp), f"{prefix}{fl.name}."))
+        else:
+            out[prefix + fl.name] = (tp, dict(fl.metadata))
+    return out
+
+
+FIELD_TYPES = _field_types()
+
+
+def _get(cfg: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_logging_progress_off_on_the_command_line_means_off(tmp_path):
+    assert load_config(RunConfig, None, ["logging.progress=off"]).logging.progress == "off"
+    (tmp_path / "c.yaml").write_text("logging:\n  progress: off\n  tensorboard: off\n")
+    cfg = load_config(RunConfig, tmp_path / "c.yaml")
+    assert cfg.logging.progress == "off" and cfg.logging.tensorboard is False
+    assert load_config(RunConfig, save_config(cfg, tmp_path / "run")) == cfg  # saved and read back as "off"
+
+
+@settings(max_examples=int(os.environ.get("RELAYRL_CONFIG_EXAMPLES", "100")) * 3, deadline=None)
+@given(name=st.sampled_from(sorted(FIELD_TYPES)), word=st.sampled_from(YAML_WORDS), via_cli=st.booleans())
+def test_yaml_bool_and_null_words_keep_their_meaning_for_each_field_type(name, word, via_cli, tmp_path_factory):
+    """A string field gets the word as typed, a bool field its truth value, an optional field None
+    for ~/null; anything else is a one-line ConfigError naming the field (never 'got False')."""
+    tp, meta = FIELD_TYPES[name]
+    args = get_args(tp) if get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    if via_cli:
+        path, overrides = None, [f"{name}={word}"]
+    else:
+        path, overrides = tmp_path_factory.mktemp("w") / "c.yaml", []
+        path.write_text(yaml.safe_dump(_nest({name: "@"})).replace("'@'", word))
+    if word.lower() in ("~", "null") and type(None) in args:
+        expected: object = None
+    elif str in args:
+        expected = word
+    elif bool in args and word.lower() in BOOL_WORDS:
+        expected = BOOL_WORDS[word.lower()]
+    else:
+        msg = _error(overrides, path)
+        assert name in msg and "got False" not in msg and "got True" not in msg, msg
+        return
+    choices = meta.get("choices")
+    if choices is not None and expected not in choices:
+        msg = _error(overrides, path)
+        assert f"{name}={expected!r} is not allowed" in msg, msg
+        return
+    try:
+        cfg = load_config(RunConfig, path, overrides)
+    except ConfigError as e:  # a cross-field rule may still refuse the value: then it names the field
+        assert name.rsplit(".", 1)[-1] in str(e), str(e)
+        return
+    assert _get(cfg, name) == expected and type(_get(cfg, name)) is type(expected)

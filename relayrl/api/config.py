@@ -37,6 +37,43 @@ class ConfigError(ValueError):
     """A config value is missing, unknown, of the wrong type or out of range."""
 
 
+class YamlWord(str):
+    """A scalar YAML 1.1 reads as a bool or null (``on``, ``off``, ``yes``, ``n``, ``~``, ``null`` ...),
+    kept as the word typed: a string field gets the word (``logging.progress=off`` means "off",
+    not False), a bool or optional field gets ``value``."""
+
+    value: bool | None
+
+    def __new__(cls, word: str, value: bool | None) -> YamlWord:
+        obj = super().__new__(cls, word)
+        obj.value = value
+        return obj
+
+    def resolve(self, tp: object) -> YamlValue:
+        args = get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
+        if self.value is None and type(None) in args:
+            return None
+        return str(self) if str in args else self.value
+
+
+def _word_loader(base: type[yaml.SafeLoader]) -> type[yaml.SafeLoader]:
+    """``base`` with bools and nulls read as ``YamlWord``; the value is resolved by the field's type."""
+
+    class Loader(base):  # type: ignore[valid-type, misc]
+        pass
+
+    def word(loader: yaml.SafeLoader, node: yaml.Node) -> YamlWord:
+        resolved = {"tag:yaml.org,2002:bool": loader.construct_yaml_bool, "tag:yaml.org,2002:null": loader.construct_yaml_null}
+        return YamlWord(str(node.value), resolved[node.tag](node))
+
+    for tag in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:null"):
+        Loader.add_constructor(tag, word)
+    return Loader
+
+
+_LOADERS = [_word_loader(base) for base in (getattr(yaml, "CSafeLoader", None), yaml.SafeLoader) if base is not None]
+
+
 def f(default: T, help: str = "", **rules: object) -> T:
     """A dataclass field with help text and validation rules.
 
@@ -342,6 +379,11 @@ def _type_name(tp: object) -> str:
 
 def _coerce(value: YamlValue, tp: object, name: str) -> object:
     """Convert a YAML value to ``tp`` or raise ConfigError naming the field."""
+    if isinstance(value, YamlWord):
+        try:
+            return _coerce(value.resolve(tp), tp, name)
+        except ConfigError:  # name the word typed ('on'), not what YAML made of it (True)
+            raise ConfigError(f"{name}: expected a {_type_name(tp)}, got {str(value)!r}") from None
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
@@ -495,25 +537,24 @@ def parse_override(text: str) -> tuple[list[str], YamlValue]:
     if not key or any(not part.isidentifier() for part in key.split(".")):
         raise ConfigError(f"override {text!r}: {key!r} is not a dotted field name")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
     except (yaml.YAMLError, ValueError):  # ValueError: an integer literal too long to convert
         value = raw
-    return key.split("."), typing.cast(YamlValue, value)
+    return key.split("."), value
 
 
 def _load_yaml(text: str) -> YamlValue:
-    """``yaml.safe_load``, through libyaml when PyYAML has it (~9x faster on a full config).
+    """YAML through libyaml when PyYAML has it (~9x faster on a full config), bools and nulls as ``YamlWord``.
 
     libyaml rejects a few escapes PyYAML accepts (surrogate ``\\uD800``), so a file it refuses
     is read again by the pure-Python loader, whose error (if any) is the one reported.
     """
-    loader = getattr(yaml, "CSafeLoader", None)
-    if loader is not None:
+    for loader in _LOADERS[:-1]:
         try:
-            return typing.cast(YamlValue, yaml.load(text, Loader=loader))
+            return typing.cast(YamlValue, yaml.load(text, Loader=loader))  # noqa: S506 (a SafeLoader)
         except (yaml.YAMLError, ValueError):
             pass
-    return typing.cast(YamlValue, yaml.safe_load(text))
+    return typing.cast(YamlValue, yaml.load(text, Loader=_LOADERS[-1]))  # noqa: S506
 
 
 def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> T:
@@ -530,6 +571,8 @@ def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overri
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer literal too long to convert
             raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if isinstance(loaded, YamlWord) and loaded.value is None:  # a file holding only "~" or "null"
+            loaded = None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
         values = loaded or {}
