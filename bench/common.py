@@ -88,6 +88,7 @@ def held_out_accuracy(model: PreTrainedModel, rows: Sequence[dict], n_samples: i
     scored by the task verifier; decoded by LocalEngine on a copy of ``model``."""
     from relayrl.evaluation import evaluate
     from relayrl.inference.local import LocalEngine
+    from relayrl.rollout.workflows.rlvr import RLVRWorkflow
 
     engine = LocalEngine(InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=build_tokenizer())
     engine.initialize()
@@ -95,7 +96,8 @@ def held_out_accuracy(model: PreTrainedModel, rows: Sequence[dict], n_samples: i
         w = WORKLOADS[workload]
         g = GenerationConfig(max_new_tokens=w["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, greedy=greedy)
         n = 1 if greedy else n_samples
-        out = evaluate(engine, build_tokenizer(), list(rows), g, task_reward_fn(w["task"]["name"]), n_samples=n)
+        workflow = RLVRWorkflow(task_reward_fn(w["task"]["name"]), g, build_tokenizer())
+        out = evaluate(engine, workflow, list(rows), n_samples=n)
     finally:
         engine.destroy()
     return float(out.get("eval/accuracy_mean", out["eval/accuracy"]))

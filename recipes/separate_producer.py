@@ -41,6 +41,7 @@ def main(overrides: list[str]) -> dict[str, float]:
     actor = PPOActor(cfg.actor, actor_engine)
     actor_engine.update_weights(engine)
     workflow = wiring.make_workflow(cfg, tokenizer, reward_fn)
+    eval_workflow = wiring.make_workflow(cfg, tokenizer, reward_fn, cfg.eval.gconfig)
     dataloader = wiring.make_dataloader(cfg, train_rows)
 
     result: dict[str, float] = {}
@@ -56,7 +57,7 @@ def main(overrides: list[str]) -> dict[str, float]:
         if step % cfg.eval.every_n_steps == 0:
             executor.pause()  # evaluation first: no new training episodes start meanwhile
             try:
-                result.update(evaluate(engine, tokenizer, eval_rows[:8], cfg.eval.gconfig, reward_fn))
+                result.update(evaluate(engine, eval_workflow, eval_rows[:8]))
             finally:
                 executor.resume()
         print(result)

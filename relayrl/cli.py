@@ -178,7 +178,8 @@ def _eval(argv: list[str]) -> int:
     engine.initialize()
     try:
         rows = rows[: cfg.eval.max_prompts or None]
-        out = evaluate(engine, tokenizer, rows, cfg.eval.gconfig, wiring.reward_fn_for(cfg), cfg.eval.n_samples)
+        workflow = wiring.make_workflow(cfg, tokenizer, wiring.reward_fn_for(cfg), cfg.eval.gconfig)  # the run's workflow
+        out = evaluate(engine, workflow, rows, cfg.eval.n_samples)
     finally:
         engine.destroy()
     print(json.dumps({"model": cfg.model.path, **out}))

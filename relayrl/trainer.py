@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from relayrl.api.config import RunConfig, save_config
+from relayrl.api.config import RunConfig, save_config, validate_config
 from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
 from relayrl.api.io import SaveLoadMeta
 from relayrl.api.workflow import RolloutWorkflow
@@ -51,7 +51,9 @@ class Trainer:
     """Builds every part of a run from a ``RunConfig`` and runs it.
 
     Users may pass their own ``workflow``, ``reward_fn`` and rows; otherwise they come from
-    the config (``workflow``, ``data.task`` / ``data.train_path``).
+    the config (``workflow``, ``data.task`` / ``data.train_path``). Evaluation runs episodes of
+    ``eval_workflow``: by default the config's workflow generating with ``eval.gconfig``, or, when
+    a ``workflow`` is passed, that same workflow (pass ``eval_workflow`` to evaluate differently).
     """
 
     def __init__(
@@ -61,11 +63,13 @@ class Trainer:
         reward_fn: RewardFn | None = None,
         train_rows: list[DataItem] | None = None,
         eval_rows: list[DataItem] | None = None,
+        eval_workflow: RolloutWorkflow | None = None,
     ) -> None:
         from relayrl import wiring  # the one module that knows every concrete part
 
         if cfg.actor.overlong_buffer and not cfg.actor.overlong_max_len:
             cfg.actor.overlong_max_len = cfg.gconfig.max_new_tokens  # DAPO's penalty ramps up to the limit
+        validate_config(cfg)  # a config built or changed in code gets the load-time checks too
         check_actor_config(cfg.actor)  # a mistyped loss / estimator fails now, not after models load
         if cfg.train.optimizer.lr_schedule != "constant" and not cfg.train.total_steps:
             cfg.train.total_steps = cfg.total_steps * cfg.actor.ppo_epochs * cfg.actor.n_minibatches
@@ -111,7 +115,11 @@ class Trainer:
             self.engine.initialize()
             self.executor = WorkflowExecutor(cfg.rollout, self.engine)
             self.executor.initialize()
-            self.workflow = workflow or wiring.make_workflow(cfg, self.tokenizer, self.reward_fn)
+            self.reward_pool = wiring.make_reward_pool(cfg, self.reward_fn)
+            self.workflow = workflow or wiring.make_workflow(cfg, self.tokenizer, self.reward_fn, reward_pool=self.reward_pool)
+            self.eval_workflow = eval_workflow or workflow or wiring.make_workflow(
+                cfg, self.tokenizer, self.reward_fn, cfg.eval.gconfig, reward_pool=self.reward_pool
+            )
 
         self.step = 0
         if resume_from is not None:
@@ -251,7 +259,7 @@ class Trainer:
         was_paused = self.executor.paused
         self.executor.pause()
         try:
-            return evaluate(self.engine, self.tokenizer, self.eval_rows, self.cfg.eval.gconfig, self.reward_fn, self.cfg.eval.n_samples)
+            return evaluate(self.engine, self.eval_workflow, self.eval_rows, self.cfg.eval.n_samples)
         finally:
             if not was_paused:
                 self.executor.resume()
@@ -320,9 +328,8 @@ class Trainer:
         if self.driver:
             self.executor.destroy()
             self.engine.destroy()  # type: ignore[union-attr]
-            pool = getattr(self.workflow, "reward_pool", None)
-            if pool is not None and hasattr(pool, "close"):
-                pool.close()
+            if self.reward_pool is not None:
+                self.reward_pool.close()
             self.metrics.close()
         self.actor_engine.destroy()
 

@@ -13,11 +13,13 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import RunConfig
 from relayrl.api.engine import DataItem, InferenceEngine
+from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader, load_rows_from_file
 from relayrl.data.models import load_model
 from relayrl.data.tasks import make_task
 from relayrl.rewards.math import gsm8k_reward_fn
+from relayrl.rewards.pool import RewardPool
 from relayrl.rewards.tasks import task_reward_fn
 from relayrl.train.engine import TorchTrainEngine
 
@@ -68,14 +70,22 @@ def make_inference_engine(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) ->
     return RemoteEngine(inf, model=cfg.model)  # launches inference.n_servers servers of cfg.model when no addresses are given
 
 
-def make_workflow(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFn) -> RolloutWorkflow:
-    """The workflow named by ``cfg.workflow``, generating with ``cfg.gconfig``."""
+def make_reward_pool(cfg: RunConfig, reward_fn: RewardFn) -> RewardPool | None:
+    """Reward worker processes (``rollout.reward_workers``), shared by the training and eval workflows."""
+    if cfg.rollout.reward_workers == 0:
+        return None
+    return RewardPool(reward_fn, cfg.rollout.reward_workers, cfg.rollout.reward_timeout)
+
+
+def make_workflow(
+    cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFn, gconfig: GenerationConfig | None = None,
+    reward_pool: RewardPool | None = None,
+) -> RolloutWorkflow:
+    """The workflow named by ``cfg.workflow``, generating with ``gconfig`` (default ``cfg.gconfig``;
+    evaluation passes ``cfg.eval.gconfig``)."""
     from relayrl.rollout.workflows import MultiTurnWorkflow, ReMaxWorkflow, RLVRWorkflow, ToolAgentWorkflow
 
     classes = {"rlvr": RLVRWorkflow, "multi_turn": MultiTurnWorkflow, "remax": ReMaxWorkflow, "tool_agent": ToolAgentWorkflow}
-    pool = None
-    if cfg.rollout.reward_workers > 0:
-        from relayrl.rewards.pool import RewardPool
-
-        pool = RewardPool(reward_fn, cfg.rollout.reward_workers, cfg.rollout.reward_timeout)
-    return classes[cfg.workflow](reward_fn, cfg.gconfig, tokenizer, reward_pool=pool, reward_timeout=cfg.rollout.reward_timeout)
+    return classes[cfg.workflow](
+        reward_fn, gconfig or cfg.gconfig, tokenizer, reward_pool=reward_pool, reward_timeout=cfg.rollout.reward_timeout
+    )

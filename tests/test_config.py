@@ -297,4 +297,40 @@ def test_yaml_bool_and_null_words_keep_their_meaning_for_each_field_type(name, w
     except ConfigError as e:  # a cross-field rule may still refuse the value: then it names the field
         assert name.rsplit(".", 1)[-1] in str(e), str(e)
         return
+    if name == "actor.temperature" and expected is None:
+        expected = cfg.gconfig.temperature  # None means "the sampling temperature", resolved at load
     assert _get(cfg, name) == expected and type(_get(cfg, name)) is type(expected)
+
+
+# --------------------------------------------------------------------------------------
+# One source of truth for temperatures and eval generation.
+# --------------------------------------------------------------------------------------
+
+
+def test_actor_temperature_follows_the_sampling_temperature():
+    assert load_config(RunConfig, None, ["gconfig.temperature=0.6"]).actor.temperature == 0.6
+    assert load_config(RunConfig, None, ["gconfig.greedy=true", "gconfig.temperature=0.6"]).actor.temperature == 1.0
+    assert load_config(RunConfig, None, ["gconfig.temperature=0.6", "actor.temperature=0.6"]).actor.temperature == 0.6
+    msg = _error(["gconfig.temperature=0.6", "actor.temperature=1.0"])
+    assert "actor.temperature=1.0" in msg and "gconfig.temperature=0.6" in msg
+
+
+def test_a_config_changed_in_code_is_checked_by_the_trainer(tmp_path):
+    from relayrl.trainer import Trainer
+
+    cfg = load_config(RunConfig, None, [f"run_dir={tmp_path}"])
+    cfg.gconfig.temperature = 0.6  # actor.temperature was resolved to 1.0 at load
+    with pytest.raises(ConfigError, match=r"actor.temperature=1.0 differs .*gconfig.temperature=0.6"):
+        Trainer(cfg)
+
+
+def test_eval_generation_starts_from_the_training_generation(tmp_path):
+    cfg = load_config(RunConfig, None, ["gconfig.max_new_tokens=300", "gconfig.temperature=0.7", "gconfig.stop=['###']"])
+    assert cfg.eval.gconfig == GenerationConfig(max_new_tokens=300, temperature=0.7, stop=["###"], greedy=True)
+    cfg = load_config(RunConfig, None, ["gconfig.max_new_tokens=300", "eval.gconfig.max_new_tokens=64", "eval.gconfig.greedy=false"])
+    assert (cfg.eval.gconfig.max_new_tokens, cfg.eval.gconfig.greedy, cfg.gconfig.greedy) == (64, False, False)
+    (tmp_path / "c.yaml").write_text("gconfig: {max_new_tokens: 77, top_p: 0.9}\neval: {n_samples: 2}\n")
+    cfg = load_config(RunConfig, tmp_path / "c.yaml")
+    assert (cfg.eval.gconfig.max_new_tokens, cfg.eval.gconfig.top_p, cfg.eval.n_samples) == (77, 0.9, 2)
+    assert load_config(RunConfig, save_config(cfg, tmp_path / "run")) == cfg
+    assert RunConfig().eval.gconfig == load_config(RunConfig).eval.gconfig  # code and YAML defaults agree

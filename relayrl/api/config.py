@@ -86,6 +86,11 @@ def f(default: T, help: str = "", **rules: object) -> T:
     return field(default=default, metadata=meta)  # type: ignore[no-any-return]
 
 
+def sampling_temperature(g: GenerationConfig) -> float:
+    """The temperature of the distribution a generator's logprobs come from (greedy: softmax(logits))."""
+    return 1.0 if g.greedy else g.temperature
+
+
 # --------------------------------------------------------------------------------------
 # Config classes. Each section documents its own fields; recipes/ show them in use.
 # --------------------------------------------------------------------------------------
@@ -195,7 +200,10 @@ class ActorConfig:
         choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
     )
     loss_norm_len: int = f(0, help="seq-mean-token-sum-norm: the constant per-sequence divisor, usually gconfig.max_new_tokens.", ge=0)
-    temperature: float = f(1.0, help="Sampling temperature (logprobs are recomputed at it).", gt=0.0)
+    temperature: float | None = f(
+        None, help="Temperature the trainer recomputes logprobs at. None (default) = gconfig.temperature, the one the "
+        "rollouts were sampled at (1.0 for greedy rollouts, or for an actor built alone); a different value is a load-time error.", gt=0.0,
+    )
     ppo_epochs: int = f(1, help="Passes over each batch.", ge=1)
     n_minibatches: int = f(1, help="Optimizer steps per pass.", ge=1)
     recompute_logp: bool = f(True, help="Recompute old logprobs with the trainer (needed for decoupled PPO).")
@@ -249,7 +257,10 @@ class DataConfig:
 class EvalConfig:
     every_n_steps: int = f(0, help="Evaluate every N steps (0 = never, except before/after when asked).", ge=0)
     before_training: bool = f(False, help="Evaluate once before the first step.")
-    gconfig: GenerationConfig = f(GenerationConfig(greedy=True, max_new_tokens=32), help="Generation for evaluation.")
+    gconfig: GenerationConfig = f(
+        GenerationConfig(greedy=True, max_new_tokens=32),
+        help="Generation for evaluation. Fields left unset take the training gconfig's value, except greedy (default true).",
+    )
     n_samples: int = f(1, help="Samples per prompt; >1 reports pass@k as well.", ge=1)
     max_prompts: int = f(0, help="Evaluate on at most this many prompts (0 = all).", ge=0)
 
@@ -293,8 +304,32 @@ class RunConfig:
     checkpoint: CheckpointConfig = f(CheckpointConfig(), help="Checkpoints and recovery.")
     logging: LoggingConfig = f(LoggingConfig(), help="Metrics and progress.")
 
+    def __post_init__(self) -> None:
+        if self.actor.temperature is None:  # one source of truth: the sampling temperature
+            self.actor.temperature = sampling_temperature(self.gconfig)
+
+    @staticmethod
+    def inherit(values: dict[str, YamlValue]) -> None:
+        """Before building: ``eval.gconfig`` starts from the training ``gconfig`` with ``greedy: true``,
+        so a length, stop or temperature set once applies to both (load_config calls this)."""
+        train_g, ev = values.get("gconfig", {}), values.get("eval", {})
+        if not isinstance(train_g, dict) or not isinstance(ev, dict) or not isinstance(ev.get("gconfig", {}), dict):
+            return  # a malformed section: building reports it
+        base = _to_plain_dict(RunConfig.__dataclass_fields__["gconfig"].default_factory())  # type: ignore[misc]
+        ev_g = typing.cast(dict[str, YamlValue], ev.get("gconfig", {}))
+        values["eval"] = {**ev, "gconfig": {**base, **train_g, "greedy": True, **ev_g}}
+
     def validate(self) -> None:
-        """Rules across sections (checked after each section's own)."""
+        """Rules across sections (checked after each section's own). Resolves ``actor.temperature``
+        (None = the sampling temperature: one source of truth) and refuses a different one."""
+        if self.actor.temperature is None:
+            self.actor.temperature = sampling_temperature(self.gconfig)
+        if self.actor.temperature != sampling_temperature(self.gconfig):
+            raise ValueError(
+                f"actor.temperature={self.actor.temperature} differs from the rollouts' sampling temperature "
+                f"(gconfig.temperature={self.gconfig.temperature}, greedy={self.gconfig.greedy}): the importance ratios "
+                "would compare logprobs of two distributions. Set gconfig.temperature only (actor.temperature follows it)"
+            )
         limit = self.actor.overlong_max_len or self.gconfig.max_new_tokens
         if self.actor.overlong_buffer and limit <= self.actor.overlong_buffer:
             raise ValueError(f"actor.overlong_buffer={self.actor.overlong_buffer} must be below the generation limit "
@@ -488,7 +523,8 @@ def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "
         value = values[name]
         tp = hints[name]
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
-            default = getattr(cls(), name) if _has_defaults(cls) else None
+            fl = fields[name]  # the section's own default (not cls()'s, which may be resolved against others)
+            default = fl.default_factory() if fl.default_factory is not dataclasses.MISSING else None
             merged = {**_to_plain_dict(default), **value} if default is not None else value
             kwargs[name] = _build(typing.cast(type, tp), merged, f"{prefix}{name}.")
         else:
@@ -499,13 +535,6 @@ def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "
         raise ConfigError(f"{prefix or 'config'}: {e}") from None
     validate_config(obj, prefix)
     return obj
-
-
-def _has_defaults(cls: type) -> bool:
-    return all(
-        fl.default is not dataclasses.MISSING or fl.default_factory is not dataclasses.MISSING
-        for fl in dataclasses.fields(cls)
-    )
 
 
 def _to_plain_dict(obj: object) -> dict[str, YamlValue]:
@@ -585,6 +614,9 @@ def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overri
                 raise ConfigError(f"override {text!r}: {part!r} is not a section")
             node = child
         node[keys[-1]] = value
+    inherit = getattr(cls, "inherit", None)  # a config's own defaults drawn from other sections
+    if inherit is not None:
+        inherit(values)
     return _build(cls, values)
 
 

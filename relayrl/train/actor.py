@@ -87,6 +87,8 @@ class PPOActor:
     def __init__(self, config: ActorConfig, engine: TrainEngine, ref_engine: TrainEngine | None = None, seed: int = 0):
         check_actor_config(config)
         self.config, self.engine, self.ref_engine = config, engine, ref_engine
+        # a run config resolves None to the sampling temperature; an actor built alone samples at 1.0
+        self.temperature = 1.0 if config.temperature is None else config.temperature
         self.generator = torch.Generator().manual_seed(seed)
         self.adv_stats: dict[str, float] = {}
 
@@ -95,13 +97,13 @@ class PPOActor:
     def compute_logp(self, batch: TensorDict) -> torch.Tensor:
         """``[B, L]`` token-aligned logprobs of ``input_ids`` under the current policy at ``temperature``."""
         self.engine.eval()
-        return self.engine.forward(batch, temperature=self.config.temperature)
+        return self.engine.forward(batch, temperature=self.temperature)
 
     def compute_ref_logp(self, batch: TensorDict) -> torch.Tensor:
         """``[B, L]`` logprobs under the frozen reference engine."""
         if self.ref_engine is None:
             raise ValueError("actor.kl_coef > 0 needs a reference engine: PPOActor(config, engine, ref_engine=...)")
-        return self.ref_engine.forward(batch, temperature=self.config.temperature)
+        return self.ref_engine.forward(batch, temperature=self.temperature)
 
     def prepare(self, batch: TensorDict, critic: Critic | None = None) -> TensorDict:
         """Fill in every trainer-side key the configured algorithm needs, then the advantages."""
@@ -175,7 +177,7 @@ class PPOActor:
         agg = {"agg_mode": cfg.loss_agg_mode, "norm_len": float(cfg.loss_norm_len)}
 
         def loss_fn(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
-            logp = token_logprobs(logits, packed, cfg.temperature)
+            logp = token_logprobs(logits, packed, self.temperature)
             mask = packed["loss_mask"].bool()
             cu = packed["cu_seqlens"]
             before = logp.detach()  # the policy before this update, when logp_from_update
@@ -198,11 +200,11 @@ class PPOActor:
                 loss = loss + cfg.kl_coef * kl
                 stats["kl_loss"] = kl.detach()
             if cfg.entropy_coef > 0:
-                ent = A.entropy_bonus(token_entropy(logits, packed, cfg.temperature), mask, cu, **agg)
+                ent = A.entropy_bonus(token_entropy(logits, packed, self.temperature), mask, cu, **agg)
                 loss = loss - cfg.entropy_coef * ent
             else:
                 with torch.no_grad():
-                    ent = A.masked_mean(token_entropy(logits.detach(), packed, cfg.temperature), mask)
+                    ent = A.masked_mean(token_entropy(logits.detach(), packed, self.temperature), mask)
             stats["entropy"] = ent.detach()
             sink.add(stats, self.loss_weight(packed))
             return loss
