@@ -220,6 +220,15 @@ def test_critic_gae_and_value_update(tiny_model, tokenizer):
     assert torch.equal(v[:, 0], torch.zeros(8))  # value of token 0 = V(empty prefix) is not defined: 0
     adv, ret = A.gae_advantage(batch["rewards"].double(), batch["loss_mask"], values=v.double(), gamma=0.99, lam=0.95)
     assert torch.allclose(batch["advantages"].double(), adv, atol=1e-6)
+    # actor.adv_norm (default on) whitens GAE over the loss tokens; off, the raw advantages are used
+    m = batch["loss_mask"].bool()
+    assert float(batch["advantages"][m].mean()) == pytest.approx(0.0, abs=1e-5)
+    assert float(batch["advantages"][m].std()) == pytest.approx(1.0, abs=1e-4)
+    raw = PPOActor(ActorConfig(adv_estimator="gae", gamma=0.99, lam=0.95, adv_norm=False), eng).compute_advantages(dict(batch))
+    raw_ref, _ = A.gae_advantage(batch["rewards"].double(), batch["loss_mask"], values=v.double(), gamma=0.99, lam=0.95, norm=False)
+    assert torch.allclose(raw["advantages"].double(), raw_ref, atol=1e-6)
+    assert not torch.allclose(raw["advantages"], batch["advantages"], atol=1e-3)
+    assert torch.allclose(raw["returns"], batch["returns"])  # critic targets come from the raw advantages
 
     def value_err():
         vals = critic.compute_values(batch)

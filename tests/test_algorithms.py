@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,7 +222,8 @@ def test_gae_matches_loop(gamma, lam):
     mask[1, 6:8] = True  # two generated spans separated by non-generated tokens
     values = torch.randn(mask.shape, generator=g, dtype=torch.float64)
     token_rewards = A.last_token_rewards(rewards, mask) + 0.05 * torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask
-    adv, ret = A.gae_advantage(rewards, mask, values=values, token_rewards=token_rewards, gamma=gamma, lam=lam)
+    adv, ret = A.gae_advantage(rewards, mask, values=values, token_rewards=token_rewards, gamma=gamma, lam=lam, norm=False)
+    white, ret_w = A.gae_advantage(rewards, mask, values=values, token_rewards=token_rewards, gamma=gamma, lam=lam)
     for i in range(4):
         steps = [t for t in range(9) if mask[i, t]]
         a = 0.0
@@ -235,6 +237,16 @@ def test_gae_matches_loop(gamma, lam):
         for t in range(9):
             assert adv[i, t].item() == pytest.approx(exp.get(t, 0.0), abs=1e-9)
             assert ret[i, t].item() == pytest.approx(exp[t] + float(values[i, t]) if t in exp else 0.0, abs=1e-9)
+    # whitened (the default): numpy over the loss tokens, unbiased variance; returns stay raw
+    raw = np.array([adv[i, t].item() for i in range(4) for t in range(9) if mask[i, t]])
+    mean, var = raw.mean(), raw.var(ddof=1)
+    for i in range(4):
+        for t in range(9):
+            exp_w = (adv[i, t].item() - mean) / math.sqrt(var + 1e-6) if mask[i, t] else 0.0
+            assert white[i, t].item() == pytest.approx(exp_w, abs=1e-9)
+    assert torch.equal(ret_w, ret)
+    w = white[mask]
+    assert float(w.mean()) == pytest.approx(0.0, abs=1e-9) and float(w.std()) == pytest.approx(1.0, abs=1e-5)
     with pytest.raises(ValueError, match="values"):
         A.gae_advantage(rewards, mask)
 

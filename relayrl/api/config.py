@@ -221,8 +221,9 @@ class ActorConfig:
     mask_truncated: bool = f(False, help="Drop completions that hit max_new_tokens from the loss.")
     gamma: float = f(1.0, help="Discount for GAE / REINFORCE returns.", ge=0.0, le=1.0)
     lam: float = f(1.0, help="GAE lambda.", ge=0.0, le=1.0)
-    adv_norm: bool = f(True, help="grpo: divide by group std; reinforce_pp: normalise over the batch.")
-    adv_eps: float = f(1e-6, help="grpo / reinforce_pp: added to the std before dividing.", gt=0.0)
+    adv_norm: bool = f(True, help="grpo: divide by group std; reinforce_pp: normalise over the batch; gae: whiten over "
+                       "the batch's loss tokens (as verl / TRL PPO).")
+    adv_eps: float = f(1e-6, help="grpo / reinforce_pp: added to the std before dividing; gae: to the variance.", gt=0.0)
     baseline: bool = f(True, help="reinforce: subtract the batch-mean reward as a baseline.")
     value_clip: float = f(0.2, help="Critic: value clipping range.", gt=0.0)
     critic_lr: float = f(1e-5, help="Critic learning rate (PPO with critic).", gt=0.0)

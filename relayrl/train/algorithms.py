@@ -297,12 +297,14 @@ def remax_advantage(rewards: Tensor, loss_mask: Tensor, baseline_rewards: Tensor
 @register_advantage("gae")
 def gae_advantage(
     rewards: Tensor, loss_mask: Tensor, values: Tensor | None = None, token_rewards: Tensor | None = None,
-    gamma: float = 1.0, lam: float = 1.0, **_: object,
+    gamma: float = 1.0, lam: float = 1.0, norm: bool = True, eps: float = 1e-6, **_: object,
 ) -> tuple[Tensor, Tensor]:
     """GAE over the generated tokens of each row (non-generated tokens are skipped).
 
     ``values[t]`` is V of the state just before token ``t`` was generated; the state after the
-    last token is terminal (value 0). ``returns = advantages + values`` (critic targets).
+    last token is terminal (value 0). ``returns = advantages + values`` (critic targets, from
+    the raw advantages). With ``norm`` the advantages are whitened over the batch's loss tokens,
+    ``(A - mean) / sqrt(var + eps)`` with the unbiased variance, as verl's and TRL's PPO do.
     """
     if values is None:
         raise ValueError("gae needs the token-level batch key 'values' (from a Critic)")
@@ -318,7 +320,12 @@ def gae_advantage(
         running = m * (delta + gamma * lam * running) + (1 - m) * running
         next_value = m * values[:, t] + (1 - m) * next_value
         adv[:, t] = running * m
-    return adv, (adv + values) * mask
+    returns = (adv + values) * mask
+    if norm:
+        sel = adv[loss_mask.bool()]
+        if sel.numel() > 1:
+            adv = (adv - sel.mean()) * torch.rsqrt(sel.var(unbiased=True) + eps) * mask
+    return adv, returns
 
 
 # --------------------------------------------------------------------------------------
