@@ -168,7 +168,7 @@ def relayrl_overrides(ckpt: Path, run_dir: Path, seed: int, steps: int, workload
         f"train.optimizer.lr={RL['lr']}", f"train.optimizer.grad_clip={RL['grad_clip']}", "train.optimizer.lr_schedule=constant",
         "actor.adv_estimator=grpo", "actor.loss=ppo", "actor.recompute_logp=false", f"actor.eps_clip={RL['eps_clip']}",
         f"gconfig.max_new_tokens={w['max_new_tokens']}", "gconfig.temperature=1.0", "gconfig.top_p=1.0", "gconfig.top_k=0",
-        f"rollout.batch_size={p}", f"rollout.group_size={g}", "rollout.max_staleness=0", f"inference.max_batch_size={p * g}",
+        f"rollout.batch_size={p}", f"rollout.group_size={g}", "rollout.max_staleness=0",
         "data.shuffle=false",  # rows come in rl_rows' order, as on the TRL side
         "logging.tensorboard=false", "logging.rollouts_per_step=0", "logging.progress=lines", "checkpoint.save_final=false",
     ]

@@ -327,3 +327,28 @@ def test_many_threads_with_own_loops(tiny_model):
     for i, r in results.items():
         ref = reference_logprobs(tiny_model, ps[i], r.output_tokens)
         assert max(abs(a - b) for a, b in zip(r.output_logprobs, ref, strict=True)) < 1e-4
+
+
+def test_default_batch_decodes_a_whole_grpo_step_in_one_wave(tiny_model):
+    """16 prompts x 8 samples with the default config decode together: max_new_tokens decode steps,
+    not two waves (the old default max_batch_size=64 split them: 2x the steps)."""
+    engine = make_engine(tiny_model, seed=0)  # InferenceConfig defaults
+    n_new = 6
+    g = GenerationConfig(max_new_tokens=n_new, ignore_eos=True, top_k=0)
+    reqs = [ModelRequest(rid=f"{i}-{j}", input_ids=p, gconfig=g) for i, p in enumerate(prompts(16, seed=1)) for j in range(8)]
+
+    async def run():
+        return await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+
+    try:
+        engine.pause()  # every request is queued before the first admission
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(run())
+        loop.run_until_complete(asyncio.sleep(0.2))
+        engine.resume()
+        out = loop.run_until_complete(task)
+        loop.close()
+    finally:
+        engine.destroy()
+    assert [r.output_len for r in out] == [n_new] * 128
+    assert engine.stats["steps"] <= n_new  # one wave: the first token comes from the prefill

@@ -135,7 +135,10 @@ class TrainEngineConfig:
 @dataclass
 class InferenceConfig:
     backend: str = f("local", help="'local': in-process LocalEngine; 'remote': HTTP servers.", choices=["local", "remote"])
-    max_batch_size: int = f(64, help="LocalEngine: most sequences decoded together.", ge=1)
+    max_batch_size: int = f(
+        0, help="LocalEngine: most sequences decoded together; 0 (default) = as many as max_tokens_in_flight holds, so a "
+        "training step's whole batch decodes in one wave.", ge=0,
+    )
     max_tokens_in_flight: int = f(65536, help="LocalEngine: most prompt+generated tokens held in the running batch.", ge=16)
     seed: int = f(0, help="Sampling seed of the engine.")
     fast_decode: bool = f(True, help="LocalEngine: lean decode step for Llama/Qwen2-style models (else the generic HF forward).")

@@ -26,6 +26,7 @@ import glob
 import itertools
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -427,7 +428,8 @@ class LocalEngine(InferenceEngine):
         """Move waiting requests into the running batch (prefilled in groups of similar length)."""
         new: list[_Seq] = []
         in_flight = sum(len(s.prompt) + len(s.out) for s in self._rows)
-        while len(self._rows) + len(new) < self.config.max_batch_size and not self._waiting.empty():
+        max_rows = self.config.max_batch_size or sys.maxsize  # 0: the token budget is the only bound
+        while len(self._rows) + len(new) < max_rows and not self._waiting.empty():
             seq = self._waiting.queue[0]
             size = len(seq.prompt) + len(seq.out)
             if (self._rows or new) and in_flight + size > self.config.max_tokens_in_flight:
