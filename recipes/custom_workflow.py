@@ -28,7 +28,7 @@ class ConciseRetryWorkflow(RolloutWorkflow):
     """Answer, get a hint when wrong, answer again; reward = correct * discount - cost * tokens."""
 
     def __init__(self, tokenizer, gconfig: GenerationConfig, token_cost: float = 0.01, retry_discount: float = 0.5):
-        self.tokenizer, self.gconfig = tokenizer, gconfig.new(n_samples=1)
+        self.tokenizer, self.gconfig = tokenizer, gconfig
         self.verify = task_reward_fn("arithmetic")  # 1.0 when the completion is the right answer
         self.token_cost, self.retry_discount = token_cost, retry_discount
 

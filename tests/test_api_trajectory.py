@@ -142,7 +142,6 @@ def test_generation_config_new_and_validate():
     assert g.stop == ["\n"]  # lists are copied, not shared
     g.validate()
     for changes, field in [
-        ({"n_samples": 0}, "n_samples"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"min_new_tokens": 17}, "min_new_tokens"),
         ({"temperature": 0.0}, "temperature"),

@@ -275,7 +275,6 @@ def test_stop_conditions(tiny_model, tokenizer):
         (dict(gconfig=GenerationConfig(max_new_tokens=0)), "max_new_tokens"),
         (dict(gconfig=GenerationConfig(stop="\n")), "stop"),  # type: ignore[arg-type]
         (dict(gconfig=GenerationConfig(stop_token_ids=[-1])), "stop_token_ids"),
-        (dict(gconfig=GenerationConfig(n_samples=4)), "n_samples=4"),  # one request, one completion
     ],
 )
 def test_bad_input_fails_alone(tiny_model, bad, field):

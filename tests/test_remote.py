@@ -163,10 +163,8 @@ def test_a_bad_request_in_a_batch_fails_alone(group, shared, tiny_model):
         bad = list(ps)
         bad[5] = [3, 5000, 4]  # out of vocabulary: the server refuses it
         outs = run_each(eng, bad, gs, prefix="bad")
-        (many,) = run_each(eng, ps[:1], [gs[0].new(n_samples=3)], prefix="n")  # refused before any HTTP call
     finally:
         eng.destroy()
-    assert isinstance(many, ValueError) and "gconfig.n_samples=3" in str(many)
     assert isinstance(outs[5], ValueError) and "input_ids[1]=5000 is out of vocabulary" in str(outs[5])
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
         if i != 5:

@@ -85,8 +85,7 @@ class InferenceEngine(abc.ABC):
         If weights change while the request runs, generation is interrupted and
         transparently continued under the new weights (prompt + partial output), so the
         response may carry tokens of several versions, each tagged in ``output_versions``.
-        ``gconfig.n_samples`` must be 1 (a ``ValueError`` otherwise): one request, one
-        completion, one return type. For n samples of a prompt send n requests concurrently;
+        One request, one completion, one return type: for n samples of a prompt send n requests concurrently;
         engines share the prompt's work between them (LocalEngine prefills it once), and
         ``RLVRWorkflow`` does this for ``rollout.group_size``.
         """

@@ -22,14 +22,13 @@ def _meta(help: str, **rules: object) -> dict[str, object]:
 
 @dataclass
 class GenerationConfig:
-    """How to sample one completion (or ``n_samples`` of them) for a prompt.
+    """How to sample one completion for a prompt (n samples are n requests; see ``InferenceEngine.agenerate``).
 
     Every sampling knob is explicit: engines never fall back on library defaults such as
     transformers' ``top_k=50``. ``top_k=0`` and ``top_p=1.0`` mean "off", so logprobs are
     then exact under ``softmax(logits / temperature)``.
     """
 
-    n_samples: int = field(default=1, metadata=_meta("Completions per prompt.", ge=1))
     max_new_tokens: int = field(default=128, metadata=_meta("Upper bound on generated tokens.", ge=1))
     min_new_tokens: int = field(
         default=0, metadata=_meta("EOS and stop tokens are masked until this many tokens exist.", ge=0)
@@ -54,8 +53,6 @@ class GenerationConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
-        if self.n_samples < 1:
-            raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -89,7 +86,7 @@ class ModelRequest:
 
 @dataclass
 class ModelResponse:
-    """The result of one request: one sample (``agenerate`` takes ``n_samples=1`` only).
+    """The result of one request: one sample.
 
     ``output_logprobs[i]`` is log pi(token_i) under the distribution actually sampled from;
     ``output_versions[i]`` is the weight version that produced token i. A response that was

@@ -190,9 +190,6 @@ class LocalEngine(InferenceEngine):
             req.gconfig.validate()
         except ValueError as e:
             raise ValueError(f"request {req.rid!r}: gconfig.{e}") from None
-        if req.gconfig.n_samples != 1:
-            raise ValueError(f"request {req.rid!r}: gconfig.n_samples={req.gconfig.n_samples}, but agenerate returns one "
-                             "completion: send one request per sample (their shared prompt is prefilled once)")
         if any(t >= self.vocab_size for t in req.gconfig.stop_token_ids):
             raise ValueError(f"request {req.rid!r}: gconfig.stop_token_ids {req.gconfig.stop_token_ids} has ids >= vocab size {self.vocab_size}")
         if req.gconfig.stop and self.tokenizer is None:

@@ -241,9 +241,6 @@ class RemoteEngine(InferenceEngine):
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         g = req.gconfig
         g.validate()
-        if g.n_samples != 1:
-            raise ValueError(f"request {req.rid!r}: gconfig.n_samples={g.n_samples}, but agenerate returns one "
-                             "completion: send one request per sample")
         t0 = time.perf_counter()
         tokens: list[int] = []
         logps: list[float] = []

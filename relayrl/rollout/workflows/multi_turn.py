@@ -70,7 +70,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         if not 0.0 < turn_discount <= 1.0:
             raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
         self.reward_fn = reward_fn
-        self.gconfig = gconfig.new(n_samples=1)
+        self.gconfig = gconfig
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.turn_discount = turn_discount

@@ -28,7 +28,7 @@ class ReMaxWorkflow(RolloutWorkflow):
         reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
     ) -> None:
         self.reward_fn = reward_fn
-        self.gconfig = gconfig.new(n_samples=1)
+        self.gconfig = gconfig
         self.tokenizer = tokenizer
         self.reward_pool = reward_pool
         self.reward_timeout = reward_timeout

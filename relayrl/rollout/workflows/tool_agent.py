@@ -49,7 +49,7 @@ class ToolAgentWorkflow(RolloutWorkflow):
         reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
     ) -> None:
         self.reward_fn = reward_fn
-        self.gconfig = gconfig.new(n_samples=1)
+        self.gconfig = gconfig
         self.tokenizer = tokenizer
         self.tool: Tool = tool if tool is not None else calculator()
         self.max_tool_calls = max_tool_calls
