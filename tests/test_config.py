@@ -334,3 +334,10 @@ def test_eval_generation_starts_from_the_training_generation(tmp_path):
     assert (cfg.eval.gconfig.max_new_tokens, cfg.eval.gconfig.top_p, cfg.eval.n_samples) == (77, 0.9, 2)
     assert load_config(RunConfig, save_config(cfg, tmp_path / "run")) == cfg
     assert RunConfig().eval.gconfig == load_config(RunConfig).eval.gconfig  # code and YAML defaults agree
+
+
+def test_gconfig_n_samples_is_gone_not_silently_ignored():
+    """Completions per prompt are rollout.group_size (eval.n_samples for evaluation); gconfig.n_samples
+    used to be accepted and then reset by every workflow."""
+    assert "unknown config key 'gconfig.n_samples'" in _error(["gconfig.n_samples=4"])
+    assert "unknown config key 'eval.gconfig.n_samples'" in _error(["eval.gconfig.n_samples=4"])
