@@ -291,3 +291,94 @@ def test_expired_prompts_follow_the_tail_policy(engine, tiny_model, tokenizer, r
         assert max(consumed) >= 10 + s["discarded_prompts"] - 1  # later prompts took their place
     else:
         assert s["discarded_prompts"] == 0 and sorted(consumed) == list(range(10))  # expired ones ran again
+
+
+# ----------------------------------------------------------------------------- submit / wait
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_submit_wait_staleness_bound_under_random_timing(engine, tiny_model, tokenizer, rows, eta):
+    """The streaming verbs keep the same promises as prepare_batch: no token older than eta versions,
+    groups together in prompt order, every episode accounted for."""
+    ex = make(engine, max_staleness=eta)
+    wf = Delayed(tokenizer, delay=0.05, seed=10 + eta)
+    rng = random.Random(eta)
+    it = iter(rows)
+    seen, taken = [], []
+    try:
+        for _ in range(2 * (eta + 1)):  # the producer may run eta versions ahead
+            ex.submit(next(it), wf)
+        for _ in range(6):
+            batch = ex.wait(2, timeout=60)
+            v = engine.get_version()
+            for row in range(batch["input_ids"].shape[0]):
+                versions = batch["versions"][row]
+                assert int(versions[versions >= 0].min()) >= v - eta
+            assert batch["input_ids"].shape[0] == 4 and (batch["group_id"][0::2] == batch["group_id"][1::2]).all()
+            assert batch["prompt_index"].tolist() == sorted(batch["prompt_index"].tolist())
+            taken += batch["prompt_index"][0::2].tolist()
+            seen += ex.last_staleness
+            for _ in range(2):
+                ex.submit(next(it), wf)
+            time.sleep(rng.random() * 0.1)
+            bump(engine, tiny_model)
+    finally:
+        ex.destroy()
+    assert max(seen) <= eta and len(taken) == len(set(taken)) == 12  # no prompt twice
+    ex.status.reconcile()
+    s = ex.stats()
+    assert s["completed"] == 6 * 2 * 2 and s["consumed_prompts"] == 12
+
+
+def test_submit_wait_counts_failures_and_keeps_partial_groups(engine, tokenizer, rows):
+    ex = make(engine, batch_size=4, group_size=2, max_failure_rate=0.9)
+    wf = Delayed(tokenizer, fail_every=3)
+    try:
+        for row in rows[:6]:
+            ex.submit(row, wf)
+        batch = ex.wait(6, timeout=60)
+    finally:
+        ex.destroy()
+    s = ex.stats()
+    assert s["failed"] == wf.calls // 3 == 4 and s["completed"] == batch["input_ids"].shape[0] == 12 - 4
+    assert sorted(set(batch["prompt_index"].tolist())) == list(range(6))  # a group with a failed episode is kept, smaller
+    ex.status.reconcile()
+
+
+def test_wait_times_out_with_the_counts_and_bad_calls_name_the_problem(engine, tokenizer, rows):
+    ex = WorkflowExecutor(RolloutConfig(batch_size=2, group_size=2), engine)
+    wf = Delayed(tokenizer)
+    with pytest.raises(RuntimeError, match="initialize"):
+        ex.submit(rows[0], wf)
+    ex.initialize()
+    try:
+        with pytest.raises(TimeoutError, match=r"wait\(1\) timed out after 0.3s: 0 of 1 groups ready, 0 running, 0 queued"):
+            ex.wait(1, timeout=0.3)
+        with pytest.raises(ValueError, match="count >= 1"):
+            ex.wait(0)
+        with pytest.raises(TypeError, match="data row must be a dict"):
+            ex.submit("2+2", wf)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="workflow must be a RolloutWorkflow"):
+            ex.submit(rows[0], object())  # type: ignore[arg-type]
+        ex.submit(rows[0], wf)  # the executor still works after bad calls
+        assert ex.wait(1, timeout=60)["input_ids"].shape[0] == 2
+    finally:
+        ex.destroy()
+    assert ex.stats()["submitted"] == 2 and ex.stats()["completed"] == 2
+
+
+def test_engine_rollout_verbs_delegate_to_the_executor(tiny_model, tokenizer, rows):
+    """``InferenceEngine.submit / wait`` (the AReaL-lite verbs on the engine) reach its executor."""
+    eng = LocalEngine(InferenceConfig(seed=2), model=tiny_model, tokenizer=tokenizer)
+    eng.initialize()
+    ex = WorkflowExecutor(RolloutConfig(batch_size=2, group_size=3), eng)
+    ex.initialize()
+    try:
+        for row in rows[:2]:
+            eng.submit(row, Delayed(tokenizer))
+        batch = eng.wait(2, timeout=60)
+    finally:
+        ex.destroy()
+        eng.destroy()
+    assert batch["input_ids"].shape[0] == 6 and batch["group_id"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert ex.stats()["completed"] == 6
