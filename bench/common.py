@@ -180,13 +180,37 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward: bool = False) -> dict:
+def pin_threads(pid: int, cpu: int) -> None:
+    """Every thread of process ``pid`` on one core (``sched_setaffinity`` of a pid moves one thread only)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            pass
+
+
+def pin_trainer_and_servers() -> tuple[int, int]:
+    """This process (the trainer) on the first allowed core, its child processes (the servers it
+    launched) on the second, as separate devices would be; returns the two cores."""
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError(f"pinning needs 2 cores, this process may use {cores}")
+    for child in psutil.Process().children(recursive=True):
+        pin_threads(child.pid, cores[1])
+    pin_threads(os.getpid(), cores[0])
+    return cores[0], cores[1]
+
+
+def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward: bool = False, pin: bool = False) -> dict:
     """Build a Trainer from ``overrides``, time ``fit()``, return per-step metrics, the wall and
     CPU time and (optionally) held-out sampled accuracy of the trained policy.
 
     ``inline_reward``: the RLVR workflow calls the reward fn inline on the rollout loop
     (``reward_timeout=None``) instead of on a reward thread (what ``relayrl train`` does:
-    ``rollout.reward_timeout`` must be > 0). The workload is ``data.task``'s."""
+    ``rollout.reward_timeout`` must be > 0). The workload is ``data.task``'s. ``pin``: once the
+    trainer has launched its servers, trainer and servers run on separate cores."""
     import shutil
 
     from relayrl.api.config import RunConfig, load_config
@@ -203,6 +227,7 @@ def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward
         workflow = RLVRWorkflow(task_reward_fn(cfg.data.task), cfg.gconfig, load_tokenizer(cfg.model), reward_timeout=None)
     t_build = time.perf_counter()
     trainer = Trainer(cfg, train_rows=train, eval_rows=held_out, workflow=workflow)
+    cores = pin_trainer_and_servers() if pin else None
     c0, t0 = cpu_seconds(), time.perf_counter()
     try:
         trainer.fit()
@@ -218,7 +243,7 @@ def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward
     phases = {k.split("/", 1)[1]: statistics.mean(m.get(k, 0.0) for m in timed) for k in steps[-1] if k.startswith("timing/")}
     return {"seconds": seconds, "cpu_seconds": cpu, "build_seconds": t0 - t_build, "samples": samples, "samples_per_s": samples / seconds,
             "rewards": [m["rollout/reward"] for m in steps], "accuracy": acc, "steps": steps, "phase_s_per_step": phases,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "pinned_cores": cores}
 
 
 def _child(fn, args, queue) -> None:  # noqa: ANN001

@@ -77,3 +77,43 @@ def test_grpo_vs_trl_count_quick_prints_a_json_result(tmp_path: Path) -> None:
         assert len(result[side]["reward_curves"][0]) == 3 and 0 <= result[side]["held_out_accuracy"]["median"] <= 1
     assert set(result["relayrl"]["phase_s_per_step"]) >= {"rollout", "ppo_update"}
     assert json.loads((tmp_path / "grpo_vs_trl_count.json").read_text()) == result
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs 2 cores")
+def test_async_vs_sync_quick_runs_pinned_and_unpinned(tmp_path: Path) -> None:
+    """The pinned mode really puts the trainer and its server on separate cores, and the result has both ratios."""
+    env = dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, str(BENCH / "async_vs_sync.py"), "--task", "count", "--quick"], capture_output=True,
+                         text=True, env=env, timeout=600, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["name"] == "async_vs_sync_count" and result["pinned"] is True and result["quick"] is True
+    assert result["ratio"] > 0 and result["ratio_unpinned"] > 0 and "goal_met" in result
+    assert result["ratio_of_ceiling"] == pytest.approx(result["ratio"] / result["overlap_ceiling"]["median"], rel=1e-3)
+    assert {"sync", "async", "sync_unpinned", "async_unpinned"} <= set(result)
+
+
+def test_pinning_moves_every_thread_of_a_process(tmp_path: Path) -> None:
+    import threading
+
+    sys.path.insert(0, str(BENCH))
+    import common
+
+    cores = sorted(os.sched_getaffinity(0))
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time; [threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(3)]; time.sleep(30)"])
+    ev = threading.Event()
+    t = threading.Thread(target=ev.wait, daemon=True)
+    t.start()
+    try:
+        time.sleep(1.0)  # the child's threads have started
+        if len(cores) < 2:
+            pytest.skip("pinning needs 2 cores")
+        assert common.pin_trainer_and_servers() == (cores[0], cores[1])
+        assert {os.sched_getaffinity(int(tid)) == {cores[0]} for tid in os.listdir("/proc/self/task")} == {True}
+        tids = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tids) == 4 and all(os.sched_getaffinity(int(tid)) == {cores[1]} for tid in tids)
+    finally:
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), set(cores))
+        ev.set()
+        child.kill()
