@@ -88,8 +88,8 @@ def test_trainer_evaluates_with_an_async_judge(tmp_path):
 def test_trainer_evaluates_through_the_users_workflow(tmp_path):
     """A workflow passed to the trainer is the one evaluation runs; its trajectories' rewards are the scores,
     a rejected episode scores 0 and is counted, a failing one is counted and does not stop the run."""
-    from relayrl.api.workflow import RolloutWorkflow, trajectory_from_response
     from relayrl.api.io import ModelRequest
+    from relayrl.api.workflow import RolloutWorkflow, trajectory_from_response
     from relayrl.data.models import chat_ids
     from relayrl.trainer import Trainer
 
