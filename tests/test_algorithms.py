@@ -374,6 +374,38 @@ def test_decoupled_ppo_matches_loop(cap):
         A.decoupled_ppo_loss(logp, behav, adv, mask, cu)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("clip", ["mask", "truncate"])
+def test_decoupled_ppo_behaviour_weight_modes_match_loop(level, clip):
+    """Token or sequence-level (geometric mean) behaviour weights, masked or truncated at the cap."""
+    prox, behav, adv, mask, cu = random_packed(12, n_seqs=6, spread=0.6)
+    g = torch.Generator().manual_seed(12)
+    logp = prox + 0.3 * torch.randn(len(prox), generator=g, dtype=torch.float64)
+    cap = 1.3 if level == "token" else 1.08
+    loss, stats = A.decoupled_ppo_loss(logp, behav, adv, mask, cu, prox_logp=prox, eps_clip=0.2, behav_imp_weight_cap=cap,
+                                       behav_weight_level=level, behav_weight_clip=clip)
+    bounds = cu.tolist()
+    tot, n, capped = 0.0, 0, 0
+    for i in range(len(bounds) - 1):
+        toks = [t for t in range(bounds[i], bounds[i + 1]) if mask[t]]
+        seq_w = math.exp(sum(float(prox[t] - behav[t]) for t in toks) / max(1, len(toks)))
+        for t in toks:
+            n += 1
+            w = seq_w if level == "sequence" else math.exp(float(prox[t] - behav[t]))
+            if w > cap:
+                capped += 1
+                if clip == "mask":
+                    continue
+                w = cap
+            r = math.exp(float(logp[t] - prox[t]))
+            tot += w * ref_ppo_token(r, float(adv[t]), 0.2, 0.2, None)
+    assert 0 < capped < n
+    assert loss.item() == pytest.approx(tot / n, rel=1e-9)
+    assert stats["behav_capped_frac"].item() == pytest.approx(capped / n)
+    with pytest.raises(ValueError, match="behav_weight_level"):
+        A.decoupled_ppo_loss(logp, behav, adv, mask, cu, prox_logp=prox, behav_weight_level="seq")
+
+
 def test_decoupled_equals_ppo_when_on_policy():
     logp, old, adv, mask, cu = random_packed(12)
     a, _ = A.decoupled_ppo_loss(logp, old, adv, mask, cu, prox_logp=old, behav_imp_weight_cap=5.0)

@@ -379,27 +379,42 @@ def ppo_loss(
 def decoupled_ppo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor,
     prox_logp: Tensor | None = None, eps_clip: float = 0.2, eps_clip_higher: float | None = None,
-    c_clip: float | None = None, behav_imp_weight_cap: float | None = None,
-    agg_mode: str = "token-mean", norm_len: float = 0.0, **_: object,
+    c_clip: float | None = None, behav_imp_weight_cap: float | None = None, behav_weight_level: str = "token",
+    behav_weight_clip: str = "mask", agg_mode: str = "token-mean", norm_len: float = 0.0, **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL): clip against the proximal policy, reweight by pi_prox / pi_behav.
 
     ``old_logp`` is the behaviour policy (the generator's logprobs), ``prox_logp`` the trainer's
-    recomputation before this update. Tokens whose weight ``pi_prox / pi_behav`` exceeds
-    ``behav_imp_weight_cap`` get weight 0 but still count in the normaliser (as in AReaL).
+    recomputation before this update. The behaviour weight is per token (``behav_weight_level=
+    "token"``, AReaL) or one per sequence, the geometric mean of its token weights (``"sequence"``,
+    as GSPO's ratio). Weights above ``behav_imp_weight_cap`` get weight 0 but still count in the
+    normaliser (``behav_weight_clip="mask"``, AReaL) or are cut to the cap (``"truncate"``).
     """
     if prox_logp is None:
         raise ValueError("decoupled_ppo needs prox_logp (the trainer's logprobs before the update)")
+    if behav_weight_level not in ("token", "sequence") or behav_weight_clip not in ("mask", "truncate"):
+        raise ValueError(f"behav_weight_level must be token|sequence and behav_weight_clip mask|truncate, got "
+                         f"{behav_weight_level!r}, {behav_weight_clip!r}")
     log_ratio = (logp - prox_logp).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     per_token, stats = _clipped_surrogate(ratio, advantages, loss_mask, eps_clip, eps_clip_higher, c_clip)
-    behav_weight = (prox_logp - old_logp).clamp(-20.0, 20.0).exp()
+    log_w = (prox_logp - old_logp).clamp(-20.0, 20.0)
+    if behav_weight_level == "sequence":
+        m = loss_mask.to(log_w.dtype)
+        seq = seq_ids(cu_seqlens, log_w.shape[0])
+        log_w = (seq_sums(log_w * m, cu_seqlens) / seq_sums(m, cu_seqlens).clamp(min=1.0))[seq]
+    behav_weight = log_w.exp()
     keep = loss_mask.bool()
+    capped = torch.zeros_like(keep)
     if behav_imp_weight_cap is not None:
-        keep = keep & (behav_weight <= behav_imp_weight_cap)
+        capped = behav_weight > behav_imp_weight_cap
+        if behav_weight_clip == "mask":
+            keep = keep & ~capped
+        else:
+            behav_weight = behav_weight.clamp(max=behav_imp_weight_cap)
     behav_weight = torch.where(keep, behav_weight, 0.0)
     loss = agg_loss(per_token * behav_weight, loss_mask, cu_seqlens, agg_mode, norm_len)
-    stats["behav_capped_frac"] = masked_mean((loss_mask.bool() & ~keep).float(), loss_mask)
+    stats["behav_capped_frac"] = masked_mean((loss_mask.bool() & capped).float(), loss_mask)
     stats["behav_weight_mean"] = masked_mean(behav_weight, keep)
     return loss, {**stats, **_ratio_stats(ratio, log_ratio, loss_mask)}
 
