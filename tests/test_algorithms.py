@@ -374,16 +374,20 @@ def test_decoupled_ppo_matches_loop(cap):
         A.decoupled_ppo_loss(logp, behav, adv, mask, cu)
 
 
+@pytest.mark.parametrize("floor", [None, 0.8])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("clip", ["mask", "truncate"])
-def test_decoupled_ppo_behaviour_weight_modes_match_loop(level, clip):
-    """Token or sequence-level (geometric mean) behaviour weights, masked or truncated at the cap."""
+def test_decoupled_ppo_behaviour_weight_modes_match_loop(level, clip, floor):
+    """Token or sequence-level (geometric mean) behaviour weights, masked or truncated at the cap,
+    masked below the floor."""
     prox, behav, adv, mask, cu = random_packed(12, n_seqs=6, spread=0.6)
     g = torch.Generator().manual_seed(12)
     logp = prox + 0.3 * torch.randn(len(prox), generator=g, dtype=torch.float64)
     cap = 1.3 if level == "token" else 1.08
+    if floor is not None and level == "sequence":
+        floor = 0.95
     loss, stats = A.decoupled_ppo_loss(logp, behav, adv, mask, cu, prox_logp=prox, eps_clip=0.2, behav_imp_weight_cap=cap,
-                                       behav_weight_level=level, behav_weight_clip=clip)
+                                       behav_imp_weight_floor=floor, behav_weight_level=level, behav_weight_clip=clip)
     bounds = cu.tolist()
     tot, n, capped = 0.0, 0, 0
     for i in range(len(bounds) - 1):
@@ -392,6 +396,9 @@ def test_decoupled_ppo_behaviour_weight_modes_match_loop(level, clip):
         for t in toks:
             n += 1
             w = seq_w if level == "sequence" else math.exp(float(prox[t] - behav[t]))
+            if floor is not None and w < floor:
+                capped += 1
+                continue
             if w > cap:
                 capped += 1
                 if clip == "mask":

@@ -138,6 +138,8 @@ class ActorConfig:
     eps_clip_higher: float | None = f(None, help="DAPO clip-higher: upper clip range; None = eps_clip.", gt=0.0, lt=10.0)
     c_clip: float | None = f(None, help="Dual-clip factor for negative advantages, must be > 1; None disables.", gt=1.0)
     behav_imp_weight_cap: float | None = f(5.0, help="Decoupled PPO: cap on pi_prox / pi_behav; None disables.", gt=1.0)
+    behav_imp_weight_floor: float | None = f(None, help="Decoupled PPO: weights below this leave the loss (a lower "
+                                             "bound; None = none).", gt=0.0, lt=1.0)
     behav_weight_level: str = f("token", help="Decoupled PPO: one behaviour weight per token (AReaL) or per sequence "
                                 "(the geometric mean of its tokens').", choices=["token", "sequence"])
     behav_weight_clip: str = f("mask", help="Decoupled PPO: a weight above the cap leaves the loss (mask, AReaL) or is "

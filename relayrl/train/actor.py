@@ -188,7 +188,7 @@ class PPOActor:
             loss, stats = policy_loss(
                 logp=logp, old_logp=old, advantages=packed["advantages"], loss_mask=mask, cu_seqlens=cu,
                 prox_logp=prox, eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher,
-                c_clip=cfg.c_clip, behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+                c_clip=cfg.c_clip, behav_imp_weight_cap=cfg.behav_imp_weight_cap, behav_imp_weight_floor=cfg.behav_imp_weight_floor,
                 behav_weight_level=cfg.behav_weight_level, behav_weight_clip=cfg.behav_weight_clip, **agg,
             )
             stats["policy_loss"] = loss.detach()

@@ -379,8 +379,8 @@ def ppo_loss(
 def decoupled_ppo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor,
     prox_logp: Tensor | None = None, eps_clip: float = 0.2, eps_clip_higher: float | None = None,
-    c_clip: float | None = None, behav_imp_weight_cap: float | None = None, behav_weight_level: str = "token",
-    behav_weight_clip: str = "mask", agg_mode: str = "token-mean", norm_len: float = 0.0, **_: object,
+    c_clip: float | None = None, behav_imp_weight_cap: float | None = None, behav_imp_weight_floor: float | None = None,
+    behav_weight_level: str = "token", behav_weight_clip: str = "mask", agg_mode: str = "token-mean", norm_len: float = 0.0, **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL): clip against the proximal policy, reweight by pi_prox / pi_behav.
 
@@ -388,7 +388,9 @@ def decoupled_ppo_loss(
     recomputation before this update. The behaviour weight is per token (``behav_weight_level=
     "token"``, AReaL) or one per sequence, the geometric mean of its token weights (``"sequence"``,
     as GSPO's ratio). Weights above ``behav_imp_weight_cap`` get weight 0 but still count in the
-    normaliser (``behav_weight_clip="mask"``, AReaL) or are cut to the cap (``"truncate"``).
+    normaliser (``behav_weight_clip="mask"``, AReaL) or are cut to the cap (``"truncate"``);
+    weights below ``behav_imp_weight_floor`` are masked either way (a two-sided trust region
+    around the behaviour policy, as verl's rollout correction).
     """
     if prox_logp is None:
         raise ValueError("decoupled_ppo needs prox_logp (the trainer's logprobs before the update)")
@@ -412,6 +414,9 @@ def decoupled_ppo_loss(
             keep = keep & ~capped
         else:
             behav_weight = behav_weight.clamp(max=behav_imp_weight_cap)
+    if behav_imp_weight_floor is not None:
+        floored = behav_weight < behav_imp_weight_floor
+        capped, keep = capped | floored, keep & ~floored
     behav_weight = torch.where(keep, behav_weight, 0.0)
     loss = agg_loss(per_token * behav_weight, loss_mask, cu_seqlens, agg_mode, norm_len)
     stats["behav_capped_frac"] = masked_mean((loss_mask.bool() & capped).float(), loss_mask)
