@@ -43,7 +43,7 @@ def checkpoints(tmp_path_factory):
 def run(engine: LocalEngine, gconfigs: list[GenerationConfig]):
     async def go():
         return await asyncio.gather(*[
-            engine.agenerate(ModelRequest(rid=str(i), input_ids=p, gconfig=g)) for i, (p, g) in enumerate(zip(PROMPTS, gconfigs))
+            engine.agenerate(ModelRequest(rid=str(i), input_ids=p, gconfig=g)) for i, (p, g) in enumerate(zip(PROMPTS, gconfigs, strict=True))
         ])
 
     return asyncio.run(go())

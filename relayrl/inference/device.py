@@ -45,10 +45,10 @@ def resolve_device(spec: str) -> torch.device:
 def kv_bytes_per_token(model: PreTrainedModel) -> int:
     """Bytes of keys + values one token occupies over all layers of ``model``'s KV cache."""
     cfg = model.config.get_text_config()
-    layers = int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer"))
-    heads = int(getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head"))
+    layers = int(getattr(cfg, "num_hidden_layers", None) or cfg.n_layer)
+    heads = int(getattr(cfg, "num_attention_heads", None) or cfg.n_head)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    hidden = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd"))
+    hidden = int(getattr(cfg, "hidden_size", None) or cfg.n_embd)
     head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
     dtype = next(model.parameters()).dtype
     return 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()

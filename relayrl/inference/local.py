@@ -22,15 +22,12 @@ the new weights (prompt + partial output), so one response can carry several ver
 from __future__ import annotations
 
 import asyncio
-import glob
 import itertools
-import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,35 +39,8 @@ from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopRe
 from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
 from relayrl.inference.sampling import RowParams, sample
+from relayrl.inference.seq import Prefilled, Seq, load_hf_state_dict, resolver
 from relayrl.utils.batching import length_groups
-
-
-# one prefill's result: per-layer (keys, values), padding mask [n, L], last logits [n, V]
-_Prefilled = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class _Seq:
-    """One request inside the engine (a continuation carries its earlier output)."""
-
-    prompt: list[int]
-    g: GenerationConfig
-    key: int
-    on_done: Callable[[ModelResponse], None]
-    out: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    submitted: float = field(default_factory=time.perf_counter)
-    first_token_at: float = 0.0
-    stop_ids: frozenset[int] = frozenset()
-
-    def response(self, reason: StopReason) -> ModelResponse:
-        now = time.perf_counter()
-        return ModelResponse(
-            input_tokens=list(self.prompt), output_tokens=list(self.out), output_logprobs=list(self.logprobs),
-            output_versions=list(self.versions), stop_reason=reason, latency=now - self.submitted,
-            ttft=(self.first_token_at or now) - self.submitted,
-        )
 
 
 class LocalEngine(InferenceEngine):
@@ -92,11 +62,11 @@ class LocalEngine(InferenceEngine):
         # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
         # preemptions: rows set aside (and continued later) because the KV cache was full
         self.stats = {"requests": 0, "aborts": 0, "tokens": 0, "steps": 0, "prefills": 0, "prefill_rows": 0, "prefill_unique": 0,
-                      "preemptions": 0}
+                      "preemptions": 0, "kv_peak": 0}  # kv_peak: most KV slab cells (rows x columns) held
         self.device = torch.device("cpu")
         self.kv_capacity, self.kv_capacity_by = config.max_tokens_in_flight, "inference.max_tokens_in_flight"
         self._version = 0
-        self._waiting: queue.Queue[_Seq] = queue.Queue()
+        self._waiting: queue.Queue[Seq] = queue.Queue()
         self._control: queue.Queue[tuple[Callable[[], None], threading.Event, list[BaseException]]] = queue.Queue()
         self._wake = threading.Condition()
         self._paused = False
@@ -106,8 +76,8 @@ class LocalEngine(InferenceEngine):
         self._keys = itertools.count()
         self._key_lock = threading.Lock()
         # running batch state (touched only by the loop thread)
-        self._rows: list[_Seq] = []
-        self._preempted: deque[_Seq] = deque()  # set aside when the KV cache was full; admitted first
+        self._rows: list[Seq] = []
+        self._preempted: deque[Seq] = deque()  # set aside when the KV cache was full; admitted first
         self._alive: list[bool] = []  # finished rows stay (unused) until the batch is compacted
         self._params: RowParams | None = None
         self._cache: DynamicCache | None = None
@@ -176,18 +146,18 @@ class LocalEngine(InferenceEngine):
             key = self.config.seed * 1_000_003 + next(self._keys)
         self.stats["requests"] += 1
         start = time.perf_counter()
-        seq = _Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
+        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
         ttft = 0.0
         while True:
             fut: asyncio.Future[ModelResponse] = loop.create_future()
-            seq.on_done = _resolver(loop, fut)
+            seq.on_done = resolver(loop, fut)
             self._enqueue(seq)
             resp = await fut
             ttft = ttft or (resp.ttft + seq.submitted - start if resp.output_tokens else 0.0)
             if resp.stop_reason != "abort" or self._stopped:
                 break
             # interrupted by a weight update: continue from prompt + partial output
-            seq = _Seq(
+            seq = Seq(
                 prompt=seq.prompt, g=seq.g, key=seq.key, on_done=seq.on_done,
                 out=resp.output_tokens, logprobs=resp.output_logprobs, versions=resp.output_versions,
             )
@@ -228,7 +198,7 @@ class LocalEngine(InferenceEngine):
                 f"in the KV cache of {self.kv_capacity} tokens ({self.kv_capacity_by})"
             )
 
-    def _enqueue(self, seq: _Seq) -> None:
+    def _enqueue(self, seq: Seq) -> None:
         g = seq.g
         seq.stop_ids = frozenset(g.stop_token_ids) | (frozenset() if g.ignore_eos else self.eos_ids)
         with self._wake:
@@ -448,7 +418,7 @@ class LocalEngine(InferenceEngine):
             self.stats["preemptions"] += 1
         return keep
 
-    def _finished(self, seq: _Seq, tok: int) -> StopReason | None:
+    def _finished(self, seq: Seq, tok: int) -> StopReason | None:
         g = seq.g
         n = len(seq.out)
         if n >= g.min_new_tokens and tok in seq.stop_ids:
@@ -502,7 +472,7 @@ class LocalEngine(InferenceEngine):
         """Move set-aside, then waiting requests into the running batch (prefilled in groups of
         similar length) while the left-padded KV slab, rows x columns, fits ``kv_capacity``
         with one more column."""
-        new: list[_Seq] = []
+        new: list[Seq] = []
         width = self._mask.shape[1]
         while len(self._rows) + len(new) < self.config.max_batch_size and (self._preempted or not self._waiting.empty()):
             seq = self._preempted[0] if self._preempted else self._waiting.queue[0]
@@ -538,7 +508,7 @@ class LocalEngine(InferenceEngine):
         self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1)])
         self._mask_bool = self._mask.bool()
 
-    def _prefill_or_fail(self, seqs: list[_Seq]) -> list[tuple[_Prefilled, list[_Seq]]]:
+    def _prefill_or_fail(self, seqs: list[Seq]) -> list[tuple[Prefilled, list[Seq]]]:
         """Prefill ``seqs``; if that fails (out of memory), retry them one by one and fail only
         the requests that still cannot be prefilled, with an error naming the limit."""
         try:
@@ -557,7 +527,7 @@ class LocalEngine(InferenceEngine):
             ))
             return []
 
-    def _prefill(self, seqs: list[_Seq]) -> _Prefilled:
+    def _prefill(self, seqs: list[Seq]) -> Prefilled:
         """One left-padded forward over ``seqs``: per-layer (keys, values), mask [n, L], last logits [n, V].
 
         Identical inputs (the samples of one GRPO group share their prompt) are computed once
@@ -573,7 +543,7 @@ class LocalEngine(InferenceEngine):
         idx = torch.tensor(rows, device=self.device)
         return [(k[idx], v[idx]) for k, v in kv], mask[idx], logits[idx]
 
-    def _prefill_unique(self, inputs: list[list[int]]) -> _Prefilled:
+    def _prefill_unique(self, inputs: list[list[int]]) -> Prefilled:
         length = max(len(x) for x in inputs)
         ids = torch.tensor([[0] * (length - len(x)) + x for x in inputs], device=self.device)
         mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in inputs], device=self.device)
@@ -606,6 +576,7 @@ class LocalEngine(InferenceEngine):
         """One forward step: every running row consumes its newest token."""
         self._mask = F.pad(self._mask, (0, 1), value=1)
         self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
+        self.stats["kv_peak"] = max(self.stats["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
         assert self._cache is not None
         if self._fast is not None:
             logits = self._fast(tokens, self._pos, self._mask_bool, self._cache.layers)  # type: ignore[arg-type]
@@ -619,36 +590,3 @@ class LocalEngine(InferenceEngine):
             ).logits[:, -1]
         self._pos = self._pos + 1
         self._logits = logits.float()
-
-
-def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of the ``model*.safetensors`` files of a Hugging Face checkpoint directory."""
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no model*.safetensors files in checkpoint directory {path!r}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    return state
-
-
-def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]) -> Callable[[ModelResponse], None]:
-    """A callback, safe from any thread, that resolves ``fut`` (or fails it with an exception)."""
-
-    def settle(result: ModelResponse | BaseException) -> None:
-        if fut.done():
-            return
-        if isinstance(result, BaseException):
-            fut.set_exception(result)
-        else:
-            fut.set_result(result)
-
-    def done(result: ModelResponse | BaseException) -> None:
-        try:
-            loop.call_soon_threadsafe(settle, result)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-            pass
-
-    return done

@@ -1,0 +1,187 @@
+"""LocalEngine's device, KV budget, preemption, failure isolation and release/resume of memory.
+
+All on CPU with a small token budget (``inference.max_tokens_in_flight``, which is the KV
+capacity on CPU; on CUDA the same code is sized by ``kv_cache_fraction``): requests that do not
+fit together are preempted and continued, never dropped, and give the same tokens as an engine
+with room to spare; a request that can never fit, or whose prefill runs out of memory, fails
+alone with a message naming the limit; ``release_memory`` frees the cache mid-generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from relayrl.api.config import ConfigError, InferenceConfig, ServerConfig, load_config
+from relayrl.api.io import GenerationConfig, ModelRequest
+from relayrl.data.families import save_tiny_family
+from relayrl.inference.local import LocalEngine
+from relayrl.inference.server import LISTEN_PREFIX
+
+PROMPTS = [list(range(10, 10 + n)) for n in (12, 9, 15, 6, 11, 8)]
+
+
+def generate(engine: LocalEngine, prompts, g: GenerationConfig, during=None):
+    async def go():
+        tasks = [asyncio.ensure_future(engine.agenerate(ModelRequest(f"r{i}", p, g))) for i, p in enumerate(prompts)]
+        if during is not None:
+            await asyncio.sleep(0)
+            await asyncio.to_thread(during)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    return asyncio.run(go())
+
+
+def teacher_forced(model, prompt, out):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(out)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_full_cache_preempts_and_continues(tiny_model, fast_decode):
+    g = GenerationConfig(max_new_tokens=30, temperature=1.0, ignore_eos=True)
+    roomy = LocalEngine(InferenceConfig(device="cpu", seed=5, fast_decode=fast_decode), tiny_model)
+    roomy.initialize()
+    try:
+        expected = generate(roomy, PROMPTS, g)
+    finally:
+        roomy.destroy()
+    assert roomy.stats["preemptions"] == 0
+    tight = LocalEngine(InferenceConfig(device="cpu", seed=5, max_tokens_in_flight=100, fast_decode=fast_decode), tiny_model)
+    tight.initialize()
+    try:
+        got = generate(tight, PROMPTS, g)
+    finally:
+        tight.destroy()
+    assert tight.kv_capacity == 100
+    assert tight.stats["preemptions"] > 0 and tight.stats["aborts"] == 0
+    assert 0 < tight.stats["kv_peak"] <= 100 < roomy.stats["kv_peak"]
+    for p, e, r in zip(PROMPTS, expected, got, strict=True):
+        assert r.stop_reason == "length" and len(r.output_tokens) == 30
+        assert r.output_tokens == e.output_tokens
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), teacher_forced(tiny_model, p, r.output_tokens), atol=1e-4, rtol=0)
+
+
+def test_request_that_cannot_fit_fails_alone(tiny_model):
+    engine = LocalEngine(InferenceConfig(device="cpu", max_tokens_in_flight=40), tiny_model)
+    engine.initialize()
+    try:
+        ok, too_big = generate(engine, [[5, 6, 7], list(range(10, 40))], GenerationConfig(max_new_tokens=20, greedy=True))[:2]
+    finally:
+        engine.destroy()
+    assert len(ok.output_tokens) >= 1
+    assert isinstance(too_big, ValueError)
+    assert "request 'r1'" in str(too_big) and "30 + max_new_tokens 20" in str(too_big)
+    assert "KV cache of 40 tokens (inference.max_tokens_in_flight)" in str(too_big)
+
+
+def test_out_of_memory_in_prefill_fails_only_that_request(tiny_model):
+    model = copy.deepcopy(tiny_model)
+
+    def boom(_module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] >= 25:  # a prefill of a long prompt
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    model.register_forward_pre_hook(boom, with_kwargs=True)
+    engine = LocalEngine(InferenceConfig(device="cpu", admit_window_ms=50), model)
+    engine.initialize()
+    prompts = [[5, 6, 7, 8], list(range(10, 40)), [9, 10, 11]]
+    try:
+        res = generate(engine, prompts, GenerationConfig(max_new_tokens=8, greedy=True, ignore_eos=True))
+        later = generate(engine, [[7, 8, 9]], GenerationConfig(max_new_tokens=8, greedy=True, ignore_eos=True))[0]
+    finally:
+        engine.destroy()
+    assert isinstance(res[1], RuntimeError)
+    assert "prefill of 30 tokens on cpu ran out of memory" in str(res[1]) and "KV cache capacity 65536 tokens" in str(res[1])
+    assert [len(res[0].output_tokens), len(res[2].output_tokens), len(later.output_tokens)] == [8, 8, 8]
+
+
+def test_release_and_resume_memory_mid_generation(tiny_model):
+    engine = LocalEngine(InferenceConfig(device="cpu", seed=2), tiny_model)
+    engine.initialize()
+    g = GenerationConfig(max_new_tokens=120, temperature=1.0, ignore_eos=True)
+    seen: dict[str, int | bool] = {}
+
+    def release_then_resume():
+        while engine.stats["tokens"] < 20:
+            time.sleep(0.001)
+        engine.release_memory(weights=True)
+        seen["cache_freed"] = engine._cache is None and not engine._rows
+        before = engine.stats["tokens"]
+        time.sleep(0.2)
+        seen["idle"] = engine.stats["tokens"] == before
+        engine.resume_memory()
+
+    try:
+        res = generate(engine, PROMPTS[:3], g, during=release_then_resume)
+    finally:
+        engine.destroy()
+    assert seen == {"cache_freed": True, "idle": True}
+    assert engine.stats["preemptions"] >= 1 and engine.stats["aborts"] == 0
+    for p, r in zip(PROMPTS, res, strict=False):
+        assert r.stop_reason == "length" and len(r.output_tokens) == 120
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), teacher_forced(tiny_model, p, r.output_tokens), atol=1e-4, rtol=0)
+
+
+def test_device_setting_is_validated(tiny_model):
+    with pytest.raises(ConfigError, match=r"inference\.device='gpu' is not one of 'auto', 'cpu', 'cuda', 'cuda:N'"):
+        load_config(ServerConfig, None, ["inference.device=gpu"])
+    engine = LocalEngine(InferenceConfig(device="auto"), tiny_model)
+    engine.initialize()
+    engine.destroy()
+    assert engine.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"inference.device='cuda:0' but torch sees no CUDA device"):
+            LocalEngine(InferenceConfig(device="cuda:0"), tiny_model).initialize()
+
+
+def test_serve_device_flag_serves_any_family(tmp_path):
+    """`relayrl serve --device cpu` on a Mistral checkpoint (a family that crashed before)."""
+    path = save_tiny_family("mistral", tmp_path / "mistral", seed=1)
+    bad = subprocess.run([sys.executable, "-m", "relayrl.cli", "serve", "--model", str(path), "--device", "gpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "inference.device='gpu'" in bad.stderr
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "serve", "--model", str(path), "--device", "cpu", "--port", "0",
+         "model.tokenizer_path=tiny"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        url = _wait_listening(proc)
+        prompt = list(range(20, 40))
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+        out = httpx.post(url + "/generate", json=body, timeout=60).json()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, top_k=None, top_p=None,
+                         eos_token_id=None, pad_token_id=0)
+    assert out["output_ids"] == ref[0, len(prompt):].tolist()
+
+
+def _wait_listening(proc: subprocess.Popen) -> str:
+    found: list[str] = []
+
+    def read():
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith(LISTEN_PREFIX):
+                found.append(line.strip()[len(LISTEN_PREFIX):])
+                return
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert found, "server did not start"
+    return found[0]
