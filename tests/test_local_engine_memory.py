@@ -185,3 +185,36 @@ def _wait_listening(proc: subprocess.Popen) -> str:
     t.join(timeout=120)
     assert found, "server did not start"
     return found[0]
+
+
+@pytest.mark.gpu
+def test_cuda_release_frees_memory_and_trainer_weights_move_device_to_device(tiny_model):
+    from relayrl.api.config import ModelConfig, TrainEngineConfig
+    from relayrl.train.engine import TorchTrainEngine
+
+    model = copy.deepcopy(tiny_model)
+    engine = LocalEngine(InferenceConfig(device="cuda", seed=2, kv_cache_fraction=0.01), model)
+    engine.initialize()
+    assert engine.device.type == "cuda" and 0 < engine.kv_capacity <= 65536
+    g = GenerationConfig(max_new_tokens=64, temperature=1.0, ignore_eos=True)
+    try:
+        first = generate(engine, PROMPTS, g)
+        held = torch.cuda.memory_allocated()
+        engine.release_memory(weights=True)
+        assert torch.cuda.memory_allocated() < held
+        engine.resume_memory()
+        trainer = TorchTrainEngine(TrainEngineConfig(), ModelConfig(), model=copy.deepcopy(tiny_model), trainable=False)
+        trainer.initialize()
+        assert trainer.device.type == "cuda"
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(1.01)
+        trainer.set_version(1)
+        trainer.update_weights(engine)
+        second = generate(engine, PROMPTS, g)
+    finally:
+        engine.destroy()
+    assert engine.get_version() == 1 and all(len(r.output_tokens) == 64 for r in first + second)
+    ref = trainer.model.cpu().float()
+    for p, r in zip(PROMPTS, second, strict=True):
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), teacher_forced(ref, p, r.output_tokens), atol=2e-3, rtol=0)
