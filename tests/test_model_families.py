@@ -121,3 +121,13 @@ def test_bf16_engine_vs_train_engine(checkpoints, family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_local_engine_matches_hf_cuda(checkpoints, family):
     engine_checks(checkpoints[family], "cuda")
+
+
+def test_ready_mask_only_where_the_model_takes_it():
+    """The generic decode step's 4D-mask shortcut is probed, not assumed: passing it to a class
+    that rejects it is the crash this path fixes (``'dict' object has no attribute 'ndim'``)."""
+    from relayrl.data.families import build_tiny_family
+    from relayrl.inference.device import accepts_mask_dict
+
+    takes = {name: accepts_mask_dict(build_tiny_family(name), torch.device("cpu")) for name in ("qwen3", "llama", "mistral", "gpt2")}
+    assert takes == {"qwen3": True, "llama": False, "mistral": False, "gpt2": False}

@@ -6,7 +6,7 @@
   are loaded) divided by the bytes one token's keys and values take over all layers, capped by
   ``max_tokens_in_flight``.
 - ``accepts_mask_dict``: whether a model's forward takes a ready ``{"full_attention": 4D mask}``
-  (Llama, Qwen2/3, Gemma2/3 do, Mistral, Mixtral, Phi-3, OLMo2, GPT-NeoX, GPT-2 do not). The
+  (in transformers 5.x Qwen2/Qwen3 do; Llama, Mistral, Mixtral, Phi-3, OLMo2, GPT-NeoX, GPT-2 do not). The
   generic decode step passes one when it can, which skips transformers' per-step mask building,
   and the plain 2D padding mask otherwise: it is found by trying, once, at initialisation.
 """
@@ -74,17 +74,17 @@ def accepts_mask_dict(model: PreTrainedModel, device: torch.device) -> bool:
     and returns the same logits as with the 2D mask (one 3-token probe on a private cache)."""
     ids = torch.tensor([[3, 4, 5]], device=device)
     pos = torch.arange(3, device=device)[None]
+    def step(mask: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        cache = DynamicCache()
+        model(input_ids=ids[:, :2], position_ids=pos[:, :2], attention_mask=torch.ones_like(ids[:, :2]),
+              past_key_values=cache, use_cache=True)
+        return model(input_ids=ids[:, 2:], position_ids=pos[:, 2:], attention_mask=mask, past_key_values=cache,
+                     use_cache=True).logits
+
     try:
         with torch.inference_mode():
-            cache = DynamicCache()
-            model(input_ids=ids[:, :2], position_ids=pos[:, :2], attention_mask=torch.ones_like(ids[:, :2]),
-                  past_key_values=cache, use_cache=True)
-            plain = model(input_ids=ids[:, 2:], position_ids=pos[:, 2:], attention_mask=torch.ones_like(ids),
-                          past_key_values=cache, use_cache=True).logits
-            cache.crop(2)
-            mask = {"full_attention": torch.ones(1, 1, 1, 3, dtype=torch.bool, device=device)}
-            ready = model(input_ids=ids[:, 2:], position_ids=pos[:, 2:], attention_mask=mask,
-                          past_key_values=cache, use_cache=True).logits
+            plain = step(torch.ones_like(ids))
+            ready = step({"full_attention": torch.ones(1, 1, 1, 3, dtype=torch.bool, device=device)})
     except (AttributeError, TypeError, ValueError, KeyError, RuntimeError):
         return False
     return bool(torch.allclose(plain.float(), ready.float(), atol=1e-3, rtol=1e-3))
