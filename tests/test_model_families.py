@@ -131,3 +131,31 @@ def test_ready_mask_only_where_the_model_takes_it():
 
     takes = {name: accepts_mask_dict(build_tiny_family(name), torch.device("cpu")) for name in ("qwen3", "llama", "mistral", "gpt2")}
     assert takes == {"qwen3": True, "llama": False, "mistral": False, "gpt2": False}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_lean_decode_step_covers_qwen3_and_windowless_mistral(family, tmp_path):
+    """Qwen3 (q/k norms) and Mistral without a sliding window take the lean decode step and
+    sample what the generic path samples (a windowed Mistral stays on the generic path)."""
+    from relayrl.data.families import build_tiny_family
+
+    model = build_tiny_family(family, seed=2)
+    if family == "mistral":
+        model.config.sliding_window = None
+    g = GenerationConfig(max_new_tokens=NEW, temperature=0.9, ignore_eos=True)
+    results = {}
+    for fast in (True, False):
+        engine = LocalEngine(InferenceConfig(device="cpu", admit_window_ms=0, seed=4, fast_decode=fast), model)
+        engine.initialize()
+        try:
+            assert (engine._fast is not None) == fast
+            results[fast] = run(engine, [g] * len(PROMPTS))
+        finally:
+            engine.destroy()
+    for a, b in zip(results[True], results[False], strict=True):
+        assert a.output_tokens == b.output_tokens
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0)
+    windowed = LocalEngine(InferenceConfig(device="cpu"), build_tiny_family("mistral"))
+    windowed.initialize()
+    windowed.destroy()
+    assert windowed._fast is None
