@@ -195,7 +195,7 @@ def test_cuda_release_frees_memory_and_trainer_weights_move_device_to_device(tin
     model = copy.deepcopy(tiny_model)
     engine = LocalEngine(InferenceConfig(device="cuda", seed=2, kv_cache_fraction=0.01), model)
     engine.initialize()
-    assert engine.device.type == "cuda" and 0 < engine.kv_capacity <= 65536
+    assert engine.device.type == "cuda" and engine.kv_capacity >= 16 and "kv_cache_fraction=0.01" in engine.kv_capacity_by
     g = GenerationConfig(max_new_tokens=64, temperature=1.0, ignore_eos=True)
     try:
         first = generate(engine, PROMPTS, g)
@@ -218,3 +218,14 @@ def test_cuda_release_frees_memory_and_trainer_weights_move_device_to_device(tin
     ref = trainer.model.cpu().float()
     for p, r in zip(PROMPTS, second, strict=True):
         torch.testing.assert_close(torch.tensor(r.output_logprobs), teacher_forced(ref, p, r.output_tokens), atol=2e-3, rtol=0)
+
+
+def test_kv_bytes_per_token_of_any_family():
+    """What sizes the CUDA cache: keys + values of one token over all layers, from any config."""
+    from relayrl.data.families import build_tiny_family
+    from relayrl.inference.device import kv_bytes_per_token, kv_capacity
+
+    assert kv_bytes_per_token(build_tiny_family("qwen2")) == 2 * 2 * 2 * 16 * 4  # layers, kv heads, head_dim, fp32
+    assert kv_bytes_per_token(build_tiny_family("gpt2", dtype=torch.bfloat16)) == 2 * 2 * 4 * 16 * 2  # n_layer, n_head
+    assert kv_bytes_per_token(build_tiny_family("gemma2")) == 2 * 2 * 2 * 16 * 4  # explicit head_dim
+    assert kv_capacity(build_tiny_family("llama"), torch.device("cpu"), 0.5, 4096) == (4096, "inference.max_tokens_in_flight")

@@ -3,8 +3,8 @@
 - ``resolve_device("auto" | "cpu" | "cuda" | "cuda:N")``: ``auto`` is CUDA when available.
 - ``kv_capacity``: the KV budget in tokens. On CPU it is ``inference.max_tokens_in_flight``; on
   CUDA it is ``inference.kv_cache_fraction`` of the free device memory (measured after the weights
-  are loaded) divided by the bytes one token's keys and values take over all layers, capped by
-  ``max_tokens_in_flight``.
+  are loaded) divided by twice the bytes one token's keys and values take over all layers (a
+  growing slab buffer holds up to twice the columns in use).
 - ``accepts_mask_dict``: whether a model's forward takes a ready ``{"full_attention": 4D mask}``
   (in transformers 5.x Qwen2/Qwen3 do; Llama, Mistral, Mixtral, Phi-3, OLMo2, GPT-NeoX, GPT-2 do not). The
   generic decode step passes one when it can, which skips transformers' per-step mask building,
@@ -59,10 +59,8 @@ def kv_capacity(model: PreTrainedModel, device: torch.device, fraction: float, m
     if device.type != "cuda":
         return max_tokens, "inference.max_tokens_in_flight"
     free, _total = torch.cuda.mem_get_info(device)
-    tokens = int(free * fraction) // kv_bytes_per_token(model)
-    if tokens >= max_tokens:
-        return max_tokens, "inference.max_tokens_in_flight"
-    return tokens, f"inference.kv_cache_fraction={fraction} of {free / 2**30:.1f} GiB free GPU memory"
+    tokens = int(free * fraction) // (2 * kv_bytes_per_token(model))
+    return max(tokens, 16), f"inference.kv_cache_fraction={fraction} of {free / 2**30:.1f} GiB free GPU memory"
 
 
 def takes_logits_to_keep(model: PreTrainedModel) -> bool:
