@@ -229,3 +229,31 @@ def test_kv_bytes_per_token_of_any_family():
     assert kv_bytes_per_token(build_tiny_family("gpt2", dtype=torch.bfloat16)) == 2 * 2 * 4 * 16 * 2  # n_layer, n_head
     assert kv_bytes_per_token(build_tiny_family("gemma2")) == 2 * 2 * 2 * 16 * 4  # explicit head_dim
     assert kv_capacity(build_tiny_family("llama"), torch.device("cpu"), 0.5, 4096) == (4096, "inference.max_tokens_in_flight")
+
+
+def test_weight_update_while_requests_are_preempted(tiny_model):
+    """Rows set aside for lack of cache room are running requests too: a weight update ends them
+    with "abort" like the rest and agenerate continues them under the new version."""
+    from relayrl.api.io import WeightUpdate
+
+    model = copy.deepcopy(tiny_model)
+    new_state = {k: v * 1.01 for k, v in model.state_dict().items()}
+    engine = LocalEngine(InferenceConfig(device="cpu", seed=1, max_tokens_in_flight=90), model)
+    engine.initialize()
+    g = GenerationConfig(max_new_tokens=40, temperature=1.0, ignore_eos=True)
+    seen = {}
+
+    def update_when_preempted():
+        while not engine._preempted and engine.stats["tokens"] < 200:
+            time.sleep(0.0005)
+        seen["preempted"] = len(engine._preempted)
+        engine.update_weights(WeightUpdate(kind="tensors", version=1, tensors=new_state))
+
+    try:
+        res = generate(engine, PROMPTS, g, during=update_when_preempted)
+    finally:
+        engine.destroy()
+    assert seen["preempted"] > 0 and engine.stats["aborts"] >= seen["preempted"]
+    for r in res:
+        assert r.stop_reason == "length" and len(r.output_tokens) == 40
+        assert r.output_versions == sorted(r.output_versions) and r.output_versions[-1] == 1
