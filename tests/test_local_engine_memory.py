@@ -257,3 +257,28 @@ def test_weight_update_while_requests_are_preempted(tiny_model):
     for r in res:
         assert r.stop_reason == "length" and len(r.output_tokens) == 40
         assert r.output_versions == sorted(r.output_versions) and r.output_versions[-1] == 1
+
+
+def test_out_of_memory_in_decode_lowers_the_budget_and_continues(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    calls = {"n": 0}
+
+    def boom(_module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape == (len(PROMPTS), 1):  # a decode step of the full batch
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.register_forward_pre_hook(boom, with_kwargs=True)
+    engine = LocalEngine(InferenceConfig(device="cpu", seed=3, fast_decode=False, admit_window_ms=50), model)
+    engine.initialize()
+    try:
+        res = generate(engine, PROMPTS, GenerationConfig(max_new_tokens=24, temperature=1.0, ignore_eos=True))
+    finally:
+        engine.destroy()
+    assert calls["n"] >= 5 and engine.stats["preemptions"] >= len(PROMPTS) and engine.stats["aborts"] == 0
+    assert engine.kv_capacity < 65536 and "lowered after running out of memory" in engine.kv_capacity_by
+    for p, r in zip(PROMPTS, res, strict=True):
+        assert r.stop_reason == "length" and len(r.output_tokens) == 24
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), teacher_forced(tiny_model, p, r.output_tokens), atol=1e-4, rtol=0)

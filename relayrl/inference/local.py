@@ -35,7 +35,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason, WeightUpdate
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdate
 from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
 from relayrl.inference.sampling import RowParams, sample
@@ -333,6 +333,8 @@ class LocalEngine(InferenceEngine):
                     continue
                 try:
                     self._step()
+                except torch.OutOfMemoryError as e:  # the cache outgrew the memory: shrink it, keep the requests
+                    self._shrink_after_oom(e)
                 except Exception as e:  # a model error fails the running requests, not the engine
                     for seq, alive in zip(self._rows, self._alive, strict=True):
                         if alive:
@@ -360,6 +362,22 @@ class LocalEngine(InferenceEngine):
         self._preempted.clear()
         for seq in rows:
             seq.on_done(seq.response("abort"))
+
+    def _shrink_after_oom(self, error: torch.OutOfMemoryError) -> None:
+        """Out of memory in a decode step: lower ``kv_capacity`` below what the batch held and set
+        every running row aside (continued under the lower budget); with nothing to give up, fail."""
+        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
+        held = len(self._rows) * self._mask.shape[1]
+        if not rows or held * 9 // 10 < 16:
+            for seq in rows:
+                seq.on_done(RuntimeError(f"out of memory on {self.device} with {held} KV tokens held: {error}"))  # type: ignore[arg-type]
+            self._reset_batch()
+            return
+        self.kv_capacity = min(self.kv_capacity, held * 9 // 10)
+        self.kv_capacity_by = f"lowered after running out of memory on {self.device} with {held} KV tokens held"
+        self._preempt_all()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _preempt_all(self) -> None:
         """Set every running row aside (continued from prompt + output when admitted again)."""
@@ -395,7 +413,7 @@ class LocalEngine(InferenceEngine):
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
             self.stats["tokens"] += 1
-            reason = self._finished(seq, tok)
+            reason = seq.finished(tok, self.tokenizer)
             if reason is not None:  # the future resolves now; the row leaves at the next compaction
                 self._alive[i] = False
                 seq.on_done(seq.response(reason))
@@ -417,20 +435,6 @@ class LocalEngine(InferenceEngine):
             lengths.pop()
             self.stats["preemptions"] += 1
         return keep
-
-    def _finished(self, seq: Seq, tok: int) -> StopReason | None:
-        g = seq.g
-        n = len(seq.out)
-        if n >= g.min_new_tokens and tok in seq.stop_ids:
-            return "stop"
-        if g.stop and n >= g.min_new_tokens:
-            longest = max(len(s) for s in g.stop)
-            tail = self.tokenizer.decode(seq.out[-(longest + 8):])  # type: ignore[union-attr]
-            if any(s in tail for s in g.stop):
-                return "stop"
-        if n >= g.max_new_tokens:
-            return "length"
-        return None
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows, dev = self._rows, self.device

@@ -33,6 +33,20 @@ class Seq:
     first_token_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()
 
+    def finished(self, tok: int, tokenizer: object | None) -> StopReason | None:
+        """Why this request ends after appending ``tok`` (None: it goes on)."""
+        g, n = self.g, len(self.out)
+        if n >= g.min_new_tokens and tok in self.stop_ids:
+            return "stop"
+        if g.stop and n >= g.min_new_tokens:
+            longest = max(len(s) for s in g.stop)
+            tail = tokenizer.decode(self.out[-(longest + 8):])  # type: ignore[attr-defined]
+            if any(s in tail for s in g.stop):
+                return "stop"
+        if n >= g.max_new_tokens:
+            return "length"
+        return None
+
     def response(self, reason: StopReason) -> ModelResponse:
         now = time.perf_counter()
         return ModelResponse(
