@@ -10,7 +10,9 @@ One background thread owns the model and runs the decode loop::
 The running batch is left-padded: row ``i`` holds its tokens at the right end of the KV
 cache, ``attention_mask`` marks real columns and ``position_ids`` are passed explicitly, so
 prompts of any length share a batch with correct positions. Columns that no remaining row
-uses are trimmed when rows leave.
+uses are trimmed when rows leave. Everything lives on ``inference.device``; the slab's
+rows x columns stay within ``kv_capacity`` (``inference/device.py``): when it would not, the
+latest rows are preempted, set aside and continued later from prompt + output.
 
 ``agenerate`` is callable from any thread and asyncio loop: it queues the request and awaits
 a future the loop thread resolves through ``loop.call_soon_threadsafe``. A weight update
@@ -487,7 +489,6 @@ class LocalEngine(InferenceEngine):
             width = w
         if not new:
             return
-        n_old = len(self._rows)
         groups = [[new[i] for i in g] for g in length_groups([len(s.prompt) + len(s.out) for s in new])]
         parts, new = [], []
         for group in groups:
@@ -496,6 +497,15 @@ class LocalEngine(InferenceEngine):
                 new += seqs  # rows join in prefill order
         if not parts:
             return
+        try:
+            self._merge(parts, new)
+        except BaseException:  # e.g. out of memory: the prefilled requests wait again instead of being lost
+            self._preempted.extendleft(reversed(new))
+            raise
+
+    def _merge(self, parts: list[Prefilled], new: list[Seq]) -> None:
+        """Stack the running batch and the prefilled ``parts`` (rows ``new``) into one slab."""
+        n_old = len(self._rows)
         if n_old:
             assert self._cache is not None
             old_kv = [(layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in self._cache.layers]  # type: ignore[attr-defined]
