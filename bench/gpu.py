@@ -5,13 +5,16 @@ The model is a randomly initialised Qwen2-0.5B-shaped config (hidden 896, 24 lay
 heads, 2 KV heads, MLP 4864, vocab 151936, tied embeddings: ~494M parameters) built from a
 config, no hub access.
 
-- generation: tokens/s of ``LocalEngine`` ÷ HF ``generate`` on the workload of
-  ``bench/generation.py`` (64 prompts of 8-40 tokens, temperature 1, top_k off, EOS biased so
-  completion lengths are geometric with mean ~``--mean-len``, capped at ``--max-new``);
+- generation: tokens/s of ``LocalEngine`` (``inference.device=cuda``) ÷ HF ``generate`` on the
+  workload of ``bench/generation.py`` scaled to ``--n-requests`` (256) prompts of 8-40 tokens,
+  temperature 1, top_k off, EOS biased so completion lengths are geometric (long-tailed) with
+  mean ~``--mean-len``, capped at ``--max-new``; goal >= 5x;
+- batch-1 decode: one greedy request of ``--max-new`` tokens; step time = (latency - ttft) /
+  (tokens - 1); roofline fraction = weight bytes / step time / peak HBM bandwidth; goal >= 50%;
 - training: tokens/s of one full ``train_batch`` (packed, ``TorchTrainEngine`` with bf16
   autocast) ÷ the padded HF baseline (``bench/training.py``'s micro-batching, SDPA, bf16
   autocast), on its RL length mix; and train MFU = 6 * params * tokens / (seconds * peak
-  bf16 dense FLOP/s of the detected GPU).
+  bf16 dense FLOP/s of the detected GPU); goal >= 35%.
 
     python bench/gpu.py [--repeats 3] [--batch 64] [--budget 8192] [--max-new 256]
 """
@@ -34,8 +37,18 @@ PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800",
              ("RTX 4090", 165e12), ("RTX 3090", 71e12)]
 
 
+# Peak HBM bandwidth in bytes/s, matched the same way.
+PEAK_HBM = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H800", 3.35e12), ("A100-SXM4-80GB", 2.04e12),
+            ("A100 80GB PCIe", 1.94e12), ("A100", 1.555e12), ("A800", 2.04e12), ("L40S", 0.864e12), ("L40", 0.864e12),
+            ("L4", 0.3e12), ("A10", 0.6e12), ("RTX 4090", 1.008e12), ("RTX 3090", 0.936e12)]
+
+
 def peak_flops(name: str) -> float | None:
     return next((v for k, v in PEAK_BF16 if k in name), None)
+
+
+def peak_bandwidth(name: str) -> float | None:
+    return next((v for k, v in PEAK_HBM if k in name), None)
 
 
 def build_model(eos_bias: float | None = None) -> torch.nn.Module:
@@ -53,7 +66,8 @@ def build_model(eos_bias: float | None = None) -> torch.nn.Module:
 
 
 def bench_generation(args: argparse.Namespace) -> dict:
-    from generation import EOS, PAD, make_prompts
+    from generation import EOS, PAD
+    from generation import make_prompts as gen_prompts
 
     from relayrl.api.config import InferenceConfig
     from relayrl.api.io import GenerationConfig, ModelRequest
@@ -61,6 +75,9 @@ def bench_generation(args: argparse.Namespace) -> dict:
 
     vocab = QWEN2_05B["vocab_size"]
     model = build_model(eos_bias=math.log(vocab / args.mean_len)).eval()  # P(EOS) ~ 1/mean_len per step
+
+    def make_prompts(seed: int, vocab: int) -> list[list[int]]:
+        return [p for k in range(math.ceil(args.n_requests / 64)) for p in gen_prompts(seed * 1000 + k, vocab)][: args.n_requests]
 
     def hf(prompts: list[list[int]]) -> tuple[int, float]:
         n = max(len(p) for p in prompts)
@@ -95,20 +112,39 @@ def bench_generation(args: argparse.Namespace) -> dict:
         hf_tps.append(tok / s)
     out: dict = {"generate_tok_s": common.spread(hf_tps)}
     try:
-        engine = LocalEngine(InferenceConfig(max_batch_size=64, seed=0), model=model)
+        engine = LocalEngine(InferenceConfig(max_batch_size=args.n_requests, seed=0, device="cuda"), model=model)
         engine.initialize()
         local(engine, make_prompts(999, vocab)[:8], timeout=120.0)  # warm-up; fails fast if CUDA is unsupported
         eng_tps = []
         for r in range(args.repeats):
             tok, s = local(engine, make_prompts(r, vocab))
             eng_tps.append(tok / s)
-        engine.destroy()
         ratios = [e / h for e, h in zip(eng_tps, hf_tps, strict=True)]
-        out.update(engine_tok_s=common.spread(eng_tps), ratio=common.spread(ratios))
+        out.update(engine_tok_s=common.spread(eng_tps), ratio=common.spread(ratios), kv_capacity=engine.kv_capacity,
+                   preemptions=engine.stats["preemptions"], fast_decode=engine._fast is not None)
+        out["batch1"] = batch1_decode(engine, model, args.max_new)
+        engine.destroy()
     except Exception as e:  # noqa: BLE001 - reported, not fatal: the training half still runs
         out["engine_error"] = f"LocalEngine on CUDA failed: {type(e).__name__}: {str(e)[:300]}"
     print(f"generation: {out}", flush=True)
     return out
+
+
+def batch1_decode(engine, model: torch.nn.Module, n: int) -> dict:  # noqa: ANN001
+    """Step time of one greedy request alone and its fraction of the HBM-bandwidth roofline."""
+    from relayrl.api.io import GenerationConfig, ModelRequest
+
+    g = GenerationConfig(max_new_tokens=n, greedy=True, ignore_eos=True)
+    steps = []
+    for r in range(3):
+        resp = asyncio.run(engine.agenerate(ModelRequest(f"b1-{r}", [5, 6, 7, 8, 9, 10, 11, 12], g)))
+        steps.append((resp.latency - resp.ttft) / (resp.output_len - 1))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = peak_bandwidth(torch.cuda.get_device_name())
+    step = min(steps)
+    return {"step_ms": step * 1e3, "weight_bytes": weight_bytes, "peak_hbm_bytes_s": bw,
+            "roofline_fraction": weight_bytes / step / bw if bw else None,
+            "formula": "weight bytes / step time / peak HBM bandwidth"}
 
 
 def bench_training(args: argparse.Namespace) -> dict:
@@ -190,6 +226,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="sequences per train_batch")
     ap.add_argument("--budget", type=int, default=8192, help="tokens per micro-batch (both modes)")
     ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--n-requests", type=int, default=256, help="generation requests per repeat (long-tailed lengths)")
     ap.add_argument("--mean-len", type=float, default=64.0, help="mean completion length (EOS bias)")
     ap.add_argument("--quick", action="store_true", help="1 repeat, small batch (smoke test)")
     args = ap.parse_args()
@@ -197,17 +234,18 @@ def main() -> None:
         print("bench/gpu.py: no CUDA device is available (torch.cuda.is_available() is False); nothing to measure.")
         return
     if args.quick:
-        args.repeats, args.batch, args.max_new = 1, 16, 64
+        args.repeats, args.batch, args.max_new, args.n_requests = 1, 16, 64, 32
     torch.backends.cuda.matmul.allow_tf32 = True
     gen = bench_generation(args)
     train = bench_training(args)
     ratio = gen.get("ratio", {}).get("median") if isinstance(gen.get("ratio"), dict) else None
     common.write_result({
         "name": "gpu", "ratio": ratio, "ratio_is": "generation: LocalEngine / HF generate tokens/s",
+        "batch1_roofline": (gen.get("batch1") or {}).get("roofline_fraction"),
         "training_ratio": train["ratio"]["median"], "train_mfu": train["train_mfu"]["median"] if train["train_mfu"] else None,
         "device": torch.cuda.get_device_name(), "generation": gen, "training": train,
         "settings": {"model": {**QWEN2_05B, "tie_word_embeddings": True}, "dtype": "bf16", "repeats": args.repeats,
-                     "batch": args.batch, "budget": args.budget, "max_new_tokens": args.max_new, "mean_len": args.mean_len,
+                     "batch": args.batch, "budget": args.budget, "max_new_tokens": args.max_new, "n_requests": args.n_requests, "mean_len": args.mean_len,
                      "torch": torch.__version__},
     }, quick=args.quick)
 

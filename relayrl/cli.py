@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    """``relayrl serve [CONFIG.yaml] [key=value ...] [--model M] [--host H] [--port P]``."""
+    """``relayrl serve [CONFIG.yaml] [key=value ...] [--model M] [--host H] [--port P] [--device D]``."""
     p = argparse.ArgumentParser(prog="relayrl serve", description="Serve a model over HTTP (ServerConfig).")
     p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as port=0")
     p.add_argument("--model", help="model path or tiny preset (model.path)")
@@ -47,11 +47,13 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--port", type=int, help="TCP port; 0 picks a free one")
     p.add_argument("--admin-token", help="bearer token for admin endpoints")
     p.add_argument("--threads", type=int, help="torch threads (torch_threads)")
+    p.add_argument("--device", help="auto (cuda when available), cpu, cuda or cuda:N (inference.device)")
     ns = p.parse_args(argv)
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     overrides = [a for a in ns.args if a is not path]
     for key, value in (("model.path", ns.model), ("host", ns.host), ("port", ns.port),
-                       ("admin_token", ns.admin_token), ("torch_threads", ns.threads)):
+                       ("admin_token", ns.admin_token), ("torch_threads", ns.threads),
+                       ("inference.device", ns.device)):
         if value is not None:
             overrides.append(f"{key}={value}")
     from relayrl.api.config import ConfigError, ServerConfig, load_config

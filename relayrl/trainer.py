@@ -130,6 +130,13 @@ class Trainer:
         self._t_start = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
+    def _shares_gpu(self) -> bool:
+        """Synchronous RL with an in-process engine on a GPU: nothing generates while the trainer
+        trains, so the engine's KV cache can give its memory to training."""
+        device = getattr(self.engine, "device", None)
+        return (self.cfg.rollout.max_staleness == 0 and hasattr(self.engine, "release_memory")
+                and isinstance(device, torch.device) and device.type == "cuda")
+
     def fit(self) -> dict[str, float]:
         """Train until ``total_steps``; returns the last step's metrics."""
         cfg, last = self.cfg, {}
@@ -143,6 +150,9 @@ class Trainer:
                 with stats.record_timing("rollout"):
                     batch = self.executor.prepare_batch(self.dataloader, self.workflow) if self.driver else None
                     batch = dist_utils.broadcast_object(batch)  # every rank trains on the driver's batch
+                share_gpu = self._shares_gpu()
+                if share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
+                    self.engine.release_memory()  # type: ignore[union-attr]
                 with stats.record_timing("compute_logp"):
                     self.compute_logp(batch)
                 with stats.record_timing("compute_advantages"):
@@ -157,6 +167,8 @@ class Trainer:
                     self.step += 1
                     self.actor_engine.set_version(self.step)
                     self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]
+                    if share_gpu:
+                        self.engine.resume_memory()  # type: ignore[union-attr]
                 last = self._after_step(batch, time.monotonic() - t0, actor_stats)
                 self._reseed_generation()
                 if self.driver:

@@ -25,3 +25,13 @@ def tiny_model():
     from relayrl.data.models import build_tiny_model
 
     return build_tiny_model("tiny", seed=0).eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped when torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

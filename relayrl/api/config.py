@@ -11,6 +11,7 @@ importable from here too). ``docs/config.md`` is generated from these classes by
 
 from __future__ import annotations
 
+import re
 import typing
 from dataclasses import dataclass
 
@@ -80,12 +81,15 @@ class TrainEngineConfig:
 class InferenceConfig:
     backend: str = f("local", help="'local': in-process LocalEngine; 'remote': HTTP servers.", choices=["local", "remote"])
     max_batch_size: int = f(
-        0, help="LocalEngine: most sequences decoded together; 0 (default) = as many as max_tokens_in_flight holds, so a "
+        0, help="LocalEngine: most sequences decoded together; 0 (default) = as many as the KV cache budget holds, so a "
         "training step's whole batch decodes in one wave.", ge=0,
     )
-    max_tokens_in_flight: int = f(65536, help="LocalEngine: most prompt+generated tokens held in the running batch.", ge=16)
+    max_tokens_in_flight: int = f(65536, help="LocalEngine on CPU: KV cache budget in tokens (rows x columns of the running batch).", ge=16)
     seed: int = f(0, help="Sampling seed of the engine.")
     fast_decode: bool = f(True, help="LocalEngine: lean decode step for Llama/Qwen2-style models (else the generic HF forward).")
+    device: str = f("auto", help="LocalEngine / `relayrl serve`: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+    kv_cache_fraction: float = f(0.5, help="LocalEngine on CUDA: KV cache budget as a fraction of the free GPU memory after the "
+                                 "weights are loaded (on CPU max_tokens_in_flight is the budget).", gt=0.0, le=1.0)
     admit_window_ms: float = f(
         5.0, help="LocalEngine: an idle engine waits up to this long while requests keep arriving, so a burst is "
         "prefilled in one forward (0 = admit at once).", ge=0.0, le=1000.0,
@@ -106,6 +110,10 @@ class InferenceConfig:
                                "milliseconds go out as one batched HTTP call (each still retried, continued and balanced on its "
                                "own); 0 = one call per request.", ge=0.0, le=1000.0)
     batch_max_requests: int = f(256, help="RemoteEngine: most generation requests in one batched HTTP call.", ge=1)
+
+    def validate(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda|cuda:\d+", self.device):
+            raise ValueError(f"device={self.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
 
 
 @dataclass

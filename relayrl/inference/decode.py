@@ -5,7 +5,8 @@ writes one column of (transformers' ``DynamicLayer`` re-concatenates the whole c
 step). ``FastDecoder`` runs one decode step of a Llama/Qwen2-style model with plain tensor
 ops over the model's own weights (fused qkv and gate/up matrices, one attention call per
 layer): on small CPUs the per-step Python overhead of the generic forward dominates, and
-this is what lets a shrinking batch pay off. Other architectures use the generic forward.
+this is what lets a shrinking batch pay off. Qwen3 (per-head q/k RMSNorm) and Mistral without a
+sliding window take it too; other architectures use the generic forward.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-_FAST_TYPES = ("qwen2", "llama")
+_FAST_TYPES = ("qwen2", "llama", "qwen3", "mistral")
 
 
 class SlabLayer(DynamicLayer):
@@ -72,7 +73,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class FastDecoder:
-    """One decode step of a Llama/Qwen2 model (fp32/bf16, full attention, SiLU MLP)."""
+    """One decode step of a Llama/Qwen2/Qwen3/Mistral model (fp32/bf16, full attention, SiLU MLP)."""
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -81,6 +82,7 @@ class FastDecoder:
             cfg.model_type in _FAST_TYPES
             and getattr(cfg, "hidden_act", "silu") == "silu"
             and not getattr(cfg, "use_sliding_window", False)
+            and (cfg.model_type != "mistral" or getattr(cfg, "sliding_window", None) is None)
             and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"]))
             and not getattr(cfg, "pretraining_tp", 1) > 1
         )
@@ -106,6 +108,7 @@ class FastDecoder:
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                 None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]),
                 mlp.down_proj.weight, mlp.down_proj.bias,
+                getattr(getattr(a, "q_norm", None), "weight", None), getattr(getattr(a, "k_norm", None), "weight", None),
             ))
         attn = m.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
@@ -119,9 +122,12 @@ class FastDecoder:
         cos, sin = m.rotary_emb(x[:, None], pos[:, None])  # [B, 1, D]
         amask = mask[:, None, None, :]
         nq, nkv = self.n_q * d, self.n_kv * d
-        for (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d), kv in zip(self.layers, cache, strict=True):
+        for (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d, w_qn, w_kn), kv in zip(self.layers, cache, strict=True):
             qkv = F.linear(_rms(x, w_in, self.eps), w_qkv, b_qkv)
-            qk = _rope(qkv[:, : nq + nkv].view(b, self.n_q + self.n_kv, d), cos, sin)  # q and k heads at once
+            heads = qkv[:, : nq + nkv].view(b, self.n_q + self.n_kv, d)
+            if w_qn is not None:  # Qwen3: RMSNorm over each head's q and k before the rotation
+                heads = torch.cat([_rms(heads[:, : self.n_q], w_qn, self.eps), _rms(heads[:, self.n_q :], w_kn, self.eps)], 1)
+            qk = _rope(heads, cos, sin)  # q and k heads at once
             keys, values = kv.update(qk[:, self.n_q :, None], qkv[:, nq + nkv :].view(b, self.n_kv, 1, d))
             # the query heads of one kv group attend together: [B, Hkv, G, D] against [B, Hkv, L, D]
             q = qk[:, : self.n_q].reshape(b, self.n_kv, -1, d)

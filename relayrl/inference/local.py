@@ -10,7 +10,9 @@ One background thread owns the model and runs the decode loop::
 The running batch is left-padded: row ``i`` holds its tokens at the right end of the KV
 cache, ``attention_mask`` marks real columns and ``position_ids`` are passed explicitly, so
 prompts of any length share a batch with correct positions. Columns that no remaining row
-uses are trimmed when rows leave.
+uses are trimmed when rows leave. Everything lives on ``inference.device``; the slab's
+rows x columns stay within ``kv_capacity`` (``inference/device.py``): when it would not, the
+latest rows are preempted, set aside and continued later from prompt + output.
 
 ``agenerate`` is callable from any thread and asyncio loop: it queues the request and awaits
 a future the loop thread resolves through ``loop.call_soon_threadsafe``. A weight update
@@ -22,15 +24,13 @@ the new weights (prompt + partial output), so one response can carry several ver
 from __future__ import annotations
 
 import asyncio
-import glob
 import itertools
-import os
 import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,34 +38,12 @@ from transformers import DynamicCache, PreTrainedModel
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason, WeightUpdate
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdate
 from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
+from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
 from relayrl.inference.sampling import RowParams, sample
+from relayrl.inference.seq import Prefilled, Seq, load_hf_state_dict, resolver
 from relayrl.utils.batching import length_groups
-
-
-@dataclass
-class _Seq:
-    """One request inside the engine (a continuation carries its earlier output)."""
-
-    prompt: list[int]
-    g: GenerationConfig
-    key: int
-    on_done: Callable[[ModelResponse], None]
-    out: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    submitted: float = field(default_factory=time.perf_counter)
-    first_token_at: float = 0.0
-    stop_ids: frozenset[int] = frozenset()
-
-    def response(self, reason: StopReason) -> ModelResponse:
-        now = time.perf_counter()
-        return ModelResponse(
-            input_tokens=list(self.prompt), output_tokens=list(self.out), output_logprobs=list(self.logprobs),
-            output_versions=list(self.versions), stop_reason=reason, latency=now - self.submitted,
-            ttft=(self.first_token_at or now) - self.submitted,
-        )
 
 
 class LocalEngine(InferenceEngine):
@@ -85,18 +63,24 @@ class LocalEngine(InferenceEngine):
         self.tokenizer = tokenizer
         self.model_config = model_config
         # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
-        self.stats = {"requests": 0, "aborts": 0, "tokens": 0, "steps": 0, "prefills": 0, "prefill_rows": 0, "prefill_unique": 0}
+        # preemptions: rows set aside (and continued later) because the KV cache was full
+        self.stats = {"requests": 0, "aborts": 0, "tokens": 0, "steps": 0, "prefills": 0, "prefill_rows": 0, "prefill_unique": 0,
+                      "preemptions": 0, "kv_peak": 0}  # kv_peak: most KV slab cells (rows x columns) held
+        self.device = torch.device("cpu")
+        self.kv_capacity, self.kv_capacity_by = config.max_tokens_in_flight, "inference.max_tokens_in_flight"
         self._version = 0
-        self._waiting: queue.Queue[_Seq] = queue.Queue()
+        self._waiting: queue.Queue[Seq] = queue.Queue()
         self._control: queue.Queue[tuple[Callable[[], None], threading.Event, list[BaseException]]] = queue.Queue()
         self._wake = threading.Condition()
         self._paused = False
+        self._released = False  # release_memory(): no KV cache, no stepping until resume_memory()
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._keys = itertools.count()
         self._key_lock = threading.Lock()
         # running batch state (touched only by the loop thread)
-        self._rows: list[_Seq] = []
+        self._rows: list[Seq] = []
+        self._preempted: deque[Seq] = deque()  # set aside when the KV cache was full; admitted first
         self._alive: list[bool] = []  # finished rows stay (unused) until the batch is compacted
         self._params: RowParams | None = None
         self._cache: DynamicCache | None = None
@@ -118,6 +102,8 @@ class LocalEngine(InferenceEngine):
             self.model = load_model(self.model_config, seed=self.config.seed)
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.model_config)
+        self.device = resolve_device(self.config.device)
+        self.model.to(self.device)
         self.model.eval()
         cfg = self.model.config
         self.vocab_size = int(cfg.get_text_config().vocab_size)
@@ -130,6 +116,13 @@ class LocalEngine(InferenceEngine):
         layer_types = getattr(cfg.get_text_config(), "layer_types", None) or ["full_attention"]
         self._full_attention_only = all(t == "full_attention" for t in layer_types)
         self._fast = FastDecoder(self.model) if self.config.fast_decode and FastDecoder.supports(self.model) else None
+        # generic path: a ready 4D mask where the model takes one, else transformers builds masks from the 2D one
+        self._mask_dict = self._fast is None and self._full_attention_only and accepts_mask_dict(self.model, self.device)
+        self._keep_arg = {"logits_to_keep": 1} if takes_logits_to_keep(self.model) else {}
+        self.kv_capacity, self.kv_capacity_by = kv_capacity(
+            self.model, self.device, self.config.kv_cache_fraction, self.config.max_tokens_in_flight
+        )
+        self._reset_batch()
         self.max_positions = int(getattr(cfg.get_text_config(), "max_position_embeddings", 1 << 30))
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="LocalEngine-loop", daemon=True)
@@ -156,18 +149,18 @@ class LocalEngine(InferenceEngine):
             key = self.config.seed * 1_000_003 + next(self._keys)
         self.stats["requests"] += 1
         start = time.perf_counter()
-        seq = _Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
+        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
         ttft = 0.0
         while True:
             fut: asyncio.Future[ModelResponse] = loop.create_future()
-            seq.on_done = _resolver(loop, fut)
+            seq.on_done = resolver(loop, fut)
             self._enqueue(seq)
             resp = await fut
             ttft = ttft or (resp.ttft + seq.submitted - start if resp.output_tokens else 0.0)
             if resp.stop_reason != "abort" or self._stopped:
                 break
             # interrupted by a weight update: continue from prompt + partial output
-            seq = _Seq(
+            seq = Seq(
                 prompt=seq.prompt, g=seq.g, key=seq.key, on_done=seq.on_done,
                 out=resp.output_tokens, logprobs=resp.output_logprobs, versions=resp.output_versions,
             )
@@ -199,13 +192,13 @@ class LocalEngine(InferenceEngine):
                 f"request {req.rid!r}: prompt length {len(ids)} + max_new_tokens {req.gconfig.max_new_tokens} "
                 f"exceeds the model's max_position_embeddings {self.max_positions}"
             )
-        if len(ids) > self.config.max_tokens_in_flight:
+        if len(ids) + req.gconfig.max_new_tokens > self.kv_capacity:
             raise ValueError(
-                f"request {req.rid!r}: prompt length {len(ids)} exceeds inference.max_tokens_in_flight "
-                f"{self.config.max_tokens_in_flight}"
+                f"request {req.rid!r}: prompt length {len(ids)} + max_new_tokens {req.gconfig.max_new_tokens} cannot fit "
+                f"in the KV cache of {self.kv_capacity} tokens ({self.kv_capacity_by})"
             )
 
-    def _enqueue(self, seq: _Seq) -> None:
+    def _enqueue(self, seq: Seq) -> None:
         g = seq.g
         seq.stop_ids = frozenset(g.stop_token_ids) | (frozenset() if g.ignore_eos else self.eos_ids)
         with self._wake:
@@ -291,23 +284,57 @@ class LocalEngine(InferenceEngine):
             self._paused = False
             self._wake.notify_all()
 
+    def release_memory(self, weights: bool = False) -> None:
+        """Free the KV cache (and with ``weights=True`` move the weights to host memory) so a
+        trainer on the same GPU can use it; generation stops until ``resume_memory()``.
+        Running requests are set aside and continue afterwards (their futures stay pending)."""
+
+        def apply() -> None:
+            self._preempt_all()
+            self._released = True
+            if weights and self.device.type != "cpu":
+                self.model.to("cpu")  # type: ignore[union-attr]
+                if self._fast is not None:
+                    self._fast.layers = []  # drop the fused copies too
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        self._call_in_loop(apply)
+
+    def resume_memory(self) -> None:
+        """Undo ``release_memory()``: weights back on the device, generation continues."""
+
+        def apply() -> None:
+            assert self.model is not None
+            if next(self.model.parameters()).device != self.device:
+                self.model.to(self.device)
+                if self._fast is not None:
+                    self._fast.refresh()
+            self._released = False
+
+        self._call_in_loop(apply)
+        with self._wake:
+            self._wake.notify_all()
+
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._wake:
                     while not self._stopped and self._control.empty() and (
-                        self._paused or (not self._rows and self._waiting.empty())
+                        self._paused or self._released or (not self._rows and not self._preempted and self._waiting.empty())
                     ):
                         self._wake.wait()
                     stopped = self._stopped
                 self._run_control()
                 if stopped:
                     break
-                if self._paused:
+                if self._paused or self._released:
                     continue
                 try:
                     self._step()
+                except torch.OutOfMemoryError as e:  # the cache outgrew the memory: shrink it, keep the requests
+                    self._shrink_after_oom(e)
                 except Exception as e:  # a model error fails the running requests, not the engine
                     for seq, alive in zip(self._rows, self._alive, strict=True):
                         if alive:
@@ -329,16 +356,41 @@ class LocalEngine(InferenceEngine):
             done.set()
 
     def _abort_running(self) -> None:
-        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
+        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive] + list(self._preempted)
         self.stats["aborts"] += len(rows)
         self._reset_batch()
+        self._preempted.clear()
         for seq in rows:
             seq.on_done(seq.response("abort"))
 
+    def _shrink_after_oom(self, error: torch.OutOfMemoryError) -> None:
+        """Out of memory in a decode step: lower ``kv_capacity`` below what the batch held and set
+        every running row aside (continued under the lower budget); with nothing to give up, fail."""
+        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
+        held = len(self._rows) * self._mask.shape[1]
+        if not rows or held * 9 // 10 < 16:
+            for seq in rows:
+                seq.on_done(RuntimeError(f"out of memory on {self.device} with {held} KV tokens held: {error}"))  # type: ignore[arg-type]
+            self._reset_batch()
+            return
+        self.kv_capacity = min(self.kv_capacity, held * 9 // 10)
+        self.kv_capacity_by = f"lowered after running out of memory on {self.device} with {held} KV tokens held"
+        self._preempt_all()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _preempt_all(self) -> None:
+        """Set every running row aside (continued from prompt + output when admitted again)."""
+        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
+        self.stats["preemptions"] += len(rows)
+        self._reset_batch()
+        self._preempted.extendleft(reversed(rows))
+
     def _reset_batch(self) -> None:
         self._rows, self._alive, self._cache, self._params = [], [], None, None
-        self._mask = torch.zeros(0, 0, dtype=torch.long)
-        self._pos = torch.zeros(0, dtype=torch.long)
+        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self._mask_bool = self._mask.bool()
+        self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
 
     def _step(self) -> None:
         if not self._rows:
@@ -351,7 +403,8 @@ class LocalEngine(InferenceEngine):
         self._params.counters += 1  # the next token of every row uses the next uniform
         self.stats["steps"] += 1
         now = time.perf_counter()
-        for i, (seq, tok, lp) in enumerate(zip(self._rows, tokens.tolist(), logprobs.tolist(), strict=True)):
+        host = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the one device -> host copy per step
+        for i, (seq, tok, lp) in enumerate(zip(self._rows, host[0].long().tolist(), host[1].tolist(), strict=True)):
             if not self._alive[i]:
                 continue
             if not seq.first_token_at:
@@ -360,52 +413,50 @@ class LocalEngine(InferenceEngine):
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
             self.stats["tokens"] += 1
-            reason = self._finished(seq, tok)
+            reason = seq.finished(tok, self.tokenizer)
             if reason is not None:  # the future resolves now; the row leaves at the next compaction
                 self._alive[i] = False
                 seq.on_done(seq.response(reason))
         dead = self._alive.count(False)
-        if dead and (dead == len(self._rows) or dead >= len(self._rows) // 8 or not self._waiting.empty()):
-            keep = [i for i, alive in enumerate(self._alive) if alive]
+        over = len(self._rows) * (self._mask.shape[1] + 1) > self.kv_capacity  # the next column would not fit
+        if over or (dead and (dead == len(self._rows) or dead >= len(self._rows) // 8 or not self._waiting.empty())):
+            keep = self._fit([i for i, alive in enumerate(self._alive) if alive])
             self._select(keep)
-            tokens = tokens[keep]
+            tokens = tokens[torch.tensor(keep, dtype=torch.long).to(self.device, non_blocking=True)]
         if self._rows:
             self._decode(tokens)
 
-    def _finished(self, seq: _Seq, tok: int) -> StopReason | None:
-        g = seq.g
-        n = len(seq.out)
-        if n >= g.min_new_tokens and tok in seq.stop_ids:
-            return "stop"
-        if g.stop and n >= g.min_new_tokens:
-            longest = max(len(s) for s in g.stop)
-            tail = self.tokenizer.decode(seq.out[-(longest + 8):])  # type: ignore[union-attr]
-            if any(s in tail for s in g.stop):
-                return "stop"
-        if n >= g.max_new_tokens:
-            return "length"
-        return None
+    def _fit(self, keep: list[int]) -> list[int]:
+        """The rows of ``keep`` that fit the KV cache after the next column; the latest admitted
+        of the others are preempted (set aside and continued later), never dropped."""
+        lengths = [len(self._rows[i].prompt) + len(self._rows[i].out) for i in keep]  # cache length after the step
+        while len(keep) > 1 and len(keep) * max(lengths) > self.kv_capacity:
+            self._preempted.appendleft(self._rows[keep.pop()])
+            lengths.pop()
+            self.stats["preemptions"] += 1
+        return keep
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self._rows
+        rows, dev = self._rows, self.device
         if self._params is None:  # rebuilt only when the batch changes; counters advance per step
             greedy = [s.g.greedy for s in rows]
             temps = [1.0 if s.g.greedy else s.g.temperature for s in rows]
             top_k = [0 if s.g.greedy else s.g.top_k for s in rows]
             top_p = [1.0 if s.g.greedy else s.g.top_p for s in rows]
             self._params = RowParams(
-                temperature=torch.tensor(temps), top_k=torch.tensor(top_k), top_p=torch.tensor(top_p),
-                greedy=torch.tensor(greedy), keys=torch.tensor([s.key for s in rows]),
-                counters=torch.tensor([len(s.out) for s in rows]),
+                temperature=torch.tensor(temps, device=dev), top_k=torch.tensor(top_k, device=dev),
+                top_p=torch.tensor(top_p, device=dev), greedy=torch.tensor(greedy, device=dev),
+                keys=torch.tensor([s.key for s in rows], device=dev),
+                counters=torch.tensor([len(s.out) for s in rows], device=dev),
                 any_filter=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
                 any_greedy=any(greedy), all_temp_one=all(t == 1.0 for t in temps),
             )
         banned = None
         young = [i for i, s in enumerate(rows) if len(s.out) < s.g.min_new_tokens and s.stop_ids and self._alive[i]]
         if young:
-            banned = torch.zeros(self._logits.shape, dtype=torch.bool)
-            for i in young:
-                banned[i, list(rows[i].stop_ids)] = True
+            at = [(i, t) for i in young for t in rows[i].stop_ids]
+            banned = torch.zeros(self._logits.shape, dtype=torch.bool, device=dev)
+            banned[torch.tensor([i for i, _ in at], device=dev), torch.tensor([t for _, t in at], device=dev)] = True
         return sample(self._logits, self._params, banned)
 
     # ------------------------------------------------------------------ batch and KV cache
@@ -422,23 +473,38 @@ class LocalEngine(InferenceEngine):
             n = self._waiting.qsize()
 
     def _admit(self) -> None:
-        """Move waiting requests into the running batch (prefilled in groups of similar length)."""
-        new: list[_Seq] = []
-        in_flight = sum(len(s.prompt) + len(s.out) for s in self._rows)
-        max_rows = self.config.max_batch_size or sys.maxsize  # 0: the token budget is the only bound
-        while len(self._rows) + len(new) < max_rows and not self._waiting.empty():
-            seq = self._waiting.queue[0]
-            size = len(seq.prompt) + len(seq.out)
-            if (self._rows or new) and in_flight + size > self.config.max_tokens_in_flight:
+        """Move set-aside, then waiting requests into the running batch (prefilled in groups of
+        similar length) while the left-padded KV slab, rows x columns, fits ``kv_capacity``
+        with one more column."""
+        new: list[Seq] = []
+        width = self._mask.shape[1]
+        max_rows = self.config.max_batch_size or sys.maxsize  # 0: the KV budget is the only bound
+        while len(self._rows) + len(new) < max_rows and (self._preempted or not self._waiting.empty()):
+            seq = self._preempted[0] if self._preempted else self._waiting.queue[0]
+            w = max(width, len(seq.prompt) + len(seq.out))
+            if (self._rows or new) and (len(self._rows) + len(new) + 1) * (w + 1) > self.kv_capacity:
                 break
-            new.append(self._waiting.get())
-            in_flight += size
+            new.append(self._preempted.popleft() if self._preempted else self._waiting.get())
+            width = w
         if not new:
             return
-        n_old = len(self._rows)
         groups = [[new[i] for i in g] for g in length_groups([len(s.prompt) + len(s.out) for s in new])]
-        new = [s for g in groups for s in g]  # rows join in prefill order
-        parts = [self._prefill(g) for g in groups]
+        parts, new = [], []
+        for group in groups:
+            for part, seqs in self._prefill_or_fail(group):
+                parts.append(part)
+                new += seqs  # rows join in prefill order
+        if not parts:
+            return
+        try:
+            self._merge(parts, new)
+        except BaseException:  # e.g. out of memory: the prefilled requests wait again instead of being lost
+            self._preempted.extendleft(reversed(new))
+            raise
+
+    def _merge(self, parts: list[Prefilled], new: list[Seq]) -> None:
+        """Stack the running batch and the prefilled ``parts`` (rows ``new``) into one slab."""
+        n_old = len(self._rows)
         if n_old:
             assert self._cache is not None
             old_kv = [(layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in self._cache.layers]  # type: ignore[attr-defined]
@@ -455,7 +521,26 @@ class LocalEngine(InferenceEngine):
         self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1)])
         self._mask_bool = self._mask.bool()
 
-    def _prefill(self, seqs: list[_Seq]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+    def _prefill_or_fail(self, seqs: list[Seq]) -> list[tuple[Prefilled, list[Seq]]]:
+        """Prefill ``seqs``; if that fails (out of memory), retry them one by one and fail only
+        the requests that still cannot be prefilled, with an error naming the limit."""
+        try:
+            return [(self._prefill(seqs), seqs)]
+        except Exception as e:  # noqa: BLE001 - handed to the requests' futures
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(seqs) > 1:
+                return [done for s in seqs for done in self._prefill_or_fail([s])]
+            n = len(seqs[0].prompt) + len(seqs[0].out)
+            oom = isinstance(e, torch.OutOfMemoryError)
+            what = "ran out of memory" if oom else f"failed ({type(e).__name__}: {e})"
+            seqs[0].on_done(RuntimeError(  # type: ignore[arg-type]  # the future raises it
+                f"prefill of {n} tokens on {self.device} {what}; KV cache capacity {self.kv_capacity} tokens "
+                f"({self.kv_capacity_by}){': ' + str(e) if oom else ''}"
+            ))
+            return []
+
+    def _prefill(self, seqs: list[Seq]) -> Prefilled:
         """One left-padded forward over ``seqs``: per-layer (keys, values), mask [n, L], last logits [n, V].
 
         Identical inputs (the samples of one GRPO group share their prompt) are computed once
@@ -468,31 +553,30 @@ class LocalEngine(InferenceEngine):
         self.stats["prefill_unique"] += len(first)
         if len(first) == len(seqs):
             return kv, mask, logits
-        idx = torch.tensor(rows)
+        idx = torch.tensor(rows, device=self.device)
         return [(k[idx], v[idx]) for k, v in kv], mask[idx], logits[idx]
 
-    def _prefill_unique(self, inputs: list[list[int]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+    def _prefill_unique(self, inputs: list[list[int]]) -> Prefilled:
         length = max(len(x) for x in inputs)
-        ids = torch.tensor([[0] * (length - len(x)) + x for x in inputs])
-        mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in inputs])
+        ids = torch.tensor([[0] * (length - len(x)) + x for x in inputs], device=self.device)
+        mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in inputs], device=self.device)
         pos = (mask.cumsum(1) - 1).clamp_(min=0)
-        cache = DynamicCache(config=self.model.config)  # type: ignore[union-attr]
+        cache = DynamicCache()  # full layers even for sliding-window models: the decode masks apply the window
         out = self.model(  # type: ignore[misc]
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **self._keep_arg
         )
         return [(layer.keys, layer.values) for layer in cache.layers], mask, out.logits[:, -1].float()
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
+        lengths = [len(self._rows[i].prompt) + len(self._rows[i].out) - 1 for i in keep]  # cached tokens per row
         self._rows, self._alive, self._params = [self._rows[i] for i in keep], [True] * len(keep), None
         if not keep:
             self._reset_batch()
             return
-        idx = torch.tensor(keep)
-        mask = self._mask[idx]
-        used = mask.any(0).nonzero()
-        start = int(used[0]) if len(used) else 0
-        self._mask = mask[:, start:]
+        idx = torch.tensor(keep, device=self.device)
+        start = self._mask.shape[1] - max(lengths)  # rows are right-aligned: known on the host, no sync
+        self._mask = self._mask[idx, start:]
         self._mask_bool = self._mask.bool()
         self._pos = self._pos[idx]
         assert self._cache is not None
@@ -505,49 +589,17 @@ class LocalEngine(InferenceEngine):
         """One forward step: every running row consumes its newest token."""
         self._mask = F.pad(self._mask, (0, 1), value=1)
         self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
+        self.stats["kv_peak"] = max(self.stats["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
         assert self._cache is not None
         if self._fast is not None:
             logits = self._fast(tokens, self._pos, self._mask_bool, self._cache.layers)  # type: ignore[arg-type]
         else:
             attn: torch.Tensor | dict[str, torch.Tensor] = self._mask
-            if self._full_attention_only:  # a ready 4D mask skips transformers' per-step mask building
+            if self._mask_dict:  # a ready 4D mask skips transformers' per-step mask building
                 attn = {"full_attention": self._mask_bool[:, None, None, :]}
             logits = self.model(  # type: ignore[misc]
                 input_ids=tokens[:, None], attention_mask=attn, position_ids=self._pos[:, None],
-                past_key_values=self._cache, use_cache=True, logits_to_keep=1,
+                past_key_values=self._cache, use_cache=True, **self._keep_arg,
             ).logits[:, -1]
         self._pos = self._pos + 1
         self._logits = logits.float()
-
-
-def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of the ``model*.safetensors`` files of a Hugging Face checkpoint directory."""
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no model*.safetensors files in checkpoint directory {path!r}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    return state
-
-
-def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]) -> Callable[[ModelResponse], None]:
-    """A callback, safe from any thread, that resolves ``fut`` (or fails it with an exception)."""
-
-    def settle(result: ModelResponse | BaseException) -> None:
-        if fut.done():
-            return
-        if isinstance(result, BaseException):
-            fut.set_exception(result)
-        else:
-            fut.set_result(result)
-
-    def done(result: ModelResponse | BaseException) -> None:
-        try:
-            loop.call_soon_threadsafe(settle, result)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-            pass
-
-    return done

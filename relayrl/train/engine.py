@@ -319,7 +319,10 @@ class TorchTrainEngine(TrainEngine):
         """
         if self.head != "lm":
             raise ValueError(f"update_weights pushes policy weights; this engine has head={self.head!r}")
-        tensors = self.state_dict()
+        model = self._require()
+        # unsharded: the tensors stay on the trainer's device (an engine on the same GPU copies them
+        # device to device, no trip through host memory); FSDP2 gathers a full CPU copy
+        tensors = self.state_dict() if D.is_fsdp(model) else dict(model.state_dict())
         if dist_utils.rank() == 0:
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
             target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))

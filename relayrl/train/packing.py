@@ -217,18 +217,24 @@ def varlen_attention_forward(
     through SDPA with ``is_causal``: a real token never sees a padding key (they come after it),
     so the result is exact, the cost is about ``sum(len_i^2)`` instead of ``T^2``, no mask is
     allocated, and 64 short documents take a couple of SDPA calls instead of 64. Without
-    ``cu_seq_lens_q`` it is plain causal SDPA (one document). Returns ``[1, T, H, D]`` like
-    transformers' other attention functions.
+    ``cu_seq_lens_q`` it is plain causal SDPA (one document). ``sliding_window`` (Mistral,
+    Gemma2/3: a token sees the last ``sliding_window`` tokens, itself included) and ``softcap``
+    (Gemma2: ``tanh(scores / c) * c``) are honoured as transformers' eager attention does. Returns
+    ``[1, T, H, D]`` like transformers' other attention functions.
     """
     if attention_mask is not None and query.shape[0] != 1:
         raise ValueError("relayrl_varlen attention expects packed input ([1, T]) without an attention mask")
     gqa = query.shape[1] != key.shape[1]
     drop = dropout if module.training else 0.0
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _causal_attention(q, k, v, drop, scaling, gqa, window, softcap)  # type: ignore[arg-type]
+
     cu = kwargs.get("cu_seq_lens_q")
     bounds = [] if cu is None else (cu.tolist() if isinstance(cu, torch.Tensor) else list(cu))  # type: ignore[call-overload]
     if len(bounds) <= 2:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=drop, scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2).contiguous(), None
+        return attend(query, key, value).transpose(1, 2).contiguous(), None
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
     positions, outs = [], []
@@ -237,15 +243,35 @@ def varlen_attention_forward(
         lens = torch.tensor([lengths[i] for i in group], device=q.device)
         cols = torch.arange(int(lens.max()), device=q.device)
         idx = starts[:, None] + torch.minimum(cols[None, :], lens[:, None] - 1)  # [n, W]; padding repeats the last token
-        o = F.scaled_dot_product_attention(
-            q[:, idx].transpose(0, 1), k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1),
-            is_causal=True, dropout_p=drop, scale=scaling, enable_gqa=gqa,
-        )  # [n, H, W, D]
+        o = attend(q[:, idx].transpose(0, 1), k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1))  # [n, H, W, D]
         real = cols[None, :] < lens[:, None]
         outs.append(o.transpose(0, 1)[:, real])  # [H, tokens of the group, D]
         positions.append(idx[real])
     out = torch.cat(outs, 1)[:, torch.argsort(torch.cat(positions))]  # back to packed order: [H, T, D]
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop: float, scale: float | None, gqa: bool,
+    window: int | None, softcap: float | None,
+) -> torch.Tensor:
+    """Causal attention of ``[n, H, W, D]`` queries over ``[n, H_kv, W, D]`` keys/values, with an
+    optional sliding window and logit soft-cap (then an explicit mask / the eager formula)."""
+    if not window and not softcap:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop, scale=scale, enable_gqa=gqa)
+    width = q.shape[2]
+    rows, cols = torch.arange(width, device=q.device)[:, None], torch.arange(width, device=q.device)[None, :]
+    allowed = cols <= rows
+    if window:
+        allowed = allowed & (cols > rows - int(window))
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=drop, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
+    return torch.matmul(F.dropout(probs, p=drop), v)
 
 
 def register_varlen_attention() -> str:
