@@ -5,10 +5,11 @@ completion length, lr; 30 steps in both modes, so the same number of trained sam
 ``relayrl serve`` process and training in the trainer process, one torch thread each:
 
 - sync: ``rollout.max_staleness=0``, ``actor.loss=ppo`` with the generator's logprobs as the
-  old policy (``actor.recompute_logp=false``: the fastest synchronous setting);
-- async: ``rollout.max_staleness=2`` (eta), ``actor.loss=decoupled_ppo`` (needs the
-  trainer's proximal logprobs: one extra forward per step), the executor keeps generating
-  while the trainer trains.
+  old policy (``actor.recompute_logp=false``, the default);
+- async: ``rollout.max_staleness=2`` (eta) and the same loss: the clip is a trust region
+  around the policy that generated each token, however stale; the executor keeps generating
+  while the trainer trains. (``actor.loss=decoupled_ppo`` at one optimizer step per batch has
+  no trust region and collapses here: ``--async-loss decoupled_ppo`` measures it.)
 
 ratio = sync wall seconds / async wall seconds of ``Trainer.fit`` (server start-up and model
 loading excluded). Each run launches a fresh server of the checkpoint
@@ -36,13 +37,14 @@ import torch
 ETA = 2
 
 
-def run_mode(ckpt: str, mode: str, seed: int, steps: int, task: str = "arithmetic", pin: bool = False) -> dict:
+def run_mode(ckpt: str, mode: str, seed: int, steps: int, task: str = "arithmetic", pin: bool = False,
+             async_loss: str = "ppo") -> dict:
     """One run; the trainer launches its own ``relayrl serve`` process of the checkpoint."""
     where = f"{mode}-{seed}" + ("-pinned" if pin else "")
     overrides = common.relayrl_overrides(ckpt, common.CACHE / f"async_vs_sync-{task}" / where, seed, steps, task)
     overrides += ["inference.backend=remote", "inference.n_servers=1", "inference.server_threads=1"]
     if mode == "async":
-        overrides += [f"rollout.max_staleness={ETA}", "actor.loss=decoupled_ppo", "actor.recompute_logp=true"]
+        overrides += [f"rollout.max_staleness={ETA}", f"actor.loss={async_loss}"]
     return common.run_relayrl(overrides, pin=pin)
 
 
@@ -66,6 +68,7 @@ def main() -> None:
     ap.add_argument("--task", default="arithmetic", choices=sorted(common.WORKLOADS), help="the grpo_vs_trl workload (result: async_vs_sync_<task> unless arithmetic)")
     ap.add_argument("--pin", default="both", choices=["both", "on", "off"],
                     help="pin trainer and server to separate cores (on), share both cores (off), or run each way (both)")
+    ap.add_argument("--async-loss", default="ppo", choices=["ppo", "decoupled_ppo"], help="the async side's loss")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
     args = ap.parse_args()
     if args.quick:
@@ -78,7 +81,7 @@ def main() -> None:
     for r in range(args.repeats):
         for pin in pins:
             for mode in ("sync", "async"):
-                res = common.in_child(run_mode, ckpt, mode, r, args.steps, args.task, pin)
+                res = common.in_child(run_mode, ckpt, mode, r, args.steps, args.task, pin, args.async_loss)
                 res["phases"] = phases(res.pop("steps"))
                 runs[(pin, mode)].append(res)
             s, a = runs[(pin, "sync")][-1], runs[(pin, "async")][-1]
@@ -108,7 +111,8 @@ def main() -> None:
     if pins[0]:
         out["goal_met"] = out["ratio_of_ceiling"] >= 0.9
     common.write_result({
-        "name": "async_vs_sync" if args.task == "arithmetic" else f"async_vs_sync_{args.task}", "task": args.task,
+        "name": ("async_vs_sync" if args.task == "arithmetic" else f"async_vs_sync_{args.task}")
+        + ("" if args.async_loss == "ppo" else f"_{args.async_loss}"), "task": args.task,
         "pinned": pins[0], **out,
         "goal": "pinned (trainer and server on separate cores, as separate devices): sync wall time / async wall time "
                 ">= 0.9 x the overlap ceiling measured in the same run",
@@ -116,7 +120,7 @@ def main() -> None:
         "settings": {**common.RL, "max_new_tokens": common.WORKLOADS[args.task]["max_new_tokens"], "steps": args.steps, "repeats": args.repeats, "eta": ETA, "servers": 1,
                      "server_threads": 1, "trainer_threads": 1, "weight_sync": "http upload (safetensors)",
                      "sync": "max_staleness=0, loss=ppo, recompute_logp=false",
-                     "async": f"max_staleness={ETA}, loss=decoupled_ppo, recompute_logp=true"},
+                     "async": f"max_staleness={ETA}, loss={args.async_loss}, recompute_logp=false"},
     }, quick=args.quick)
 
 

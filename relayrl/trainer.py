@@ -102,6 +102,13 @@ class Trainer:
             ref_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), trainable=False)
             ref_engine.initialize()
         self.actor = PPOActor(cfg.actor, self.actor_engine, ref_engine=ref_engine, seed=cfg.seed)
+        if cfg.rollout.max_staleness > 0 and cfg.actor.loss == "decoupled_ppo" and self.actor.logp_from_update:
+            logger.warning(
+                "actor.loss=decoupled_ppo with one optimizer step per batch: its clip is around the proximal policy, "
+                "which is the current one at the only step, so nothing bounds how far a stale batch moves the policy "
+                "(on the count benchmark eta=2 collapses). Use actor.n_minibatches > 1, or loss=ppo, which clips "
+                "against the behaviour policy (docs/benchmarks.md)"
+            )
         self.critic: Critic | None = None
         if cfg.actor.adv_estimator == "gae":
             critic_engine = wiring.make_critic_engine(cfg)
@@ -194,7 +201,7 @@ class Trainer:
     def compute_logp(self, batch: TensorDict) -> None:
         """Recompute logprobs the losses need: proximal/old policy (unless the update's own
         forward provides them, ``actor.logp_from_update``), reference, values."""
-        if self.cfg.actor.recompute_logp and not self.actor.logp_from_update:
+        if self.actor.recomputes_logp and not self.actor.logp_from_update:
             batch["prox_logp"] = self.actor.compute_logp(batch)
         if self.actor.ref_engine is not None:
             batch["ref_logp"] = self.actor.compute_ref_logp(batch)

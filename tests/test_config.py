@@ -99,7 +99,6 @@ def test_c_clip_must_exceed_one():
         ("actor=3", "actor: expected a mapping of fields"),
         ("actor.loss_agg_mode=token_mean", "actor.loss_agg_mode='token_mean' is not allowed; choose one of ['token-mean'"),
         ("actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_len > 0"),
-        (["actor.loss=decoupled_ppo", "actor.recompute_logp=false"], "actor.loss='decoupled_ppo' needs recompute_logp=true"),
         ("actor.overlong_buffer=40", "actor.overlong_buffer=40 must be below the generation limit"),
         ("model.dtype=fp8", "model.dtype='fp8' is not allowed"),
         ("gconfig.temperature=0", "gconfig.temperature=0.0 is out of range: must be > 0.0"),

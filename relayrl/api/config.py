@@ -167,7 +167,12 @@ class ActorConfig:
     )
     ppo_epochs: int = f(1, help="Passes over each batch.", ge=1)
     n_minibatches: int = f(1, help="Optimizer steps per pass.", ge=1)
-    recompute_logp: bool = f(True, help="Recompute old logprobs with the trainer (needed for decoupled PPO).")
+    recompute_logp: bool = f(
+        False, help="PPO-style losses: the trainer recomputes the ratio's old logprobs instead of taking the generator's. "
+        "Off (default), the clip is a trust region around the policy that generated the tokens, right in synchronous and "
+        "asynchronous runs alike; on, it absorbs a generator whose numerics differ from the trainer's, but in asynchronous "
+        "runs it anchors the clip at the current policy. decoupled_ppo always recomputes (its proximal policy).",
+    )
     reuse_update_logp: bool = f(
         True, help="With ppo_epochs=1 and n_minibatches=1 the policy before the update is the one the update's own "
         "forward runs: its detached logprobs serve as the old / proximal ones, saving a forward pass per step "
@@ -196,8 +201,6 @@ class ActorConfig:
         if self.overlong_buffer > 0 and 0 < self.overlong_max_len <= self.overlong_buffer:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} needs overlong_max_len > overlong_buffer "
                              f"(the generation limit), got {self.overlong_max_len}")
-        if self.loss == "decoupled_ppo" and not self.recompute_logp:
-            raise ValueError("loss='decoupled_ppo' needs recompute_logp=true (the proximal logprobs)")
 
 
 @dataclass

@@ -222,12 +222,18 @@ class PPOActor:
         return {**out, "staleness_mean": sum(lag) / len(lag), "staleness_max": float(max(lag))}
 
     @property
+    def recomputes_logp(self) -> bool:
+        """Whether the trainer computes logprobs before the update: decoupled PPO's proximal policy,
+        or the old policy when ``recompute_logp`` asks for it (else the generator's are used)."""
+        return self.config.recompute_logp or self.config.loss == "decoupled_ppo"
+
+    @property
     def logp_from_update(self) -> bool:
         """One optimizer step per batch (and ``reuse_update_logp``): the update's own forward
         gives the old / proximal logprobs, so no separate recompute pass is needed."""
         c = self.config
         kl_reward = c.kl_in_reward and c.kl_coef > 0  # needs the policy's logprobs before the advantages
-        return c.reuse_update_logp and c.recompute_logp and c.ppo_epochs == 1 and c.n_minibatches == 1 and not kl_reward
+        return c.reuse_update_logp and self.recomputes_logp and c.ppo_epochs == 1 and c.n_minibatches == 1 and not kl_reward
 
     def _fill_old_logp(self, batch: TensorDict) -> None:
         """The ratio's denominator: ``prox_logp`` for decoupled PPO, else ``old_logp`` (the

@@ -387,7 +387,9 @@ def decoupled_ppo_loss(
     ``old_logp`` is the behaviour policy (the generator's logprobs), ``prox_logp`` the trainer's
     recomputation before this update. The behaviour weight is per token (``behav_weight_level=
     "token"``, AReaL) or one per sequence, the geometric mean of its token weights (``"sequence"``,
-    as GSPO's ratio). Weights above ``behav_imp_weight_cap`` get weight 0 but still count in the
+    as GSPO's ratio). With one optimizer step per batch the proximal policy is the current one,
+    so the clip never acts: only ``ppo`` (clipped against the behaviour policy) then bounds the
+    update on stale data. Weights above ``behav_imp_weight_cap`` get weight 0 but still count in the
     normaliser (``behav_weight_clip="mask"``, AReaL) or are cut to the cap (``"truncate"``);
     weights below ``behav_imp_weight_floor`` are masked either way (a two-sided trust region
     around the behaviour policy, as verl's rollout correction).
