@@ -231,7 +231,7 @@ def _demo(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test; learning not expected)")
     p.add_argument("--async", dest="rl_async", action="store_true",
-                   help="GRPO with generation one version ahead (decoupled PPO); faster, not bitwise reproducible")
+                   help="GRPO with generation one version ahead; faster, not bitwise reproducible")
     ns = p.parse_args(argv)
     from relayrl.demo import DemoSettings, run_demo
 

@@ -16,7 +16,7 @@ Everything is built in code (model, tokenizer, task), so it runs offline on a la
 The RL stage is synchronous (eta = 0) by default, so a run repeats itself: the same samples,
 batches and updates from the same seed (only the generator's logprobs, which synchronous PPO
 recomputes, can differ in the last bits). ``--async`` lets generation run one version ahead
-with the decoupled PPO loss: faster, not repeatable.
+(PPO clipped against the policy that generated each token): faster, not repeatable.
 Measured on the 2-core development machine (seed 1): sampled accuracy 0.30 -> 0.68 in 150
 GRPO steps, about 5 minutes in all.
 """
@@ -179,7 +179,7 @@ def grpo_stage(
         run_dir=str(run_dir), seed=seed, total_steps=s.rl_steps, torch_threads=s.torch_threads,
         model=ModelConfig(path=checkpoint),
         train=TrainEngineConfig(optimizer=OptimizerConfig(lr=s.rl_lr, grad_clip=1.0)),
-        actor=ActorConfig(adv_estimator="grpo", loss="decoupled_ppo" if eta else "ppo"),
+        actor=ActorConfig(adv_estimator="grpo"),  # PPO, clipped against the policy that generated each token
         gconfig=gen,
         inference=InferenceConfig(seed=seed, max_batch_size=256),
         rollout=RolloutConfig(batch_size=s.rl_prompts_per_step, group_size=s.rl_group_size, max_staleness=eta),

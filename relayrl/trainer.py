@@ -201,7 +201,7 @@ class Trainer:
     def compute_logp(self, batch: TensorDict) -> None:
         """Recompute logprobs the losses need: proximal/old policy (unless the update's own
         forward provides them, ``actor.logp_from_update``), reference, values."""
-        if self.actor.recomputes_logp and not self.actor.logp_from_update:
+        if self.actor.recomputes_logp(batch) and not self.actor.logp_from_update:
             batch["prox_logp"] = self.actor.compute_logp(batch)
         if self.actor.ref_engine is not None:
             batch["ref_logp"] = self.actor.compute_ref_logp(batch)

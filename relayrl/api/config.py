@@ -167,11 +167,11 @@ class ActorConfig:
     )
     ppo_epochs: int = f(1, help="Passes over each batch.", ge=1)
     n_minibatches: int = f(1, help="Optimizer steps per pass.", ge=1)
-    recompute_logp: bool = f(
-        False, help="PPO-style losses: the trainer recomputes the ratio's old logprobs instead of taking the generator's. "
-        "Off (default), the clip is a trust region around the policy that generated the tokens, right in synchronous and "
-        "asynchronous runs alike; on, it absorbs a generator whose numerics differ from the trainer's, but in asynchronous "
-        "runs it anchors the clip at the current policy. decoupled_ppo always recomputes (its proximal policy).",
+    recompute_logp: bool | None = f(
+        None, help="PPO-style losses: the ratio's old logprobs from the trainer (true) or the generator (false). None "
+        "(default): the trainer's when the batch is on-policy (every loss token made by the current weights: exact and "
+        "reproducible), the generator's when it is stale, so the clip is a trust region around the policy that generated "
+        "the tokens (recomputing would anchor it at the current policy). decoupled_ppo always recomputes (its proximal policy).",
     )
     reuse_update_logp: bool = f(
         True, help="With ppo_epochs=1 and n_minibatches=1 the policy before the update is the one the update's own "
