@@ -104,9 +104,11 @@ def describe(r: dict) -> tuple[str, str, str]:
         s, a = r["sync"], r["async"]
         unpinned = (f"; unpinned {r['ratio_unpinned']:.2f} (ceiling {_med(r, 'overlap_ceiling_unpinned'):.2f})"
                     if "ratio_unpinned" in r else "")
-        return (f"sync ÷ async wall time (server process, η = 2, {r.get('task', 'arithmetic')}; pinned cores)", "≥ 0.9 × ceiling",
+        share = f" ({r['ratio_of_ceiling']:.0%} of it)" if "ratio_of_ceiling" in r else ""
+        pinned = "pinned cores" if r.get("pinned") else "cores shared"
+        return (f"sync ÷ async wall time (server process, η = 2, {r.get('task', 'arithmetic')}; {pinned})", "≥ 0.9 × ceiling",
                 f"{_med(s, 'seconds'):.1f}s vs {_med(a, 'seconds'):.1f}s for {s['samples']} samples; perfect-overlap ceiling "
-                f"{_med(r, 'overlap_ceiling'):.2f} ({r.get('ratio_of_ceiling', float('nan')):.0%} of it){unpinned}; held-out accuracy "
+                f"{_med(r, 'overlap_ceiling'):.2f}{share}{unpinned}; held-out accuracy "
                 f"{_med(s, 'held_out_accuracy'):.2f} (sync) / {_med(a, 'held_out_accuracy'):.2f} (async)")
     if n == "weight_sync":
         sec = r["seconds"]
