@@ -31,7 +31,7 @@ HERMES_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}<|im_start|>assistant"
     "{% if m['content'] %}{{ '\n' }}{{ m['content'] }}{% endif %}"
     "{% for call in m.get('tool_calls') or [] %}{% set fn = call['function'] if call['function'] is defined else call %}"
-    "\n<tool_call>\n{\"name\": \"{{ fn['name'] }}\", \"arguments\": {{ fn['arguments'] | tojson }}}\n</tool_call>"
+    "{{ '\\n' }}<tool_call>\n{\"name\": \"{{ fn['name'] }}\", \"arguments\": {{ fn['arguments'] | tojson }}}\n</tool_call>"
     "{% endfor %}<|im_end|>\n"
     "{% elif m['role'] == 'tool' %}"
     "{% if loop.first or rest[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"

@@ -133,3 +133,33 @@ def user_turn_ids(
         raise ValueError("the chat template is not prefix-stable (rendering a longer conversation changes earlier text), "
                          "so a turn cannot be appended as tokens; use a template without history rewriting")
     return ids
+
+
+def conversation_example(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, object]], tools: Sequence[Mapping[str, object]] | None = None,
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of a whole conversation for supervised training: 1 on every
+    assistant turn up to and including its end-of-turn token, 0 on everything the template or
+    the environment adds. Each turn is cut from the template's own rendering, so what the model
+    learns to write is exactly what the template shows it in later turns."""
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+    eos = tokenizer.eos_token if isinstance(tokenizer.eos_token, str) else ""
+    for k, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        before = render(tokenizer, messages[:k], tools, add_generation_prompt=True)
+        closed = render(tokenizer, messages[: k + 1], tools, add_generation_prompt=False)
+        if not before.startswith(done) or not closed.startswith(before):
+            raise ValueError(f"messages[{k}]: the chat template is not prefix-stable, so turns cannot be cut from it")
+        context = encode(tokenizer, before[len(done):])
+        turn = closed[len(before):]
+        cut = turn.rindex(eos) + len(eos) if eos and eos in turn else len(turn)
+        answer = encode(tokenizer, turn[:cut])
+        ids += context + answer
+        mask += [0] * len(context) + [1] * len(answer)
+        done = before + turn[:cut]
+    if not any(mask):
+        raise ValueError("the conversation has no assistant turn to learn from")
+    return ids, mask
