@@ -15,16 +15,16 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
-from relayrl.data.models import chat_ids
+from relayrl.data.chat import prompt_ids as format_prompt
 
 RewardFn = Callable[..., float]
 
 
 async def _score_row(
     engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase, row: DataItem, gconfig: GenerationConfig,
-    reward_fn: RewardFn, n_samples: int,
+    reward_fn: RewardFn, n_samples: int, prompt_format: str = "chat",
 ) -> list[float]:
-    prompt_ids = chat_ids(tokenizer, row["messages"])  # type: ignore[arg-type]
+    prompt_ids = format_prompt(tokenizer, row["messages"], prompt_format)  # type: ignore[arg-type]
     reqs = [ModelRequest(rid=uuid.uuid4().hex, input_ids=prompt_ids, gconfig=gconfig) for _ in range(n_samples)]
     resps = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
     prompt = tokenizer.decode(prompt_ids)
@@ -40,7 +40,7 @@ async def _score_row(
 
 def evaluate(
     engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase, rows: list[DataItem], gconfig: GenerationConfig,
-    reward_fn: RewardFn, n_samples: int = 1,
+    reward_fn: RewardFn, n_samples: int = 1, prompt_format: str = "chat",
 ) -> dict[str, float]:
     """``eval/accuracy`` (first sample correct), ``eval/reward`` and, for n > 1, ``eval/pass@n``.
 
@@ -50,7 +50,7 @@ def evaluate(
         raise ValueError("evaluate: no eval rows")
 
     async def run() -> list[list[float]]:
-        return await asyncio.gather(*(_score_row(engine, tokenizer, r, gconfig, reward_fn, n_samples) for r in rows))
+        return await asyncio.gather(*(_score_row(engine, tokenizer, r, gconfig, reward_fn, n_samples, prompt_format) for r in rows))
 
     scores = asyncio.run(run())
     out = {

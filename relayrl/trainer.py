@@ -251,7 +251,8 @@ class Trainer:
         was_paused = self.executor.paused
         self.executor.pause()
         try:
-            return evaluate(self.engine, self.tokenizer, self.eval_rows, self.cfg.eval.gconfig, self.reward_fn, self.cfg.eval.n_samples)
+            return evaluate(self.engine, self.tokenizer, self.eval_rows, self.cfg.eval.gconfig, self.reward_fn, self.cfg.eval.n_samples,
+                            self.cfg.data.prompt_format)
         finally:
             if not was_paused:
                 self.executor.resume()

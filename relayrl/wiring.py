@@ -78,4 +78,12 @@ def make_workflow(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, reward_fn:
         from relayrl.rewards.pool import RewardPool
 
         pool = RewardPool(reward_fn, cfg.rollout.reward_workers, cfg.rollout.reward_timeout)
-    return classes[cfg.workflow](reward_fn, cfg.gconfig, tokenizer, reward_pool=pool, reward_timeout=cfg.rollout.reward_timeout)
+    r = cfg.rollout
+    kwargs: dict[str, object] = {"reward_pool": pool, "reward_timeout": r.reward_timeout, "prompt_format": cfg.data.prompt_format}
+    if cfg.workflow == "multi_turn":
+        kwargs.update(max_turns=r.max_turns, turn_discount=r.turn_discount)
+    if cfg.workflow == "tool_agent":
+        from relayrl.rollout.tools import SubprocessTool
+
+        kwargs.update(max_tool_calls=r.max_tool_calls, tool=SubprocessTool(r.tool))
+    return classes[cfg.workflow](reward_fn, cfg.gconfig, tokenizer, **kwargs)  # type: ignore[arg-type]
