@@ -289,3 +289,68 @@ def test_agent_workflow_reward_and_timeout(hermes):
 
     with pytest.raises(TimeoutError):
         asyncio.run(OpenAIAgentWorkflow(stuck, tok, GREEDY, timeout=0.2).arun_episode(eng, {"messages": []}))
+
+
+# ---------------------------------------------------------------------- the HTTP proxy, agents in other processes
+
+
+def test_proxy_serves_an_agent_in_another_process(hermes):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from relayrl.agents.proxy import AgentProxy, ProxyAgentWorkflow
+
+    tok, eng = hermes
+    proxy = AgentProxy(None, tok, GREEDY).start()
+    script = str(Path(__file__).parent / "agent_proxy_script.py")
+    outputs, procs = [], []
+
+    async def launch(base_url, api_key, data):
+        procs.append(await asyncio.create_subprocess_exec(sys.executable, script, base_url, api_key, data["mode"],
+                                                          stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
+
+    async def episode(mode, timeout):
+        try:
+            return await ProxyAgentWorkflow(proxy, launch, timeout=timeout).arun_episode(eng, {"mode": mode})
+        finally:
+            out, err = await procs[-1].communicate()
+            outputs.append(out.decode().strip().splitlines()[-1] if out.strip() else err.decode())
+
+    try:
+        traj = asyncio.run(episode("reward", 120))
+        validate_trajectory(traj)
+        # the agent saw real tool calls, streamed the answer, and its reward ended the episode
+        seen = json.loads(outputs[0])
+        assert seen["call"] == ["calc", {"expr": "12+7"}, "tool_calls"]
+        assert seen["answer"] == "19" and seen["finish"] == "stop"
+        assert seen["posted"]["final"] is True and seen["posted"]["calls"] == 2
+        assert traj["rewards"].tolist() == [0.75] and traj["num_turns"].tolist() == [2] and traj["num_tool_calls"].tolist() == [1]
+        assert [v for *_, v in segments(traj["loss_mask"][0].int().tolist())] == [0, 1, 0, 1]
+        assert proxy.sessions == {}  # closed
+
+        # an agent that never posts a reward fails its episode after the timeout
+        t0 = asyncio.run(_timed(episode("noreward", 3)))
+        assert isinstance(t0[0], TimeoutError) and "posted no reward within 3" in str(t0[0]) and t0[1] < 30
+
+        # OpenAI-style errors reach the SDK with their reason and field
+        sid = proxy.open_session()
+        out = subprocess.run([sys.executable, script, proxy.base_url + "/v1", sid, "errors"], capture_output=True, text=True, timeout=120)
+        errs = json.loads(out.stdout.strip().splitlines()[-1])
+        assert errs["top_logprobs"]["status"] == 400 and errs["top_logprobs"]["param"] == "top_logprobs"
+        assert "top_logprobs > 0 is not supported" in errs["top_logprobs"]["message"]
+        assert errs["image"]["param"] == "messages[0].content[0]"
+        assert errs["auth"]["status"] == 401 and "unknown session 'nope'" in errs["auth"]["message"]
+    finally:
+        proxy.stop()
+
+
+async def _timed(coro):
+    import time
+
+    t = time.monotonic()
+    try:
+        await coro
+        return None, time.monotonic() - t
+    except Exception as e:
+        return e, time.monotonic() - t

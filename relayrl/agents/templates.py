@@ -24,8 +24,8 @@ HERMES_TEMPLATE = (
     "{% if messages and messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% set rest = messages[1:] %}"
     "{% else %}{% set system = default_system %}{% set rest = messages %}{% endif %}"
     "<|im_start|>system\n{{ system }}"
-    "{% if tools %}{{ '\n' }}\n# Tools\n<tools>{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n"
-    "Call a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>{% endif %}"
+    "{% if tools %}{{ '\n' }}\n# Tools\n<tools>__TOOLS__{{ '\n' }}</tools>\n"
+    "__HOWTO__{% endif %}"
     "<|im_end|>\n"
     "{% for m in rest %}"
     "{% if m['role'] == 'assistant' %}<|im_start|>assistant"
@@ -71,12 +71,25 @@ MARKERS = {
 }
 
 
-def hermes_template(default_system: str = "You are a helpful assistant.") -> str:
-    """The Hermes / Qwen2.5-style template with ``default_system`` as the system turn when none is given."""
-    return HERMES_TEMPLATE.replace("__SYSTEM__", default_system.replace("\\", "\\\\").replace("'", "\\'"))
+_FULL_TOOLS = "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+_COMPACT_TOOLS = ("{% for tool in tools %}{% set fn = tool['function'] if tool['function'] is defined else tool %}{{ '\\n' }}"
+                  "{{ fn['name'] }}({{ (fn.get('parameters') or {}).get('properties', {}) | join(',') }}){% endfor %}")
+_HOWTO = "Call a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
 
 
-def tool_tokenizer(style: str = "hermes", default_system: str = "You are a helpful assistant.") -> PreTrainedTokenizerFast:
+def hermes_template(default_system: str = "You are a helpful assistant.", compact_tools: bool = False) -> str:
+    """The Hermes / Qwen2.5-style template with ``default_system`` as the system turn when none is given.
+
+    ``compact_tools`` lists each tool as ``name(arg, ...)`` instead of its JSON schema and drops the
+    how-to line: far fewer tokens for small CPU models (the call format is unchanged)."""
+    system = default_system.replace("\\", "\\\\").replace("'", "\\'")
+    return (HERMES_TEMPLATE.replace("__SYSTEM__", system).replace("__TOOLS__", _COMPACT_TOOLS if compact_tools else _FULL_TOOLS)
+            .replace("__HOWTO__", "" if compact_tools else _HOWTO))
+
+
+def tool_tokenizer(
+    style: str = "hermes", default_system: str = "You are a helpful assistant.", compact_tools: bool = False,
+) -> PreTrainedTokenizerFast:
     """The offline character tokenizer with ``style``'s markers as special tokens and its template."""
     from relayrl.data.models import build_tokenizer
 
@@ -86,7 +99,7 @@ def tool_tokenizer(style: str = "hermes", default_system: str = "You are a helpf
     tok.add_tokens(MARKERS[style], special_tokens=True)
     if style == "hermes":
         tok.eos_token = "<|im_end|>"
-        tok.chat_template = hermes_template(default_system)
+        tok.chat_template = hermes_template(default_system, compact_tools)
     else:
         tok.eos_token, tok.bos_token = "<|eot_id|>", "<|begin_of_text|>"
         tok.chat_template = LLAMA3_TEMPLATE
