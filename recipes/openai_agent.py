@@ -55,7 +55,7 @@ async def solve(client: openai.AsyncOpenAI, question: str, max_calls: int = 2) -
     """Ask, run the tool calls, send the results back, until the model answers in text."""
     messages: list = [{"role": "user", "content": question}]
     for _ in range(max_calls + 1):
-        reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=40)
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=64)
         message = reply.choices[0].message
         if not message.tool_calls:
             return (message.content or "").strip()
@@ -100,14 +100,22 @@ def main(argv: list[str]) -> dict[str, float]:
     from relayrl.agents import OpenAIAgentWorkflow, OpenAIClient
     from relayrl.agents.templates import tool_tokenizer
     from relayrl.api.config import (
-        InferenceConfig, LoggingConfig, OptimizerConfig, RunConfig, SFTConfig, SFTDataConfig, TrainEngineConfig, load_config,
+        InferenceConfig,
+        LoggingConfig,
+        OptimizerConfig,
+        RunConfig,
+        SFTConfig,
+        SFTDataConfig,
+        TrainEngineConfig,
+        load_config,
     )
+    from relayrl.api.io import GenerationConfig
     from relayrl.data.tasks import make_task
     from relayrl.inference.local import LocalEngine
     from relayrl.sft import run_sft
     from relayrl.trainer import Trainer
 
-    opts = dict(total_steps="30", seed="1", run_dir="runs/openai_agent", sft_steps="300", n_eval="64")
+    opts = dict(total_steps="30", seed="1", run_dir="runs/openai_agent", sft_steps="2000", sft_stop="0.4", n_eval="64")
     opts.update(a.split("=", 1) for a in argv if a.split("=", 1)[0] in opts)
     rest = [a for a in argv if a.split("=", 1)[0] not in opts]
     seed, run_dir = int(opts["seed"]), opts["run_dir"]
@@ -122,44 +130,53 @@ def main(argv: list[str]) -> dict[str, float]:
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     train_rows, held_out = make_task("arithmetic", 2000, int(opts["n_eval"]), 2, seed=seed)
 
-    # 1. warm start on mixed demonstrations
+    async def episode(client: OpenAIClient, row: dict) -> float:
+        return float(await solve(client, row["messages"][0]["content"]) == str(row["answer"]))
+
+    def held_out_reward(policy: torch.nn.Module, rows: list[dict], greedy: bool = False) -> float:
+        """Mean reward of the agent's episodes on ``rows`` (sampled at temperature 1, or greedy)."""
+        decoder = copy.deepcopy(policy).eval()  # the trainer's copy packs sequences; decoding wants a KV cache
+        decoder.config.use_cache = True
+        decoder.set_attn_implementation("sdpa")
+        engine = LocalEngine(InferenceConfig(seed=seed, max_batch_size=256), model=decoder, tokenizer=tok)
+        engine.initialize()
+        g = GenerationConfig(max_new_tokens=64, top_k=0, greedy=greedy)
+        try:
+            async def all_rows() -> list[float]:
+                return await asyncio.gather(*(episode(OpenAIClient(engine, tok, g), r) for r in rows))
+            return sum(asyncio.run(all_rows())) / len(rows)
+        finally:
+            engine.destroy()
+
+    # 1. warm start on mixed demonstrations, until greedy episodes on training prompts earn sft_stop
+    def learned(step: int, policy: torch.nn.Module) -> bool:
+        reward = held_out_reward(policy, train_rows[:32], greedy=True)
+        print(f"sft step {step}: greedy agent reward on training prompts {reward:.2f} (stop at {opts['sft_stop']})", flush=True)
+        return reward >= float(opts["sft_stop"])
+
     sft = run_sft(
         SFTConfig(run_dir=f"{run_dir}/sft", seed=seed, total_steps=int(opts["sft_steps"]), batch_size=32, log_every_n_steps=100,
                   train=TrainEngineConfig(optimizer=OptimizerConfig(lr=3e-3, warmup_steps=20)),
                   data=SFTDataConfig(max_seq_len=512), logging=LoggingConfig(tensorboard=False)),
-        tokenizer=tok, model=model, train_rows=demonstrations(train_rows, seed),
+        tokenizer=tok, model=model, train_rows=demonstrations(train_rows, seed), stop_fn=learned,
     )
-    async def episode(client: OpenAIClient, row: dict) -> float:
-        return float(await solve(client, row["messages"][0]["content"]) == str(row["answer"]))
-
-    def held_out_reward(policy: torch.nn.Module) -> float:
-        engine = LocalEngine(InferenceConfig(seed=seed, max_batch_size=256), model=copy.deepcopy(policy).eval(), tokenizer=tok)
-        engine.initialize()
-        try:
-            async def all_rows() -> list[float]:
-                return await asyncio.gather(*(episode(OpenAIClient(engine, tok, gen), r) for r in held_out))
-            return sum(asyncio.run(all_rows())) / len(held_out)
-        finally:
-            engine.destroy()
-
     # 2. GRPO on the agent's own episodes, through the ordinary trainer (any key=value overrides these)
     run = load_config(RunConfig, None, [
         f"run_dir={run_dir}", f"seed={seed}", f"total_steps={opts['total_steps']}", f"model.path={sft.checkpoint}",
-        "train.optimizer.lr=1e-3", "actor.adv_estimator=grpo", "actor.loss=ppo", "gconfig.max_new_tokens=40",
+        "train.optimizer.lr=1e-3", "actor.adv_estimator=grpo", "actor.loss=ppo", "gconfig.max_new_tokens=64",
         "gconfig.top_k=0", f"inference.seed={seed}", "inference.max_batch_size=256", "rollout.batch_size=16",
         "rollout.group_size=4", "checkpoint.save_final=false", "logging.tensorboard=false", "logging.progress=lines",
         "eval.every_n_steps=0", *rest,
     ])
-    gen = run.gconfig
-    before = held_out_reward(sft.model)
-    trainer = Trainer(run, workflow=OpenAIAgentWorkflow(episode, tok, gen, timeout=120.0), reward_fn=lambda **_: 0.0,
+    before = held_out_reward(sft.model, held_out)
+    trainer = Trainer(run, workflow=OpenAIAgentWorkflow(episode, tok, run.gconfig, timeout=120.0), reward_fn=lambda **_: 0.0,
                       train_rows=train_rows, eval_rows=[])
     try:
         last = trainer.fit()
         policy = copy.deepcopy(trainer.actor_engine.model)
     finally:
         trainer.close()
-    after = held_out_reward(policy)
+    after = held_out_reward(policy, held_out)
     result = {"reward_before": round(before, 4), "reward_after": round(after, 4), "steps": int(opts["total_steps"]),
               "train_reward_last": round(float(last.get("rollout/reward", float("nan"))), 4),
               "seconds": round(time.monotonic() - t0, 1)}

@@ -354,3 +354,16 @@ async def _timed(coro):
         return None, time.monotonic() - t
     except Exception as e:
         return e, time.monotonic() - t
+
+
+def test_sft_rows_of_agent_conversations_learn_every_assistant_turn():
+    from relayrl.api.config import SFTDataConfig
+    from relayrl.sft import encode_row
+
+    tok = tool_tokenizer("hermes", default_system="You are Qwen.")
+    ids, mask = encode_row({"messages": HERMES_CONVS[0], "tools": [CALC]}, tok, SFTDataConfig())
+    assert tok.decode(ids) + "\n" == render(tok, HERMES_CONVS[0], [CALC], add_generation_prompt=False)  # ends at the last reply
+    learned = [t for t, m in zip(ids, mask, strict=True) if m]
+    assert tok.decode(learned) == CALL + "<|im_end|>" + "19<|im_end|>"  # both replies, their end tokens, nothing else
+    with pytest.raises(ValueError, match="longer than data.max_seq_len"):
+        encode_row({"messages": HERMES_CONVS[0], "tools": [CALC]}, tok, SFTDataConfig(max_seq_len=20))
