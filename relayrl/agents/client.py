@@ -28,7 +28,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from openai.types import Completion, CompletionChoice, CompletionUsage
+
+try:
+    from openai.types import Completion, CompletionChoice, CompletionUsage
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("relayrl.agents needs the openai package: pip install 'relayrl[agents]'") from e
 from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
 from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
 from openai.types.chat.chat_completion_message_function_tool_call import Function
