@@ -115,7 +115,8 @@ def main(argv: list[str]) -> dict[str, float]:
     from relayrl.sft import run_sft
     from relayrl.trainer import Trainer
 
-    opts = dict(total_steps="30", seed="1", run_dir="runs/openai_agent", sft_steps="2000", sft_stop="0.4", n_eval="64")
+    opts = dict(total_steps="40", seed="1", run_dir="runs/openai_agent", sft_steps="2000", sft_stop="0.4", n_eval="64",
+                warm_start="")
     opts.update(a.split("=", 1) for a in argv if a.split("=", 1)[0] in opts)
     rest = [a for a in argv if a.split("=", 1)[0] not in opts]
     seed, run_dir = int(opts["seed"]), opts["run_dir"]
@@ -154,21 +155,26 @@ def main(argv: list[str]) -> dict[str, float]:
         print(f"sft step {step}: greedy agent reward on training prompts {reward:.2f} (stop at {opts['sft_stop']})", flush=True)
         return reward >= float(opts["sft_stop"])
 
-    sft = run_sft(
-        SFTConfig(run_dir=f"{run_dir}/sft", seed=seed, total_steps=int(opts["sft_steps"]), batch_size=32, log_every_n_steps=100,
-                  train=TrainEngineConfig(optimizer=OptimizerConfig(lr=3e-3, warmup_steps=20)),
-                  data=SFTDataConfig(max_seq_len=512), logging=LoggingConfig(tensorboard=False)),
-        tokenizer=tok, model=model, train_rows=demonstrations(train_rows, seed), stop_fn=learned,
-    )
+    checkpoint = opts["warm_start"]  # an earlier run's run_dir/sft/final skips the warm start
+    if checkpoint:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    else:
+        sft = run_sft(
+            SFTConfig(run_dir=f"{run_dir}/sft", seed=seed, total_steps=int(opts["sft_steps"]), batch_size=32, log_every_n_steps=100,
+                      train=TrainEngineConfig(optimizer=OptimizerConfig(lr=3e-3, warmup_steps=20)),
+                      data=SFTDataConfig(max_seq_len=512), logging=LoggingConfig(tensorboard=False)),
+            tokenizer=tok, model=model, train_rows=demonstrations(train_rows, seed), stop_fn=learned,
+        )
+        checkpoint, model = str(sft.checkpoint), sft.model
     # 2. GRPO on the agent's own episodes, through the ordinary trainer (any key=value overrides these)
     run = load_config(RunConfig, None, [
-        f"run_dir={run_dir}", f"seed={seed}", f"total_steps={opts['total_steps']}", f"model.path={sft.checkpoint}",
-        "train.optimizer.lr=1e-3", "actor.adv_estimator=grpo", "actor.loss=ppo", "gconfig.max_new_tokens=64",
+        f"run_dir={run_dir}", f"seed={seed}", f"total_steps={opts['total_steps']}", f"model.path={checkpoint}",
+        "train.optimizer.lr=3e-4", "actor.adv_estimator=grpo", "actor.loss=ppo", "gconfig.max_new_tokens=64",
         "gconfig.top_k=0", f"inference.seed={seed}", "inference.max_batch_size=256", "rollout.batch_size=16",
         "rollout.group_size=4", "checkpoint.save_final=false", "logging.tensorboard=false", "logging.progress=lines",
         "eval.every_n_steps=0", *rest,
     ])
-    before = held_out_reward(sft.model, held_out)
+    before = held_out_reward(model, held_out)
     trainer = Trainer(run, workflow=OpenAIAgentWorkflow(episode, tok, run.gconfig, timeout=120.0), reward_fn=lambda **_: 0.0,
                       train_rows=train_rows, eval_rows=[])
     try:
