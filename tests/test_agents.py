@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import openai
 import pytest
 from openai.types.chat import ChatCompletion
 
@@ -270,7 +271,8 @@ def test_request_errors_name_the_field(hermes):
         with pytest.raises(RequestError) as info:
             create(**kw)
         assert info.value.param == param, (kw, info.value)
-        assert info.value.body()["error"]["param"] == param and info.value.body()["error"]["type"] == "invalid_request_error"
+        assert isinstance(info.value, openai.BadRequestError) and info.value.status_code == 400  # the SDK's own error
+        assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
 
 
 def test_agent_workflow_reward_and_timeout(hermes):

@@ -11,20 +11,26 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 
+import httpx2
+import openai
+
 Message = dict[str, object]
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 
 
-class RequestError(ValueError):
-    """A request the client cannot serve: ``param`` names the field, ``code`` the kind (OpenAI's error shape)."""
+class RequestError(openai.BadRequestError, ValueError):
+    """A request the client cannot serve: ``param`` names the field, ``code`` the kind.
+
+    It *is* the SDK's ``openai.BadRequestError`` (status 400, ``body`` = OpenAI's
+    ``{"message", "type", "param", "code"}``), so agent code handles it in-process exactly as it
+    would from a server; the proxy sends ``{"error": body}``.
+    """
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_request") -> None:
-        super().__init__(message)
+        request = httpx2.Request("POST", "http://relayrl.invalid/v1")  # in-process: there was no HTTP exchange
+        body = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+        super().__init__(message, response=httpx2.Response(400, request=request), body=body)
         self.message, self.param, self.code = message, param, code
-
-    def body(self) -> dict[str, dict[str, str | None]]:
-        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}}
 
 
 def _plain(obj: object) -> object:

@@ -173,7 +173,7 @@ class AgentProxy:
                         raise RequestError("prompt is required", "prompt")
                     out = await session.client.completions.create(prompt=prompt, **body)  # type: ignore[arg-type]
             except RequestError as e:
-                return JSONResponse(e.body(), status_code=400)
+                return JSONResponse({"error": e.body}, status_code=400)
             data = out.model_dump(exclude_none=True)
             if not stream:
                 return JSONResponse(data)
