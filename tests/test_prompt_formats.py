@@ -106,3 +106,24 @@ def test_workflow_settings_are_config_fields():
     assert wf.max_tool_calls == 1 and wf.tool.mode == "python"
     with pytest.raises(Exception, match="data.prompt_format"):
         load_config(RunConfig, None, ["data.prompt_format=raw"])
+
+
+def test_templates_that_rewrite_history_start_a_new_sequence():
+    """A template that drops earlier turns' reasoning (as Qwen3's does) is not prefix-stable: the
+    continuation is refused (the client then starts a new row) rather than silently misaligned."""
+    from relayrl.data.chat import continuation_ids, user_turn_ids
+
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>"
+        "{% if loop.last %}{{ m['content'] }}{% else %}{{ m['content'].split('</think>')[-1] }}{% endif %}<eos>"
+        "{% else %}<|user|>{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    history = [{"role": "user", "content": "1+1="}]
+    plain = continuation_ids(tok, history, {"role": "assistant", "content": "2"}, [{"role": "user", "content": "ok"}],
+                             int(tok.eos_token_id))
+    assert tok.decode(plain) == "<|user|>ok<|assistant|>"
+    thinking = {"role": "assistant", "content": "<think>so</think>2"}
+    assert continuation_ids(tok, history, thinking, [{"role": "user", "content": "ok"}], int(tok.eos_token_id)) is None
+    with pytest.raises(ValueError, match="not prefix-stable"):
+        user_turn_ids(tok, history, encode(tok, "<think>so</think>2<eos>"), "ok")
