@@ -369,3 +369,36 @@ def test_sft_rows_of_agent_conversations_learn_every_assistant_turn():
     assert tok.decode(learned) == CALL + "<|im_end|>" + "19<|im_end|>"  # both replies, their end tokens, nothing else
     with pytest.raises(ValueError, match="longer than data.max_seq_len"):
         encode_row({"messages": HERMES_CONVS[0], "tools": [CALC]}, tok, SFTDataConfig(max_seq_len=20))
+
+
+def test_client_over_a_remote_engine_to_a_real_server(tokenizer):
+    """Any InferenceEngine: the same client over RemoteEngine to a `relayrl serve` process."""
+    from relayrl.inference.launcher import launch_servers
+    from relayrl.inference.remote import RemoteEngine
+
+    group = launch_servers(1)
+    eng = RemoteEngine(InferenceConfig(backend="remote", request_timeout=60), addresses=group.addresses)
+    eng.initialize()
+    try:
+        client = OpenAIClient(eng, tokenizer, GenerationConfig(max_new_tokens=6, top_k=0))
+
+        async def agent():
+            messages = [{"role": "user", "content": "12+7="}]
+            first = await client.chat.completions.create(model="p", messages=messages, logprobs=True)
+            messages += [first.choices[0].message, {"role": "user", "content": "sure?"}]
+            return first, await client.chat.completions.create(model="p", messages=messages, n=2)
+
+        first, second = asyncio.run(agent())
+        assert len(second.choices) == 2
+        r1, r2a, r2b = client.records
+        assert r2a.parent is r1 and r2b.parent is r1
+        assert tokenizer.decode(r2a.prompt_ids[len(r1.prompt_ids) + len(r1.output_ids):]).endswith("<|user|>sure?<|assistant|>")
+        assert [lp.logprob for lp in first.choices[0].logprobs.content] == pytest.approx(r1.logprobs)
+        assert all(v == 0 for r in client.records for v in r.versions)
+        client.set_final_reward(1.0)
+        traj = client.export_trajectories()
+        validate_trajectory(traj)
+        assert traj["num_turns"].tolist() == [2, 1]  # the second choice branches off: its own row
+    finally:
+        eng.destroy()
+        group.shutdown()
