@@ -37,7 +37,11 @@ def test_recipe_runs_end_to_end(tmp_path: Path):
     result = run_recipe(tmp_path, "total_steps=2", "sft_steps=20", "n_eval=8", "rollout.batch_size=4", timeout=600)
     assert set(result) >= {"reward_before", "reward_after", "steps"} and result["steps"] == 2
     assert 0.0 <= result["reward_before"] <= 1.0 and 0.0 <= result["reward_after"] <= 1.0
-    assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "sft" / "final" / "config.json").exists()
+    assert (tmp_path / "sft" / "final" / "config.json").exists()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # the episodes' counters reach the metrics: calls per row, tool calls, malformed tool calls
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert len(steps) == 2 and all(r["rollout/malformed_tool_calls"] >= 0 and r["rollout/num_turns"] >= 1 for r in steps)
 
 
 @pytest.mark.slow
