@@ -86,4 +86,8 @@ def make_workflow(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, reward_fn:
         from relayrl.rollout.tools import SubprocessTool
 
         kwargs.update(max_tool_calls=r.max_tool_calls, tool=SubprocessTool(r.tool))
+        if r.tool_format == "template":  # tool calls through the chat template (relayrl.agents)
+            from relayrl.agents.builtin import tool_agent_workflow
+
+            return tool_agent_workflow(reward_fn, cfg.gconfig, tokenizer, kwargs["tool"], r.max_tool_calls)  # type: ignore[arg-type]
     return classes[cfg.workflow](reward_fn, cfg.gconfig, tokenizer, **kwargs)  # type: ignore[arg-type]

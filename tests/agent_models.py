@@ -6,10 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from relayrl.agents.builtin import CALC_TOOL as CALC  # the built-in tool agent's schema
 from relayrl.data.chat import conversation_example
-
-CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
-                                         "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}
 
 
 def small_model(vocab_size: int, eos_id: int, seed: int = 0):

@@ -402,3 +402,29 @@ def test_client_over_a_remote_engine_to_a_real_server(tokenizer):
     finally:
         eng.destroy()
         group.shutdown()
+
+
+def test_tool_agent_workflow_through_the_chat_template(hermes):
+    """workflow=tool_agent with rollout.tool_format=template: the built-in agent calls the sandboxed
+    calculator through the template's tool calls and is rewarded on its final answer."""
+    from relayrl import wiring
+    from relayrl.api.config import RunConfig, load_config
+
+    tok, eng = hermes
+    answers = []
+
+    def reward(prompt, completions, prompt_ids, completion_ids, **data):
+        answers.append(completions)
+        return float(completions.strip() == data["answer"])
+
+    cfg = load_config(RunConfig, None, ["workflow=tool_agent", "rollout.tool_format=template", "rollout.max_tool_calls=2",
+                                        "gconfig.greedy=true", "gconfig.max_new_tokens=64"])
+    wf = wiring.make_workflow(cfg, tok, reward)
+    assert isinstance(wf, OpenAIAgentWorkflow)
+    traj = asyncio.run(wf.arun_episode(eng, {"messages": [{"role": "user", "content": "12+7="}], "answer": "19"}))
+    validate_trajectory(traj)
+    assert answers == ["19"] and traj["rewards"].tolist() == [1.0]
+    assert traj["num_tool_calls"].tolist() == [1] and traj["num_turns"].tolist() == [2]
+    # the tool really ran: its output (the sandboxed calculator's "19") is in the masked environment tokens
+    text = tok.decode(traj["input_ids"][0].tolist())
+    assert "<tool_response>\n19\n</tool_response>" in text

@@ -143,6 +143,8 @@ class RolloutConfig:
     turn_discount: float = f(0.9, help="workflow=multi_turn: the reward of attempt t is multiplied by turn_discount**t.", gt=0.0, le=1.0)
     max_tool_calls: int = f(3, help="workflow=tool_agent: most tool calls per episode.", ge=0)
     tool: str = f("calc", help="workflow=tool_agent: the sandboxed tool (calc: arithmetic; python: restricted Python).", choices=["calc", "python"])
+    tool_format: str = f("markers", help="workflow=tool_agent: markers (call_start/call_end text) or template (the chat template's "
+                         "tool calling, Hermes/Qwen2.5 or Llama-3.1, through relayrl.agents).", choices=["markers", "template"])
 
 
 @dataclass
