@@ -59,6 +59,14 @@ def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig)
             raise ValueError(f"{cfg.messages_key!r} must be a list of {{'role', 'content'}} turns")
         if completion is None:
             completion = row.get(cfg.answer_key)
+        if completion is None and (row.get("tools") or sum(m["role"] == "assistant" for m in messages) > 1):
+            # an agent conversation (tool calls, several assistant turns): every assistant turn is learned
+            from relayrl.data.chat import conversation_example
+
+            ids, mask = conversation_example(tokenizer, messages, row.get("tools"))  # type: ignore[arg-type]
+            if len(ids) > cfg.max_seq_len:
+                raise ValueError(f"{len(ids)} tokens is longer than data.max_seq_len={cfg.max_seq_len}")
+            return ids, mask
         if completion is None and messages and messages[-1]["role"] == "assistant":
             messages, completion = messages[:-1], messages[-1]["content"]
         if not messages:

@@ -237,6 +237,9 @@ class Trainer:
             "version": float(self.step),
         })
         metrics.update({f"rollout/{k}": float(v) for k, v in self.executor.stats().items()})
+        for key, value in batch.items():  # workflows' per-episode counters (num_turns, malformed_tool_calls, ...)
+            if key not in ("rewards", "prompt_index", "group_id") and value.dim() == 1 and value.shape[0] == n:
+                metrics.setdefault(f"rollout/{key}", float(value.float().mean()))  # never shadows the executor's counts
         metrics.update(self._actor_metrics(actor_stats))
         metrics.update(self._health_metrics())
         if cfg.eval.every_n_steps and self.step % cfg.eval.every_n_steps == 0 and self.eval_rows:

@@ -86,6 +86,16 @@ def make_workflow(
     from relayrl.rollout.workflows import MultiTurnWorkflow, ReMaxWorkflow, RLVRWorkflow, ToolAgentWorkflow
 
     classes = {"rlvr": RLVRWorkflow, "multi_turn": MultiTurnWorkflow, "remax": ReMaxWorkflow, "tool_agent": ToolAgentWorkflow}
-    return classes[cfg.workflow](
-        reward_fn, gconfig or cfg.gconfig, tokenizer, reward_pool=reward_pool, reward_timeout=cfg.rollout.reward_timeout
-    )
+    r = cfg.rollout
+    kwargs: dict[str, object] = {"reward_pool": reward_pool, "reward_timeout": r.reward_timeout, "prompt_format": cfg.data.prompt_format}
+    if cfg.workflow == "multi_turn":
+        kwargs.update(max_turns=r.max_turns, turn_discount=r.turn_discount)
+    if cfg.workflow == "tool_agent":
+        from relayrl.rollout.tools import SubprocessTool
+
+        kwargs.update(max_tool_calls=r.max_tool_calls, tool=SubprocessTool(r.tool))
+        if r.tool_format == "template":  # tool calls through the chat template (relayrl.agents)
+            from relayrl.agents.builtin import tool_agent_workflow
+
+            return tool_agent_workflow(reward_fn, gconfig or cfg.gconfig, tokenizer, kwargs["tool"], r.max_tool_calls)  # type: ignore[arg-type]
+    return classes[cfg.workflow](reward_fn, gconfig or cfg.gconfig, tokenizer, **kwargs)  # type: ignore[arg-type]

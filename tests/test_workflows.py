@@ -83,8 +83,7 @@ def test_multi_turn_feedback_masked_and_discounted(engine, tokenizer):
     (p0, p1, _), (g0, g1, _), (f0, f1, _), (h0, h1, _) = runs
     assert ids[p0:p1] == chat_ids(tokenizer, ROW["messages"])
     assert ids[g0:g1] == calls[0] and ids[h0:h1] == calls[1]  # generated tokens kept as generated
-    ended_with_eos = calls[0][-1] == tokenizer.eos_token_id
-    assert ids[f0:f1] == wf.feedback_ids(ended_with_eos)
+    assert ids[f0:f1] == wf.feedback_ids(ROW["messages"], calls[0])
     assert (traj["versions"][0, f0:f1] == -1).all() and (traj["logprobs"][0, f0:f1] == 0).all()
 
 

@@ -136,6 +136,12 @@ class RolloutConfig:
     tail_batch_trigger: int = f(8, help="requeue_after: prompts that pile up before they are re-run together.", ge=1)
     reward_timeout: float = f(30.0, help="Seconds before one reward call is abandoned (counted as failed).", gt=0.0)
     reward_workers: int = f(0, help="Reward worker processes (0 = run reward fns in the rollout thread).", ge=0)
+    max_turns: int = f(2, help="workflow=multi_turn: most attempts per episode (a wrong answer gets feedback and another try).", ge=1)
+    turn_discount: float = f(0.9, help="workflow=multi_turn: the reward of attempt t is multiplied by turn_discount**t.", gt=0.0, le=1.0)
+    max_tool_calls: int = f(3, help="workflow=tool_agent: most tool calls per episode.", ge=0)
+    tool: str = f("calc", help="workflow=tool_agent: the sandboxed tool (calc: arithmetic; python: restricted Python).", choices=["calc", "python"])
+    tool_format: str = f("markers", help="workflow=tool_agent: markers (call_start/call_end text) or template (the chat template's "
+                         "tool calling, Hermes/Qwen2.5 or Llama-3.1, through relayrl.agents).", choices=["markers", "template"])
 
 
 @dataclass
@@ -213,6 +219,8 @@ class DataConfig:
     n_train: int = f(2000, help="Synthetic task: training prompts.", ge=1)
     n_eval: int = f(200, help="Synthetic task: held-out prompts.", ge=1)
     max_prompt_len: int = f(1024, help="Prompts longer than this (tokens) are rejected.", ge=1)
+    prompt_format: str = f("chat", help="chat: the tokenizer's chat template; plain: the prompt text as is (base models; "
+                           "chosen with a warning when the tokenizer has no chat template).", choices=["chat", "plain"])
     skip_invalid_rows: bool = f(False, help="Skip (and count) bad rows instead of stopping with an error.")
     shuffle: bool = f(True, help="Shuffle the training set each epoch (seeded).")
     difficulty: int = f(2, help="Synthetic task: number of digits / operands (count: length scale, median 3x numbers).", ge=1, le=6)

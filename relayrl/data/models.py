@@ -77,9 +77,11 @@ def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: 
 
 
 def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat prompt ending with the assistant's generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return [int(i) for i in ids]
+    """Token ids of a chat prompt ending with the assistant's generation prompt (plain text, with a
+    warning, when the tokenizer has no chat template: see ``relayrl.data.chat``)."""
+    from relayrl.data.chat import prompt_ids
+
+    return prompt_ids(tokenizer, messages, "chat")
 
 
 _PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # how build_tokenizer() saves itself

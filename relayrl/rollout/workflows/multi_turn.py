@@ -1,7 +1,9 @@
 """Multi-turn RLVR: when the answer is wrong, append feedback and let the model retry.
 
 Token ids are kept end to end: each turn's prompt is the previous turn's prompt + output +
-feedback tokens, never re-tokenised text. Feedback tokens (and an EOS closing a turn that
+feedback tokens, never re-tokenised text. The feedback tokens are only the new user turn as the
+chat template continues the conversation (``relayrl.data.chat.user_turn_ids``): a real template's
+system prompt or BOS is never repeated mid-episode. Feedback tokens (and an EOS closing a turn that
 was cut by the length limit) have ``loss_mask`` 0, ``logprobs`` 0, ``versions`` -1. The
 reward of the turn that ends the episode is discounted by ``turn_discount ** turn``
 (turn 0 = first answer), so a first-try success is worth most.
@@ -63,7 +65,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
     def __init__(
         self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object, max_turns: int = 2,
         turn_discount: float = 0.9, feedback: str = "Your answer is wrong. Try again.",
-        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
+        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None, prompt_format: str = "chat",
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -77,18 +79,20 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.feedback = feedback
         self.reward_pool = reward_pool
         self.reward_timeout = reward_timeout
+        self.prompt_format = prompt_format
 
-    def feedback_ids(self, ended_with_eos: bool) -> list[int]:
-        """Tokens between a wrong answer and the next attempt: EOS if the turn lacks one,
-        then the feedback as a user turn followed by the assistant's generation prompt."""
-        from relayrl.data.models import chat_ids
+    def feedback_ids(self, history: list[dict[str, object]], answer_ids: list[int]) -> list[int]:
+        """Tokens between a wrong answer and the next attempt: the end-of-turn token if the answer
+        lacks one, then the feedback as a user turn and the assistant's generation prompt, exactly as
+        the chat template continues ``history`` + the answer (plain prompts: the feedback on its own line)."""
+        from relayrl.data.chat import user_turn_ids
 
-        eos = [] if ended_with_eos else [int(self.tokenizer.eos_token_id)]  # type: ignore[attr-defined]
-        return eos + chat_ids(self.tokenizer, [{"role": "user", "content": self.feedback}])  # type: ignore[arg-type]
+        return user_turn_ids(self.tokenizer, history, answer_ids, self.feedback, self.prompt_format)  # type: ignore[arg-type]
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        prompt = prompt_ids_of(self.tokenizer, data)
+        prompt = prompt_ids_of(self.tokenizer, data, self.prompt_format)
         buf = TokenBuffer(prompt)
+        history = list(data["messages"])  # type: ignore[call-overload]
         rid = uuid.uuid4().hex
         reward = raw = 0.0
         turn = 0
@@ -100,8 +104,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
             reward = raw * self.turn_discount**turn
             if raw > 0 or turn == self.max_turns - 1:
                 break
-            eos_id = self.tokenizer.eos_token_id  # type: ignore[attr-defined]
-            buf.add_context(self.feedback_ids(bool(resp.output_tokens) and resp.output_tokens[-1] == eos_id))
+            buf.add_context(self.feedback_ids(history, resp.output_tokens))
+            answer = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+            history += [{"role": "assistant", "content": answer}, {"role": "user", "content": self.feedback}]
         if not any(buf.mask):
             return None
         return buf.trajectory(

@@ -25,8 +25,9 @@ class ReMaxWorkflow(RolloutWorkflow):
 
     def __init__(
         self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object,
-        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
+        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None, prompt_format: str = "chat",
     ) -> None:
+        self.prompt_format = prompt_format
         self.reward_fn = reward_fn
         self.gconfig = gconfig
         self.tokenizer = tokenizer
@@ -34,7 +35,7 @@ class ReMaxWorkflow(RolloutWorkflow):
         self.reward_timeout = reward_timeout
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        ids = prompt_ids_of(self.tokenizer, data)
+        ids = prompt_ids_of(self.tokenizer, data, self.prompt_format)
         rid = uuid.uuid4().hex
         resp, greedy = await asyncio.gather(
             engine.agenerate(ModelRequest(rid=rid, input_ids=ids, gconfig=self.gconfig)),

@@ -39,15 +39,16 @@ class AsyncRewardPool(Protocol):
     async def acall(self, **kwargs: object) -> float: ...
 
 
-def prompt_ids_of(tokenizer: object, data: DataItem) -> list[int]:
-    """Chat-templated prompt ids of a row (contract 1: ``messages`` ends with the user turn)."""
-    from relayrl.data.models import chat_ids
+def prompt_ids_of(tokenizer: object, data: DataItem, prompt_format: str = "chat") -> list[int]:
+    """Prompt ids of a row (contract 1: ``messages`` ends with the user turn): chat-templated, or the
+    turns' plain text for base models (``prompt_format="plain"``, also used when the tokenizer has no template)."""
+    from relayrl.data.chat import prompt_ids
 
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise KeyError(f"data row {data.get('id', '?')!r} needs 'messages' (a non-empty list of chat turns); "
                        f"it has keys {sorted(data)}")
-    return chat_ids(tokenizer, messages)  # type: ignore[arg-type]
+    return prompt_ids(tokenizer, messages, prompt_format)  # type: ignore[arg-type]
 
 
 class _RewardThreads:
@@ -141,16 +142,17 @@ class RLVRWorkflow(RolloutWorkflow):
 
     def __init__(
         self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object,
-        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
+        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None, prompt_format: str = "chat",
     ) -> None:
         self.reward_fn = reward_fn
         self.gconfig = gconfig
         self.tokenizer = tokenizer
         self.reward_pool = reward_pool
         self.reward_timeout = reward_timeout
+        self.prompt_format = prompt_format
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        ids = prompt_ids_of(self.tokenizer, data)
+        ids = prompt_ids_of(self.tokenizer, data, self.prompt_format)
         resp = await engine.agenerate(ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig))
         if resp.output_len == 0:
             return None  # nothing to train on

@@ -1,7 +1,8 @@
 """Tool-using agent: the model writes ``<|call|>EXPR`` + ``call_end`` and gets the result.
 
-Generation stops at ``call_end`` (one token, a newline by default). If the segment just
-generated holds ``call_start``, the text between the two is run by the tool (a calculator
+Generation stops at ``call_end`` (a newline by default): a stop token when the marker is one
+token, else a stop string, so the markers work with any tokenizer (Qwen / Llama BPE included).
+If the segment just generated holds ``call_start``, the text between the two is run by the tool (a calculator
 or restricted Python evaluator in a limited subprocess, ``relayrl.rollout.tools``) and
 ``result_prefix + result + result_suffix`` is appended as tokens with ``loss_mask`` 0,
 ``logprobs`` 0 and ``versions`` -1; generation then continues from the extended sequence.
@@ -29,11 +30,12 @@ from relayrl.rollout.workflows.rlvr import AsyncRewardPool, RewardFn, compute_re
 Tool = Callable[[str], Awaitable[str]]
 
 
-def _one_token(tokenizer: object, text: str, what: str) -> int:
+def _one_token(tokenizer: object, text: str, what: str) -> int | None:
+    """The id of a marker that is one token, else None (it is then matched as text)."""
+    if not text:
+        raise ValueError(f"{what} must be a non-empty string")
     ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
-    if len(ids) != 1:
-        raise ValueError(f"{what}={text!r} must be exactly one token, the tokenizer gives {len(ids)}: {ids}")
-    return int(ids[0])
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 class ToolAgentWorkflow(RolloutWorkflow):
@@ -46,15 +48,17 @@ class ToolAgentWorkflow(RolloutWorkflow):
         self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object, tool: Tool | None = None,
         max_tool_calls: int = 3, call_start: str = "<|call|>", call_end: str = "\n",
         result_prefix: str = "<|result|>", result_suffix: str = "\n",
-        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
+        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None, prompt_format: str = "chat",
     ) -> None:
         self.reward_fn = reward_fn
         self.gconfig = gconfig
         self.tokenizer = tokenizer
         self.tool: Tool = tool if tool is not None else calculator()
         self.max_tool_calls = max_tool_calls
+        self.call_start, self.call_end = call_start, call_end
         self.call_start_id = _one_token(tokenizer, call_start, "call_start")
         self.call_end_id = _one_token(tokenizer, call_end, "call_end")
+        self.prompt_format = prompt_format
         self.result_prefix, self.result_suffix = result_prefix, result_suffix
         self.reward_pool = reward_pool
         self.reward_timeout = reward_timeout
@@ -63,8 +67,25 @@ class ToolAgentWorkflow(RolloutWorkflow):
         text = self.result_prefix + result + self.result_suffix
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]  # type: ignore[attr-defined]
 
+    def _call_text(self, out: list[int]) -> tuple[bool, str | None]:
+        """(whether the segment stopped at ``call_end``, the text of the call it ends or None if no call)."""
+        if self.call_end_id is not None and self.call_start_id is not None:
+            if out[-1] != self.call_end_id:
+                return False, None
+            if self.call_start_id not in out:
+                return True, None
+            start = len(out) - 1 - out[::-1].index(self.call_start_id)
+            return True, str(self.tokenizer.decode(out[start + 1 : -1], skip_special_tokens=False))  # type: ignore[attr-defined]
+        text = str(self.tokenizer.decode(out, skip_special_tokens=False))  # type: ignore[attr-defined]
+        end = text.rfind(self.call_end)
+        tail = len(str(self.tokenizer.decode(out[-1:], skip_special_tokens=False)))  # type: ignore[attr-defined]
+        if end < 0 or end + len(self.call_end) < len(text) - tail:  # stopped by something else
+            return False, None
+        start = text.rfind(self.call_start, 0, end)
+        return True, (text[start + len(self.call_start) : end] if start >= 0 else None)
+
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        prompt = prompt_ids_of(self.tokenizer, data)
+        prompt = prompt_ids_of(self.tokenizer, data, self.prompt_format)
         buf = TokenBuffer(prompt)
         rid = uuid.uuid4().hex
         user_stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}  # type: ignore[attr-defined]
@@ -76,22 +97,22 @@ class ToolAgentWorkflow(RolloutWorkflow):
             if budget <= 0:
                 truncated = True
                 break
-            stops = list(self.gconfig.stop_token_ids)
+            stops, stop_texts = list(self.gconfig.stop_token_ids), list(self.gconfig.stop)
             if calls < self.max_tool_calls:
-                stops.append(self.call_end_id)
+                stops.append(self.call_end_id) if self.call_end_id is not None else stop_texts.append(self.call_end)
             g = self.gconfig.new(max_new_tokens=budget, min_new_tokens=min(self.gconfig.min_new_tokens, budget),
-                                 stop_token_ids=stops)
+                                 stop_token_ids=stops, stop=stop_texts)
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=g))
             out = resp.output_tokens
             buf.add_generated(out, resp.output_logprobs, resp.output_versions)
             generated += len(out)
             last += out  # generated since the last tool result
-            if resp.stop_reason != "stop" or not out or out[-1] in user_stops or out[-1] != self.call_end_id:
+            at_end, expr = (self._call_text(out) if resp.stop_reason == "stop" and out and out[-1] not in user_stops
+                             else (False, None))
+            if not at_end:
                 truncated = resp.stop_reason == "length"
                 break
-            if self.call_start_id in out:
-                start = len(out) - 1 - out[::-1].index(self.call_start_id)
-                expr = self.tokenizer.decode(out[start + 1 : -1], skip_special_tokens=False)  # type: ignore[attr-defined]
+            if expr is not None:
                 buf.add_context(self.result_ids(await self.tool(expr)))
                 calls += 1
                 last = []

@@ -1,0 +1,57 @@
+"""A built-in tool agent through the model's own chat template (``workflow=tool_agent``, ``rollout.tool_format=template``).
+
+The episode is an ordinary OpenAI-style agent loop over ``OpenAIClient``: the row's messages
+with a ``calc`` tool schema (rendered by the template), tool calls parsed in the template's
+format (Hermes / Qwen2.5 or Llama-3.1), the sandboxed tool run on ``expr``, results sent back as
+``tool`` messages, until the model answers in text or ``max_tool_calls`` were made. The reward
+fn scores the final answer. Unlike ``rollout.tool_format=markers`` it needs no private marker
+tokens: any model whose template renders tools works.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from relayrl.agents.client import OpenAIClient
+from relayrl.agents.workflow import OpenAIAgentWorkflow
+from relayrl.api.engine import DataItem
+from relayrl.api.io import GenerationConfig
+from relayrl.data.chat import encode
+
+CALC_TOOL = {"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
+                                              "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}
+Tool = Callable[[str], Awaitable[str]]
+RewardFn = Callable[..., float]
+
+
+def tool_agent_workflow(
+    reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: PreTrainedTokenizerBase, tool: Tool,
+    max_tool_calls: int = 3, timeout: float = 0.0,
+) -> OpenAIAgentWorkflow:
+    """``workflow=tool_agent`` with ``rollout.tool_format=template`` (see module doc)."""
+
+    async def agent(client: OpenAIClient, data: DataItem) -> float:
+        messages: list[object] = list(data["messages"])  # type: ignore[call-overload]
+        answer = ""
+        for _ in range(max_tool_calls + 1):
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL])
+            message = reply.choices[0].message
+            answer = message.content or ""
+            if not message.tool_calls:
+                break
+            messages.append(message)
+            for call in message.tool_calls:
+                try:
+                    expr = str(json.loads(call.function.arguments).get("expr", ""))
+                except (json.JSONDecodeError, AttributeError):
+                    expr = ""
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})
+        extra = {k: v for k, v in data.items() if k not in ("prompt", "completions", "prompt_ids", "completion_ids")}
+        last = client.records[-1]
+        return float(reward_fn(prompt="", completions=answer, prompt_ids=last.prompt_ids,
+                               completion_ids=encode(tokenizer, answer), **extra))
+
+    return OpenAIAgentWorkflow(agent, tokenizer, gconfig, timeout=timeout)
