@@ -110,7 +110,7 @@ class OpenAIClient:
         tool_parser: str = "auto", model_name: str = "relayrl-policy",
     ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
-        self.gconfig = (gconfig or GenerationConfig()).new(n_samples=1)
+        self.gconfig = (gconfig or GenerationConfig()).new()
         self.tool_parser = detect_parser(getattr(tokenizer, "chat_template", None)) if tool_parser == "auto" else tool_parser
         parse_tool_calls("", self.tool_parser)  # an unknown parser name fails here, not on the first call
         self.model_name = model_name

@@ -34,7 +34,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     ) -> None:
         if not 0.0 <= discount <= 1.0:
             raise ValueError(f"discount must be in [0, 1], got {discount}")
-        self.agent, self.tokenizer, self.gconfig = agent, tokenizer, gconfig.new(n_samples=1)
+        self.agent, self.tokenizer, self.gconfig = agent, tokenizer, gconfig
         self.discount, self.tool_parser, self.timeout = discount, tool_parser, timeout
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
