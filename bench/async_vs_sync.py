@@ -104,7 +104,8 @@ def main() -> None:
         ratios = common.spread([s["seconds"] / a["seconds"] for s, a in zip(runs[(pin, "sync")], runs[(pin, "async")], strict=True)])
         ceil = common.spread([ceiling(x) for x in runs[(pin, "sync")]])
         out.update({
-            f"ratio{tag}": ratios["median"], f"ratios{tag}": ratios["values"], f"overlap_ceiling{tag}": ceil,
+            f"ratio{tag}": ratios["median"], f"ratio_min{tag}": ratios["min"], f"ratio_max{tag}": ratios["max"],
+            f"ratios{tag}": ratios["values"], f"overlap_ceiling{tag}": ceil,
             f"ratio_of_ceiling{tag}": round(ratios["median"] / ceil["median"], 4),
             f"sync{tag}": side(pin, "sync"), f"async{tag}": side(pin, "async"),
         })
