@@ -23,6 +23,7 @@ from relayrl.api.workflow import validate_trajectory
 from relayrl.data.chat import encode, render
 from relayrl.inference.local import LocalEngine
 from tests.agent_models import CALC, overfit
+from tests.test_workflows import segments
 
 GREEDY = GenerationConfig(max_new_tokens=64, greedy=True)
 CALL = '<tool_call>{"name":"calc","arguments":{"expr":"12+7"}}</tool_call>'  # compact: the template renders it spaced
@@ -37,13 +38,6 @@ LLAMA_CONVS = [
 ]
 
 
-def segments(mask):
-    out, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            out.append((start, i, mask[start]))
-            start = i
-    return out
 
 
 def make_engine(tok, convs, seed=0):
