@@ -5,7 +5,7 @@ SGLang: docs "Sampling Parameters" / "Native APIs" (``/generate`` with ``input_i
 ``[logprob, token_id, text]``; ``finish_reason`` ``{"type": "length", "length": n}``;
 ``/update_weights_from_disk`` ``{"model_path"}`` -> ``{"success", "message"}``).
 vLLM: OpenAI completions with token-id prompts, ``logprobs``, ``return_tokens_as_token_ids``
-(tokens read ``"token_id:<id>"``), RL routes ``/pause?mode=keep`` and ``/resume``.
+(tokens read ``"token_id:<id>"``), RL routes ``/pause?mode=abort`` and ``/resume``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_weight_and_control_calls():
     with pytest.raises(NotImplementedError, match="weight_sync=disk"):
         sg.upload(1)
     assert (sg.pause().path, sg.resume().path) == ("/pause_generation", "/continue_generation")
-    assert (vl.pause().path, vl.resume().path) == ("/pause?mode=keep", "/resume")
+    assert (vl.pause().path, vl.resume().path) == ("/pause?mode=abort", "/resume")
     vc = vl.update_from_disk("/w", 1)
     assert (vc.method, vc.path) == ("POST", "/collective_rpc")
     assert vc.json == {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}

@@ -117,6 +117,8 @@ class InferenceConfig:
                                "milliseconds go out as one batched HTTP call (each still retried, continued and balanced on its "
                                "own); 0 = one call per request.", ge=0.0, le=1000.0)
     batch_max_requests: int = f(256, help="RemoteEngine: most generation requests in one batched HTTP call.", ge=1)
+    weight_bucket_mb: float = f(512.0, help="weight_sync=broadcast: most megabytes of tensors per update call (servers "
+                                "allocate one bucket of receive buffers at a time).", gt=0.0)
 
 
 @dataclass

@@ -9,8 +9,14 @@
 - Interruption: a reply that ends with ``abort`` (weights changing) is resubmitted as
   prompt + partial output; every token keeps the version that produced it.
 - Weights: ``update_weights`` fans out to every live server (a versioned safetensors dir on
-  shared disk, an HTTP upload, or one collective broadcast to all of them over a process
-  group of their own, NCCL on GPUs) and checks that each reports the new version.
+  shared disk, an HTTP upload, or a collective broadcast to all of them over a process group
+  of their own, NCCL on GPUs, in buckets of ``weight_bucket_mb``) and checks that each reports
+  the new version. Servers being updated are not health-probed (SGLang's probe blocks then).
+- Peers: each server's version and routes are read at connect (``peers.detect``): the served
+  model name, where the weight version is read, its tensor-parallel ranks; a server that
+  lacks what the run needs is refused at start-up with the version or flag that provides it.
+- Request ids: each HTTP request carries a fresh id (``<rid>-<n>``): SGLang refuses an id
+  already in flight, and one episode may send several requests at once (ReMax).
 - Batching: requests headed to the same server within ``batch_window_ms`` share one HTTP
   call (``batcher.MicroBatcher``); everything above still happens per request.
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import logging
 import os
@@ -44,7 +51,8 @@ from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
 from relayrl.inference.backends import WEIGHT_GROUP, Call, ProtocolError, ServerError, make_backend
 from relayrl.inference.batcher import MicroBatcher
-from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, dtype_name
+from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
+from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,8 @@ class _Server:
     alive: bool = True
     in_flight: int = 0
     version: int = 0
+    info: PeerInfo | None = None  # what it offers, read at connect
+    updating: bool = False  # a weight update is under way (no health probes: SGLang's block then)
 
 
 def _check_status(url: str, call: Call, r: httpx.Response) -> None:
@@ -96,6 +106,8 @@ class RemoteEngine(InferenceEngine):
         self._health: threading.Thread | None = None
         self._launched: object | None = None
         self._rr = 0
+        self._wire_ids = itertools.count()
+        self._paused = False
         self._ssl: ssl.SSLContext | None = None
         # requests: generation requests sent (continuations and retries included); http_calls: the
         # HTTP calls that carried them (fewer when batched)
@@ -126,9 +138,51 @@ class RemoteEngine(InferenceEngine):
                 raise ConnectionError(f"servers not healthy after {wait_timeout:.0f}s: {[s.url for s in pending]}")
             if pending:
                 time.sleep(0.2)
+        self._connect_all()
         self._version = max(s.version for s in self.servers)
         self._health = threading.Thread(target=self._health_loop, name="relayrl-health", daemon=True)
         self._health.start()
+
+    def _get(self, srv: _Server, timeout: float = 10.0) -> Callable[[str], tuple[int, object]]:
+        def get(path: str) -> tuple[int, object]:
+            with self._sync_client(timeout) as c:
+                r = c.get(srv.url + path)
+            try:
+                return r.status_code, r.json()
+            except ValueError:
+                return r.status_code, None
+        return get
+
+    def _connect_all(self) -> None:
+        """Read every server's version and routes; refuse, naming what is missing, those that
+        cannot serve this run; check vLLM's logprobs follow the temperature."""
+        for srv in self.servers:
+            srv.info = detect(self.backend.name, srv.url, self._get(srv))
+        mode = self.config.weight_sync
+        if mode != "auto" or self.config.weight_sync_dir:
+            mode = self._sync_mode()
+            for srv in self.servers:
+                require_routes(srv.info, srv.url, mode)  # type: ignore[arg-type]
+        if self.backend.name == "vllm":
+            names = {s.info.model for s in self.servers if s.info is not None}
+            if len(names) != 1:
+                raise UnsupportedServer(f"the vLLM servers serve different models: {sorted(names)}")
+            self.backend.model = names.pop()  # type: ignore[union-attr]
+            if self.servers[0].info.server != "relayrl":  # type: ignore[union-attr]  # relayrl's follow the temperature
+                self._check_logprobs_mode(self.servers[0])
+
+    def _check_logprobs_mode(self, srv: _Server) -> None:
+        """vLLM reports the raw model's logprobs unless run with ``--logprobs-mode processed_logprobs``:
+        the top logprob of one token at two temperatures tells them apart."""
+        tops = []
+        for t in (1.0, 0.5):
+            body = self._admin(srv, self.backend.logprob_probe(t), timeout=60)  # type: ignore[union-attr]
+            tops.append(self.backend.top_logprob(body))  # type: ignore[union-attr]
+        if abs(tops[0] - tops[1]) < 1e-6 and tops[0] < -1e-4:
+            raise UnsupportedServer(
+                f"{srv.url} returns logprobs that ignore the sampling temperature (vLLM's default raw_logprobs): "
+                "start vLLM with --logprobs-mode processed_logprobs (relayrl's importance weights need the "
+                "logprobs of the distribution actually sampled)")
 
     def destroy(self) -> None:
         self._stop.set()
@@ -259,8 +313,10 @@ class RemoteEngine(InferenceEngine):
                 attempt = self._count_failure(attempt, req.rid, "no live server")
                 await asyncio.sleep(self._backoff(attempt))
                 continue
-            call = self.backend.generate(req.rid, req.input_ids + tokens, g, remaining,
+            # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
+            call = self.backend.generate(f"{req.rid}-{next(self._wire_ids)}", req.input_ids + tokens, g, remaining,
                                          max(0, g.min_new_tokens - len(tokens)))
+            sent_version = srv.version  # what produced these tokens when the server reports no version
             self.stats["requests"] += 1
             try:
                 body = await self._generate_call(srv, call)
@@ -280,7 +336,7 @@ class RemoteEngine(InferenceEngine):
             part = self.backend.parse_generate(body)
             if part.tokens and not tokens:
                 ttft = time.perf_counter() - t0
-            v = part.weight_version if part.weight_version is not None else srv.version
+            v = part.weight_version if part.weight_version is not None else sent_version
             tokens += part.tokens
             logps += part.logprobs
             versions += part.versions if part.versions is not None else [v] * len(part.tokens)
@@ -329,7 +385,14 @@ class RemoteEngine(InferenceEngine):
         if kind == "broadcast":  # a server (re)joining: the group is rebuilt with it in
             self._broadcast(data, version, [s for s in self.servers if s.alive or s is srv])  # type: ignore[arg-type]
             return
-        if kind == "disk":
+        if kind == "disk" and self.backend.name == "vllm" and not self._paused:
+            # in-flight requests end as "abort" (their tokens are the old version's) and are continued after
+            self._admin(srv, self.backend.pause())
+            try:
+                body = self._admin(srv, self.backend.update_from_disk(str(data), version))
+            finally:
+                self._admin(srv, self.backend.resume())
+        elif kind == "disk":
             body = self._admin(srv, self.backend.update_from_disk(str(data), version))
         else:
             body = self._admin(srv, self.backend.upload(version), content=data)  # type: ignore[arg-type]
@@ -352,18 +415,30 @@ class RemoteEngine(InferenceEngine):
                 host = address_towards(httpx.URL(servers[0].url).host)
                 # NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU)
                 backend = "nccl" if torch.cuda.is_available() and self.backend.name != "relayrl" else "gloo"
-                group = WeightBroadcastGroup(host, 0, len(servers) + 1, 0, backend, WEIGHT_GROUP, self.config.request_timeout)
-                calls = [self.backend.init_weight_group(host, group.port, i + 1, len(servers) + 1, backend) for i in range(len(servers))]
+                # a server of tensor-parallel size k takes ranks rank_offset .. rank_offset + k - 1 (SGLang: rank_offset + tp_rank)
+                sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
+                offsets = list(itertools.accumulate([1, *sizes[:-1]]))
+                world = 1 + sum(sizes)
+                group = WeightBroadcastGroup(host, 0, world, 0, backend, WEIGHT_GROUP, self.config.request_timeout)
+                calls = [self.backend.init_weight_group(host, group.port, off, world, backend) for off in offsets]
                 joins = [ex.submit(self._admin, s, c) for s, c in zip(servers, calls, strict=True)]
                 self._settle(servers, joins, group.join, errors)
                 if errors:
                     raise errors[0]
                 self._group, self._group_members = group, members
             group = self._group
-            call = self.backend.update_distributed(list(tensors), [dtype_name(t.dtype) for t in tensors.values()],
-                                                   [list(t.shape) for t in tensors.values()], version)
-            replies = [ex.submit(self._admin, s, call) for s in servers]
-            self._settle(servers, replies, lambda: group.broadcast(tensors), errors)
+            names = list(tensors)
+            limit = int(self.config.weight_bucket_mb * (1 << 20))
+            parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
+            for b, idx in enumerate(parts):  # one bounded bucket per call: the servers allocate one bucket at a time
+                bucket = {names[i]: tensors[names[i]] for i in idx}
+                call = self.backend.update_distributed(list(bucket), [dtype_name(t.dtype) for t in bucket.values()],
+                                                       [list(t.shape) for t in bucket.values()],
+                                                       version if b == len(parts) - 1 else None, abort=b == 0)
+                replies = [ex.submit(self._admin, s, call) for s in servers]
+                self._settle(servers, replies, lambda bucket=bucket: group.broadcast(bucket), errors)
+                if errors:
+                    break
         finally:
             ex.shutdown(wait=False)
         if errors:
@@ -408,9 +483,9 @@ class RemoteEngine(InferenceEngine):
             self._group = None
 
     def _confirm(self, srv: _Server, version: int) -> None:
-        call = self.backend.get_version()
-        if call is not None:
-            got = self.backend.parse_version(self._admin(srv, call, timeout=30))
+        path = srv.info.version_path if srv.info is not None else None
+        if path is not None:
+            got = self.backend.parse_version(self._admin(srv, Call("GET", path), timeout=30))
             if got != version:
                 raise RuntimeError(f"{srv.url} reports weight version {got} after an update to {version}")
         srv.version = version
@@ -421,20 +496,30 @@ class RemoteEngine(InferenceEngine):
             live = [s for s in self.servers if s.alive]
             if not live:
                 raise ConnectionError("no live server to update")
-            if weights[0] == "broadcast":
-                try:
-                    self._broadcast(weights[1], update.version, live)  # type: ignore[arg-type]
-                except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
-                    live = [s for s in self.servers if s.alive]
-                    if not live:
-                        raise
-                    self._broadcast(weights[1], update.version, live)  # type: ignore[arg-type]
-            else:
-                self._fan_out(lambda s: self._push(s, weights, update.version), live)
+            for s in self.servers:
+                s.updating = True
+            try:
+                self._update_live(weights, update.version, live)
+            finally:
+                for s in self.servers:
+                    s.updating = False
             if not any(s.alive and s.version == update.version for s in self.servers):
                 raise ConnectionError(f"no server confirmed weight version {update.version}")
             self._version = update.version
             self._last_weights = weights
+
+    def _update_live(self, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int,
+                     live: list[_Server]) -> None:
+        if weights[0] != "broadcast":
+            self._fan_out(lambda s: self._push(s, weights, version), live)
+            return
+        try:
+            self._broadcast(weights[1], version, live)  # type: ignore[arg-type]
+        except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
+            live = [s for s in self.servers if s.alive]
+            if not live:
+                raise
+            self._broadcast(weights[1], version, live)  # type: ignore[arg-type]
 
     def _sync_mode(self) -> str:
         mode = self.config.weight_sync
@@ -443,7 +528,9 @@ class RemoteEngine(InferenceEngine):
         if mode == "disk" and not self.config.weight_sync_dir:
             raise ValueError("inference.weight_sync=disk needs inference.weight_sync_dir (a directory all servers can read)")
         if mode == "broadcast" and self.backend.name == "vllm":
-            raise ValueError("vllm servers have no standard weight-broadcast route: set inference.weight_sync=disk and weight_sync_dir")
+            raise ValueError("weight_sync=broadcast to vLLM is not supported: vLLM's weight-transfer engine "
+                             "(--weight-transfer-backend nccl) rendezvous through its own StatelessProcessGroup and "
+                             "PyNccl, not torch.distributed; set inference.weight_sync=disk and weight_sync_dir")
         if mode == "http" and not self.backend.supports_upload:
             raise ValueError(f"{self.backend.name} servers take no HTTP upload: set inference.weight_sync=disk and weight_sync_dir")
         return mode
@@ -473,9 +560,11 @@ class RemoteEngine(InferenceEngine):
 
     def pause(self) -> None:
         self._fan_out(lambda s: self._admin(s, self.backend.pause()), [s for s in self.servers if s.alive])
+        self._paused = True
 
     def resume(self) -> None:
         self._fan_out(lambda s: self._admin(s, self.backend.resume()), [s for s in self.servers if s.alive])
+        self._paused = False
 
     def get_version(self) -> int:
         return self._version
@@ -490,20 +579,22 @@ class RemoteEngine(InferenceEngine):
         would write back the version from before it)."""
         try:
             with self._sync_client(5.0) as c:
-                r = c.get(srv.url + self.backend.health_path)
+                r = c.get(srv.url + (srv.info.live_path if srv.info is not None else self.backend.health_path))
                 if r.status_code != 200:
                     return False
-                call = self.backend.get_version()
-                if call is not None and record_version:
-                    v = self.backend.parse_version(c.get(srv.url + call.path).json())
+                path = srv.info.version_path if srv.info is not None else None
+                if path is not None and record_version:
+                    v = self.backend.parse_version(c.get(srv.url + path).json())
                     srv.version = v if v is not None else srv.version
             return True
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             return False
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.config.health_interval):
             for srv in list(self.servers):
+                if srv.updating:  # SGLang's server blocks while loading weights: not a sign of death
+                    continue
                 ok = self._probe(srv, record_version=not srv.alive)
                 if srv.alive and not ok:
                     self._evict(srv, "health check failed")
@@ -513,13 +604,14 @@ class RemoteEngine(InferenceEngine):
     def _readmit(self, srv: _Server) -> None:
         with self._update_lock:
             try:
+                srv.info = detect(self.backend.name, srv.url, self._get(srv))  # it may be a new release
                 if srv.version != self._version:
                     if self._last_weights is None:  # stale weights and nothing to push: keep it out
                         log.warning("server %s is back at weight version %d (engine at %d) and no weights are "
                                     "known to push; not re-admitted", srv.url, srv.version, self._version)
                         return
                     self._push(srv, self._last_weights, self._version)
-            except (httpx.HTTPError, RuntimeError, ConnectionError) as e:
+            except (httpx.HTTPError, RuntimeError, ConnectionError, ValueError) as e:
                 log.warning("server %s answered but could not take weights v%d: %s", srv.url, self._version, e)
                 return
             with self._lock:
