@@ -139,6 +139,9 @@ class RemoteEngine(InferenceEngine):
             if pending:
                 time.sleep(0.2)
         self._connect_all()
+        for s in self.servers:  # now that each server's version route is known
+            self._probe(s)
+            s.version = max(s.version, 0)  # none reported (vLLM, SGLang's "default"): its start-up weights, version 0
         self._version = max(s.version for s in self.servers)
         self._health = threading.Thread(target=self._health_loop, name="relayrl-health", daemon=True)
         self._health.start()
@@ -312,6 +315,10 @@ class RemoteEngine(InferenceEngine):
             if srv is None:
                 attempt = self._count_failure(attempt, req.rid, "no live server")
                 await asyncio.sleep(self._backoff(attempt))
+                continue
+            if self._paused or srv.updating:  # held here while weights change: a request runs under the version it is sent under
+                self._release(srv)
+                await asyncio.sleep(0.005)
                 continue
             # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
             call = self.backend.generate(f"{req.rid}-{next(self._wire_ids)}", req.input_ids + tokens, g, remaining,
@@ -583,9 +590,9 @@ class RemoteEngine(InferenceEngine):
                 if r.status_code != 200:
                     return False
                 path = srv.info.version_path if srv.info is not None else None
-                if path is not None and record_version:
-                    v = self.backend.parse_version(c.get(srv.url + path).json())
-                    srv.version = v if v is not None else srv.version
+                if record_version:  # -1: unknown (no version route, or none set yet): it is given the weights on return
+                    v = self.backend.parse_version(c.get(srv.url + path).json()) if path is not None else None
+                    srv.version = v if v is not None else -1
             return True
         except (httpx.HTTPError, ValueError):
             return False
@@ -605,6 +612,8 @@ class RemoteEngine(InferenceEngine):
         with self._update_lock:
             try:
                 srv.info = detect(self.backend.name, srv.url, self._get(srv))  # it may be a new release
+                if srv.version == -1 and self._last_weights is None and self._version == 0:
+                    srv.version = 0  # no update yet: its start-up weights are the engine's
                 if srv.version != self._version:
                     if self._last_weights is None:  # stale weights and nothing to push: keep it out
                         log.warning("server %s is back at weight version %d (engine at %d) and no weights are "

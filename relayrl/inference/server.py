@@ -46,7 +46,16 @@ from relayrl.inference.schemas import (
     PauseRequest,
     SamplingParams,
 )
-from relayrl.inference.server_common import _bad, _dumps, _json, _per_item, _validation_error, confine_path, error_body
+from relayrl.inference.server_common import (
+    _bad,
+    _dumps,
+    _json,
+    _per_item,
+    _validation_error,
+    confine_path,
+    error_body,
+    generate_once,
+)
 from relayrl.inference.server_openai import OpenAIRoutes
 from relayrl.inference.server_weights import WeightRoutes
 from relayrl.inference.weight_group import WeightBroadcastGroup
@@ -120,9 +129,12 @@ class Server(WeightRoutes, OpenAIRoutes):
                        f"model's {self.max_positions} positions")
         return g
 
-    async def run(self, rid: str, ids: list[int], g: GenerationConfig) -> ModelResponse:
+    async def run(self, rid: str, ids: list[int], g: GenerationConfig, once: bool = False) -> ModelResponse:
+        """``once``: SGLang's /generate, where an interrupted request ends as ``abort`` (the client
+        continues it); the OpenAI routes continue it here, transparently."""
+        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g)
         try:
-            resp = await self.engine.agenerate(ModelRequest(rid=rid, input_ids=ids, gconfig=g))
+            resp = await (generate_once(self.engine, req) if once else self.engine.agenerate(req))
         except ValueError as e:
             raise _bad(f"request {rid}: {e}") from None
         self.n_served += 1
@@ -166,7 +178,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         self.check_ids(ids, "input_ids")
         g = self.gconfig(req.sampling_params, len(ids))
         rid = req.rid or uuid.uuid4().hex
-        r = await self.run(rid, ids, g)
+        r = await self.run(rid, ids, g, once=True)
         return self.reply(rid, r, req.return_logprob, req.sampling_params.skip_special_tokens,
                           [] if req.sampling_params.no_stop_trim else g.stop)
 
@@ -194,7 +206,7 @@ class Server(WeightRoutes, OpenAIRoutes):
 
     async def generate_item(self, rid: str, ids: list[int], g: GenerationConfig, logprob: bool, skip: bool,
                             keep_stop: bool = False) -> dict[str, object]:
-        return self.reply(rid, await self.run(rid, ids, g), logprob, skip, [] if keep_stop else g.stop)
+        return self.reply(rid, await self.run(rid, ids, g, once=True), logprob, skip, [] if keep_stop else g.stop)
 
     async def stream_items(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
         """One NDJSON line per item as soon as it finishes: a batch costs one HTTP call, yet no

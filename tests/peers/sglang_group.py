@@ -51,11 +51,37 @@ def sample_tensors() -> list[torch.Tensor]:
     return [torch.randn(4, 3, generator=g), torch.arange(10, dtype=torch.int64), torch.randn(5, generator=g).to(torch.bfloat16)]
 
 
+def tp_worker() -> None:
+    """``sglang_group.py worker``: a tensor-parallel rank > 0 of the SGLang stand-in (SGLang runs one
+    scheduler process per TP rank, each joining the weight group as ``rank_offset + tp_rank``).
+    Reads JSON commands from stdin, one a line: ``{"op": "init", ...}``, ``{"op": "recv", ...}``."""
+    import json
+    import sys
+
+    groups: dict[str, dist.ProcessGroup] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "init":
+                groups[cmd["group_name"]] = init_custom_process_group(
+                    cmd["backend"], f"tcp://{cmd['master_address']}:{cmd['master_port']}", cmd["world_size"],
+                    cmd["rank"], cmd["group_name"], timedelta(seconds=cmd["timeout"]))
+                print(json.dumps({"ok": True}), flush=True)
+            elif cmd["op"] == "recv":
+                got = receive(groups[cmd["group_name"]], cmd["dtypes"], cmd["shapes"])
+                print(json.dumps({"ok": True, "sums": [float(t.double().sum()) for t in got]}), flush=True)
+        except Exception as e:  # noqa: BLE001 - reported to the server process
+            print(json.dumps({"ok": False, "error": repr(e)}), flush=True)
+
+
 def _main() -> None:
     """``sglang_group.py send|recv HOST PORT RANK WORLD GROUP``: one SGLang-built member; ``recv``
     prints the checksums of what it received, ``send`` (rank 0) hosts the store and sends."""
     import sys
 
+    if sys.argv[1] == "worker":
+        tp_worker()
+        return
     verb, host, port, rank, world, group = sys.argv[1:7]
     if verb == "send" and int(port) == 0:
         import socket
