@@ -165,6 +165,9 @@ class SGLangBackend:
                           "world_size": world_size, "group_name": WEIGHT_GROUP, "backend": backend}
         return Call("POST", "/init_weights_update_group", body)
 
+    def destroy_weight_group(self) -> Call:
+        return Call("POST", "/destroy_weights_update_group", {"group_name": WEIGHT_GROUP})
+
     def update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None,
                            abort: bool = True) -> Call:
         """One bucket of a broadcast update: the version goes with the last bucket only (the server

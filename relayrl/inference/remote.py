@@ -102,6 +102,7 @@ class RemoteEngine(InferenceEngine):
         self._last_weights: tuple[str, str | bytes | dict[str, torch.Tensor]] | None = None
         self._group: WeightBroadcastGroup | None = None  # weight_sync=broadcast: the group and its members
         self._group_members: list[str] = []
+        self._group_stale = False  # a member died: the group is rebuilt at its next use
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
         self._launched: object | None = None
@@ -229,6 +230,8 @@ class RemoteEngine(InferenceEngine):
             if srv.alive:
                 srv.alive = False
                 self.stats["evictions"] += 1
+                if srv.url in self._group_members:  # the weight group lost a member: rebuilt at its next use
+                    self._group_stale = True
                 log.warning("server %s evicted: %s", srv.url, why)
 
     def live_servers(self) -> list[str]:
@@ -417,8 +420,15 @@ class RemoteEngine(InferenceEngine):
         errors: list[BaseException] = []
         ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
         try:
-            if self._group is None or self._group_members != members:
-                self._group = None
+            if self._group is None or self._group_members != members or self._group_stale:
+                # members of the old group leave it first: SGLang refuses a second group of the same name
+                old = [s for s in servers if s.url in self._group_members]
+                for s in old:
+                    try:
+                        self._admin(s, self.backend.destroy_weight_group(), timeout=30)
+                    except (httpx.HTTPError, RuntimeError):
+                        pass  # a server that never joined, or one too old for the route (then init fails, named)
+                self._group, self._group_members, self._group_stale = None, [], False
                 host = address_towards(httpx.URL(servers[0].url).host)
                 # NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU)
                 backend = "nccl" if torch.cuda.is_available() and self.backend.name != "relayrl" else "gloo"

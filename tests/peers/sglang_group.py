@@ -67,6 +67,9 @@ def tp_worker() -> None:
                     cmd["backend"], f"tcp://{cmd['master_address']}:{cmd['master_port']}", cmd["world_size"],
                     cmd["rank"], cmd["group_name"], timedelta(seconds=cmd["timeout"]))
                 print(json.dumps({"ok": True}), flush=True)
+            elif cmd["op"] == "destroy":
+                dist.destroy_process_group(groups.pop(cmd["group_name"]))
+                print(json.dumps({"ok": True}), flush=True)
             elif cmd["op"] == "recv":
                 got = receive(groups[cmd["group_name"]], cmd["dtypes"], cmd["shapes"])
                 print(json.dumps({"ok": True, "sums": [float(t.double().sum()) for t in got]}), flush=True)

@@ -109,6 +109,11 @@ class UpdateWeightsFromDistributedReqInput:
 
 
 @dataclass
+class DestroyWeightsUpdateGroupReqInput:
+    group_name: str = "weight_update_group"
+
+
+@dataclass
 class PauseGenerationReqInput:
     mode: str = "abort"
 
@@ -252,6 +257,15 @@ class SGLangStandIn:
             return JSONResponse({"success": False, "message": f"Failed to initialize custom process group: {e}."})
         return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
 
+    async def destroy_group(self, obj: DestroyWeightsUpdateGroupReqInput) -> Response:
+        pg = self.groups.pop(obj.group_name, None)
+        if pg is None:
+            return JSONResponse({"success": False, "message": f"Group {obj.group_name} not in model_update_group"})
+        torch.distributed.destroy_process_group(pg)
+        for w in self.workers:
+            self._ask(w, {"op": "destroy", "group_name": obj.group_name})
+        return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
+
     async def update_distributed(self, obj: UpdateWeightsFromDistributedReqInput) -> Response:
         pg = self.groups.get(obj.group_name)
         if pg is None:
@@ -319,6 +333,7 @@ def build_app(s: SGLangStandIn) -> FastAPI:
     app.post("/update_weights_from_disk")(s.update_from_disk)
     app.post("/init_weights_update_group")(s.init_group)
     app.post("/update_weights_from_distributed")(s.update_distributed)
+    app.post("/destroy_weights_update_group")(s.destroy_group)
     app.post("/pause_generation")(s.pause)
     app.post("/continue_generation")(s.resume)
 
