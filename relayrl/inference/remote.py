@@ -117,7 +117,16 @@ class RemoteEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, wait_timeout: float = 60.0) -> None:
-        if not self.addresses and self.config.n_servers > 0:
+        launch = self.config.launch
+        if not self.addresses and self.config.n_servers > 0 and launch in ("sglang", "vllm"):
+            if self.backend.name != launch:
+                raise ValueError(f"inference.launch={launch} starts {launch} servers: set inference.protocol={launch} "
+                                 f"(it is {self.backend.name})")
+            from relayrl.inference.peer_launcher import PeerServerGroup
+
+            self._launched = PeerServerGroup(launch, self.config, self.model.path).start()
+            self.addresses = self._launched.addresses  # type: ignore[attr-defined]
+        if not self.addresses and self.config.n_servers > 0 and launch == "relayrl":
             from relayrl.inference.launcher import launch_servers
 
             roots = [self.config.weight_sync_dir] if self.config.weight_sync_dir else []
@@ -129,7 +138,8 @@ class RemoteEngine(InferenceEngine):
             self._launched = group
             self.addresses = group.addresses
         if not self.addresses:
-            raise ValueError("RemoteEngine needs inference.addresses (host:port of servers) or inference.n_servers > 0")
+            raise ValueError("RemoteEngine needs inference.addresses (host:port of servers), or inference.n_servers > 0 "
+                             f"with inference.launch=relayrl|sglang|vllm (it is {launch})")
         self.servers = [_Server(_url(a)) for a in self.addresses]
         deadline = time.monotonic() + wait_timeout
         pending = list(self.servers)

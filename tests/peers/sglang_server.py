@@ -337,6 +337,11 @@ def build_app(s: SGLangStandIn) -> FastAPI:
     app.post("/pause_generation")(s.pause)
     app.post("/continue_generation")(s.resume)
 
+    @app.get("/stand_in")
+    async def stand_in() -> dict[str, object]:  # test introspection, not an SGLang route: how it was started
+        keys = ("CUDA_VISIBLE_DEVICES", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
+        return {"argv": sys.argv, "env": {k: os.environ.get(k) for k in keys}}
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         return Response("Cache flushed.\n", media_type="text/plain")

@@ -110,6 +110,10 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
     app = FastAPI()
     app.post("/v1/completions")(s.completions)
 
+    @app.get("/stand_in")
+    async def stand_in() -> dict[str, object]:  # test introspection, not a vLLM route: how it was started
+        return {"argv": sys.argv, "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_SERVER_DEV_MODE")}}
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
