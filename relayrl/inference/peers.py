@@ -44,7 +44,7 @@ def version_tuple(v: str) -> tuple[int, ...]:
     """``"0.5.3.post1"`` -> ``(0, 5, 3)``; unparsable parts end the tuple."""
     out = []
     for part in v.split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
+        digits = part[:len(part) - len(part.lstrip("0123456789"))]  # the leading digits ("10rc1" -> "10")
         if not digits:
             break
         out.append(int(digits))
