@@ -3,7 +3,8 @@
 Speaks SGLang's native protocol (``/generate``, ``/update_weights_from_disk``, weights by
 collective broadcast (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``: NCCL on GPUs, gloo on CPU), ``/pause_generation``,
-``/continue_generation``, ``/health``, ``/get_model_info``, ``/get_weight_version``), a
+``/continue_generation``, ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
+``/abort_request``, ``/get_server_info`` / ``/server_info``, ``/model_info``), a
 safetensors weight upload (``/update_weights_from_tensor``), and
 OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the same process
 serves RemoteEngine (any of its protocols) and agents written against the OpenAI SDK.
@@ -16,6 +17,13 @@ Every body is validated (unknown fields, out-of-range values, out-of-vocabulary 
 answered with a 4xx naming the field (and the item index in a batch); the process stays up.
 Admin routes (weights, pause) need ``Authorization: Bearer <token>`` when a token is
 configured. Disk paths are confined to ``allowed_weight_roots`` (symlinks resolved, ``..`` refused).
+
+Where an SGLang client would notice, it answers as SGLang does: ``/pause_generation {}`` aborts
+in-flight requests (``mode`` ``abort``; ``in_place`` / ``retract`` keep them), an interrupted
+``/generate`` request ends as ``abort`` with its partial output, ``weight_version`` is a string,
+matched stop strings are cut from ``text``. Errors are OpenAI error objects
+(``server_common.error_body``). Weight routes live in ``server_weights``, OpenAI routes in
+``server_openai``.
 """
 
 from __future__ import annotations
