@@ -80,6 +80,9 @@ def test_stop_strings_are_trimmed_from_the_text_unless_no_stop_trim(server):
     assert cut["text"] == text[:text.find(stop)] and stop not in cut["text"]
     kept = _generate(server, 24, stop=[stop], no_stop_trim=True).json()
     assert kept["text"].endswith(stop)
+    body = {"prompt": [3, 20, 21, 22, 4], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    choice = httpx.post(server + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == cut["text"]  # vLLM / OpenAI: stop string excluded
 
 
 def test_sglang_disk_update_extras_and_routes_are_accepted(server, root, tiny_model):

@@ -63,6 +63,7 @@ from relayrl.inference.server_common import (
     confine_path,
     error_body,
     generate_once,
+    trim_stop,
 )
 from relayrl.inference.server_openai import OpenAIRoutes
 from relayrl.inference.server_weights import WeightRoutes
@@ -74,13 +75,6 @@ LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
 _Job = tuple[str, list[int], GenerationConfig, bool, bool, bool]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim
-
-
-def trim_stop(text: str, stops: list[str]) -> str:
-    """``text`` cut before the first stop string it holds (SGLang's and vLLM's default: the stop
-    string is not part of the output text; its tokens stay in ``output_ids``)."""
-    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]
 
 
 class Server(WeightRoutes, OpenAIRoutes):

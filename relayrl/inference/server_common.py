@@ -133,6 +133,13 @@ def _usage(prompt_len: int, outs: list[ModelResponse]) -> dict[str, int]:
 
 
 
+def trim_stop(text: str, stops: list[str]) -> str:
+    """``text`` cut before the first stop string it holds (SGLang's and vLLM's default: the stop
+    string is not part of the output text; its tokens stay in ``output_ids``)."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
 async def generate_once(engine: object, req: ModelRequest) -> ModelResponse:
     """One pass of ``req`` through a LocalEngine: a request interrupted (a weight update, a pause in
     ``abort`` mode) ends with stop_reason ``abort`` and its partial output, as SGLang answers; the

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from relayrl.api.io import GenerationConfig
 from relayrl.inference.schemas import ChatRequest, CompletionRequest, SamplingParams
-from relayrl.inference.server_common import _bad, _json, _usage
+from relayrl.inference.server_common import _bad, _json, _usage, trim_stop
 
 
 class OpenAIRoutes:
@@ -61,7 +61,10 @@ class OpenAIRoutes:
                     offsets.append(pos)
                     pos += len(s)
                 lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": None, "text_offset": offsets}
-            choices.append({"index": i, "text": self.decode(r.output_tokens, req.skip_special_tokens), "logprobs": lp,
+            text = self.decode(r.output_tokens, req.skip_special_tokens)
+            if r.stop_reason == "stop" and gs[i // req.n].stop:  # the stop string is not part of the text (vLLM, OpenAI)
+                text = trim_stop(text, gs[i // req.n].stop)
+            choices.append({"index": i, "text": text, "logprobs": lp,
                             "finish_reason": r.stop_reason, "token_ids": r.output_tokens,
                             "token_versions": r.output_versions})
         return _json({"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.cfg.model.path,
@@ -88,7 +91,8 @@ class OpenAIRoutes:
                     s = self.decode([t], False)
                     content.append({"token": s, "logprob": x, "bytes": list(s.encode()), "top_logprobs": []})
                 lp = {"content": content}
-            choices.append({"index": i, "message": {"role": "assistant", "content": self.decode(r.output_tokens)},
+            content = trim_stop(self.decode(r.output_tokens), g.stop) if r.stop_reason == "stop" else self.decode(r.output_tokens)
+            choices.append({"index": i, "message": {"role": "assistant", "content": content},
                             "logprobs": lp, "finish_reason": r.stop_reason, "token_ids": r.output_tokens})
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.cfg.model.path,
                 "choices": choices, "usage": _usage(len(ids), outs)}
