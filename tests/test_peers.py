@@ -128,7 +128,7 @@ def test_vllm_tokens_keep_the_version_that_generated_them_across_a_reload(stoppe
     ps = prompts(2)
     try:
         results = []
-        t = threading.Thread(target=lambda: results.extend(run_all(eng, ps, greedy(120))))
+        t = threading.Thread(target=lambda: results.extend(run_all(eng, ps, greedy(200))))
         t.start()
         deadline = time.monotonic() + 60
         while _generated(p) < 20:  # mid-generation: tokens out, most still to come
@@ -137,12 +137,12 @@ def test_vllm_tokens_keep_the_version_that_generated_them_across_a_reload(stoppe
         eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=new.state_dict()))
         t.join(timeout=120)
         assert eng.stats["interrupted"] >= 1
-        old_ref = reference(tiny_model, ps, greedy(120))
+        old_ref = reference(tiny_model, ps, greedy(200))
         for p_ids, r, ref in zip(ps, results, old_ref, strict=True):
             k = r.output_versions.count(0)
-            assert r.output_versions == [0] * k + [1] * (120 - k) and 0 < k < 120, r.output_versions
+            assert r.output_versions == [0] * k + [1] * (200 - k) and 0 < k < 200, r.output_versions
             assert r.output_tokens[:k] == ref.output_tokens[:k]  # the old weights' tokens
-            cont = reference(new, [p_ids + r.output_tokens[:k]], greedy(120 - k))[0]
+            cont = reference(new, [p_ids + r.output_tokens[:k]], greedy(200 - k))[0]
             assert r.output_tokens[k:] == cont.output_tokens  # the new weights' continuation
     finally:
         eng.destroy()
@@ -301,3 +301,18 @@ def _probe_body(protocol: str, eng: RemoteEngine) -> dict:
     if protocol == "vllm":
         return {"model": eng.backend.model, "prompt": [3, 4], "max_tokens": 2}  # type: ignore[union-attr]
     return {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}}
+
+
+def test_a_restarted_trainer_builds_its_group_on_servers_that_still_hold_one(stopper, tiny_model):
+    """SGLang refuses a second group of the same name: a new engine has the servers leave the old one first."""
+    p = started(stopper, "sglang")
+    new = build_tiny_model("tiny", seed=6).eval()
+    for version, model in ((1, new), (2, tiny_model)):
+        eng = engine("sglang", [p.address], weight_sync="broadcast")
+        try:
+            eng.update_weights(WeightUpdate(kind="tensors", version=version, tensors=model.state_dict()))
+            assert p.get("/get_weight_version").json()["weight_version"] == str(version)
+            qs = prompts(2)
+            assert [o.output_tokens for o in run_all(eng, qs, greedy(6))] == [r.output_tokens for r in reference(model, qs, greedy(6))]
+        finally:
+            eng.destroy()

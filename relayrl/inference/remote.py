@@ -431,9 +431,9 @@ class RemoteEngine(InferenceEngine):
         ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
         try:
             if self._group is None or self._group_members != members or self._group_stale:
-                # members of the old group leave it first: SGLang refuses a second group of the same name
-                old = [s for s in servers if s.url in self._group_members]
-                for s in old:
+                # members leave any group of that name first (this engine's old one, or one left by an earlier
+                # trainer): SGLang refuses a second group of the same name
+                for s in servers:
                     try:
                         self._admin(s, self.backend.destroy_weight_group(), timeout=30)
                     except (httpx.HTTPError, RuntimeError):
