@@ -5,7 +5,7 @@ SGLang: docs "Sampling Parameters" / "Native APIs" (``/generate`` with ``input_i
 ``[logprob, token_id, text]``; ``finish_reason`` ``{"type": "length", "length": n}``;
 ``/update_weights_from_disk`` ``{"model_path"}`` -> ``{"success", "message"}``).
 vLLM: OpenAI completions with token-id prompts, ``logprobs``, ``return_tokens_as_token_ids``
-(tokens read ``"token_id:<id>"``), RL routes ``/pause?mode=keep`` and ``/resume``.
+(tokens read ``"token_id:<id>"``), RL routes ``/pause?mode=abort`` and ``/resume``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_weight_and_control_calls():
     with pytest.raises(NotImplementedError, match="weight_sync=disk"):
         sg.upload(1)
     assert (sg.pause().path, sg.resume().path) == ("/pause_generation", "/continue_generation")
-    assert (vl.pause().path, vl.resume().path) == ("/pause?mode=keep", "/resume")
+    assert (vl.pause().path, vl.resume().path) == ("/pause?mode=abort", "/resume")
     vc = vl.update_from_disk("/w", 1)
     assert (vc.method, vc.path) == ("POST", "/collective_rpc")
     assert vc.json == {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}
@@ -194,3 +194,41 @@ def test_vllm_batch_shares_one_call_per_set_of_sampling_params():
     assert [p.stop_reason for p in parts] == ["length", "length", "stop"]
     with pytest.raises(ProtocolError, match="of 2 prompts answered 3 choices"):
         vl.split(reply, 2)
+
+
+def _getter(routes: dict[str, object]):
+    return lambda path: (200, routes[path]) if path in routes else (404, {"detail": "Not Found"})
+
+
+def test_peer_detection_picks_the_routes_each_version_has():
+    from relayrl.inference.peers import UnsupportedServer, detect, require_routes, version_tuple
+
+    assert version_tuple("0.5.3.post1") == (0, 5, 3) and version_tuple("0.4.10rc1") == (0, 4, 10)
+    old_layout = {"/get_server_info": {"version": "0.5.2", "tp_size": 2}, "/get_model_info": {"model_path": "m"},
+                  "/get_weight_version": {"weight_version": "default"}}
+    info = detect("sglang", "u", _getter(old_layout))
+    assert (info.tp_size, info.version_path, info.live_path) == (2, "/get_weight_version", "/get_model_info")
+    new_layout = {"/server_info": {"version": "0.5.15"}, "/model_info": {"model_path": "m", "weight_version": "3"}}
+    info = detect("sglang", "u", _getter(new_layout))
+    assert (info.tp_size, info.version_path, info.live_path) == (1, "/model_info", "/model_info")
+    with pytest.raises(UnsupportedServer, match=r"SGLang 0\.4\.9; relayrl needs SGLang >= 0\.5\.0"):
+        detect("sglang", "u", _getter({"/get_server_info": {"version": "0.4.9"}}))
+    with pytest.raises(UnsupportedServer, match="neither /get_server_info nor /server_info"):
+        detect("sglang", "u", _getter({}))
+    vllm = {"/version": {"version": "0.15.0"}, "/v1/models": {"data": [{"id": "Qwen/Qwen3-8B"}]},
+            "/openapi.json": {"paths": {"/v1/completions": {}, "/health": {}}}}
+    info = detect("vllm", "u", _getter(vllm))
+    assert info.model == "Qwen/Qwen3-8B" and info.version_path is None
+    with pytest.raises(UnsupportedServer, match=r"/pause .*/collective_rpc \(VLLM_SERVER_DEV_MODE=1"):
+        require_routes(info, "u", "disk")
+    with pytest.raises(UnsupportedServer, match="lists no served model"):
+        detect("vllm", "u", _getter({**vllm, "/v1/models": {"data": []}}))
+
+
+def test_broadcast_buckets_carry_the_version_last_and_the_abort_first():
+    sg = SGLangBackend()
+    first = sg.update_distributed(["a"], ["float32"], [[2]], None, abort=True).json
+    last = sg.update_distributed(["b"], ["float32"], [[2]], 7, abort=False).json
+    assert "weight_version" not in first and first["abort_all_requests"] is True
+    assert last["weight_version"] == "7" and last["abort_all_requests"] is False
+    assert sg.destroy_weight_group().path == "/destroy_weights_update_group"

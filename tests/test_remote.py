@@ -248,7 +248,7 @@ def test_weight_updates_reach_every_server(group, shared, tiny_model):
         finally:
             eng.resume()
         t.join()
-        versions = [httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"] for a in group.addresses]
+        versions = [int(httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"]) for a in group.addresses]
         assert versions == [1, 1] and eng.get_version() == 1
         for r in results:
             assert r.output_len == 200 and r.output_versions == sorted(r.output_versions)
@@ -262,7 +262,7 @@ def test_weight_updates_reach_every_server(group, shared, tiny_model):
         eng.update_weights(WeightUpdate(kind="tensors", version=2, tensors=tiny_model.state_dict()))
         assert (shared / "v00000002" / "model.safetensors").exists()
         eng.update_weights(WeightUpdate(kind="disk", version=3, path=str(shared / "v00000002")))
-        versions = [httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"] for a in group.addresses]
+        versions = [int(httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"]) for a in group.addresses]
         assert versions == [3, 3]
         outs = run_all(eng, ps, greedy(8))
         assert [o.output_tokens for o in outs] == [r.output_tokens for r in reference(tiny_model, ps, greedy(8))]
@@ -310,7 +310,7 @@ def test_killed_server_requests_complete_and_server_is_readmitted(group, shared,
         while len(eng.live_servers()) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(eng.live_servers()) == 2
-        v = httpx.get(f"http://{group.addresses[1]}/get_weight_version", timeout=10).json()["weight_version"]
+        v = int(httpx.get(f"http://{group.addresses[1]}/get_weight_version", timeout=10).json()["weight_version"])
         assert v == eng.get_version() == 3
     finally:
         eng.destroy()
@@ -352,7 +352,7 @@ def test_weights_by_collective_broadcast_survive_a_dead_and_a_returning_server(g
     ps = prompts(6)
 
     def versions(servers=(0, 1)) -> list[int]:
-        return [httpx.get(f"http://{group.addresses[i]}/get_weight_version", timeout=10).json()["weight_version"] for i in servers]
+        return [int(httpx.get(f"http://{group.addresses[i]}/get_weight_version", timeout=10).json()["weight_version"]) for i in servers]
 
     try:
         eng.update_weights(WeightUpdate(kind="tensors", version=5, tensors=new.state_dict()))

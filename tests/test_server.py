@@ -72,7 +72,7 @@ def test_generate_matches_in_process_engine(server, tiny_model):
         assert lps == pytest.approx(ref.output_logprobs, abs=1e-4)
         assert all(x <= 0 for x in lps)
         assert meta["finish_reason"] == {"type": "length", "length": 8}
-        assert meta["weight_version"] == 0 and meta["output_token_versions"] == [0] * 8
+        assert meta["weight_version"] == "0" and meta["output_token_versions"] == [0] * 8
     sampled = gen(server, PROMPT, temperature=0.8, top_k=5, top_p=0.9).json()
     assert len(sampled["output_ids"]) == 8 and all(t[0] <= 0 for t in sampled["meta_info"]["output_token_logprobs"])
     # a vanishing temperature decodes greedily (as SGLang and vLLM do) instead of overflowing the logits
@@ -114,7 +114,7 @@ def test_replies_never_hold_invalid_json():
 def test_bad_requests_get_4xx_naming_the_field(server, body, needle):
     r = httpx.post(server + "/generate", content=body, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
-    assert needle in r.json()["error"]
+    assert needle in r.json()["error"]["message"]
     assert httpx.get(server + "/health", timeout=10).status_code == 200
 
 
@@ -171,7 +171,7 @@ def test_batch_items_stream_as_they_finish(server, tiny_model):
         assert x["meta_info"]["id"] == "abc"[i] and x["output_ids"] == refs[i].output_tokens[:lengths[i]]
         assert [t[0] for t in x["meta_info"]["output_token_logprobs"]] == pytest.approx(refs[i].output_logprobs[:lengths[i]], abs=1e-4)
     bad = httpx.post(server + "/generate", json={**body, "input_ids": [PROMPT, [3, 999], PROMPT]}, timeout=60)
-    assert bad.status_code == 400 and "input_ids[1][1]=999" in bad.json()["error"]  # validated before streaming
+    assert bad.status_code == 400 and "input_ids[1][1]=999" in bad.json()["error"]["message"]  # validated before streaming
 
 
 @pytest.mark.parametrize(
@@ -198,7 +198,7 @@ def test_bad_batches_get_4xx_naming_the_item(server, body, needle):
     served = httpx.get(server + "/get_model_info", timeout=10).json()["requests_served"]
     r = httpx.post(server + "/generate", content=body, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
-    assert needle in r.json()["error"], r.json()["error"]
+    assert needle in r.json()["error"]["message"], r.json()["error"]["message"]
     assert httpx.get(server + "/get_model_info", timeout=10).json()["requests_served"] == served  # nothing generated
 
 
@@ -223,13 +223,13 @@ def test_weight_group_routes_are_admin_and_validate(server):
                        ("/destroy_weights_update_group", {})):
         assert httpx.post(server + path, json=body, timeout=10).status_code == 401, path
     r = httpx.post(server + "/update_weights_from_distributed", json=update, headers=auth, timeout=10)
-    assert r.status_code == 400 and "no weight group 'weight_update_group'" in r.json()["error"]
+    assert r.status_code == 400 and "no weight group 'weight_update_group'" in r.json()["error"]["message"]
     for field, value in (("world_size", 1), ("world_size", 2**70), ("rank_offset", 0), ("backend", "mpi"),
                          ("master_port", 70000)):
         r = httpx.post(server + "/init_weights_update_group", json={**init, field: value}, headers=auth, timeout=10)
-        assert r.status_code == 400 and r.json()["error"].startswith(field), (field, r.text)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), (field, r.text)
     r = httpx.post(server + "/init_weights_update_group", json={**init, "rank_offset": 2}, headers=auth, timeout=10)
-    assert r.status_code == 400 and "rank_offset=2 must be below world_size=2" in r.json()["error"], r.text
+    assert r.status_code == 400 and "rank_offset=2 must be below world_size=2" in r.json()["error"]["message"], r.text
     r = httpx.post(server + "/destroy_weights_update_group", json={}, headers=auth, timeout=10)
     assert r.status_code == 200 and r.json()["success"] is False
     assert httpx.get(server + "/health", timeout=10).status_code == 200
@@ -246,8 +246,8 @@ def test_disk_paths_are_confined(server, roots):
         r = httpx.post(server + "/update_weights_from_disk", json={"model_path": path}, headers=auth, timeout=10)
         assert r.status_code == 403, (path, r.text)
     r = httpx.post(server + "/update_weights_from_disk", json={"model_path": str(root / "sub")}, headers=auth, timeout=10)
-    assert r.status_code == 400 and "no *.safetensors" in r.json()["error"]
-    assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == 0
+    assert r.status_code == 400 and "no *.safetensors" in r.json()["error"]["message"]
+    assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == "0"
 
 
 def test_weights_from_disk_and_upload(server, roots):
@@ -259,8 +259,8 @@ def test_weights_from_disk_and_upload(server, roots):
     safetensors.torch.save_file(state, str(root / "v1" / "model.safetensors"))
     r = httpx.post(server + "/update_weights_from_disk", json={"model_path": str(root / "v1"), "weight_version": 1},
                    headers=auth, timeout=120)
-    assert r.status_code == 200 and r.json()["weight_version"] == 1, r.text
-    assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == 1
+    assert r.status_code == 200 and r.json()["weight_version"] == "1", r.text
+    assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == "1"
     ref = reference(new, [PROMPT], 8)[0]
     out = gen(server, PROMPT).json()
     assert out["output_ids"] == ref.output_tokens and out["meta_info"]["output_token_versions"] == [1] * 8
@@ -268,19 +268,19 @@ def test_weights_from_disk_and_upload(server, roots):
     # upload: a wrong shape is refused, a good payload lands with its version, an oversized one gets 413
     bad = safetensors.torch.save({"model.norm.weight": torch.ones(7)})
     r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=bad, headers=auth, timeout=60)
-    assert r.status_code == 400 and "model.norm.weight" in r.json()["error"]
+    assert r.status_code == 400 and "model.norm.weight" in r.json()["error"]["message"]
     partial = safetensors.torch.save({"model.norm.weight": torch.ones(320)})
     r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=partial, headers=auth, timeout=60)
-    assert r.status_code == 400 and "missing" in r.json()["error"]
+    assert r.status_code == 400 and "missing" in r.json()["error"]["message"]
     r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=b"garbage", headers=auth, timeout=60)
-    assert r.status_code == 400 and "safetensors" in r.json()["error"]
+    assert r.status_code == 400 and "safetensors" in r.json()["error"]["message"]
     r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=b"\0" * (25 << 20), headers=auth, timeout=60)
     assert r.status_code == 413
     orig = {k: v.clone() for k, v in build_tiny_model("tiny", seed=0).state_dict().items()}
     r = httpx.post(server + "/update_weights_from_tensor?weight_version=2", content=safetensors.torch.save(orig),
                    headers=auth, timeout=120)
     assert r.status_code == 200, r.text
-    assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == 2
+    assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == "2"
     assert httpx.get(server + "/health", timeout=10).status_code == 200
 
 
@@ -313,7 +313,7 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
     r4 = httpx.post(server + "/v1/completions", json={"prompt": ["1+1=", "2+2="], "max_tokens": 2}, timeout=60)
     assert r4.status_code == 200 and len(r4.json()["choices"]) == 2
     bad = httpx.post(server + "/v1/completions", json={"prompt": [ids, [3, 999]], "max_tokens": 2}, timeout=60)
-    assert bad.status_code == 400 and "prompt[1][1]=999" in bad.json()["error"]
+    assert bad.status_code == 400 and "prompt[1][1]=999" in bad.json()["error"]["message"]
 
     messages = [{"role": "user", "content": "2+2?"}]
     cref = reference(tiny_model, [chat_ids(tokenizer, messages)], 5)[0]
@@ -327,7 +327,7 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
         assert [c["logprob"] for c in ch["logprobs"]["content"]] == pytest.approx(cref.output_logprobs, abs=1e-4)
         assert ch["token_ids"] == cref.output_tokens
     bad = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}, timeout=10)
-    assert bad.status_code == 400 and "messages[0].role" in bad.json()["error"]
+    assert bad.status_code == 400 and "messages[0].role" in bad.json()["error"]["message"]
     assert httpx.post(server + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10).status_code == 400
     info = httpx.get(server + "/get_model_info", timeout=10).json()
     assert info["vocab_size"] == tiny_model.config.vocab_size and info["is_generation"] is True
@@ -370,11 +370,11 @@ def test_a_stale_broadcast_failing_late_leaves_the_new_weight_group_alone(server
     del old
     gc.collect()  # the old group's connections close: the stale receive fails now
     t.join(timeout=60)
-    assert stale and stale[0].status_code == 500 and "failed" in stale[0].json()["error"]
+    assert stale and stale[0].status_code == 500 and "failed" in stale[0].json()["error"]["message"]
     reply: list[httpx.Response] = []
     t = threading.Thread(target=lambda: reply.append(httpx.post(server + "/update_weights_from_distributed", json=update,
                                                                  headers=auth, timeout=60)))
     t.start()
     new.broadcast(weights)
     t.join(timeout=60)
-    assert reply[0].status_code == 200 and reply[0].json()["weight_version"] == 0, reply[0].text
+    assert reply[0].status_code == 200 and reply[0].json()["weight_version"] == "0", reply[0].text

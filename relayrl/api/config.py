@@ -96,7 +96,18 @@ class InferenceConfig:
     )
     protocol: str = f("relayrl", help="Remote server protocol.", choices=["relayrl", "sglang", "vllm"])
     addresses: list[str] = f([], help="Remote servers as host:port; empty with n_servers > 0 launches local servers.")
-    n_servers: int = f(0, help="Local `relayrl serve` processes to launch for backend=remote.", ge=0)
+    n_servers: int = f(0, help="Servers to launch for backend=remote when no addresses are given (see launch).", ge=0)
+    launch: str = f("relayrl", help="Who starts the n_servers servers: relayrl (`relayrl serve`), sglang "
+                    "(`python -m sglang.launch_server`), vllm (`vllm serve`), none (never: addresses are required).",
+                    choices=["none", "relayrl", "sglang", "vllm"])
+    launch_command: str = f("", help="launch=sglang|vllm: the command run instead of `python -m sglang.launch_server` / "
+                            "`vllm serve` (a wrapper script, a container entry point).")
+    launch_args: list[str] = f([], help="launch=sglang|vllm: extra server flags, e.g. ['--mem-fraction-static', '0.7'].")
+    launch_gpus: list[int] = f([], help="launch=sglang|vllm: GPUs handed out in order, launch_tp_size per server "
+                               "(CUDA_VISIBLE_DEVICES); empty = the servers' own default.")
+    launch_tp_size: int = f(1, help="launch=sglang|vllm: tensor-parallel size of each launched server.", ge=1)
+    launch_log_dir: str = f("", help="launch=sglang|vllm: where server-<i>.log files go (empty: a temporary directory).")
+    launch_timeout: float = f(900.0, help="launch=sglang|vllm: seconds a server may take to load and become healthy.", gt=0.0)
     server_threads: int = f(1, help="torch threads of each launched server.", ge=1)
     request_timeout: float = f(300.0, help="Seconds before one HTTP request is abandoned and retried.", gt=0.0)
     max_retries: int = f(5, help="Retries of a request on connection errors (with backoff).", ge=0)
@@ -110,6 +121,8 @@ class InferenceConfig:
                                "milliseconds go out as one batched HTTP call (each still retried, continued and balanced on its "
                                "own); 0 = one call per request.", ge=0.0, le=1000.0)
     batch_max_requests: int = f(256, help="RemoteEngine: most generation requests in one batched HTTP call.", ge=1)
+    weight_bucket_mb: float = f(512.0, help="weight_sync=broadcast: most megabytes of tensors per update call (servers "
+                                "allocate one bucket of receive buffers at a time).", gt=0.0)
 
     def validate(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda|cuda:\d+", self.device):

@@ -12,8 +12,11 @@ payloads documented by its project:
   item as they finish (``stream_items``: NDJSON lines ``{"index": i, ...}``).
 - vLLM: OpenAI ``/v1/completions`` with token-id ``prompt`` and ``logprobs=0``;
   ``return_tokens_as_token_ids`` makes every returned token read ``"token_id:<id>"``. Pause
-  and resume are the RL routes ``/pause?mode=keep`` and ``/resume``; a disk reload goes
-  through the dev-mode ``/collective_rpc`` route.
+  and resume are the RL routes ``/pause?mode=abort`` (in-flight requests end with
+  ``finish_reason`` ``abort`` and their partial tokens, so every token's version is known) and
+  ``/resume``; a disk reload goes through ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``).
+  Sampled-token logprobs follow the temperature only with ``--logprobs-mode processed_logprobs``
+  (``logprob_probe`` checks it at connect).
 
 Batches (``batch`` / ``split``): several generate calls to one server become one HTTP call in
 each project's documented batch form. SGLang's ``/generate`` takes lists (``rid``,
@@ -162,9 +165,17 @@ class SGLangBackend:
                           "world_size": world_size, "group_name": WEIGHT_GROUP, "backend": backend}
         return Call("POST", "/init_weights_update_group", body)
 
-    def update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> Call:
+    def destroy_weight_group(self) -> Call:
+        return Call("POST", "/destroy_weights_update_group", {"group_name": WEIGHT_GROUP})
+
+    def update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None,
+                           abort: bool = True) -> Call:
+        """One bucket of a broadcast update: the version goes with the last bucket only (the server
+        reports it once every bucket is loaded), the abort of in-flight requests with the first."""
         body: JsonDict = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": WEIGHT_GROUP,
-                          "weight_version": str(version), "abort_all_requests": True}
+                          "abort_all_requests": abort}
+        if version is not None:
+            body["weight_version"] = str(version)
         return Call("POST", "/update_weights_from_distributed", body)
 
     def pause(self) -> Call:
@@ -202,6 +213,9 @@ class RelayrlBackend(SGLangBackend):
 
     def update_from_disk(self, path: str, version: int) -> Call:
         return Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version})
+
+    def pause(self) -> Call:
+        return Call("POST", "/pause_generation", {"mode": "in_place"})  # in-flight requests are interrupted by the update
 
     def upload(self, version: int) -> Call:
         return Call("POST", f"/update_weights_from_tensor?weight_version={version}")
@@ -297,11 +311,27 @@ class VLLMBackend:
         raise NotImplementedError("vLLM servers have no standard weight-broadcast route (it takes a worker extension); "
                                   "use inference.weight_sync=disk")
 
-    def update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> Call:
+    def update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None,
+                           abort: bool = True) -> Call:
         raise NotImplementedError("vLLM servers have no standard weight-broadcast route; use inference.weight_sync=disk")
 
     def pause(self) -> Call:
-        return Call("POST", "/pause?mode=keep")
+        return Call("POST", "/pause?mode=abort")
+
+    def logprob_probe(self, temperature: float) -> Call:
+        """One greedy-free token with the top logprob: with ``raw_logprobs`` (vLLM's default) its value
+        does not change with the temperature; with ``processed_logprobs`` it does."""
+        body: JsonDict = {"model": self.model, "prompt": [0, 1, 2], "max_tokens": 1, "temperature": temperature,
+                          "logprobs": 1, "seed": 0, "return_tokens_as_token_ids": True}
+        return Call("POST", "/v1/completions", body)
+
+    @staticmethod
+    def top_logprob(body: object) -> float:
+        try:
+            top = body["choices"][0]["logprobs"]["top_logprobs"][0]  # type: ignore[index]
+            return max(float(v) for v in top.values())
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise ProtocolError(f"/v1/completions reply has no top_logprobs: {str(body)[:200]}") from e
 
     def resume(self) -> Call:
         return Call("POST", "/resume")

@@ -8,9 +8,15 @@
   server died is re-issued elsewhere, continuing from the tokens already received.
 - Interruption: a reply that ends with ``abort`` (weights changing) is resubmitted as
   prompt + partial output; every token keeps the version that produced it.
-- Weights: ``update_weights`` fans out to every live server (a versioned safetensors dir on
-  shared disk, an HTTP upload, or one collective broadcast to all of them over a process
-  group of their own, NCCL on GPUs) and checks that each reports the new version.
+- Weights (``remote_weights.WeightSync``): ``update_weights`` fans out to every live server (a versioned safetensors dir on
+  shared disk, an HTTP upload, or a collective broadcast to all of them over a process group
+  of their own, NCCL on GPUs, in buckets of ``weight_bucket_mb``) and checks that each reports
+  the new version. Servers being updated are not health-probed (SGLang's probe blocks then).
+- Peers: each server's version and routes are read at connect (``peers.detect``): the served
+  model name, where the weight version is read, its tensor-parallel ranks; a server that
+  lacks what the run needs is refused at start-up with the version or flag that provides it.
+- Request ids: each HTTP request carries a fresh id (``<rid>-<n>``): SGLang refuses an id
+  already in flight, and one episode may send several requests at once (ReMax).
 - Batching: requests headed to the same server within ``batch_window_ms`` share one HTTP
   call (``batcher.MicroBatcher``); everything above still happens per request.
 
@@ -21,35 +27,33 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import logging
 import os
 import random
-import shutil
 import ssl
 import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
-import safetensors.torch
 import torch
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
-from relayrl.inference.backends import WEIGHT_GROUP, Call, ProtocolError, ServerError, make_backend
+from relayrl.api.io import ModelRequest, ModelResponse
+from relayrl.inference.backends import Call, ProtocolError, ServerError, make_backend
 from relayrl.inference.batcher import MicroBatcher
-from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, dtype_name
+from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
+from relayrl.inference.remote_weights import DEAD_ERRORS, WeightSync
+from relayrl.inference.weight_group import WeightBroadcastGroup
 
 log = logging.getLogger(__name__)
 
-# Errors after which a server is presumed dead (refused, reset, closed mid-reply).
-DEAD_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 
 
 @dataclass
@@ -58,6 +62,8 @@ class _Server:
     alive: bool = True
     in_flight: int = 0
     version: int = 0
+    info: PeerInfo | None = None  # what it offers, read at connect
+    updating: bool = False  # a weight update is under way (no health probes: SGLang's block then)
 
 
 def _check_status(url: str, call: Call, r: httpx.Response) -> None:
@@ -71,7 +77,7 @@ def _url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address}"
 
 
-class RemoteEngine(InferenceEngine):
+class RemoteEngine(WeightSync, InferenceEngine):
     """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched
     serving ``model``, the policy's ModelConfig, so that its weights fit them)."""
 
@@ -92,10 +98,13 @@ class RemoteEngine(InferenceEngine):
         self._last_weights: tuple[str, str | bytes | dict[str, torch.Tensor]] | None = None
         self._group: WeightBroadcastGroup | None = None  # weight_sync=broadcast: the group and its members
         self._group_members: list[str] = []
+        self._group_stale = False  # a member died: the group is rebuilt at its next use
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
         self._launched: object | None = None
         self._rr = 0
+        self._wire_ids = itertools.count()
+        self._paused = False
         self._ssl: ssl.SSLContext | None = None
         # requests: generation requests sent (continuations and retries included); http_calls: the
         # HTTP calls that carried them (fewer when batched)
@@ -104,7 +113,16 @@ class RemoteEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, wait_timeout: float = 60.0) -> None:
-        if not self.addresses and self.config.n_servers > 0:
+        launch = self.config.launch
+        if not self.addresses and self.config.n_servers > 0 and launch in ("sglang", "vllm"):
+            if self.backend.name != launch:
+                raise ValueError(f"inference.launch={launch} starts {launch} servers: set inference.protocol={launch} "
+                                 f"(it is {self.backend.name})")
+            from relayrl.inference.peer_launcher import PeerServerGroup
+
+            self._launched = PeerServerGroup(launch, self.config, self.model.path).start()
+            self.addresses = self._launched.addresses  # type: ignore[attr-defined]
+        if not self.addresses and self.config.n_servers > 0 and launch == "relayrl":
             from relayrl.inference.launcher import launch_servers
 
             roots = [self.config.weight_sync_dir] if self.config.weight_sync_dir else []
@@ -116,7 +134,8 @@ class RemoteEngine(InferenceEngine):
             self._launched = group
             self.addresses = group.addresses
         if not self.addresses:
-            raise ValueError("RemoteEngine needs inference.addresses (host:port of servers) or inference.n_servers > 0")
+            raise ValueError("RemoteEngine needs inference.addresses (host:port of servers), or inference.n_servers > 0 "
+                             f"with inference.launch=relayrl|sglang|vllm (it is {launch})")
         self.servers = [_Server(_url(a)) for a in self.addresses]
         deadline = time.monotonic() + wait_timeout
         pending = list(self.servers)
@@ -126,9 +145,54 @@ class RemoteEngine(InferenceEngine):
                 raise ConnectionError(f"servers not healthy after {wait_timeout:.0f}s: {[s.url for s in pending]}")
             if pending:
                 time.sleep(0.2)
+        self._connect_all()
+        for s in self.servers:  # now that each server's version route is known
+            self._probe(s)
+            s.version = max(s.version, 0)  # none reported (vLLM, SGLang's "default"): its start-up weights, version 0
         self._version = max(s.version for s in self.servers)
         self._health = threading.Thread(target=self._health_loop, name="relayrl-health", daemon=True)
         self._health.start()
+
+    def _get(self, srv: _Server, timeout: float = 10.0) -> Callable[[str], tuple[int, object]]:
+        def get(path: str) -> tuple[int, object]:
+            with self._sync_client(timeout) as c:
+                r = c.get(srv.url + path)
+            try:
+                return r.status_code, r.json()
+            except ValueError:
+                return r.status_code, None
+        return get
+
+    def _connect_all(self) -> None:
+        """Read every server's version and routes; refuse, naming what is missing, those that
+        cannot serve this run; check vLLM's logprobs follow the temperature."""
+        for srv in self.servers:
+            srv.info = detect(self.backend.name, srv.url, self._get(srv))
+        mode = self.config.weight_sync
+        if mode != "auto" or self.config.weight_sync_dir:
+            mode = self._sync_mode()
+            for srv in self.servers:
+                require_routes(srv.info, srv.url, mode)  # type: ignore[arg-type]
+        if self.backend.name == "vllm":
+            names = {s.info.model for s in self.servers if s.info is not None}
+            if len(names) != 1:
+                raise UnsupportedServer(f"the vLLM servers serve different models: {sorted(names)}")
+            self.backend.model = names.pop()  # type: ignore[union-attr]
+            if self.servers[0].info.server != "relayrl":  # type: ignore[union-attr]  # relayrl's follow the temperature
+                self._check_logprobs_mode(self.servers[0])
+
+    def _check_logprobs_mode(self, srv: _Server) -> None:
+        """vLLM reports the raw model's logprobs unless run with ``--logprobs-mode processed_logprobs``:
+        the top logprob of one token at two temperatures tells them apart."""
+        tops = []
+        for t in (1.0, 0.5):
+            body = self._admin(srv, self.backend.logprob_probe(t), timeout=60)  # type: ignore[union-attr]
+            tops.append(self.backend.top_logprob(body))  # type: ignore[union-attr]
+        if abs(tops[0] - tops[1]) < 1e-6 and tops[0] < -1e-4:
+            raise UnsupportedServer(
+                f"{srv.url} returns logprobs that ignore the sampling temperature (vLLM's default raw_logprobs): "
+                "start vLLM with --logprobs-mode processed_logprobs (relayrl's importance weights need the "
+                "logprobs of the distribution actually sampled)")
 
     def destroy(self) -> None:
         self._stop.set()
@@ -172,6 +236,8 @@ class RemoteEngine(InferenceEngine):
             if srv.alive:
                 srv.alive = False
                 self.stats["evictions"] += 1
+                if srv.url in self._group_members:  # the weight group lost a member: rebuilt at its next use
+                    self._group_stale = True
                 log.warning("server %s evicted: %s", srv.url, why)
 
     def live_servers(self) -> list[str]:
@@ -256,8 +322,14 @@ class RemoteEngine(InferenceEngine):
                 attempt = self._count_failure(attempt, req.rid, "no live server")
                 await asyncio.sleep(self._backoff(attempt))
                 continue
-            call = self.backend.generate(req.rid, req.input_ids + tokens, g, remaining,
+            if self._paused or srv.updating:  # held here while weights change: a request runs under the version it is sent under
+                self._release(srv)
+                await asyncio.sleep(0.005)
+                continue
+            # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
+            call = self.backend.generate(f"{req.rid}-{next(self._wire_ids)}", req.input_ids + tokens, g, remaining,
                                          max(0, g.min_new_tokens - len(tokens)))
+            sent_version = srv.version  # what produced these tokens when the server reports no version
             self.stats["requests"] += 1
             try:
                 body = await self._generate_call(srv, call)
@@ -277,7 +349,7 @@ class RemoteEngine(InferenceEngine):
             part = self.backend.parse_generate(body)
             if part.tokens and not tokens:
                 ttft = time.perf_counter() - t0
-            v = part.weight_version if part.weight_version is not None else srv.version
+            v = part.weight_version if part.weight_version is not None else sent_version
             tokens += part.tokens
             logps += part.logprobs
             versions += part.versions if part.versions is not None else [v] * len(part.tokens)
@@ -321,158 +393,13 @@ class RemoteEngine(InferenceEngine):
         if errors:
             raise errors[0]
 
-    def _push(self, srv: _Server, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int) -> None:
-        kind, data = weights
-        if kind == "broadcast":  # a server (re)joining: the group is rebuilt with it in
-            self._broadcast(data, version, [s for s in self.servers if s.alive or s is srv])  # type: ignore[arg-type]
-            return
-        if kind == "disk":
-            body = self._admin(srv, self.backend.update_from_disk(str(data), version))
-        else:
-            body = self._admin(srv, self.backend.upload(version), content=data)  # type: ignore[arg-type]
-        self.backend.parse_update(body)
-        self._confirm(srv, version)
-
-    def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[_Server]) -> None:
-        """weight_sync=broadcast: every server receives ``tensors`` from one collective broadcast.
-
-        The group (this process = rank 0, server i = rank i + 1) is built on first use and
-        rebuilt whenever its members change: a dead server leaves it, a returning one rejoins.
-        A server that fails mid-way is evicted (dead) or its error raised; either way the group
-        is dropped, to be rebuilt from the live servers at the next update."""
-        members = [s.url for s in servers]
-        errors: list[BaseException] = []
-        ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
-        try:
-            if self._group is None or self._group_members != members:
-                self._group = None
-                host = address_towards(httpx.URL(servers[0].url).host)
-                # NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU)
-                backend = "nccl" if torch.cuda.is_available() and self.backend.name != "relayrl" else "gloo"
-                group = WeightBroadcastGroup(host, 0, len(servers) + 1, 0, backend, WEIGHT_GROUP, self.config.request_timeout)
-                calls = [self.backend.init_weight_group(host, group.port, i + 1, len(servers) + 1, backend) for i in range(len(servers))]
-                joins = [ex.submit(self._admin, s, c) for s, c in zip(servers, calls, strict=True)]
-                self._settle(servers, joins, group.join, errors)
-                if errors:
-                    raise errors[0]
-                self._group, self._group_members = group, members
-            group = self._group
-            call = self.backend.update_distributed(list(tensors), [dtype_name(t.dtype) for t in tensors.values()],
-                                                   [list(t.shape) for t in tensors.values()], version)
-            replies = [ex.submit(self._admin, s, call) for s in servers]
-            self._settle(servers, replies, lambda: group.broadcast(tensors), errors)
-        finally:
-            ex.shutdown(wait=False)
-        if errors:
-            raise errors[0]
-        for s, f in zip(servers, replies, strict=True):
-            self.backend.parse_update(f.result())
-            self._confirm(s, version)
-
-    def _settle(self, servers: list[_Server], replies: list[Future[object]], collective: Callable[[], None],
-                errors: list[BaseException]) -> None:
-        """Run this side of a collective (on a thread) while the servers' HTTP calls run theirs.
-
-        A failed call (a dead server, a refusal) or a failed collective ends the wait at once:
-        the rest cannot complete without that member (its thread and the servers' handlers time
-        out on their own). Failures go to ``errors``, dead servers are evicted, the group dropped."""
-        failed: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                collective()
-            except BaseException as e:  # noqa: BLE001 - reported through `failed`
-                failed.append(e)
-
-        thread = threading.Thread(target=run, name="relayrl-weight-broadcast", daemon=True)
-        thread.start()
-        owner = dict(zip(replies, servers, strict=True))
-        pending = set(replies)
-        while pending and not failed and not errors:
-            done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
-            for f in done:
-                try:
-                    f.result()
-                except DEAD_ERRORS as e:
-                    self._evict(owner[f], repr(e))
-                    errors.append(ConnectionError(f"{owner[f].url} died during a weight broadcast"))
-                except BaseException as e:  # noqa: BLE001 - collected, raised by the caller
-                    errors.append(e)
-        if not errors and not failed:
-            thread.join()
-        errors.extend(failed)
-        if errors:
-            self._group = None
-
-    def _confirm(self, srv: _Server, version: int) -> None:
-        call = self.backend.get_version()
-        if call is not None:
-            got = self.backend.parse_version(self._admin(srv, call, timeout=30))
-            if got != version:
-                raise RuntimeError(f"{srv.url} reports weight version {got} after an update to {version}")
-        srv.version = version
-
-    def update_weights(self, update: WeightUpdate) -> None:
-        with self._update_lock:
-            weights = self._prepare(update)
-            live = [s for s in self.servers if s.alive]
-            if not live:
-                raise ConnectionError("no live server to update")
-            if weights[0] == "broadcast":
-                try:
-                    self._broadcast(weights[1], update.version, live)  # type: ignore[arg-type]
-                except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
-                    live = [s for s in self.servers if s.alive]
-                    if not live:
-                        raise
-                    self._broadcast(weights[1], update.version, live)  # type: ignore[arg-type]
-            else:
-                self._fan_out(lambda s: self._push(s, weights, update.version), live)
-            if not any(s.alive and s.version == update.version for s in self.servers):
-                raise ConnectionError(f"no server confirmed weight version {update.version}")
-            self._version = update.version
-            self._last_weights = weights
-
-    def _sync_mode(self) -> str:
-        mode = self.config.weight_sync
-        if mode == "auto":
-            mode = "disk" if self.config.weight_sync_dir else "http"
-        if mode == "disk" and not self.config.weight_sync_dir:
-            raise ValueError("inference.weight_sync=disk needs inference.weight_sync_dir (a directory all servers can read)")
-        if mode == "broadcast" and self.backend.name == "vllm":
-            raise ValueError("vllm servers have no standard weight-broadcast route: set inference.weight_sync=disk and weight_sync_dir")
-        if mode == "http" and not self.backend.supports_upload:
-            raise ValueError(f"{self.backend.name} servers take no HTTP upload: set inference.weight_sync=disk and weight_sync_dir")
-        return mode
-
-    def _prepare(self, update: WeightUpdate) -> tuple[str, str | bytes | dict[str, torch.Tensor]]:
-        if update.kind == "disk":
-            return ("disk", update.path)
-        assert update.tensors is not None
-        mode = self._sync_mode()
-        if mode == "broadcast":
-            return ("broadcast", {k: v.detach().contiguous() for k, v in sorted(update.tensors.items())})
-        # clone: safetensors refuses tensors that share storage (tied embeddings)
-        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in update.tensors.items()}
-        if mode == "http":
-            return ("http", safetensors.torch.save(tensors))
-        root = Path(self.config.weight_sync_dir)
-        final = root / f"v{update.version:08d}"
-        tmp = root / f".tmp-v{update.version:08d}-{os.getpid()}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        safetensors.torch.save_file(tensors, str(tmp / "model.safetensors"))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for old in sorted(root.glob("v*"))[:-2]:  # keep the two newest versions
-            shutil.rmtree(old, ignore_errors=True)
-        return ("disk", str(final))
-
     def pause(self) -> None:
         self._fan_out(lambda s: self._admin(s, self.backend.pause()), [s for s in self.servers if s.alive])
+        self._paused = True
 
     def resume(self) -> None:
         self._fan_out(lambda s: self._admin(s, self.backend.resume()), [s for s in self.servers if s.alive])
+        self._paused = False
 
     def get_version(self) -> int:
         return self._version
@@ -487,20 +414,22 @@ class RemoteEngine(InferenceEngine):
         would write back the version from before it)."""
         try:
             with self._sync_client(5.0) as c:
-                r = c.get(srv.url + self.backend.health_path)
+                r = c.get(srv.url + (srv.info.live_path if srv.info is not None else self.backend.health_path))
                 if r.status_code != 200:
                     return False
-                call = self.backend.get_version()
-                if call is not None and record_version:
-                    v = self.backend.parse_version(c.get(srv.url + call.path).json())
-                    srv.version = v if v is not None else srv.version
+                path = srv.info.version_path if srv.info is not None else None
+                if record_version:  # -1: unknown (no version route, or none set yet): it is given the weights on return
+                    v = self.backend.parse_version(c.get(srv.url + path).json()) if path is not None else None
+                    srv.version = v if v is not None else -1
             return True
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             return False
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.config.health_interval):
             for srv in list(self.servers):
+                if srv.updating:  # SGLang's server blocks while loading weights: not a sign of death
+                    continue
                 ok = self._probe(srv, record_version=not srv.alive)
                 if srv.alive and not ok:
                     self._evict(srv, "health check failed")
@@ -510,13 +439,16 @@ class RemoteEngine(InferenceEngine):
     def _readmit(self, srv: _Server) -> None:
         with self._update_lock:
             try:
+                srv.info = detect(self.backend.name, srv.url, self._get(srv))  # it may be a new release
+                if srv.version == -1 and self._last_weights is None and self._version == 0:
+                    srv.version = 0  # no update yet: its start-up weights are the engine's
                 if srv.version != self._version:
                     if self._last_weights is None:  # stale weights and nothing to push: keep it out
                         log.warning("server %s is back at weight version %d (engine at %d) and no weights are "
                                     "known to push; not re-admitted", srv.url, srv.version, self._version)
                         return
                     self._push(srv, self._last_weights, self._version)
-            except (httpx.HTTPError, RuntimeError, ConnectionError) as e:
+            except (httpx.HTTPError, RuntimeError, ConnectionError, ValueError) as e:
                 log.warning("server %s answered but could not take weights v%d: %s", srv.url, self._version, e)
                 return
             with self._lock:

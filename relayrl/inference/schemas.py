@@ -31,6 +31,7 @@ class SamplingParams(_Body):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = Field(False, description="keep the matched stop string in the text (SGLang's name)")
     n: int = Field(1, ge=1, le=1, description="one sample per request")
 
 
@@ -79,11 +80,18 @@ GenerateBody = Annotated[
 
 
 class DiskUpdate(_Body):
+    """SGLang's ``UpdateWeightFromDiskReqInput``; the CUDA-side switches are accepted and have nothing to do here."""
+
     model_path: str
     weight_version: int | str | None = None
     load_format: str | None = None
     abort_all_requests: bool = False  # in-flight requests are continued under the new weights anyway
     flush_cache: bool = True
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
 
 
 class InitWeightGroup(_Body):
@@ -121,7 +129,16 @@ class DestroyWeightGroup(_Body):
 
 
 class PauseRequest(_Body):
-    mode: Literal["in_place", "retract"] = "in_place"
+    """SGLang's ``PauseGenerationReqInput``: ``abort`` (default) ends in-flight requests; the others keep them."""
+
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
+class AbortRequest(_Body):
+    """SGLang's ``/abort_request`` body."""
+
+    rid: str = ""
+    abort_all: bool = False
 
 
 def _prompt_form(v: object) -> str:

@@ -3,7 +3,8 @@
 Speaks SGLang's native protocol (``/generate``, ``/update_weights_from_disk``, weights by
 collective broadcast (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``: NCCL on GPUs, gloo on CPU), ``/pause_generation``,
-``/continue_generation``, ``/health``, ``/get_model_info``, ``/get_weight_version``), a
+``/continue_generation``, ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
+``/abort_request``, ``/get_server_info`` / ``/server_info``, ``/model_info``), a
 safetensors weight upload (``/update_weights_from_tensor``), and
 OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the same process
 serves RemoteEngine (any of its protocols) and agents written against the OpenAI SDK.
@@ -16,6 +17,13 @@ Every body is validated (unknown fields, out-of-range values, out-of-vocabulary 
 answered with a 4xx naming the field (and the item index in a batch); the process stays up.
 Admin routes (weights, pause) need ``Authorization: Bearer <token>`` when a token is
 configured. Disk paths are confined to ``allowed_weight_roots`` (symlinks resolved, ``..`` refused).
+
+Where an SGLang client would notice, it answers as SGLang does: ``/pause_generation {}`` aborts
+in-flight requests (``mode`` ``abort``; ``in_place`` / ``retract`` keep them), an interrupted
+``/generate`` request ends as ``abort`` with its partial output, ``weight_version`` is a string,
+matched stop strings are cut from ``text``. Errors are OpenAI error objects
+(``server_common.error_body``). Weight routes live in ``server_weights``, OpenAI routes in
+``server_openai``.
 """
 
 from __future__ import annotations
@@ -24,17 +32,12 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
-import json
-import math
 import os
 import socket
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
-import safetensors.torch
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,83 +45,39 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from relayrl.api.config import ServerConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdate
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
 from relayrl.inference.schemas import (
-    ChatRequest,
-    CompletionRequest,
-    DestroyWeightGroup,
-    DiskUpdate,
-    DistributedUpdate,
+    AbortRequest,
     GenerateBatchRequest,
     GenerateBody,
     GenerateRequest,
-    InitWeightGroup,
     PauseRequest,
     SamplingParams,
 )
-from relayrl.inference.weight_group import WeightBroadcastGroup, parse_dtype
+from relayrl.inference.server_common import (
+    _bad,
+    _dumps,
+    _json,
+    _per_item,
+    _validation_error,
+    confine_path,
+    error_body,
+    generate_once,
+    trim_stop,
+)
+from relayrl.inference.server_openai import OpenAIRoutes
+from relayrl.inference.server_weights import WeightRoutes
+from relayrl.inference.weight_group import WeightBroadcastGroup
+
+__all__ = ["LISTEN_PREFIX", "Server", "_dumps", "build_app", "confine_path", "make_server", "run_server"]
 
 LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
-_Job = tuple[str, list[int], GenerationConfig, bool, bool]  # rid, prompt ids, gconfig, return_logprob, skip_special_tokens
+_Job = tuple[str, list[int], GenerationConfig, bool, bool, bool]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim
 
 
-def _bad(msg: str, status: int = 400) -> HTTPException:
-    return HTTPException(status_code=status, detail=msg)
-
-
-def _path(loc: tuple[object, ...]) -> str:
-    """``("body", "<batch>", "sampling_params", "<many>", 3, "top_p")`` -> ``sampling_params[3].top_p``
-    (union tags ``<...>`` dropped)."""
-    out = ""
-    for p in loc:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        elif p != "body" and not str(p).startswith("<"):
-            out += f".{p}" if out else str(p)
-    return out
-
-
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
-    """One readable line per problem, naming the field: ``sampling_params.top_p: ...``."""
-    assert isinstance(exc, RequestValidationError)
-    msgs = []
-    for err in exc.errors():
-        loc = _path(err.get("loc", ()))
-        if err.get("type") == "json_invalid":
-            msgs.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
-        elif err.get("type") == "extra_forbidden":
-            msgs.append(f"unknown field '{loc}'")
-        else:
-            msgs.append(f"{loc or 'body'}: {err.get('msg')} (got {str(err.get('input'))[:80]!r})")
-    return JSONResponse(status_code=400, content={"error": "; ".join(msgs), "detail": "; ".join(msgs)})
-
-
-def confine_path(path: str, roots: list[str]) -> Path:
-    """``path`` resolved (symlinks followed) if it lies inside one of ``roots``, else 403."""
-    if not roots:
-        raise _bad("loading weights from disk is disabled: the server has no allowed_weight_roots", 403)
-    if "\x00" in path:
-        raise _bad(f"model_path {path!r}: NUL characters are refused")
-    if ".." in Path(path).parts:
-        raise _bad(f"model_path {path!r}: '..' components are refused", 403)
-    try:
-        real = Path(path).resolve()
-    except (OSError, RuntimeError) as e:  # e.g. a name too long for the OS
-        raise _bad(f"model_path {path!r} cannot be resolved: {e}") from None
-    if not any(real.is_relative_to(Path(r).resolve()) for r in roots):
-        raise _bad(f"model_path {path!r} resolves outside the allowed weight roots", 403)
-    try:
-        is_dir = real.is_dir()
-    except OSError as e:  # e.g. a name too long for the OS
-        raise _bad(f"model_path {path!r} cannot be read: {e.strerror}") from None
-    if not is_dir:
-        raise _bad(f"model_path {path!r} is not a directory", 400)
-    return real
-
-
-class Server:
+class Server(WeightRoutes, OpenAIRoutes):
     """The routes, bound to one engine and tokenizer."""
 
     def __init__(self, engine: InferenceEngine, tokenizer: object, cfg: ServerConfig, vocab_size: int,
@@ -129,6 +88,7 @@ class Server:
         self.token = cfg.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
         self.weight_lock = asyncio.Lock()
         self.groups: dict[str, WeightBroadcastGroup] = {}  # weight groups this server joined, by name
+        self.staged: dict[str, dict[str, torch.Tensor]] = {}  # broadcast buckets received, not loaded yet, by group
         self.paused = False
         self.n_served = 0  # generation requests answered
         self.n_calls = 0  # HTTP calls that carried them (a batch is one)
@@ -171,9 +131,12 @@ class Server:
                        f"model's {self.max_positions} positions")
         return g
 
-    async def run(self, rid: str, ids: list[int], g: GenerationConfig) -> ModelResponse:
+    async def run(self, rid: str, ids: list[int], g: GenerationConfig, once: bool = False) -> ModelResponse:
+        """``once``: SGLang's /generate, where an interrupted request ends as ``abort`` (the client
+        continues it); the OpenAI routes continue it here, transparently."""
+        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g)
         try:
-            resp = await self.engine.agenerate(ModelRequest(rid=rid, input_ids=ids, gconfig=g))
+            resp = await (generate_once(self.engine, req) if once else self.engine.agenerate(req))
         except ValueError as e:
             raise _bad(f"request {rid}: {e}") from None
         self.n_served += 1
@@ -181,6 +144,13 @@ class Server:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=skip_special))  # type: ignore[attr-defined]
+
+    def abort_all(self) -> None:
+        """End the running requests now with finish_reason abort (their partial output is returned)."""
+        call = getattr(self.engine, "_call_in_loop", None)
+        abort = getattr(self.engine, "_abort_running", None)
+        if call is not None and abort is not None:
+            call(abort)
 
     def finish(self, r: ModelResponse) -> dict[str, object]:
         if r.stop_reason == "length":
@@ -210,8 +180,9 @@ class Server:
         self.check_ids(ids, "input_ids")
         g = self.gconfig(req.sampling_params, len(ids))
         rid = req.rid or uuid.uuid4().hex
-        r = await self.run(rid, ids, g)
-        return self.reply(rid, r, req.return_logprob, req.sampling_params.skip_special_tokens)
+        r = await self.run(rid, ids, g, once=True)
+        return self.reply(rid, r, req.return_logprob, req.sampling_params.skip_special_tokens,
+                          [] if req.sampling_params.no_stop_trim else g.stop)
 
     def batch_jobs(self, req: GenerateBatchRequest) -> list[_Job]:
         """Every item validated before any is generated (errors name the item index)."""
@@ -232,11 +203,12 @@ class Server:
         for i, ids in enumerate(prompts):
             self.check_ids(ids, f"input_ids[{i}]")
             g = self.gconfig(sps[i], len(ids), field=f"sampling_params[{i}]", prompt=f"input_ids[{i}]")
-            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens))
+            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim))
         return jobs
 
-    async def generate_item(self, rid: str, ids: list[int], g: GenerationConfig, logprob: bool, skip: bool) -> dict[str, object]:
-        return self.reply(rid, await self.run(rid, ids, g), logprob, skip)
+    async def generate_item(self, rid: str, ids: list[int], g: GenerationConfig, logprob: bool, skip: bool,
+                            keep_stop: bool = False) -> dict[str, object]:
+        return self.reply(rid, await self.run(rid, ids, g, once=True), logprob, skip, [] if keep_stop else g.stop)
 
     async def stream_items(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
         """One NDJSON line per item as soon as it finishes: a batch costs one HTTP call, yet no
@@ -257,231 +229,21 @@ class Server:
             for t in tasks:  # the client went away: nobody reads the rest
                 t.cancel()
 
-    def reply(self, rid: str, r: ModelResponse, logprob: bool, skip_special: bool) -> dict[str, object]:
+    def reply(self, rid: str, r: ModelResponse, logprob: bool, skip_special: bool, stops: list[str] | None = None
+              ) -> dict[str, object]:
         """One item's SGLang reply (+ relayrl's per-token ``output_token_versions``)."""
         meta: dict[str, object] = {
             "id": rid, "prompt_tokens": r.input_len, "completion_tokens": r.output_len,
             "finish_reason": self.finish(r),
-            "weight_version": r.output_versions[-1] if r.output_versions else self.engine.get_version(),
+            "weight_version": str(r.output_versions[-1] if r.output_versions else self.engine.get_version()),
             "output_token_versions": r.output_versions, "e2e_latency": r.latency, "ttft": r.ttft,
         }
         if logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)]
-        return {"text": self.decode(r.output_tokens, skip_special), "output_ids": r.output_tokens, "meta_info": meta}
-
-    def check_weights(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Every served parameter present (a tied lm_head may be left out), none unknown, shapes equal."""
-        if not self.reference:
-            return
-        for name, shape in shapes.items():
-            if name not in self.reference:
-                raise _bad(f"weights: unknown parameter {name!r}")
-            if tuple(shape) != tuple(self.reference[name][0]):
-                raise _bad(f"weights: {name} has shape {tuple(shape)}, expected {tuple(self.reference[name][0])}")
-        missing = sorted(set(self.reference) - set(shapes) - {"lm_head.weight"})
-        if missing:
-            raise _bad(f"weights: missing {len(missing)} parameters, e.g. {missing[:3]}")
-
-    async def apply(self, tensors: dict[str, torch.Tensor], version: int | None) -> dict[str, object]:
-        self.check_weights({name: tuple(t.shape) for name, t in tensors.items()})
-        async with self.weight_lock:
-            v = self.engine.get_version() + 1 if version is None else version
-            update = WeightUpdate(kind="tensors", version=v, tensors=tensors)
-            try:
-                await asyncio.to_thread(self.engine.update_weights, update)
-            except ValueError as e:  # e.g. missing parameters
-                raise _bad(f"weights: {e}") from None
-        return {"success": True, "message": f"loaded {len(tensors)} tensors", "weight_version": self.engine.get_version()}
-
-    async def update_from_disk(self, req: DiskUpdate) -> dict[str, object]:
-        path = confine_path(req.model_path, self.cfg.allowed_weight_roots)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise _bad(f"model_path {req.model_path!r} holds no *.safetensors file")
-        tensors: dict[str, torch.Tensor] = {}
-        for fp in files:
-            tensors.update(safetensors.torch.load_file(str(fp)))
-        return await self.apply(tensors, _version(req.weight_version))
-
-    async def init_group(self, req: InitWeightGroup) -> dict[str, object]:
-        """Join the trainer's weight group (blocks until every member joined; replaces a group of that name)."""
-        self.groups.pop(req.group_name, None)
-        try:
-            self.groups[req.group_name] = await asyncio.to_thread(lambda: WeightBroadcastGroup(
-                req.master_address, req.master_port, req.world_size, req.rank_offset, req.backend, req.group_name,
-                self.cfg.inference.request_timeout).join())
-        except (RuntimeError, ValueError, TypeError, OSError) as e:  # bad address, timeout, no CUDA for nccl
-            raise _bad(f"could not join weight group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}") from None
-        return {"success": True, "message": f"joined {req.group_name!r} as rank {req.rank_offset} of {req.world_size}"}
-
-    async def update_distributed(self, req: DistributedUpdate) -> dict[str, object]:
-        """Receive ``names`` by broadcast from rank 0, then load them like any other update."""
-        group = self.groups.get(req.group_name)
-        if group is None:
-            raise _bad(f"no weight group {req.group_name!r}: call /init_weights_update_group first")
-        if not len(req.names) == len(req.dtypes) == len(req.shapes):
-            raise _bad(f"names, dtypes and shapes differ in length ({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})")
-        self.check_weights({n: tuple(shape) for n, shape in zip(req.names, req.shapes, strict=True)})  # before allocating
-        try:
-            buffers = {n: torch.empty(shape, dtype=parse_dtype(d)) for n, d, shape in zip(req.names, req.dtypes, req.shapes, strict=True)}
-        except ValueError as e:
-            raise _bad(f"dtypes: {e}") from None
-        try:
-            await asyncio.to_thread(group.broadcast, buffers)
-        except RuntimeError as e:  # a member died or timed out: this group is unusable (a newer one may have replaced it)
-            if self.groups.get(req.group_name) is group:
-                del self.groups[req.group_name]
-            raise _bad(f"weight broadcast in {req.group_name!r} failed: {e}", 500) from None
-        return await self.apply(buffers, _version(req.weight_version))
-
-    async def destroy_group(self, req: DestroyWeightGroup) -> dict[str, object]:
-        left = self.groups.pop(req.group_name, None) is not None
-        return {"success": left, "message": f"{'left' if left else 'no weight group'} {req.group_name!r}"}
-
-    async def upload(self, request: Request) -> dict[str, object]:
-        limit = self.cfg.max_upload_mb << 20
-        declared = request.headers.get("content-length")
-        if declared is not None and int(declared) > limit:
-            raise _bad(f"upload of {declared} bytes exceeds max_upload_mb={self.cfg.max_upload_mb}", 413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _bad(f"upload exceeds max_upload_mb={self.cfg.max_upload_mb}", 413)
-            chunks.append(chunk)
-        try:
-            tensors = safetensors.torch.load(b"".join(chunks))
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise _bad(f"body is not a safetensors file: {e}") from None
-        if not tensors:
-            raise _bad("body holds no tensors")
-        return await self.apply(tensors, _version(request.query_params.get("weight_version")))
-
-    # ---------------------------------------------------------------- OpenAI
-    def openai_gconfig(self, req: CompletionRequest | ChatRequest, prompt_len: int, prompt: str = "prompt") -> GenerationConfig:
-        max_tokens = (req.max_completion_tokens or req.max_tokens) if isinstance(req, ChatRequest) else req.max_tokens
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sp = SamplingParams(
-            max_new_tokens=max_tokens or max(1, min(1024, self.max_positions - prompt_len)),
-            min_new_tokens=getattr(req, "min_tokens", 0), temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, stop=stop, stop_token_ids=list(getattr(req, "stop_token_ids", [])),
-            ignore_eos=getattr(req, "ignore_eos", False),
-        )
-        return self.gconfig(sp, prompt_len, field="body", prompt=prompt)
-
-    def completion_prompts(self, prompt: str | list[int] | list[list[int]] | list[str]) -> tuple[list[list[int]], bool]:
-        """(token ids of each prompt, whether a list of prompts was sent)."""
-        if isinstance(prompt, str):
-            return [list(self.tok.encode(prompt))], False  # type: ignore[attr-defined]
-        if prompt and isinstance(prompt[0], str):
-            return [list(self.tok.encode(p)) for p in prompt], True  # type: ignore[attr-defined]
-        if prompt and isinstance(prompt[0], list):
-            return [list(p) for p in prompt], True  # type: ignore[arg-type]
-        return [list(prompt)], False  # type: ignore[arg-type]
-
-    async def completions(self, req: CompletionRequest) -> Response:
-        """Choice ``p * n + j`` is sample ``j`` of prompt ``p`` (vLLM's order)."""
-        if req.stream or req.echo:
-            raise _bad("stream and echo are not supported")
-        prompts, many = self.completion_prompts(req.prompt)
-        gs = []
-        for p, ids in enumerate(prompts):
-            name = f"prompt[{p}]" if many else "prompt"
-            self.check_ids(ids, name)
-            gs.append(self.openai_gconfig(req, len(ids), prompt=name))
-        cid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-        jobs = [(f"{cid}-{p * req.n + i}", ids, g) for p, (ids, g) in enumerate(zip(prompts, gs, strict=True)) for i in range(req.n)]
-        outs = await asyncio.gather(*(self.run(*job) for job in jobs))
-        self.n_calls += 1
-        choices = []
-        for i, r in enumerate(outs):
-            lp = None
-            if req.logprobs is not None:
-                toks = [f"token_id:{t}" if req.return_tokens_as_token_ids else self.decode([t], False) for t in r.output_tokens]
-                offsets, pos = [], 0
-                for s in toks:
-                    offsets.append(pos)
-                    pos += len(s)
-                lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": None, "text_offset": offsets}
-            choices.append({"index": i, "text": self.decode(r.output_tokens, req.skip_special_tokens), "logprobs": lp,
-                            "finish_reason": r.stop_reason, "token_ids": r.output_tokens,
-                            "token_versions": r.output_versions})
-        return _json({"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.cfg.model.path,
-                      "choices": choices, "usage": _usage(sum(len(ids) for ids in prompts), outs)})
-
-    async def chat(self, req: ChatRequest) -> dict[str, object]:
-        if req.stream:
-            raise _bad("stream: streaming is not supported")
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            ids = [int(i) for i in self.tok.apply_chat_template(  # type: ignore[attr-defined]
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
-        except Exception as e:  # a template may reject a role order
-            raise _bad(f"messages: chat template failed: {e}") from None
-        g = self.openai_gconfig(req, len(ids))
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        outs = await asyncio.gather(*(self.run(f"{cid}-{i}", ids, g) for i in range(req.n)))
-        choices = []
-        for i, r in enumerate(outs):
-            lp = None
-            if req.logprobs:
-                content = []
-                for t, x in zip(r.output_tokens, r.output_logprobs, strict=True):
-                    s = self.decode([t], False)
-                    content.append({"token": s, "logprob": x, "bytes": list(s.encode()), "top_logprobs": []})
-                lp = {"content": content}
-            choices.append({"index": i, "message": {"role": "assistant", "content": self.decode(r.output_tokens)},
-                            "logprobs": lp, "finish_reason": r.stop_reason, "token_ids": r.output_tokens})
-        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.cfg.model.path,
-                "choices": choices, "usage": _usage(len(ids), outs)}
-
-
-def _version(v: object) -> int | None:
-    if v is None or v == "":
-        return None
-    try:
-        return int(v)  # type: ignore[call-overload, no-any-return]
-    except (TypeError, ValueError):
-        raise _bad(f"weight_version must be an integer, got {v!r}") from None
-
-
-def _per_item(value: object, n: int, field: str) -> list:  # type: ignore[type-arg]
-    """A batch field: one value per item (checked), or one value for all ``n`` items."""
-    if not isinstance(value, list):
-        return [value] * n
-    if len(value) != n:
-        raise _bad(f"{field}: {len(value)} values for {n} prompts (give one per prompt, or one for all)")
-    return value
-
-
-def _dumps(content: object) -> bytes:
-    """Compact JSON; a non-finite float (a degenerate sampling setting can yield a -inf logprob)
-    is written as null, as FastAPI's own encoder does, never as invalid JSON."""
-    try:
-        return json.dumps(content, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-    except ValueError:
-        return json.dumps(_finite(content), ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _finite(x: object) -> object:
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
-
-
-def _json(content: object) -> Response:
-    """A JSON reply written directly (no FastAPI encoder pass over every token and logprob)."""
-    return Response(_dumps(content), media_type="application/json")
-
-
-def _usage(prompt_len: int, outs: list[ModelResponse]) -> dict[str, int]:
-    done = sum(r.output_len for r in outs)
-    return {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done}
-
+        text = self.decode(r.output_tokens, skip_special)
+        if r.stop_reason == "stop" and stops:
+            text = trim_stop(text, stops)
+        return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
 
 class _JsonByDefault:
     """ASGI middleware: POST bodies without a JSON content type (``curl -d``) are read as JSON."""
@@ -504,7 +266,7 @@ def build_app(srv: Server) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content={"error": exc.detail, "detail": exc.detail},
+        return JSONResponse(status_code=exc.status_code, content=error_body(str(exc.detail), exc.status_code),
                             headers=exc.headers)
 
     admin = [Depends(srv.admin)]
@@ -519,9 +281,26 @@ def build_app(srv: Server) -> FastAPI:
 
     @app.post("/pause_generation", dependencies=admin)
     async def pause(req: PauseRequest | None = None) -> dict[str, object]:
+        """SGLang's modes: ``abort`` (the default) ends in-flight requests with finish_reason abort
+        (and their partial output); ``in_place`` / ``retract`` keep them to continue on resume."""
+        mode = req.mode if req is not None else "abort"
         await asyncio.to_thread(srv.engine.pause)
+        if mode == "abort":
+            await asyncio.to_thread(srv.abort_all)
         srv.paused = True
-        return {"success": True, "message": "paused"}
+        return {"success": True, "message": f"paused ({mode})"}
+
+    @app.post("/abort_request", dependencies=admin)
+    async def abort_request(req: AbortRequest) -> JSONResponse:
+        if not req.abort_all:
+            raise _bad("abort_request: relayrl serve aborts all requests at once (send abort_all=true); "
+                       "one request cannot be aborted alone")
+        await asyncio.to_thread(srv.abort_all)
+        return JSONResponse({"success": True, "message": "aborted"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return Response("Cache flushed.\n", media_type="text/plain")  # relayrl keeps no prefix cache between requests
 
     @app.post("/continue_generation", dependencies=admin)
     async def resume() -> dict[str, object]:
@@ -531,17 +310,36 @@ def build_app(srv: Server) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, object]:
-        return {"status": "ok", "weight_version": srv.engine.get_version()}
+        return {"status": "ok", "weight_version": str(srv.engine.get_version())}
 
     @app.get("/get_weight_version")
     async def weight_version() -> dict[str, object]:
-        return {"weight_version": srv.engine.get_version()}
+        return {"weight_version": str(srv.engine.get_version())}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> dict[str, object]:
+        from relayrl import __version__
+
+        return {"version": __version__, "server": "relayrl", "tp_size": 1, "dp_size": 1, "model_path": srv.cfg.model.path,
+                "served_model_name": srv.cfg.model.path, "weight_version": str(srv.engine.get_version())}
+
+    @app.get("/version")
+    async def version() -> dict[str, object]:
+        from relayrl import __version__
+
+        return {"version": __version__, "server": "relayrl"}
+
+    @app.get("/model_info")
+    async def sglang_model_info() -> dict[str, object]:
+        return {"model_path": srv.cfg.model.path, "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
+                "is_generation": True, "weight_version": str(srv.engine.get_version())}
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, object]:
         return {"model_path": srv.cfg.model.path, "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
                 "is_generation": True, "vocab_size": srv.vocab_size, "max_position_embeddings": srv.max_positions,
-                "weight_version": srv.engine.get_version(), "paused": srv.paused, "requests_served": srv.n_served,
+                "weight_version": str(srv.engine.get_version()), "paused": srv.paused, "requests_served": srv.n_served,
                 "generate_calls": srv.n_calls,
                 "tokens_generated": srv.engine.stats["tokens"], "aborts": srv.engine.stats["aborts"]}
 

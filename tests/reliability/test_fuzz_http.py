@@ -99,7 +99,8 @@ def _check(url: str, r: httpx.Response) -> None:
     assert r.status_code < 500, f"{r.request.method} {r.request.url.path} -> {r.status_code}: {r.text[:300]}"
     if r.status_code >= 400:
         body = r.json()
-        msg = body.get("error") or body.get("detail")
+        err = body.get("error")
+        msg = err.get("message") if isinstance(err, dict) else body.get("detail")
         assert msg and isinstance(msg, (str, list)), body
     if r.request.url.path == "/pause_generation" and r.status_code == 200:
         httpx.post(url + "/continue_generation", headers=AUTH, timeout=30)  # keep generation going for later examples
@@ -108,7 +109,7 @@ def _check(url: str, r: httpx.Response) -> None:
 def _alive_and_unchanged(url: str) -> None:
     """The server still answers, generates, and loaded no weights from anything the fuzzer sent."""
     assert httpx.get(url + "/health", timeout=30).status_code == 200
-    assert httpx.get(url + "/get_weight_version", timeout=30).json()["weight_version"] == 0
+    assert httpx.get(url + "/get_weight_version", timeout=30).json()["weight_version"] == "0"
     r = _post(url, "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2, r.text
 

@@ -1,0 +1,164 @@
+"""Helpers shared by the routes of ``relayrl serve``: errors, JSON replies, disk-path confinement.
+
+Error bodies follow OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (what the
+OpenAI SDK and SGLang's OpenAI routes give; the SDK shows ``message``), plus ``detail`` (FastAPI's
+key, which older clients of this server read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+
+from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from relayrl.api.io import ModelRequest, ModelResponse
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+          413: "RequestTooLargeError", 422: "UnprocessableEntityError", 500: "InternalServerError"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, object]:
+    """OpenAI's error object (``type`` the SDK's error class name, ``code`` the HTTP status)."""
+    err = {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}
+    return {"error": err, "detail": message}
+
+
+def _bad(msg: str, status: int = 400) -> HTTPException:
+    return HTTPException(status_code=status, detail=msg)
+
+
+def _path(loc: tuple[object, ...]) -> str:
+    """``("body", "<batch>", "sampling_params", "<many>", 3, "top_p")`` -> ``sampling_params[3].top_p``
+    (union tags ``<...>`` dropped)."""
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p != "body" and not str(p).startswith("<"):
+            out += f".{p}" if out else str(p)
+    return out
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    """One readable line per problem, naming the field: ``sampling_params.top_p: ...``."""
+    assert isinstance(exc, RequestValidationError)
+    msgs = []
+    for err in exc.errors():
+        loc = _path(err.get("loc", ()))
+        if err.get("type") == "json_invalid":
+            msgs.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+        elif err.get("type") == "extra_forbidden":
+            msgs.append(f"unknown field '{loc}'")
+        else:
+            msgs.append(f"{loc or 'body'}: {err.get('msg')} (got {str(err.get('input'))[:80]!r})")
+    first = _path(exc.errors()[0].get("loc", ())) if exc.errors() else None
+    return JSONResponse(status_code=400, content=error_body("; ".join(msgs), 400, first or None))
+
+
+def confine_path(path: str, roots: list[str]) -> Path:
+    """``path`` resolved (symlinks followed) if it lies inside one of ``roots``, else 403."""
+    if not roots:
+        raise _bad("loading weights from disk is disabled: the server has no allowed_weight_roots", 403)
+    if "\x00" in path:
+        raise _bad(f"model_path {path!r}: NUL characters are refused")
+    if ".." in Path(path).parts:
+        raise _bad(f"model_path {path!r}: '..' components are refused", 403)
+    try:
+        real = Path(path).resolve()
+    except (OSError, RuntimeError) as e:  # e.g. a name too long for the OS
+        raise _bad(f"model_path {path!r} cannot be resolved: {e}") from None
+    if not any(real.is_relative_to(Path(r).resolve()) for r in roots):
+        raise _bad(f"model_path {path!r} resolves outside the allowed weight roots", 403)
+    try:
+        is_dir = real.is_dir()
+    except OSError as e:  # e.g. a name too long for the OS
+        raise _bad(f"model_path {path!r} cannot be read: {e.strerror}") from None
+    if not is_dir:
+        raise _bad(f"model_path {path!r} is not a directory", 400)
+    return real
+
+
+
+def _version(v: object) -> int | None:
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)  # type: ignore[call-overload, no-any-return]
+    except (TypeError, ValueError):
+        raise _bad(f"weight_version must be an integer, got {v!r}") from None
+
+
+def _per_item(value: object, n: int, field: str) -> list:  # type: ignore[type-arg]
+    """A batch field: one value per item (checked), or one value for all ``n`` items."""
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise _bad(f"{field}: {len(value)} values for {n} prompts (give one per prompt, or one for all)")
+    return value
+
+
+def _dumps(content: object) -> bytes:
+    """Compact JSON; a non-finite float (a degenerate sampling setting can yield a -inf logprob)
+    is written as null, as FastAPI's own encoder does, never as invalid JSON."""
+    try:
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        return json.dumps(_finite(content), ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _finite(x: object) -> object:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _json(content: object) -> Response:
+    """A JSON reply written directly (no FastAPI encoder pass over every token and logprob)."""
+    return Response(_dumps(content), media_type="application/json")
+
+
+def _usage(prompt_len: int, outs: list[ModelResponse]) -> dict[str, int]:
+    done = sum(r.output_len for r in outs)
+    return {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done}
+
+
+
+def trim_stop(text: str, stops: list[str]) -> str:
+    """``text`` cut before the first stop string it holds (SGLang's and vLLM's default: the stop
+    string is not part of the output text; its tokens stay in ``output_ids``)."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+async def generate_once(engine: object, req: ModelRequest) -> ModelResponse:
+    """One pass of ``req`` through a LocalEngine: a request interrupted (a weight update, a pause in
+    ``abort`` mode) ends with stop_reason ``abort`` and its partial output, as SGLang answers; the
+    client continues it. (``LocalEngine.agenerate`` would continue it transparently instead.)
+    Engines without that structure are asked through ``agenerate``."""
+    from relayrl.inference import local
+
+    if not isinstance(engine, local.LocalEngine) or not all(
+            hasattr(local, n) for n in ("_Seq", "_resolver")) or not hasattr(engine, "_enqueue"):
+        return await engine.agenerate(req)  # type: ignore[attr-defined, no-any-return]
+    engine._validate(req)  # noqa: SLF001 - the server drives its own engine
+    loop = asyncio.get_running_loop()
+    with engine._key_lock:  # noqa: SLF001 - the same sampling stream as agenerate
+        key = engine.config.seed * 1_000_003 + next(engine._keys)  # noqa: SLF001
+    engine.stats["requests"] += 1
+    fut: asyncio.Future[ModelResponse] = loop.create_future()
+    start = time.perf_counter()
+    engine._enqueue(local._Seq(prompt=list(req.input_ids), g=req.gconfig, key=key,  # noqa: SLF001
+                               on_done=local._resolver(loop, fut)))  # noqa: SLF001
+    resp = await fut
+    resp.latency = time.perf_counter() - start
+    return resp

@@ -1,0 +1,99 @@
+"""What both stand-ins share: the tiny model generating through relayrl's LocalEngine (what
+must be faithful is the protocol around it), logprobs recomputed from the logits (raw or after
+temperature, as vLLM's ``--logprobs-mode`` picks), weight loading, and serving on 127.0.0.1 with
+the port announced on stdout (``<name> listening on http://127.0.0.1:PORT``)."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+
+from relayrl.api.config import InferenceConfig  # noqa: E402
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse  # noqa: E402
+from relayrl.data.models import build_tiny_model  # noqa: E402
+from relayrl.inference.local import LocalEngine  # noqa: E402
+
+
+class TinyPeer:
+    """The model behind a stand-in: generation, weights (a full CPU copy, so a bucket of some
+    tensors can be loaded on its own, as SGLang's ``load_weights`` does), abort of running requests."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.set_num_threads(1)
+        self.model = build_tiny_model("tiny", seed=seed).eval()
+        self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.engine = LocalEngine(InferenceConfig(), model=self.model)
+        self.engine.initialize()
+        self.vocab = int(self.model.config.vocab_size)
+        self.lock = asyncio.Lock()  # held while weights load (SGLang: the model-update writer lock)
+
+    async def generate(self, rid: str, ids: list[int], g: GenerationConfig) -> ModelResponse:
+        """One pass: an interrupted request ends as ``abort`` with its partial output, as the peers answer."""
+        from relayrl.inference.server_common import generate_once
+
+        return await generate_once(self.engine, ModelRequest(rid=rid, input_ids=ids, gconfig=g))
+
+    def abort_running(self) -> int:
+        before = self.engine.stats["aborts"]
+        self.engine._call_in_loop(self.engine._abort_running)  # noqa: SLF001 - the stand-in drives relayrl's engine
+        return int(self.engine.stats["aborts"] - before)
+
+    def load(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load ``tensors`` (all or some of the model's) and set the engine's version."""
+        unknown = sorted(set(tensors) - set(self.state))
+        if unknown:
+            raise ValueError(f"unknown parameters {unknown[:3]}")
+        for k, v in tensors.items():
+            if tuple(v.shape) != tuple(self.state[k].shape):
+                raise ValueError(f"{k}: shape {tuple(v.shape)}, model has {tuple(self.state[k].shape)}")
+            self.state[k] = v.to(self.state[k].dtype)
+        from relayrl.api.io import WeightUpdate
+
+        self.engine.update_weights(WeightUpdate(kind="tensors", version=version, tensors=dict(self.state)))
+
+    def load_dir(self, path: str, version: int) -> int:
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(f))
+        self.load(tensors, version)
+        return len(tensors)
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int], out: list[int]) -> torch.Tensor:
+        """Logits that produced each of ``out`` (one row per output token)."""
+        seq = torch.tensor([ids + out])
+        return self.model(seq).logits[0, len(ids) - 1: len(ids) + len(out) - 1].float()
+
+
+def listen(app: object, name: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Serve ``app`` until killed; print the bound address once listening."""
+    import contextlib
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(512)
+    bound = sock.getsockname()[1]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: object):  # type: ignore[no-untyped-def]
+        print(f"{name} listening on http://{host}:{bound}", flush=True)
+        yield
+
+    app.router.lifespan_context = lifespan  # type: ignore[attr-defined]
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])

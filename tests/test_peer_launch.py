@@ -1,0 +1,65 @@
+"""``inference.launch=sglang|vllm``: RemoteEngine starts the servers, with the flags relayrl
+needs, one GPU set each, logs captured, and stops them. The executables are the stand-ins of
+``tests/peers/`` (``inference.launch_command``), which take the real servers' command lines."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from relayrl.api.config import InferenceConfig, ModelConfig
+from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
+from relayrl.inference.remote import RemoteEngine
+
+PEERS = Path(__file__).parent / "peers"
+
+
+def _engine(kind: str, tmp_path: Path, **kw) -> RemoteEngine:
+    cfg = InferenceConfig(backend="remote", protocol=kind, launch=kind, n_servers=2, launch_tp_size=2,
+                          launch_gpus=[4, 5, 6, 7], launch_command=f"{sys.executable} {PEERS / f'{kind}_server.py'}",
+                          launch_log_dir=str(tmp_path / "logs"), weight_sync="disk", weight_sync_dir=str(tmp_path / "w"),
+                          launch_timeout=120, health_interval=0.2, **kw)
+    return RemoteEngine(cfg, model=ModelConfig(path="tiny"))
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_launched_servers_get_relayrls_flags_gpus_and_logs_and_stop_on_destroy(kind, tmp_path, tiny_model):
+    eng = _engine(kind, tmp_path)
+    eng.initialize()
+    procs = list(eng._launched.procs)  # type: ignore[union-attr]
+    try:
+        seen = [httpx.get(f"http://{a}/stand_in", timeout=10).json() for a in eng.addresses]
+        assert [s["env"]["CUDA_VISIBLE_DEVICES"] for s in seen] == ["4,5", "6,7"]
+        argv = " ".join(seen[0]["argv"])
+        if kind == "sglang":
+            assert "--model-path tiny" in argv and "--tp-size 2" in argv and "--host 127.0.0.1" in argv
+            assert seen[0]["env"]["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
+        else:
+            assert "--logprobs-mode processed_logprobs" in argv and "--tensor-parallel-size 2" in argv
+            assert seen[0]["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+        g = GenerationConfig(max_new_tokens=4, greedy=True, ignore_eos=True)
+        out = asyncio.run(eng.agenerate(ModelRequest("a", [3, 4, 5], g)))
+        assert out.output_len == 4
+        eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=tiny_model.state_dict()))
+        logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+        assert logs == ["server-0.log", "server-1.log"]
+        assert (tmp_path / "logs" / "server-0.log").read_text().startswith("$ ")  # the command line, then its output
+    finally:
+        eng.destroy()
+    assert all(p.poll() is not None for p in procs)  # stopped
+
+
+def test_a_server_that_fails_to_start_is_an_error_quoting_its_log(tmp_path):
+    eng = _engine("sglang", tmp_path, launch_args=["--version", "not-a-version"])
+    with pytest.raises(RuntimeError, match=r"server 0 exited with code .*server-0\.log ends with"):
+        eng.initialize()
+
+
+def test_launch_needs_the_matching_protocol(tmp_path):
+    cfg = InferenceConfig(backend="remote", protocol="relayrl", launch="vllm", n_servers=1)
+    with pytest.raises(ValueError, match="inference.protocol=vllm"):
+        RemoteEngine(cfg).initialize()

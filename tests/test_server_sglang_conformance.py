@@ -1,0 +1,111 @@
+"""`relayrl serve` where an SGLang or OpenAI client would notice a difference (issue #17, point 8).
+
+Each behaviour follows SGLang v0.5.x's ``http_server.py`` / ``io_struct.py`` (pause modes,
+string weight versions, stop strings trimmed from the text, the disk-update extras, the cache
+and abort routes, the server/model info routes) or OpenAI's error object (what the SDK reads).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import safetensors.torch
+
+from relayrl.inference.launcher import launch_servers
+
+TOKEN = "conf"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("w")
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    g = launch_servers(1, admin_token=TOKEN, overrides=[f"allowed_weight_roots=['{root}']"])
+    yield f"http://{g.addresses[0]}"
+    g.shutdown()
+
+
+def _generate(url: str, n: int, **sp) -> httpx.Response:
+    body = {"input_ids": [3, 20, 21, 22, 4], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **sp}}
+    return httpx.post(url + "/generate", json=body, timeout=120)
+
+
+def test_pause_with_an_empty_body_aborts_in_flight_requests(server):
+    """SGLang's PauseGenerationReqInput.mode defaults to 'abort': in-flight requests come back at
+    once with finish_reason abort and the tokens generated so far."""
+    replies = []
+    t = threading.Thread(target=lambda: replies.append(_generate(server, 400)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(server + "/get_model_info", timeout=10).json()["tokens_generated"] < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert httpx.post(server + "/pause_generation", json={}, headers=AUTH, timeout=30).status_code == 200
+    try:
+        t.join(timeout=30)
+        assert not t.is_alive(), "the in-flight request was kept while paused"
+        meta = replies[0].json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 400
+    finally:
+        httpx.post(server + "/continue_generation", json={}, headers=AUTH, timeout=30)
+    r = httpx.post(server + "/pause_generation", json={"mode": "in_place"}, headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    httpx.post(server + "/continue_generation", json={}, headers=AUTH, timeout=30)
+    r = httpx.post(server + "/pause_generation", json={"mode": "sideways"}, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and "mode" in r.json()["error"]["message"]
+
+
+def test_weight_version_is_a_string(server):
+    meta = _generate(server, 2).json()["meta_info"]
+    assert isinstance(meta["weight_version"], str)
+    for path in ("/get_weight_version", "/model_info", "/get_server_info", "/server_info"):
+        assert isinstance(httpx.get(server + path, timeout=10).json()["weight_version"], str), path
+
+
+def test_stop_strings_are_trimmed_from_the_text_unless_no_stop_trim(server):
+    full = _generate(server, 24).json()
+    text = full["text"]
+    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].strip())
+    cut = _generate(server, 24, stop=[stop]).json()
+    assert cut["meta_info"]["finish_reason"]["type"] == "stop"
+    assert cut["text"] == text[:text.find(stop)] and stop not in cut["text"]
+    kept = _generate(server, 24, stop=[stop], no_stop_trim=True).json()
+    assert kept["text"].endswith(stop)
+    body = {"prompt": [3, 20, 21, 22, 4], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    choice = httpx.post(server + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == cut["text"]  # vLLM / OpenAI: stop string excluded
+
+
+def test_sglang_disk_update_extras_and_routes_are_accepted(server, root, tiny_model):
+    d = root / "v3"
+    d.mkdir()
+    safetensors.torch.save_file({k: v.clone() for k, v in tiny_model.state_dict().items()}, str(d / "model.safetensors"))
+    body = {"model_path": str(d), "weight_version": "3", "abort_all_requests": True, "is_async": False,
+            "torch_empty_cache": True, "keep_pause": False, "recapture_cuda_graph": False, "token_step": 7, "flush_cache": True}
+    r = httpx.post(server + "/update_weights_from_disk", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == "3", r.text
+    for method in ("GET", "POST"):
+        assert httpx.request(method, server + "/flush_cache", timeout=10).status_code == 200
+    assert httpx.post(server + "/abort_request", json={"abort_all": True}, headers=AUTH, timeout=30).json()["success"]
+    info = httpx.get(server + "/server_info", timeout=10).json()
+    assert info["tp_size"] == 1 and info["version"] and httpx.get(server + "/get_server_info", timeout=10).json() == info
+    assert httpx.get(server + "/model_info", timeout=10).json()["weight_version"] == "3"
+
+
+def test_errors_are_openai_error_objects_the_sdk_reads(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[3, 4], max_tokens=0)
+    assert isinstance(e.value.body, dict) and "max_tokens" in e.value.body["message"], e.value.body
+    assert e.value.body["code"] == 400 and e.value.body["type"] == "BadRequestError"
+    r = _generate(server, 0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.max_new_tokens"
