@@ -141,6 +141,14 @@ class LocalEngine(InferenceEngine):
     # ------------------------------------------------------------------ generation
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate one completion; continues transparently across weight updates."""
+        return await self._generate(req, continue_aborted=True)
+
+    async def agenerate_once(self, req: ModelRequest) -> ModelResponse:
+        """One pass: a request interrupted (weight update, aborting pause) ends with stop_reason
+        ``abort`` and its partial output, as SGLang's /generate answers; the client continues it."""
+        return await self._generate(req, continue_aborted=False)
+
+    async def _generate(self, req: ModelRequest, continue_aborted: bool) -> ModelResponse:
         if self._thread is None:
             raise RuntimeError("LocalEngine.agenerate called before initialize() (or after destroy())")
         self._validate(req)
@@ -157,7 +165,7 @@ class LocalEngine(InferenceEngine):
             self._enqueue(seq)
             resp = await fut
             ttft = ttft or (resp.ttft + seq.submitted - start if resp.output_tokens else 0.0)
-            if resp.stop_reason != "abort" or self._stopped:
+            if resp.stop_reason != "abort" or self._stopped or not continue_aborted:
                 break
             # interrupted by a weight update: continue from prompt + partial output
             seq = Seq(
@@ -225,6 +233,11 @@ class LocalEngine(InferenceEngine):
             self._version = update.version
 
         self._call_in_loop(apply)
+
+    def abort_running(self) -> None:
+        """End every running request now with stop_reason ``abort`` and its partial output
+        (``agenerate`` continues it; ``agenerate_once`` returns it)."""
+        self._call_in_loop(self._abort_running)
 
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:
         assert self.model is not None

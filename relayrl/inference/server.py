@@ -44,8 +44,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from relayrl.api.config import ServerConfig
-from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.inference.local import LocalEngine
 from relayrl.inference.schemas import (
     AbortRequest,
     GenerateBatchRequest,
@@ -62,7 +62,6 @@ from relayrl.inference.server_common import (
     _validation_error,
     confine_path,
     error_body,
-    generate_once,
     trim_stop,
 )
 from relayrl.inference.server_openai import OpenAIRoutes
@@ -80,7 +79,7 @@ _Job = tuple[str, list[int], GenerationConfig, bool, bool, bool]  # rid, ids, gc
 class Server(WeightRoutes, OpenAIRoutes):
     """The routes, bound to one engine and tokenizer."""
 
-    def __init__(self, engine: InferenceEngine, tokenizer: object, cfg: ServerConfig, vocab_size: int,
+    def __init__(self, engine: LocalEngine, tokenizer: object, cfg: ServerConfig, vocab_size: int,
                  max_positions: int, reference: dict[str, tuple[torch.Size, torch.dtype]] | None = None) -> None:
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.vocab_size, self.max_positions = vocab_size, max_positions
@@ -136,7 +135,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         continues it); the OpenAI routes continue it here, transparently."""
         req = ModelRequest(rid=rid, input_ids=ids, gconfig=g)
         try:
-            resp = await (generate_once(self.engine, req) if once else self.engine.agenerate(req))
+            resp = await (self.engine.agenerate_once(req) if once else self.engine.agenerate(req))
         except ValueError as e:
             raise _bad(f"request {rid}: {e}") from None
         self.n_served += 1
@@ -147,10 +146,7 @@ class Server(WeightRoutes, OpenAIRoutes):
 
     def abort_all(self) -> None:
         """End the running requests now with finish_reason abort (their partial output is returned)."""
-        call = getattr(self.engine, "_call_in_loop", None)
-        abort = getattr(self.engine, "_abort_running", None)
-        if call is not None and abort is not None:
-            call(abort)
+        self.engine.abort_running()
 
     def finish(self, r: ModelResponse) -> dict[str, object]:
         if r.stop_reason == "length":
@@ -353,7 +349,6 @@ def build_app(srv: Server) -> FastAPI:
 def make_server(cfg: ServerConfig) -> Server:
     """Load the model and tokenizer of ``cfg``, start a LocalEngine, wrap it."""
     from relayrl.data.models import load_model, load_tokenizer
-    from relayrl.inference.local import LocalEngine
 
     torch.set_num_threads(cfg.torch_threads)
     tok = load_tokenizer(cfg.model)

@@ -7,17 +7,15 @@ key, which older clients of this server read).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import time
 from pathlib import Path
 
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from relayrl.api.io import ModelRequest, ModelResponse
+from relayrl.api.io import ModelResponse
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
           413: "RequestTooLargeError", 422: "UnprocessableEntityError", 500: "InternalServerError"}
@@ -138,27 +136,3 @@ def trim_stop(text: str, stops: list[str]) -> str:
     string is not part of the output text; its tokens stay in ``output_ids``)."""
     cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
     return text if cut < 0 else text[:cut]
-
-
-async def generate_once(engine: object, req: ModelRequest) -> ModelResponse:
-    """One pass of ``req`` through a LocalEngine: a request interrupted (a weight update, a pause in
-    ``abort`` mode) ends with stop_reason ``abort`` and its partial output, as SGLang answers; the
-    client continues it. (``LocalEngine.agenerate`` would continue it transparently instead.)
-    Engines without that structure are asked through ``agenerate``."""
-    from relayrl.inference import local
-
-    if not isinstance(engine, local.LocalEngine) or not all(
-            hasattr(local, n) for n in ("_Seq", "_resolver")) or not hasattr(engine, "_enqueue"):
-        return await engine.agenerate(req)  # type: ignore[attr-defined, no-any-return]
-    engine._validate(req)  # noqa: SLF001 - the server drives its own engine
-    loop = asyncio.get_running_loop()
-    with engine._key_lock:  # noqa: SLF001 - the same sampling stream as agenerate
-        key = engine.config.seed * 1_000_003 + next(engine._keys)  # noqa: SLF001
-    engine.stats["requests"] += 1
-    fut: asyncio.Future[ModelResponse] = loop.create_future()
-    start = time.perf_counter()
-    engine._enqueue(local._Seq(prompt=list(req.input_ids), g=req.gconfig, key=key,  # noqa: SLF001
-                               on_done=local._resolver(loop, fut)))  # noqa: SLF001
-    resp = await fut
-    resp.latency = time.perf_counter() - start
-    return resp

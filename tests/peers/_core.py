@@ -37,13 +37,11 @@ class TinyPeer:
 
     async def generate(self, rid: str, ids: list[int], g: GenerationConfig) -> ModelResponse:
         """One pass: an interrupted request ends as ``abort`` with its partial output, as the peers answer."""
-        from relayrl.inference.server_common import generate_once
-
-        return await generate_once(self.engine, ModelRequest(rid=rid, input_ids=ids, gconfig=g))
+        return await self.engine.agenerate_once(ModelRequest(rid=rid, input_ids=ids, gconfig=g))
 
     def abort_running(self) -> int:
         before = self.engine.stats["aborts"]
-        self.engine._call_in_loop(self.engine._abort_running)  # noqa: SLF001 - the stand-in drives relayrl's engine
+        self.engine.abort_running()
         return int(self.engine.stats["aborts"] - before)
 
     def load(self, tensors: dict[str, torch.Tensor], version: int) -> None:
