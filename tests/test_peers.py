@@ -28,32 +28,10 @@ from relayrl.inference.remote import RemoteEngine
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import Peer, start  # noqa: E402
 
+from tests.test_remote import greedy, prompts, reference, run_all  # noqa: E402
+
 PROCESSED = ("--logprobs-mode", "processed_logprobs")
 DEV = {"VLLM_SERVER_DEV_MODE": "1"}
-
-
-def greedy(n: int) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=n, greedy=True, ignore_eos=True)
-
-
-def prompts(k: int) -> list[list[int]]:
-    return [[3, 10 + i % 50, 11 + (i * 7) % 50, 12 + (i * 3) % 40, 4] for i in range(k)]
-
-
-def run_all(engine, ps, g, prefix="r"):
-    async def go():
-        return await asyncio.gather(*(engine.agenerate(ModelRequest(f"{prefix}{i}", p, g)) for i, p in enumerate(ps)))
-
-    return asyncio.run(go())
-
-
-def reference(model, ps, g):
-    eng = LocalEngine(InferenceConfig(), model=model)
-    eng.initialize()
-    try:
-        return run_all(eng, ps, g)
-    finally:
-        eng.destroy()
 
 
 def engine(protocol: str, addresses: list[str], **kw) -> RemoteEngine:

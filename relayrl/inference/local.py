@@ -38,11 +38,11 @@ from transformers import DynamicCache, PreTrainedModel
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdate
+from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
 from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
 from relayrl.inference.sampling import RowParams, sample
-from relayrl.inference.seq import Prefilled, Seq, load_hf_state_dict, resolver
+from relayrl.inference.seq import Prefilled, Seq, load_hf_state_dict, resolver, validate_request
 from relayrl.utils.batching import length_groups
 
 
@@ -151,7 +151,8 @@ class LocalEngine(InferenceEngine):
     async def _generate(self, req: ModelRequest, continue_aborted: bool) -> ModelResponse:
         if self._thread is None:
             raise RuntimeError("LocalEngine.agenerate called before initialize() (or after destroy())")
-        self._validate(req)
+        validate_request(req, self.vocab_size, self.max_positions, self.kv_capacity, self.kv_capacity_by,
+                         has_tokenizer=self.tokenizer is not None)
         loop = asyncio.get_running_loop()
         with self._key_lock:
             key = self.config.seed * 1_000_003 + next(self._keys)
@@ -175,36 +176,6 @@ class LocalEngine(InferenceEngine):
         resp.latency = time.perf_counter() - start
         resp.ttft = ttft or resp.latency
         return resp
-
-    def _validate(self, req: ModelRequest) -> None:
-        ids = req.input_ids
-        if not isinstance(ids, list) or not ids:
-            raise ValueError(f"request {req.rid!r}: input_ids must be a non-empty list of token ids")
-        for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"request {req.rid!r}: input_ids[{i}]={t!r} is not a token id in [0, {self.vocab_size})"
-                )
-        if not isinstance(req.gconfig, GenerationConfig):
-            raise ValueError(f"request {req.rid!r}: gconfig must be a GenerationConfig, got {type(req.gconfig).__name__}")
-        try:
-            req.gconfig.validate()
-        except ValueError as e:
-            raise ValueError(f"request {req.rid!r}: gconfig.{e}") from None
-        if any(t >= self.vocab_size for t in req.gconfig.stop_token_ids):
-            raise ValueError(f"request {req.rid!r}: gconfig.stop_token_ids {req.gconfig.stop_token_ids} has ids >= vocab size {self.vocab_size}")
-        if req.gconfig.stop and self.tokenizer is None:
-            raise ValueError(f"request {req.rid!r}: gconfig.stop (stop strings) needs the engine to have a tokenizer")
-        if len(ids) + req.gconfig.max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"request {req.rid!r}: prompt length {len(ids)} + max_new_tokens {req.gconfig.max_new_tokens} "
-                f"exceeds the model's max_position_embeddings {self.max_positions}"
-            )
-        if len(ids) + req.gconfig.max_new_tokens > self.kv_capacity:
-            raise ValueError(
-                f"request {req.rid!r}: prompt length {len(ids)} + max_new_tokens {req.gconfig.max_new_tokens} cannot fit "
-                f"in the KV cache of {self.kv_capacity} tokens ({self.kv_capacity_by})"
-            )
 
     def _enqueue(self, seq: Seq) -> None:
         g = seq.g

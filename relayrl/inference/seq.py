@@ -1,5 +1,6 @@
 """Pieces of LocalEngine that need none of its state: a request's record, the thread-safe
-future resolver and reading a checkpoint directory's weights."""
+future resolver, reading a checkpoint directory's weights and checking a request against an
+engine's limits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from relayrl.api.io import GenerationConfig, ModelResponse, StopReason
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason
 
 # one prefill's result: per-layer (keys, values), padding mask [n, L], last logits [n, V]
 Prefilled = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]
@@ -87,3 +88,38 @@ def resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]
             pass
 
     return done
+
+
+def validate_request(
+    req: ModelRequest, vocab_size: int, max_positions: int, kv_capacity: int, kv_capacity_by: str, has_tokenizer: bool,
+) -> None:
+    """``ValueError`` naming the request and the field when ``req`` asks what an engine with these
+    limits cannot give (checked before it queues, so a bad request fails alone)."""
+    ids = req.input_ids
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f"request {req.rid!r}: input_ids must be a non-empty list of token ids")
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(
+                f"request {req.rid!r}: input_ids[{i}]={t!r} is not a token id in [0, {vocab_size})"
+            )
+    if not isinstance(req.gconfig, GenerationConfig):
+        raise ValueError(f"request {req.rid!r}: gconfig must be a GenerationConfig, got {type(req.gconfig).__name__}")
+    try:
+        req.gconfig.validate()
+    except ValueError as e:
+        raise ValueError(f"request {req.rid!r}: gconfig.{e}") from None
+    if any(t >= vocab_size for t in req.gconfig.stop_token_ids):
+        raise ValueError(f"request {req.rid!r}: gconfig.stop_token_ids {req.gconfig.stop_token_ids} has ids >= vocab size {vocab_size}")
+    if req.gconfig.stop and not has_tokenizer:
+        raise ValueError(f"request {req.rid!r}: gconfig.stop (stop strings) needs the engine to have a tokenizer")
+    if len(ids) + req.gconfig.max_new_tokens > max_positions:
+        raise ValueError(
+            f"request {req.rid!r}: prompt length {len(ids)} + max_new_tokens {req.gconfig.max_new_tokens} "
+            f"exceeds the model's max_position_embeddings {max_positions}"
+        )
+    if len(ids) + req.gconfig.max_new_tokens > kv_capacity:
+        raise ValueError(
+            f"request {req.rid!r}: prompt length {len(ids)} + max_new_tokens {req.gconfig.max_new_tokens} cannot fit "
+            f"in the KV cache of {kv_capacity} tokens ({kv_capacity_by})"
+        )

@@ -6,8 +6,6 @@ the port announced on stdout (``<name> listening on http://127.0.0.1:PORT``)."""
 from __future__ import annotations
 
 import asyncio
-import glob
-import os
 import socket
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ from relayrl.api.config import InferenceConfig  # noqa: E402
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse  # noqa: E402
 from relayrl.data.models import build_tiny_model  # noqa: E402
 from relayrl.inference.local import LocalEngine  # noqa: E402
+from relayrl.inference.seq import load_hf_state_dict  # noqa: E402
 
 
 class TinyPeer:
@@ -58,14 +57,7 @@ class TinyPeer:
         self.engine.update_weights(WeightUpdate(kind="tensors", version=version, tensors=dict(self.state)))
 
     def load_dir(self, path: str, version: int) -> int:
-        from safetensors.torch import load_file
-
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update(load_file(f))
+        tensors = load_hf_state_dict(path)
         self.load(tensors, version)
         return len(tensors)
 
