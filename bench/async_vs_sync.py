@@ -37,8 +37,9 @@ import torch
 ETA = 2
 
 
-def run_mode(ckpt: str, mode: str, seed: int, steps: int, task: str = "arithmetic", pin: bool = False,
-             async_loss: str = "ppo") -> dict:
+def run_mode(
+    ckpt: str, mode: str, seed: int, steps: int, task: str = "arithmetic", pin: bool = False, async_loss: str = "ppo"
+) -> dict:
     """One run; the trainer launches its own ``relayrl serve`` process of the checkpoint."""
     where = f"{mode}-{seed}" + ("-pinned" if pin else "")
     overrides = common.relayrl_overrides(ckpt, common.CACHE / f"async_vs_sync-{task}" / where, seed, steps, task)
@@ -64,10 +65,21 @@ def ceiling(sync_run: dict) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=30, help="fewer than grpo_vs_trl's 40: server runs are ~6x slower per step")
-    ap.add_argument("--task", default="arithmetic", choices=sorted(common.WORKLOADS), help="the grpo_vs_trl workload (result: async_vs_sync_<task> unless arithmetic)")
-    ap.add_argument("--pin", default="both", choices=["both", "on", "off"],
-                    help="pin trainer and server to separate cores (on), share both cores (off), or run each way (both)")
+    ap.add_argument(
+        "--steps", type=int, default=30, help="fewer than grpo_vs_trl's 40: server runs are ~6x slower per step"
+    )
+    ap.add_argument(
+        "--task",
+        default="arithmetic",
+        choices=sorted(common.WORKLOADS),
+        help="the grpo_vs_trl workload (result: async_vs_sync_<task> unless arithmetic)",
+    )
+    ap.add_argument(
+        "--pin",
+        default="both",
+        choices=["both", "on", "off"],
+        help="pin trainer and server to separate cores (on), share both cores (off), or run each way (both)",
+    )
     ap.add_argument("--async-loss", default="ppo", choices=["ppo", "decoupled_ppo"], help="the async side's loss")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
     args = ap.parse_args()
@@ -85,44 +97,72 @@ def main() -> None:
                 res["phases"] = phases(res.pop("steps"))
                 runs[(pin, mode)].append(res)
             s, a = runs[(pin, "sync")][-1], runs[(pin, "async")][-1]
-            print(f"repeat {r} {'pinned' if pin else 'unpinned'}: sync {s['seconds']:.1f}s (reward "
-                  f"{common.tail_mean(s['rewards']):.3f}, held-out {s['accuracy']:.3f}) | async {a['seconds']:.1f}s (reward "
-                  f"{common.tail_mean(a['rewards']):.3f}, held-out {a['accuracy']:.3f}) | ratio {s['seconds'] / a['seconds']:.2f} "
-                  f"(ceiling {ceiling(s):.2f})", flush=True)
+            print(
+                f"repeat {r} {'pinned' if pin else 'unpinned'}: sync {s['seconds']:.1f}s (reward "
+                f"{common.tail_mean(s['rewards']):.3f}, held-out {s['accuracy']:.3f}) | async {a['seconds']:.1f}s (reward "
+                f"{common.tail_mean(a['rewards']):.3f}, held-out {a['accuracy']:.3f}) | ratio {s['seconds'] / a['seconds']:.2f} "
+                f"(ceiling {ceiling(s):.2f})",
+                flush=True,
+            )
 
     def side(pin: bool, name: str) -> dict:
         rs = runs[(pin, name)]
-        return {"seconds": common.spread([x["seconds"] for x in rs]),
-                "samples_per_s": common.spread([x["samples_per_s"] for x in rs]),
-                "final_reward": common.spread([common.tail_mean(x["rewards"]) for x in rs]),
-                "held_out_accuracy": common.spread([x["accuracy"] for x in rs]),
-                "phases_s_per_step": rs[len(rs) // 2]["phases"], "samples": rs[0]["samples"]}
+        return {
+            "seconds": common.spread([x["seconds"] for x in rs]),
+            "samples_per_s": common.spread([x["samples_per_s"] for x in rs]),
+            "final_reward": common.spread([common.tail_mean(x["rewards"]) for x in rs]),
+            "held_out_accuracy": common.spread([x["accuracy"] for x in rs]),
+            "phases_s_per_step": rs[len(rs) // 2]["phases"],
+            "samples": rs[0]["samples"],
+        }
 
     out: dict = {}
     for pin in pins:
         tag = "" if pin or len(pins) == 1 else "_unpinned"
-        ratios = common.spread([s["seconds"] / a["seconds"] for s, a in zip(runs[(pin, "sync")], runs[(pin, "async")], strict=True)])
+        ratios = common.spread(
+            [s["seconds"] / a["seconds"] for s, a in zip(runs[(pin, "sync")], runs[(pin, "async")], strict=True)]
+        )
         ceil = common.spread([ceiling(x) for x in runs[(pin, "sync")]])
-        out.update({
-            f"ratio{tag}": ratios["median"], f"ratio_min{tag}": ratios["min"], f"ratio_max{tag}": ratios["max"],
-            f"ratios{tag}": ratios["values"], f"overlap_ceiling{tag}": ceil,
-            f"ratio_of_ceiling{tag}": round(ratios["median"] / ceil["median"], 4),
-            f"sync{tag}": side(pin, "sync"), f"async{tag}": side(pin, "async"),
-        })
+        out.update(
+            {
+                f"ratio{tag}": ratios["median"],
+                f"ratio_min{tag}": ratios["min"],
+                f"ratio_max{tag}": ratios["max"],
+                f"ratios{tag}": ratios["values"],
+                f"overlap_ceiling{tag}": ceil,
+                f"ratio_of_ceiling{tag}": round(ratios["median"] / ceil["median"], 4),
+                f"sync{tag}": side(pin, "sync"),
+                f"async{tag}": side(pin, "async"),
+            }
+        )
     if pins[0]:
         out["goal_met"] = out["ratio_of_ceiling"] >= 0.9
-    common.write_result({
-        "name": ("async_vs_sync" if args.task == "arithmetic" else f"async_vs_sync_{args.task}")
-        + ("" if args.async_loss == "ppo" else f"_{args.async_loss}"), "task": args.task,
-        "pinned": pins[0], **out,
-        "goal": "pinned (trainer and server on separate cores, as separate devices): sync wall time / async wall time "
-                ">= 0.9 x the overlap ceiling measured in the same run",
-        "overlap_ceiling_is": "sync step / max(sync rollout phase, rest of the sync step): the best any overlap can do",
-        "settings": {**common.RL, "max_new_tokens": common.WORKLOADS[args.task]["max_new_tokens"], "steps": args.steps, "repeats": args.repeats, "eta": ETA, "servers": 1,
-                     "server_threads": 1, "trainer_threads": 1, "weight_sync": "http upload (safetensors)",
-                     "sync": "max_staleness=0, loss=ppo, recompute_logp=false",
-                     "async": f"max_staleness={ETA}, loss={args.async_loss}, recompute_logp=false"},
-    }, quick=args.quick)
+    common.write_result(
+        {
+            "name": ("async_vs_sync" if args.task == "arithmetic" else f"async_vs_sync_{args.task}")
+            + ("" if args.async_loss == "ppo" else f"_{args.async_loss}"),
+            "task": args.task,
+            "pinned": pins[0],
+            **out,
+            "goal": "pinned (trainer and server on separate cores, as separate devices): sync wall time / async wall time "
+            ">= 0.9 x the overlap ceiling measured in the same run",
+            "overlap_ceiling_is": "sync step / max(sync rollout phase, rest of the sync step): the best any overlap can do",
+            "settings": {
+                **common.RL,
+                "max_new_tokens": common.WORKLOADS[args.task]["max_new_tokens"],
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "eta": ETA,
+                "servers": 1,
+                "server_threads": 1,
+                "trainer_threads": 1,
+                "weight_sync": "http upload (safetensors)",
+                "sync": "max_staleness=0, loss=ppo, recompute_logp=false",
+                "async": f"max_staleness={ETA}, loss={args.async_loss}, recompute_logp=false",
+            },
+        },
+        quick=args.quick,
+    )
 
 
 if __name__ == "__main__":

@@ -53,15 +53,27 @@ CACHE = ROOT / "runs" / "bench"
 # demonstrations in a few hundred SFT steps on one core.
 BENCH_MODEL = DEMO_MODEL
 TASK = {"name": "arithmetic", "difficulty": 2, "n_train": 2000, "n_eval": 200, "seed": 1}
-SFT = {"error_rate": 0.3, "max_steps": 1000, "probe_every": 100, "stop_greedy": 0.6, "batch_size": 128, "lr": 3e-3, "warmup_steps": 50}
+SFT = {
+    "error_rate": 0.3,
+    "max_steps": 1000,
+    "probe_every": 100,
+    "stop_greedy": 0.6,
+    "batch_size": 128,
+    "lr": 3e-3,
+    "warmup_steps": 50,
+}
 MAX_NEW_TOKENS = 8  # answers are <= 3 digits + EOS
 # Per workload: task rows, SFT warm start, generation limit, RL steps of grpo_vs_trl.
 WORKLOADS: dict[str, dict] = {
     "arithmetic": {"task": TASK, "sft": SFT, "max_new_tokens": MAX_NEW_TOKENS, "steps": 40},
     # count: completions of 6 tokens per number (5 digits + space / EOS); the longest problem is
     # 30 numbers = 180 tokens, and 192 leaves room for a miscount that runs 2 numbers past the end.
-    "count": {"task": {**TASK, "name": "count"}, "max_new_tokens": 192, "steps": 12,
-              "sft": {**SFT, "max_steps": 400, "probe_every": 50, "stop_greedy": 0.6}},
+    "count": {
+        "task": {**TASK, "name": "count"},
+        "max_new_tokens": 192,
+        "steps": 12,
+        "sft": {**SFT, "max_steps": 400, "probe_every": 50, "stop_greedy": 0.6},
+    },
 }
 
 
@@ -82,15 +94,23 @@ def rl_rows(workload: str, seed: int) -> tuple[list[dict], list[dict]]:
     return train, held_out
 
 
-def held_out_accuracy(model: PreTrainedModel, rows: Sequence[dict], n_samples: int = 4, greedy: bool = False, seed: int = 0,
-                      workload: str = "arithmetic") -> float:
+def held_out_accuracy(
+    model: PreTrainedModel,
+    rows: Sequence[dict],
+    n_samples: int = 4,
+    greedy: bool = False,
+    seed: int = 0,
+    workload: str = "arithmetic",
+) -> float:
     """Mean accuracy of ``n_samples`` temperature-1 samples (or greedy) per held-out prompt,
     scored by the task verifier; decoded by LocalEngine on a copy of ``model``."""
     from relayrl.evaluation import evaluate
     from relayrl.inference.local import LocalEngine
     from relayrl.rollout.workflows.rlvr import RLVRWorkflow
 
-    engine = LocalEngine(InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=build_tokenizer())
+    engine = LocalEngine(
+        InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=build_tokenizer()
+    )
     engine.initialize()
     try:
         w = WORKLOADS[workload]
@@ -125,9 +145,17 @@ def warm_start(quick: bool = False, log=print, workload: str = "arithmetic") -> 
     train, held_out = task_rows(workload)
     tokenizer = build_tokenizer()
     cfg = SFTConfig(
-        run_dir=str(run_dir), seed=task["seed"], torch_threads=1, total_steps=sft["max_steps"], batch_size=sft["batch_size"],
-        log_every_n_steps=sft["probe_every"], save_final=True, model=ModelConfig(path="tiny"),
-        train=TrainEngineConfig(optimizer=OptimizerConfig(lr=sft["lr"], lr_schedule="constant", warmup_steps=sft["warmup_steps"])),
+        run_dir=str(run_dir),
+        seed=task["seed"],
+        torch_threads=1,
+        total_steps=sft["max_steps"],
+        batch_size=sft["batch_size"],
+        log_every_n_steps=sft["probe_every"],
+        save_final=True,
+        model=ModelConfig(path="tiny"),
+        train=TrainEngineConfig(
+            optimizer=OptimizerConfig(lr=sft["lr"], lr_schedule="constant", warmup_steps=sft["warmup_steps"])
+        ),
         data=SFTDataConfig(task=task["name"], difficulty=task["difficulty"], error_rate=sft["error_rate"]),
         logging=LoggingConfig(tensorboard=False),
     )
@@ -139,8 +167,14 @@ def warm_start(quick: bool = False, log=print, workload: str = "arithmetic") -> 
         return acc >= sft["stop_greedy"]
 
     demos = demonstrations(train, sft["error_rate"], task["seed"])
-    res = run_sft(cfg, tokenizer=tokenizer, model=build_demo_model(task["seed"]), train_rows=demos,
-                  eval_rows=held_out[:64], stop_fn=learned)
+    res = run_sft(
+        cfg,
+        tokenizer=tokenizer,
+        model=build_demo_model(task["seed"]),
+        train_rows=demos,
+        eval_rows=held_out[:64],
+        stop_fn=learned,
+    )
     log(f"SFT warm start: {res.steps} steps in {time.monotonic() - t0:.0f}s -> {final}")
     return final
 
@@ -152,10 +186,25 @@ def load_warm(path: Path) -> PreTrainedModel:
 
 
 # One GRPO step on both sides of grpo_vs_trl (and the base of async_vs_sync / overhead).
-RL = {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-      "lr": 3e-4, "steps": 40, "eps_clip": 0.2, "grad_clip": 1.0, "adam": [0.9, 0.999, 1e-8], "weight_decay": 0.0,
-      "lr_schedule": "constant", "kl_coef": 0.0, "adv": "(r - group mean) / group std", "loss_agg": "token mean over the batch",
-      "torch_threads": 1}
+RL = {
+    "prompts_per_step": 8,
+    "group_size": 8,
+    "max_new_tokens": MAX_NEW_TOKENS,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "lr": 3e-4,
+    "steps": 40,
+    "eps_clip": 0.2,
+    "grad_clip": 1.0,
+    "adam": [0.9, 0.999, 1e-8],
+    "weight_decay": 0.0,
+    "lr_schedule": "constant",
+    "kl_coef": 0.0,
+    "adv": "(r - group mean) / group std",
+    "loss_agg": "token mean over the batch",
+    "torch_threads": 1,
+}
 
 
 def relayrl_overrides(ckpt: Path, run_dir: Path, seed: int, steps: int, workload: str = "arithmetic") -> list[str]:
@@ -163,14 +212,32 @@ def relayrl_overrides(ckpt: Path, run_dir: Path, seed: int, steps: int, workload
     p, g = RL["prompts_per_step"], RL["group_size"]
     w = WORKLOADS[workload]
     return [
-        f"run_dir={run_dir}", f"seed={seed}", f"total_steps={steps}", "torch_threads=1", f"model.path={ckpt}",
-        f"data.task={w['task']['name']}", f"data.difficulty={w['task']['difficulty']}",
-        f"train.optimizer.lr={RL['lr']}", f"train.optimizer.grad_clip={RL['grad_clip']}", "train.optimizer.lr_schedule=constant",
-        "actor.adv_estimator=grpo", "actor.loss=ppo", "actor.recompute_logp=false", f"actor.eps_clip={RL['eps_clip']}",
-        f"gconfig.max_new_tokens={w['max_new_tokens']}", "gconfig.temperature=1.0", "gconfig.top_p=1.0", "gconfig.top_k=0",
-        f"rollout.batch_size={p}", f"rollout.group_size={g}", "rollout.max_staleness=0",
+        f"run_dir={run_dir}",
+        f"seed={seed}",
+        f"total_steps={steps}",
+        "torch_threads=1",
+        f"model.path={ckpt}",
+        f"data.task={w['task']['name']}",
+        f"data.difficulty={w['task']['difficulty']}",
+        f"train.optimizer.lr={RL['lr']}",
+        f"train.optimizer.grad_clip={RL['grad_clip']}",
+        "train.optimizer.lr_schedule=constant",
+        "actor.adv_estimator=grpo",
+        "actor.loss=ppo",
+        "actor.recompute_logp=false",
+        f"actor.eps_clip={RL['eps_clip']}",
+        f"gconfig.max_new_tokens={w['max_new_tokens']}",
+        "gconfig.temperature=1.0",
+        "gconfig.top_p=1.0",
+        "gconfig.top_k=0",
+        f"rollout.batch_size={p}",
+        f"rollout.group_size={g}",
+        "rollout.max_staleness=0",
         "data.shuffle=false",  # rows come in rl_rows' order, as on the TRL side
-        "logging.tensorboard=false", "logging.rollouts_per_step=0", "logging.progress=lines", "checkpoint.save_final=false",
+        "logging.tensorboard=false",
+        "logging.rollouts_per_step=0",
+        "logging.progress=lines",
+        "checkpoint.save_final=false",
     ]
 
 
@@ -203,7 +270,9 @@ def pin_trainer_and_servers() -> tuple[int, int]:
     return cores[0], cores[1]
 
 
-def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward: bool = False, pin: bool = False) -> dict:
+def run_relayrl(
+    overrides: list[str], evaluate_after: bool = True, inline_reward: bool = False, pin: bool = False
+) -> dict:
     """Build a Trainer from ``overrides``, time ``fit()``, return per-step metrics, the wall and
     CPU time and (optionally) held-out sampled accuracy of the trained policy.
 
@@ -224,7 +293,9 @@ def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward
     train, held_out = rl_rows(cfg.data.task, cfg.seed)
     workflow = None
     if inline_reward:
-        workflow = RLVRWorkflow(task_reward_fn(cfg.data.task), cfg.gconfig, load_tokenizer(cfg.model), reward_timeout=None)
+        workflow = RLVRWorkflow(
+            task_reward_fn(cfg.data.task), cfg.gconfig, load_tokenizer(cfg.model), reward_timeout=None
+        )
     t_build = time.perf_counter()
     trainer = Trainer(cfg, train_rows=train, eval_rows=held_out, workflow=workflow)
     cores = pin_trainer_and_servers() if pin else None
@@ -240,10 +311,22 @@ def run_relayrl(overrides: list[str], evaluate_after: bool = True, inline_reward
     steps = [m for m in steps if "perf/samples" in m]
     samples = int(steps[-1]["perf/samples"])
     timed = steps[1:] or steps  # the first step includes warm-up
-    phases = {k.split("/", 1)[1]: statistics.mean(m.get(k, 0.0) for m in timed) for k in steps[-1] if k.startswith("timing/")}
-    return {"seconds": seconds, "cpu_seconds": cpu, "build_seconds": t0 - t_build, "samples": samples, "samples_per_s": samples / seconds,
-            "rewards": [m["rollout/reward"] for m in steps], "accuracy": acc, "steps": steps, "phase_s_per_step": phases,
-            "threads": torch.get_num_threads(), "pinned_cores": cores}
+    phases = {
+        k.split("/", 1)[1]: statistics.mean(m.get(k, 0.0) for m in timed) for k in steps[-1] if k.startswith("timing/")
+    }
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "build_seconds": t0 - t_build,
+        "samples": samples,
+        "samples_per_s": samples / seconds,
+        "rewards": [m["rollout/reward"] for m in steps],
+        "accuracy": acc,
+        "steps": steps,
+        "phase_s_per_step": phases,
+        "threads": torch.get_num_threads(),
+        "pinned_cores": cores,
+    }
 
 
 def _child(fn, args, queue) -> None:  # noqa: ANN001
@@ -271,7 +354,9 @@ def in_child(fn, *args):  # noqa: ANN001, ANN201
             break
         except queue_mod.Empty:
             if not proc.is_alive():
-                raise RuntimeError(f"{getattr(fn, '__name__', fn)}: child process died (exit code {proc.exitcode})") from None
+                raise RuntimeError(
+                    f"{getattr(fn, '__name__', fn)}: child process died (exit code {proc.exitcode})"
+                ) from None
     proc.join()
     if status != "ok":
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in a child process: {value}")
@@ -284,8 +369,12 @@ def tail_mean(xs: Sequence[float], k: int = 5) -> float:
 
 def spread(values: Sequence[float]) -> dict[str, float | list[float]]:
     """Median, min, max and the values themselves (rounded)."""
-    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4),
-            "values": [round(v, 4) for v in values]}
+    return {
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+        "values": [round(v, 4) for v in values],
+    }
 
 
 def results_dir(quick: bool = False) -> Path:
@@ -309,5 +398,13 @@ def write_result(result: dict, quick: bool = False) -> dict:
 if __name__ == "__main__":  # `python bench/common.py [workload ...]`: train (or find) the SFT warm starts
     for name in sys.argv[1:] or ["arithmetic"]:
         t0 = time.monotonic()
-        print(json.dumps({"name": "sft_warm_start", "workload": name, "checkpoint": str(warm_start(workload=name)),
-                          "seconds": round(time.monotonic() - t0, 1)}))
+        print(
+            json.dumps(
+                {
+                    "name": "sft_warm_start",
+                    "workload": name,
+                    "checkpoint": str(warm_start(workload=name)),
+                    "seconds": round(time.monotonic() - t0, 1),
+                }
+            )
+        )

@@ -34,9 +34,17 @@ def step_cost(model: torch.nn.Module, rows: int, length: int = 80, n: int = 20) 
     """Seconds of one FastDecoder step over ``rows`` rows with ``length`` cached tokens."""
     fd, cfg = decode.FastDecoder(model), model.config
     d = cfg.hidden_size // cfg.num_attention_heads
-    kv = [decode.SlabLayer(torch.randn(rows, cfg.num_key_value_heads, length, d), torch.randn(rows, cfg.num_key_value_heads, length, d))
-          for _ in range(cfg.num_hidden_layers)]
-    tok, pos, mask = torch.randint(8, 100, (rows,)), torch.full((rows,), length), torch.ones(rows, length + 1, dtype=torch.bool)
+    kv = [
+        decode.SlabLayer(
+            torch.randn(rows, cfg.num_key_value_heads, length, d), torch.randn(rows, cfg.num_key_value_heads, length, d)
+        )
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    tok, pos, mask = (
+        torch.randint(8, 100, (rows,)),
+        torch.full((rows,), length),
+        torch.ones(rows, length + 1, dtype=torch.bool),
+    )
     with torch.inference_mode():
         for i in range(n + 3):
             if i == 3:
@@ -58,6 +66,7 @@ def phases(model: torch.nn.Module) -> dict[str, float]:
                 return fn(*a, **k)
             finally:
                 spent[name] += time.perf_counter() - t0
+
         return run
 
     originals = {n: getattr(LocalEngine, n) for n in ("_prefill", "_decode")}
@@ -74,8 +83,15 @@ def phases(model: torch.nn.Module) -> dict[str, float]:
     finally:
         for n, fn in originals.items():
             setattr(LocalEngine, n, fn)
-    return {"seconds": seconds, "tokens": tokens, "max_len": max(lengths), "prefill": spent["prefill"], "decode": spent["decode"],
-            "other": seconds - spent["prefill"] - spent["decode"], "engine_steps": steps}
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "max_len": max(lengths),
+        "prefill": spent["prefill"],
+        "decode": spent["decode"],
+        "other": seconds - spent["prefill"] - spent["decode"],
+        "engine_steps": steps,
+    }
 
 
 def main() -> None:
@@ -92,15 +108,30 @@ def main() -> None:
         g_tok, g_s, _ = gen.run_generate(model, gen.make_prompts(0, model.config.vocab_size), seed=0)
         steps = run["max_len"]
         ideal = run["prefill"] + steps * costs[1] + run["tokens"] * per_row
-        out[preset] = {"step_ms_by_rows": {r: round(c * 1e3, 2) for r, c in costs.items()}, "fixed_ms": round(costs[1] * 1e3, 2),
-                       "per_row_ms": round(per_row * 1e3, 3), "engine": {k: round(v, 3) for k, v in run.items()},
-                       "generate_seconds": round(g_s, 3), "ratio": round(g_s / run["seconds"], 3), "ideal_ratio": round(g_s / ideal, 3)}
+        out[preset] = {
+            "step_ms_by_rows": {r: round(c * 1e3, 2) for r, c in costs.items()},
+            "fixed_ms": round(costs[1] * 1e3, 2),
+            "per_row_ms": round(per_row * 1e3, 3),
+            "engine": {k: round(v, 3) for k, v in run.items()},
+            "generate_seconds": round(g_s, 3),
+            "ratio": round(g_s / run["seconds"], 3),
+            "ideal_ratio": round(g_s / ideal, 3),
+        }
         r = out[preset]
-        print(f"{preset}: step {r['step_ms_by_rows']} ms by rows; engine {run['seconds']:.2f}s = prefill {run['prefill']:.2f} + "
-              f"decode {run['decode']:.2f} + other {run['other']:.2f}; generate {g_s:.2f}s; ratio {r['ratio']:.2f}, "
-              f"no-overhead ideal {r['ideal_ratio']:.2f}", flush=True)
-    common.write_result({"name": "decode_cost", "figure": min(m["ideal_ratio"] for m in out.values()), "models": out,
-                         "figure_is": "ideal_ratio (worst model): generate seconds / (prefill + the model's decode work alone)"})
+        print(
+            f"{preset}: step {r['step_ms_by_rows']} ms by rows; engine {run['seconds']:.2f}s = prefill {run['prefill']:.2f} + "
+            f"decode {run['decode']:.2f} + other {run['other']:.2f}; generate {g_s:.2f}s; ratio {r['ratio']:.2f}, "
+            f"no-overhead ideal {r['ideal_ratio']:.2f}",
+            flush=True,
+        )
+    common.write_result(
+        {
+            "name": "decode_cost",
+            "figure": min(m["ideal_ratio"] for m in out.values()),
+            "models": out,
+            "figure_is": "ideal_ratio (worst model): generate seconds / (prefill + the model's decode work alone)",
+        }
+    )
 
 
 if __name__ == "__main__":

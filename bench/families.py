@@ -41,7 +41,9 @@ def bf16_gap(path: str, device: str = "cpu", new: int = 24) -> float:
     g = GenerationConfig(max_new_tokens=new, temperature=1.0, ignore_eos=True)
 
     async def go():
-        return await asyncio.gather(*[engine.agenerate(ModelRequest(rid=str(i), input_ids=p, gconfig=g)) for i, p in enumerate(PROMPTS)])
+        return await asyncio.gather(
+            *[engine.agenerate(ModelRequest(rid=str(i), input_ids=p, gconfig=g)) for i, p in enumerate(PROMPTS)]
+        )
 
     try:
         resps = asyncio.run(go())
@@ -51,11 +53,16 @@ def bf16_gap(path: str, device: str = "cpu", new: int = 24) -> float:
     trainer.initialize()
     seqs = [r.input_tokens + r.output_tokens for r in resps]
     width = max(len(s) for s in seqs)
-    batch = {"input_ids": torch.tensor([s + [0] * (width - len(s)) for s in seqs]),
-             "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])}
+    batch = {
+        "input_ids": torch.tensor([s + [0] * (width - len(s)) for s in seqs]),
+        "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
+    }
     logp = trainer.forward(batch)
-    gaps = [abs(float(logp[i, len(r.input_tokens) + t]) - lp)
-            for i, r in enumerate(resps) for t, lp in enumerate(r.output_logprobs)]
+    gaps = [
+        abs(float(logp[i, len(r.input_tokens) + t]) - lp)
+        for i, r in enumerate(resps)
+        for t, lp in enumerate(r.output_logprobs)
+    ]
     return statistics.fmean(gaps)
 
 
@@ -69,9 +76,13 @@ def main() -> None:
         for name in FAMILIES:
             gaps[name] = bf16_gap(str(save_tiny_family(name, Path(tmp) / name, seed=1)), args.device)
             print(f"{name:12s} mean |delta logprob| bf16 = {gaps[name]:.4f}", flush=True)
-    result = {"name": "families", "figure": 1e3 * statistics.fmean(gaps.values()),
-              "figure_desc": "1e3 x mean |delta logprob| LocalEngine vs train engine, bf16, over 12 tiny HF families",
-              "device": args.device, "models": gaps}
+    result = {
+        "name": "families",
+        "figure": 1e3 * statistics.fmean(gaps.values()),
+        "figure_desc": "1e3 x mean |delta logprob| LocalEngine vs train engine, bf16, over 12 tiny HF families",
+        "device": args.device,
+        "models": gaps,
+    }
     out = Path(__file__).resolve().parent / "results" / "families.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

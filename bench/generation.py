@@ -62,8 +62,15 @@ def run_generate(model: torch.nn.Module, prompts: list[list[int]], seed: int) ->
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=MAX_NEW, eos_token_id=EOS, pad_token_id=PAD,
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
         )
     elapsed = time.perf_counter() - start
     lengths = []
@@ -130,8 +137,15 @@ def main() -> None:
         "ratio": min(float(r["ratio"]) for r in results.values()),  # type: ignore[arg-type]
         "baseline": "transformers model.generate (sampling, top_k=0, top_p=1.0)",
         "settings": {
-            "n_prompts": N_PROMPTS, "prompt_len": [8, 40], "max_new_tokens": MAX_NEW, "temperature": 1.0,
-            "top_k": 0, "top_p": 1.0, "eos_bias": EOS_BIAS, "repeats": args.repeats, "torch_threads": 1,
+            "n_prompts": N_PROMPTS,
+            "prompt_len": [8, 40],
+            "max_new_tokens": MAX_NEW,
+            "temperature": 1.0,
+            "top_k": 0,
+            "top_p": 1.0,
+            "eos_bias": EOS_BIAS,
+            "repeats": args.repeats,
+            "torch_threads": 1,
         },
         "models": results,
     }

@@ -29,18 +29,50 @@ import time
 import common
 import torch
 
-QWEN2_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-             "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 4096, "rope_theta": 1e6}
+QWEN2_05B = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "rope_theta": 1e6,
+}
 # Peak dense bf16 tensor-core FLOP/s (no sparsity), matched by substring of the device name.
-PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12),
-             ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10", 125e12),
-             ("RTX 4090", 165e12), ("RTX 3090", 71e12)]
+PEAK_BF16 = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+]
 
 
 # Peak HBM bandwidth in bytes/s, matched the same way.
-PEAK_HBM = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H800", 3.35e12), ("A100-SXM4-80GB", 2.04e12),
-            ("A100 80GB PCIe", 1.94e12), ("A100", 1.555e12), ("A800", 2.04e12), ("L40S", 0.864e12), ("L40", 0.864e12),
-            ("L4", 0.3e12), ("A10", 0.6e12), ("RTX 4090", 1.008e12), ("RTX 3090", 0.936e12)]
+PEAK_HBM = [
+    ("H200", 4.8e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("H800", 3.35e12),
+    ("A100-SXM4-80GB", 2.04e12),
+    ("A100 80GB PCIe", 1.94e12),
+    ("A100", 1.555e12),
+    ("A800", 2.04e12),
+    ("L40S", 0.864e12),
+    ("L40", 0.864e12),
+    ("L4", 0.3e12),
+    ("A10", 0.6e12),
+    ("RTX 4090", 1.008e12),
+    ("RTX 3090", 0.936e12),
+]
 
 
 def peak_flops(name: str) -> float | None:
@@ -54,7 +86,9 @@ def peak_bandwidth(name: str) -> float | None:
 def build_model(eos_bias: float | None = None) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("qwen2", tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2, **QWEN2_05B)
+    cfg = AutoConfig.for_model(
+        "qwen2", tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2, **QWEN2_05B
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda()
     model.generation_config.pad_token_id = 0
@@ -77,17 +111,30 @@ def bench_generation(args: argparse.Namespace) -> dict:
     model = build_model(eos_bias=math.log(vocab / args.mean_len)).eval()  # P(EOS) ~ 1/mean_len per step
 
     def make_prompts(seed: int, vocab: int) -> list[list[int]]:
-        return [p for k in range(math.ceil(args.n_requests / 64)) for p in gen_prompts(seed * 1000 + k, vocab)][: args.n_requests]
+        return [p for k in range(math.ceil(args.n_requests / 64)) for p in gen_prompts(seed * 1000 + k, vocab)][
+            : args.n_requests
+        ]
 
     def hf(prompts: list[list[int]]) -> tuple[int, float]:
         n = max(len(p) for p in prompts)
         ids = torch.tensor([[PAD] * (n - len(p)) + p for p in prompts], device="cuda")
-        mask = (torch.arange(n, device="cuda")[None] >= torch.tensor([n - len(p) for p in prompts], device="cuda")[:, None]).long()
+        mask = (
+            torch.arange(n, device="cuda")[None] >= torch.tensor([n - len(p) for p in prompts], device="cuda")[:, None]
+        ).long()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=args.max_new, eos_token_id=EOS, pad_token_id=PAD)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.max_new,
+                eos_token_id=EOS,
+                pad_token_id=PAD,
+            )
         torch.cuda.synchronize()
         rows = out[:, n:].tolist()
         return sum(r.index(EOS) + 1 if EOS in r else len(r) for r in rows), time.perf_counter() - t0
@@ -120,8 +167,13 @@ def bench_generation(args: argparse.Namespace) -> dict:
             tok, s = local(engine, make_prompts(r, vocab))
             eng_tps.append(tok / s)
         ratios = [e / h for e, h in zip(eng_tps, hf_tps, strict=True)]
-        out.update(engine_tok_s=common.spread(eng_tps), ratio=common.spread(ratios), kv_capacity=engine.kv_capacity,
-                   preemptions=engine.stats["preemptions"], fast_decode=engine._fast is not None)
+        out.update(
+            engine_tok_s=common.spread(eng_tps),
+            ratio=common.spread(ratios),
+            kv_capacity=engine.kv_capacity,
+            preemptions=engine.stats["preemptions"],
+            fast_decode=engine._fast is not None,
+        )
         out["batch1"] = batch1_decode(engine, model, args.max_new)
         engine.destroy()
     except Exception as e:  # noqa: BLE001 - reported, not fatal: the training half still runs
@@ -142,9 +194,13 @@ def batch1_decode(engine, model: torch.nn.Module, n: int) -> dict:  # noqa: ANN0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = peak_bandwidth(torch.cuda.get_device_name())
     step = min(steps)
-    return {"step_ms": step * 1e3, "weight_bytes": weight_bytes, "peak_hbm_bytes_s": bw,
-            "roofline_fraction": weight_bytes / step / bw if bw else None,
-            "formula": "weight bytes / step time / peak HBM bandwidth"}
+    return {
+        "step_ms": step * 1e3,
+        "weight_bytes": weight_bytes,
+        "peak_hbm_bytes_s": bw,
+        "roofline_fraction": weight_bytes / step / bw if bw else None,
+        "formula": "weight bytes / step time / peak HBM bandwidth",
+    }
 
 
 def bench_training(args: argparse.Namespace) -> dict:
@@ -210,11 +266,15 @@ def bench_training(args: argparse.Namespace) -> dict:
     peak = peak_flops(name)
     mfu = [6 * n_params * r / peak for r in packed] if peak else None
     out = {
-        "params": n_params, "packed_attn": attn, "packed_tok_s": common.spread(packed), "padded_tok_s": common.spread(padded),
+        "params": n_params,
+        "packed_attn": attn,
+        "packed_tok_s": common.spread(packed),
+        "padded_tok_s": common.spread(padded),
         "ratio": common.spread([p / q for p, q in zip(packed, padded, strict=True)]),
         "train_mfu": common.spread(mfu) if mfu else None,
         "padded_mfu": common.spread([6 * n_params * r / peak for r in padded]) if peak else None,
-        "peak_bf16_flops": peak, "mfu_formula": "6 * params * tokens / (seconds * peak bf16 dense FLOP/s)",
+        "peak_bf16_flops": peak,
+        "mfu_formula": "6 * params * tokens / (seconds * peak bf16 dense FLOP/s)",
     }
     print(f"training: {out}", flush=True)
     return out
@@ -239,15 +299,31 @@ def main() -> None:
     gen = bench_generation(args)
     train = bench_training(args)
     ratio = gen.get("ratio", {}).get("median") if isinstance(gen.get("ratio"), dict) else None
-    common.write_result({
-        "name": "gpu", "ratio": ratio, "ratio_is": "generation: LocalEngine / HF generate tokens/s",
-        "batch1_roofline": (gen.get("batch1") or {}).get("roofline_fraction"),
-        "training_ratio": train["ratio"]["median"], "train_mfu": train["train_mfu"]["median"] if train["train_mfu"] else None,
-        "device": torch.cuda.get_device_name(), "generation": gen, "training": train,
-        "settings": {"model": {**QWEN2_05B, "tie_word_embeddings": True}, "dtype": "bf16", "repeats": args.repeats,
-                     "batch": args.batch, "budget": args.budget, "max_new_tokens": args.max_new, "n_requests": args.n_requests, "mean_len": args.mean_len,
-                     "torch": torch.__version__},
-    }, quick=args.quick)
+    common.write_result(
+        {
+            "name": "gpu",
+            "ratio": ratio,
+            "ratio_is": "generation: LocalEngine / HF generate tokens/s",
+            "batch1_roofline": (gen.get("batch1") or {}).get("roofline_fraction"),
+            "training_ratio": train["ratio"]["median"],
+            "train_mfu": train["train_mfu"]["median"] if train["train_mfu"] else None,
+            "device": torch.cuda.get_device_name(),
+            "generation": gen,
+            "training": train,
+            "settings": {
+                "model": {**QWEN2_05B, "tie_word_embeddings": True},
+                "dtype": "bf16",
+                "repeats": args.repeats,
+                "batch": args.batch,
+                "budget": args.budget,
+                "max_new_tokens": args.max_new,
+                "n_requests": args.n_requests,
+                "mean_len": args.mean_len,
+                "torch": torch.__version__,
+            },
+        },
+        quick=args.quick,
+    )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,16 @@ import common
 import torch
 
 
-def run_trl(ckpt: str, run_dir: str, seed: int, steps: int, continuous_batching: bool = False, evaluate_after: bool = True,
-            workload: str = "arithmetic", threads: int = 1) -> dict:
+def run_trl(
+    ckpt: str,
+    run_dir: str,
+    seed: int,
+    steps: int,
+    continuous_batching: bool = False,
+    evaluate_after: bool = True,
+    workload: str = "arithmetic",
+    threads: int = 1,
+) -> dict:
     """One TRL GRPOTrainer run with the ``common.RL`` settings; wall time of ``train()``."""
     torch.set_num_threads(threads)
     from datasets import Dataset
@@ -81,34 +89,72 @@ def run_trl(ckpt: str, run_dir: str, seed: int, steps: int, continuous_batching:
 
     def task_reward(prompts: list, completions: list, completion_ids: list, answer: list, **_: object) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(reward_fn(prompt="", completions=t, prompt_ids=[], completion_ids=ids, answer=a))
-                for t, ids, a in zip(texts, completion_ids, answer, strict=True)]
+        return [
+            float(reward_fn(prompt="", completions=t, prompt_ids=[], completion_ids=ids, answer=a))
+            for t, ids, a in zip(texts, completion_ids, answer, strict=True)
+        ]
 
     train, held_out = common.rl_rows(workload, seed)  # the prompts of each step are relayrl's
     dataset = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in train])
     n = rl["prompts_per_step"] * rl["group_size"]
     args = GRPOConfig(
-        output_dir=run_dir, seed=seed, max_steps=steps, per_device_train_batch_size=n, gradient_accumulation_steps=1,
-        num_generations=rl["group_size"], max_completion_length=w["max_new_tokens"], temperature=rl["temperature"],
-        top_p=rl["top_p"], top_k=rl["top_k"], learning_rate=rl["lr"], lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=rl["weight_decay"], adam_beta1=rl["adam"][0], adam_beta2=rl["adam"][1], adam_epsilon=rl["adam"][2],
-        max_grad_norm=rl["grad_clip"], beta=rl["kl_coef"], epsilon=rl["eps_clip"], num_iterations=1, steps_per_generation=1,
-        loss_type="dapo", scale_rewards="group", gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
-        use_transformers_continuous_batching=continuous_batching, logging_steps=1, report_to="none",
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, log_completions=False, shuffle_dataset=False,
+        output_dir=run_dir,
+        seed=seed,
+        max_steps=steps,
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        num_generations=rl["group_size"],
+        max_completion_length=w["max_new_tokens"],
+        temperature=rl["temperature"],
+        top_p=rl["top_p"],
+        top_k=rl["top_k"],
+        learning_rate=rl["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=rl["weight_decay"],
+        adam_beta1=rl["adam"][0],
+        adam_beta2=rl["adam"][1],
+        adam_epsilon=rl["adam"][2],
+        max_grad_norm=rl["grad_clip"],
+        beta=rl["kl_coef"],
+        epsilon=rl["eps_clip"],
+        num_iterations=1,
+        steps_per_generation=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        gradient_checkpointing=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        use_transformers_continuous_batching=continuous_batching,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+        shuffle_dataset=False,
     )
     model = common.load_warm(Path(ckpt))
-    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=args, train_dataset=dataset,
-                          processing_class=build_tokenizer())
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=task_reward, args=args, train_dataset=dataset, processing_class=build_tokenizer()
+    )
     c0, t0 = common.cpu_seconds(), time.perf_counter()
     trainer.train()
     seconds, cpu = time.perf_counter() - t0, common.cpu_seconds() - c0
     logs = [h for h in trainer.state.log_history if "reward" in h]
     acc = common.held_out_accuracy(trainer.model, held_out, workload=workload) if evaluate_after else None
-    return {"seconds": seconds, "cpu_seconds": cpu, "samples": steps * n, "samples_per_s": steps * n / seconds,
-            "rewards": [h["reward"] for h in logs], "accuracy": acc, "threads": torch.get_num_threads(),
-            "completion_len": [h.get("completions/mean_length") for h in logs],
-            "completion_len_max": [h.get("completions/max_length") for h in logs]}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "samples": steps * n,
+        "samples_per_s": steps * n / seconds,
+        "rewards": [h["reward"] for h in logs],
+        "accuracy": acc,
+        "threads": torch.get_num_threads(),
+        "completion_len": [h.get("completions/mean_length") for h in logs],
+        "completion_len_max": [h.get("completions/max_length") for h in logs],
+    }
 
 
 def run_side(name: str, ckpt: Path, out: Path, seed: int, args: argparse.Namespace) -> dict:
@@ -117,11 +163,15 @@ def run_side(name: str, ckpt: Path, out: Path, seed: int, args: argparse.Namespa
         before = os.environ.get("OMP_WAIT_POLICY")
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read by the child's OpenMP runtime at start
         try:
-            return common.in_child(run_trl, str(ckpt), str(out / f"{name}-{seed}"), seed, args.steps, args.trl_cb, True, args.task, 2)
+            return common.in_child(
+                run_trl, str(ckpt), str(out / f"{name}-{seed}"), seed, args.steps, args.trl_cb, True, args.task, 2
+            )
         finally:
             os.environ.pop("OMP_WAIT_POLICY") if before is None else os.environ.update(OMP_WAIT_POLICY=before)
     if name == "trl":
-        return common.in_child(run_trl, str(ckpt), str(out / f"{name}-{seed}"), seed, args.steps, args.trl_cb, True, args.task, 1)
+        return common.in_child(
+            run_trl, str(ckpt), str(out / f"{name}-{seed}"), seed, args.steps, args.trl_cb, True, args.task, 1
+        )
     overrides = common.relayrl_overrides(ckpt, out / f"{name}-{seed}", seed, args.steps, args.task)
     if name == "relayrl_async":
         overrides.append("rollout.max_staleness=1")
@@ -136,7 +186,9 @@ DEFAULT_SIDES = "relayrl,trl"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", default="arithmetic", choices=sorted(common.WORKLOADS), help="the workload (see the module doc)")
+    ap.add_argument(
+        "--task", default="arithmetic", choices=sorted(common.WORKLOADS), help="the workload (see the module doc)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=0, help="RL steps (0 = the workload's)")
     ap.add_argument("--sides", default=DEFAULT_SIDES, help=f"comma-separated, of {SIDES}")
@@ -160,13 +212,16 @@ def main() -> None:
     out = common.CACHE / args.name
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for r in range(args.repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order: no side always runs first
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order: no side always runs first
             load, t0 = os.getloadavg()[0], time.perf_counter()
             res = run_side(name, ckpt, out, args.first_seed + r, args)
             res["load1"], res["process_seconds"] = round(load, 2), round(time.perf_counter() - t0, 1)
             runs[name].append(res)
-        line = " | ".join(f"{k} {v[-1]['samples_per_s']:.0f} samples/s ({v[-1]['seconds']:.1f}s, cpu {v[-1]['cpu_seconds']:.1f}s, "
-                          f"last-5 reward {common.tail_mean(v[-1]['rewards']):.3f}, held-out {v[-1]['accuracy']:.3f})" for k, v in runs.items())
+        line = " | ".join(
+            f"{k} {v[-1]['samples_per_s']:.0f} samples/s ({v[-1]['seconds']:.1f}s, cpu {v[-1]['cpu_seconds']:.1f}s, "
+            f"last-5 reward {common.tail_mean(v[-1]['rewards']):.3f}, held-out {v[-1]['accuracy']:.3f})"
+            for k, v in runs.items()
+        )
         print(f"repeat {r}: {line}", flush=True)
     common.write_result(summarize(runs, args, acc_before), quick=args.quick)
 
@@ -183,17 +238,23 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, acc_before:
 
     def side(name: str) -> dict:
         rs = runs[name]
-        out = {"samples_per_s": common.spread([x["samples_per_s"] for x in rs]),
-               "seconds": common.spread([x["seconds"] for x in rs]),
-               "cpu_ms_per_sample": common.spread([1e3 * x["cpu_seconds"] / x["samples"] for x in rs]),
-               "final_reward": common.spread([common.tail_mean(x["rewards"]) for x in rs]),
-               "held_out_accuracy": common.spread([x["accuracy"] for x in rs]),
-               "completion_len_mean": mean_len([v for x in rs for v in x.get("completion_len", [])]),
-               "completion_len_max_per_step": mean_len([v for x in rs for v in x.get("completion_len_max", [])]),
-               "load1_at_start": [x["load1"] for x in rs], "process_seconds": [x["process_seconds"] for x in rs],
-               "reward_curves": [[round(v, 3) for v in x["rewards"]] for x in rs], "torch_threads": rs[0]["threads"]}
+        out = {
+            "samples_per_s": common.spread([x["samples_per_s"] for x in rs]),
+            "seconds": common.spread([x["seconds"] for x in rs]),
+            "cpu_ms_per_sample": common.spread([1e3 * x["cpu_seconds"] / x["samples"] for x in rs]),
+            "final_reward": common.spread([common.tail_mean(x["rewards"]) for x in rs]),
+            "held_out_accuracy": common.spread([x["accuracy"] for x in rs]),
+            "completion_len_mean": mean_len([v for x in rs for v in x.get("completion_len", [])]),
+            "completion_len_max_per_step": mean_len([v for x in rs for v in x.get("completion_len_max", [])]),
+            "load1_at_start": [x["load1"] for x in rs],
+            "process_seconds": [x["process_seconds"] for x in rs],
+            "reward_curves": [[round(v, 3) for v in x["rewards"]] for x in rs],
+            "torch_threads": rs[0]["threads"],
+        }
         if "phase_s_per_step" in rs[0]:
-            out["phase_s_per_step"] = {k: round(statistics.median(x["phase_s_per_step"][k] for x in rs), 4) for k in rs[0]["phase_s_per_step"]}
+            out["phase_s_per_step"] = {
+                k: round(statistics.median(x["phase_s_per_step"][k] for x in rs), 4) for k in rs[0]["phase_s_per_step"]
+            }
         return out
 
     s = ratio("relayrl") if "relayrl" in runs else {"median": None, "min": None, "max": None, "values": []}
@@ -203,25 +264,43 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, acc_before:
     if {"relayrl_async", "trl_2threads"} <= set(runs):
         extra["ratio_async_vs_trl_2threads"] = ratio("relayrl_async", "trl_2threads")
     if "relayrl" in runs:  # CPU seconds per sample, TRL / relayrl: less sensitive to a busy machine than wall time
-        extra["cpu_efficiency_ratio"] = common.spread([y["cpu_seconds"] / y["samples"] / (x["cpu_seconds"] / x["samples"])
-                                                       for x, y in zip(runs["relayrl"], runs["trl"], strict=True)])
+        extra["cpu_efficiency_ratio"] = common.spread(
+            [
+                y["cpu_seconds"] / y["samples"] / (x["cpu_seconds"] / x["samples"])
+                for x, y in zip(runs["relayrl"], runs["trl"], strict=True)
+            ]
+        )
     w = common.WORKLOADS[args.task]
     return {
-        "name": args.name, "task": args.task,
-        "ratio": s["median"], "ratio_min": s["min"], "ratio_max": s["max"], "ratios": s["values"],
+        "name": args.name,
+        "task": args.task,
+        "ratio": s["median"],
+        "ratio_min": s["min"],
+        "ratio_max": s["max"],
+        "ratios": s["values"],
         "ratio_is": "relayrl (synchronous, one torch thread, relayrl train's defaults) / TRL (one torch thread) samples/s",
-        **extra, "goal": "relayrl >= 3x TRL samples/s with reward no worse",
+        **extra,
+        "goal": "relayrl >= 3x TRL samples/s with reward no worse",
         # 0.03 ~ 1.5 standard errors of an accuracy near 0.45 over 200 prompts x 4 samples
         "reward_no_worse": {k: acc[k] >= acc["trl"] - 0.03 for k in runs if k.startswith("relayrl")},
-        "held_out_accuracy_before": round(acc_before, 4), **result,
-        "settings": {**common.RL, "max_new_tokens": w["max_new_tokens"], "steps": args.steps, "repeats": args.repeats,
-                     "seeds": [args.first_seed + r for r in range(args.repeats)],
-                     "sides": list(runs), "model": common.BENCH_MODEL, "task": w["task"], "sft": w["sft"],
-                     "relayrl": "Trainer, eta=0 (relayrl_async: eta=1), LocalEngine, actor.loss=ppo, actor.recompute_logp=false",
-                     "trl": f"trl GRPOTrainer, fp32, no grad checkpointing, per_device_train_batch_size=prompts*group, "
-                            f"num_iterations=1, steps_per_generation=1, beta=0, loss_type=dapo, scale_rewards=group, logging_steps=1, "
-                            f"shuffle_dataset=False (both sides read common.rl_rows' order: the same prompts every step), "
-                            f"{'transformers continuous batching' if args.trl_cb else 'HF generate with KV cache'}"},
+        "held_out_accuracy_before": round(acc_before, 4),
+        **result,
+        "settings": {
+            **common.RL,
+            "max_new_tokens": w["max_new_tokens"],
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "seeds": [args.first_seed + r for r in range(args.repeats)],
+            "sides": list(runs),
+            "model": common.BENCH_MODEL,
+            "task": w["task"],
+            "sft": w["sft"],
+            "relayrl": "Trainer, eta=0 (relayrl_async: eta=1), LocalEngine, actor.loss=ppo, actor.recompute_logp=false",
+            "trl": f"trl GRPOTrainer, fp32, no grad checkpointing, per_device_train_batch_size=prompts*group, "
+            f"num_iterations=1, steps_per_generation=1, beta=0, loss_type=dapo, scale_rewards=group, logging_steps=1, "
+            f"shuffle_dataset=False (both sides read common.rl_rows' order: the same prompts every step), "
+            f"{'transformers continuous batching' if args.trl_cb else 'HF generate with KV cache'}",
+        },
     }
 
 

@@ -96,8 +96,10 @@ def measure_relayrl(ckpt: str, seed: int, steps: int, task: str = "arithmetic") 
         trainer.close()
     rows = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "perf/step_seconds" in r]
-    phases = {k.removeprefix("timing/"): statistics.mean(r.get(k, 0.0) for r in rows)
-              for k in sorted({k for r in rows for k in r if k.startswith("timing/")})}
+    phases = {
+        k.removeprefix("timing/"): statistics.mean(r.get(k, 0.0) for r in rows)
+        for k in sorted({k for r in rows for k in r if k.startswith("timing/")})
+    }
     return {"wall": wall, "compute": dict(clock.seconds), "phases": phases}
 
 
@@ -105,7 +107,9 @@ def measure_trl(ckpt: str, seed: int, steps: int, task: str = "arithmetic") -> d
     import grpo_vs_trl
 
     clock = install()
-    res = grpo_vs_trl.run_trl(ckpt, str(common.CACHE / f"overhead-{task}" / f"trl-{seed}"), seed, steps, evaluate_after=False, workload=task)
+    res = grpo_vs_trl.run_trl(
+        ckpt, str(common.CACHE / f"overhead-{task}" / f"trl-{seed}"), seed, steps, evaluate_after=False, workload=task
+    )
     return {"wall": res["seconds"], "compute": dict(clock.seconds)}
 
 
@@ -113,7 +117,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--task", default="arithmetic", choices=sorted(common.WORKLOADS), help="the grpo_vs_trl workload (result: overhead_<task> unless arithmetic)")
+    ap.add_argument(
+        "--task",
+        default="arithmetic",
+        choices=sorted(common.WORKLOADS),
+        help="the grpo_vs_trl workload (result: overhead_<task> unless arithmetic)",
+    )
     ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
     args = ap.parse_args()
     if args.quick:
@@ -126,7 +135,10 @@ def main() -> None:
             res = common.in_child(fn, ckpt, r, args.steps, args.task)
             res["share"] = 1.0 - sum(res["compute"].values()) / res["wall"]
             runs[name].append(res)
-        print(f"repeat {r}: overhead share relayrl {runs['relayrl'][-1]['share']:.1%}, TRL {runs['trl'][-1]['share']:.1%}", flush=True)
+        print(
+            f"repeat {r}: overhead share relayrl {runs['relayrl'][-1]['share']:.1%}, TRL {runs['trl'][-1]['share']:.1%}",
+            flush=True,
+        )
 
     def per_step(name: str) -> dict[str, float]:
         rs = runs[name]
@@ -139,15 +151,29 @@ def main() -> None:
     rel = common.spread([x["share"] for x in runs["relayrl"]])
     trl = common.spread([x["share"] for x in runs["trl"]])
     phases = runs["relayrl"][len(runs["relayrl"]) // 2]["phases"]
-    common.write_result({
-        "name": "overhead" if args.task == "arithmetic" else f"overhead_{args.task}", "task": args.task, "figure": rel["median"], "figure_is": "relayrl: share of a step outside model compute",
-        "ratio_min": rel["min"], "ratio_max": rel["max"],  # spread of the figure (the table reads these keys)
-        "relayrl_share": rel, "trl_share": trl,
-        "relayrl_s_per_step": per_step("relayrl"), "trl_s_per_step": per_step("trl"),
-        "relayrl_phases_s_per_step": {k: round(v, 4) for k, v in phases.items()},
-        "settings": {**common.RL, "max_new_tokens": common.WORKLOADS[args.task]["max_new_tokens"], "steps": args.steps, "repeats": args.repeats,
-                     "compute": "LocalEngine._step / GenerationMixin.generate, Qwen2ForCausalLM.forward, Tensor.backward, AdamW.step"},
-    }, quick=args.quick)
+    common.write_result(
+        {
+            "name": "overhead" if args.task == "arithmetic" else f"overhead_{args.task}",
+            "task": args.task,
+            "figure": rel["median"],
+            "figure_is": "relayrl: share of a step outside model compute",
+            "ratio_min": rel["min"],
+            "ratio_max": rel["max"],  # spread of the figure (the table reads these keys)
+            "relayrl_share": rel,
+            "trl_share": trl,
+            "relayrl_s_per_step": per_step("relayrl"),
+            "trl_s_per_step": per_step("trl"),
+            "relayrl_phases_s_per_step": {k: round(v, 4) for k, v in phases.items()},
+            "settings": {
+                **common.RL,
+                "max_new_tokens": common.WORKLOADS[args.task]["max_new_tokens"],
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "compute": "LocalEngine._step / GenerationMixin.generate, Qwen2ForCausalLM.forward, Tensor.backward, AdamW.step",
+            },
+        },
+        quick=args.quick,
+    )
 
 
 if __name__ == "__main__":

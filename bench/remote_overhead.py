@@ -55,8 +55,10 @@ def _bursts(engine: object, bursts: int, burst: int, max_new: int, tag: str) -> 
 
     async def go() -> None:
         for b in range(bursts):
-            reqs = [ModelRequest(f"{tag}-{b}-{i}", [3, 10 + i % 60, 11 + (i * 7) % 60, 12, 13, 14, 15, 4], g)
-                    for i in range(burst)]
+            reqs = [
+                ModelRequest(f"{tag}-{b}-{i}", [3, 10 + i % 60, 11 + (i * 7) % 60, 12, 13, 14, 15, 4], g)
+                for i in range(burst)
+            ]
             outs = await asyncio.gather(*(engine.agenerate(r) for r in reqs))  # type: ignore[attr-defined]
             assert all(o.output_len == max_new for o in outs)
 
@@ -81,7 +83,10 @@ def main() -> None:
     local.initialize()
     group = launch_servers(1, model="tiny", threads=1, overrides=[f"inference.max_batch_size={args.burst}"])
     server = psutil.Process(group.procs[0].pid)
-    engines = {w: RemoteEngine(InferenceConfig(backend="remote", addresses=group.addresses, batch_window_ms=w)) for w in windows}
+    engines = {
+        w: RemoteEngine(InferenceConfig(backend="remote", addresses=group.addresses, batch_window_ms=w))
+        for w in windows
+    }
     rows: dict[str, list[dict[str, float]]] = {"local": [], **{f"window={w:g}ms": [] for w in windows}}
     try:
         for e in engines.values():
@@ -95,10 +100,18 @@ def main() -> None:
             for w, e in engines.items():
                 c0, s0 = _cpu_self(), _cpu_of(server)
                 wall = _bursts(e, args.bursts, args.burst, args.max_new, f"r{rep}-{w}")
-                rows[f"window={w:g}ms"].append({"client_ms": 1e3 * (_cpu_self() - c0) / n,
-                                                "server_ms": 1e3 * (_cpu_of(server) - s0) / n, "wall_s": wall})
-            print(f"repeat {rep}: " + " | ".join(f"{k} " + ", ".join(f"{m} {v:.3f}" for m, v in r[-1].items())
-                                                  for k, r in rows.items()), flush=True)
+                rows[f"window={w:g}ms"].append(
+                    {
+                        "client_ms": 1e3 * (_cpu_self() - c0) / n,
+                        "server_ms": 1e3 * (_cpu_of(server) - s0) / n,
+                        "wall_s": wall,
+                    }
+                )
+            print(
+                f"repeat {rep}: "
+                + " | ".join(f"{k} " + ", ".join(f"{m} {v:.3f}" for m, v in r[-1].items()) for k, r in rows.items()),
+                flush=True,
+            )
     finally:
         for e in engines.values():
             e.destroy()
@@ -109,9 +122,19 @@ def main() -> None:
     for k, v in med.items():
         if k != "local":
             v["server_overhead_ms"] = round(v["server_ms"] - model_ms, 4)
-    result = {"name": "remote_overhead", "per_request": med, "loadavg": [round(x, 2) for x in os.getloadavg()],
-              "settings": {"bursts": args.bursts, "burst": args.burst, "max_new_tokens": args.max_new, "repeats": args.repeats,
-                           "model": "tiny", "torch_threads": 1}}
+    result = {
+        "name": "remote_overhead",
+        "per_request": med,
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "settings": {
+            "bursts": args.bursts,
+            "burst": args.burst,
+            "max_new_tokens": args.max_new,
+            "repeats": args.repeats,
+            "model": "tiny",
+            "torch_threads": 1,
+        },
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result), flush=True)

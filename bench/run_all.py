@@ -24,20 +24,69 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs" / "benchmarks.md"
 START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- table:end -->"
-ORDER = ["generation", "families", "decode_cost", "training", "serving", "grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6",
-         "grpo_vs_trl", "async_vs_sync", "async_vs_sync_count", "weight_sync", "overhead", "overhead_count", "gpu"]
-OPTIONAL = {"decode_cost", "grpo_vs_trl_count_async", "grpo_vs_trl_count_seeds3to6", "overhead_count", "async_vs_sync_count"}  # only with --only: run_all would take past ~15 minutes
-QUICK_ARGS = {"generation": ["--repeats", "1", "--models", "tiny"], "training": ["--repeats", "1"], "serving": ["--repeats", "1"]}
-NEW = {"grpo_vs_trl_count", "grpo_vs_trl_count_async", "grpo_vs_trl", "async_vs_sync", "async_vs_sync_count", "weight_sync", "overhead", "overhead_count", "gpu"}
+ORDER = [
+    "generation",
+    "families",
+    "decode_cost",
+    "training",
+    "serving",
+    "grpo_vs_trl_count",
+    "grpo_vs_trl_count_async",
+    "grpo_vs_trl_count_seeds3to6",
+    "grpo_vs_trl",
+    "async_vs_sync",
+    "async_vs_sync_count",
+    "weight_sync",
+    "overhead",
+    "overhead_count",
+    "gpu",
+]
+OPTIONAL = {
+    "decode_cost",
+    "grpo_vs_trl_count_async",
+    "grpo_vs_trl_count_seeds3to6",
+    "overhead_count",
+    "async_vs_sync_count",
+}  # only with --only: run_all would take past ~15 minutes
+QUICK_ARGS = {
+    "generation": ["--repeats", "1", "--models", "tiny"],
+    "training": ["--repeats", "1"],
+    "serving": ["--repeats", "1"],
+}
+NEW = {
+    "grpo_vs_trl_count",
+    "grpo_vs_trl_count_async",
+    "grpo_vs_trl",
+    "async_vs_sync",
+    "async_vs_sync_count",
+    "weight_sync",
+    "overhead",
+    "overhead_count",
+    "gpu",
+}
 SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
     "grpo_vs_trl_count": ("grpo_vs_trl", ["--task", "count"]),
-    "grpo_vs_trl_count_async": ("grpo_vs_trl", ["--task", "count", "--sides", "relayrl,relayrl_async,trl,trl_2threads", "--tag", "async"]),
-    "grpo_vs_trl_count_seeds3to6": ("grpo_vs_trl", ["--task", "count", "--repeats", "4", "--first-seed", "3", "--tag", "seeds3to6"]),
+    "grpo_vs_trl_count_async": (
+        "grpo_vs_trl",
+        ["--task", "count", "--sides", "relayrl,relayrl_async,trl,trl_2threads", "--tag", "async"],
+    ),
+    "grpo_vs_trl_count_seeds3to6": (
+        "grpo_vs_trl",
+        ["--task", "count", "--repeats", "4", "--first-seed", "3", "--tag", "seeds3to6"],
+    ),
     "overhead_count": ("overhead", ["--task", "count", "--steps", "8"]),
     "async_vs_sync_count": ("async_vs_sync", ["--task", "count", "--steps", "12"]),
 }
-RL_BENCHES = {"grpo_vs_trl_count": "count", "grpo_vs_trl_count_async": "count", "grpo_vs_trl_count_seeds3to6": "count", "grpo_vs_trl": "arithmetic",
-              "async_vs_sync": "arithmetic", "async_vs_sync_count": "count", "overhead": "arithmetic", "overhead_count": "count"}  # benchmark -> the SFT warm start it needs
+RL_BENCHES = {
+    "grpo_vs_trl_count": "count",
+    "grpo_vs_trl_count_async": "count",
+    "grpo_vs_trl_count_seeds3to6": "count",
+    "grpo_vs_trl": "arithmetic",
+    "async_vs_sync": "arithmetic",
+    "async_vs_sync_count": "count",
+    "overhead": "arithmetic",
+    "overhead_count": "count",
+}  # benchmark -> the SFT warm start it needs
 
 
 def run(name: str, args: list[str]) -> tuple[dict | None, float]:
@@ -45,8 +94,14 @@ def run(name: str, args: list[str]) -> tuple[dict | None, float]:
     print(f"\n=== {name} {' '.join(args)}", flush=True)
     t0 = time.monotonic()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, str(BENCH / f"{name}.py"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=BENCH.parent)
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / f"{name}.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=BENCH.parent,
+    )
     last = ""
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -82,52 +137,86 @@ def describe(r: dict) -> tuple[str, str, str]:
     """(what the headline number is, goal, key figures) of one result."""
     n = r["name"]
     if n == "generation":
-        models = ", ".join(f"{m}: {v['engine_tok_s']:.0f} vs {v['generate_tok_s']:.0f} tok/s" for m, v in r["models"].items())
+        models = ", ".join(
+            f"{m}: {v['engine_tok_s']:.0f} vs {v['generate_tok_s']:.0f} tok/s" for m, v in r["models"].items()
+        )
         return "LocalEngine ÷ HF `generate` tokens/s (worst model)", "–", models
     if n == "families":
         per = ", ".join(f"{m} {v * 1e3:.1f}" for m, v in r["models"].items())
-        return ("mean \\|Δ logprob\\| ×1e3, LocalEngine vs train engine in bf16, 12 tiny HF families", "–", f"{r['device']}: {per}")
+        return (
+            "mean \\|Δ logprob\\| ×1e3, LocalEngine vs train engine in bf16, 12 tiny HF families",
+            "–",
+            f"{r['device']}: {per}",
+        )
     if n == "decode_cost":
-        models = "; ".join(f"{m}: measured {v['ratio']:.2f}, engine {v['engine']['seconds']:.2f}s = prefill {v['engine']['prefill']:.2f} "
-                           f"+ decode {v['engine']['decode']:.2f} + other {v['engine']['other']:.2f}, step {v['fixed_ms']:.1f} ms "
-                           f"+ {v['per_row_ms']:.2f} ms/row" for m, v in r["models"].items())
+        models = "; ".join(
+            f"{m}: measured {v['ratio']:.2f}, engine {v['engine']['seconds']:.2f}s = prefill {v['engine']['prefill']:.2f} "
+            f"+ decode {v['engine']['decode']:.2f} + other {v['engine']['other']:.2f}, step {v['fixed_ms']:.1f} ms "
+            f"+ {v['per_row_ms']:.2f} ms/row"
+            for m, v in r["models"].items()
+        )
         return "LocalEngine ÷ HF `generate` with zero engine overhead (worst model; `--only decode_cost`)", "–", models
     if n == "training":
-        return ("packed ÷ padded train tokens/s", "–",
-                f"{r['packed_tokens_per_s']:.0f} vs {r['padded_tokens_per_s']:.0f} tok/s; pad fraction {r['padded_pad_fraction']:.0%}")
+        return (
+            "packed ÷ padded train tokens/s",
+            "–",
+            f"{r['packed_tokens_per_s']:.0f} vs {r['padded_tokens_per_s']:.0f} tok/s; pad fraction {r['padded_pad_fraction']:.0%}",
+        )
     if n == "serving":
-        return ("`relayrl serve` ÷ in-process tokens/s", "≥ 0.85",
-                f"{r['server_tokens_per_s']:.0f} vs {r['local_tokens_per_s']:.0f} tok/s; p50 {r['latency_p50_s']:.2f}s, p99 {r['latency_p99_s']:.2f}s")
+        return (
+            "`relayrl serve` ÷ in-process tokens/s",
+            "≥ 0.85",
+            f"{r['server_tokens_per_s']:.0f} vs {r['local_tokens_per_s']:.0f} tok/s; p50 {r['latency_p50_s']:.2f}s, p99 {r['latency_p99_s']:.2f}s",
+        )
     if n.startswith("grpo_vs_trl"):
         return describe_grpo(r)
     if n.startswith("async_vs_sync"):
         s, a = r["sync"], r["async"]
-        unpinned = (f"; unpinned {r['ratio_unpinned']:.2f} (ceiling {_med(r, 'overlap_ceiling_unpinned'):.2f})"
-                    if "ratio_unpinned" in r else "")
+        unpinned = (
+            f"; unpinned {r['ratio_unpinned']:.2f} (ceiling {_med(r, 'overlap_ceiling_unpinned'):.2f})"
+            if "ratio_unpinned" in r
+            else ""
+        )
         share = f" ({r['ratio_of_ceiling']:.0%} of it)" if "ratio_of_ceiling" in r else ""
         pinned = "pinned cores" if r.get("pinned") else "cores shared"
-        return (f"sync ÷ async wall time (server process, η = 2, {r.get('task', 'arithmetic')}; {pinned})", "≥ 0.9 × ceiling",
-                f"{_med(s, 'seconds'):.1f}s vs {_med(a, 'seconds'):.1f}s for {s['samples']} samples; perfect-overlap ceiling "
-                f"{_med(r, 'overlap_ceiling'):.2f}{share}{unpinned}; held-out accuracy "
-                f"{_med(s, 'held_out_accuracy'):.2f} (sync) / {_med(a, 'held_out_accuracy'):.2f} (async)")
+        return (
+            f"sync ÷ async wall time (server process, η = 2, {r.get('task', 'arithmetic')}; {pinned})",
+            "≥ 0.9 × ceiling",
+            f"{_med(s, 'seconds'):.1f}s vs {_med(a, 'seconds'):.1f}s for {s['samples']} samples; perfect-overlap ceiling "
+            f"{_med(r, 'overlap_ceiling'):.2f}{share}{unpinned}; held-out accuracy "
+            f"{_med(s, 'held_out_accuracy'):.2f} (sync) / {_med(a, 'held_out_accuracy'):.2f} (async)",
+        )
     if n == "weight_sync":
         sec = r["seconds"]
-        return ("server (HTTP) ÷ LocalEngine seconds, ~30M model", "–",
-                f"LocalEngine {sec['local']['median']:.3f}s, server HTTP {sec['server_http']['median']:.3f}s, "
-                f"server disk {sec['server_disk']['median']:.3f}s, server broadcast (gloo) "
-                f"{sec.get('server_broadcast', {}).get('median', float('nan')):.3f}s ({r['settings']['bytes'] / 1e6:.0f} MB)")
+        return (
+            "server (HTTP) ÷ LocalEngine seconds, ~30M model",
+            "–",
+            f"LocalEngine {sec['local']['median']:.3f}s, server HTTP {sec['server_http']['median']:.3f}s, "
+            f"server disk {sec['server_disk']['median']:.3f}s, server broadcast (gloo) "
+            f"{sec.get('server_broadcast', {}).get('median', float('nan')):.3f}s ({r['settings']['bytes'] / 1e6:.0f} MB)",
+        )
     if n.startswith("overhead"):
+
         def step(side: str) -> str:
             s = r[f"{side}_s_per_step"]
-            return (f"{s['step'] * 1e3:.0f} ms = generation {s.get('generation', 0) * 1e3:.0f} + fwd/bwd/opt "
-                    f"{(s.get('forward', 0) + s.get('backward', 0) + s.get('optimizer', 0)) * 1e3:.0f} + overhead {s['overhead'] * 1e3:.0f}")
-        return (f"share of a relayrl step outside model compute ({r.get('task', 'arithmetic')})", "–",
-                f"share of a step outside model compute: relayrl {r['relayrl_share']['median']:.0%}, TRL "
-                f"{r['trl_share']['median']:.0%}; relayrl step {step('relayrl')}; TRL step {step('trl')}")
+            return (
+                f"{s['step'] * 1e3:.0f} ms = generation {s.get('generation', 0) * 1e3:.0f} + fwd/bwd/opt "
+                f"{(s.get('forward', 0) + s.get('backward', 0) + s.get('optimizer', 0)) * 1e3:.0f} + overhead {s['overhead'] * 1e3:.0f}"
+            )
+
+        return (
+            f"share of a relayrl step outside model compute ({r.get('task', 'arithmetic')})",
+            "–",
+            f"share of a step outside model compute: relayrl {r['relayrl_share']['median']:.0%}, TRL "
+            f"{r['trl_share']['median']:.0%}; relayrl step {step('relayrl')}; TRL step {step('trl')}",
+        )
     if n == "gpu":
-        return ("LocalEngine ÷ HF `generate` tokens/s, 0.5B bf16, 256 long-tailed requests", "≥ 5; batch-1 ≥ 50% roofline; MFU ≥ 35%",
-                f"{r['device']}: batch-1 decode {_f(r.get('batch1_roofline'), '{:.0%}')} of the HBM roofline, training packed ÷ "
-                f"padded {_f(r.get('training_ratio'))}, train MFU {_f(r.get('train_mfu'), '{:.1%}')}")
+        return (
+            "LocalEngine ÷ HF `generate` tokens/s, 0.5B bf16, 256 long-tailed requests",
+            "≥ 5; batch-1 ≥ 50% roofline; MFU ≥ 35%",
+            f"{r['device']}: batch-1 decode {_f(r.get('batch1_roofline'), '{:.0%}')} of the HBM roofline, training packed ÷ "
+            f"padded {_f(r.get('training_ratio'))}, train MFU {_f(r.get('train_mfu'), '{:.1%}')}",
+        )
     return "ratio", "–", ""
 
 
@@ -135,25 +224,37 @@ def describe_grpo(r: dict) -> tuple[str, str, str]:
     """grpo_vs_trl (short answers) and grpo_vs_trl_count (long-tailed completion lengths)."""
     rel, trl = r["relayrl"], r["trl"]
     sides = []
-    for key, label in [("ratio_inline_reward", "reward fn inline"), ("ratio_relayrl_inline", "reward fn inline"),
-                       ("ratio_relayrl_async", "relayrl η = 1 ÷ TRL"), ("ratio_async_vs_trl_2threads", "relayrl η = 1 ÷ TRL 2 threads"),
-                       ("ratio_trl_2threads", "TRL 2 threads ÷ 1 thread")]:
+    for key, label in [
+        ("ratio_inline_reward", "reward fn inline"),
+        ("ratio_relayrl_inline", "reward fn inline"),
+        ("ratio_relayrl_async", "relayrl η = 1 ÷ TRL"),
+        ("ratio_async_vs_trl_2threads", "relayrl η = 1 ÷ TRL 2 threads"),
+        ("ratio_trl_2threads", "TRL 2 threads ÷ 1 thread"),
+    ]:
         if key in r:
-            sides.append(f"{label}: **{_med(r, key):.2f}**" if key != "ratio_trl_2threads" else f"{label}: {_med(r, key):.2f}")
+            sides.append(
+                f"{label}: **{_med(r, key):.2f}**" if key != "ratio_trl_2threads" else f"{label}: {_med(r, key):.2f}"
+            )
     cpu = f"CPU per sample TRL ÷ relayrl {_med(r, 'cpu_efficiency_ratio'):.2f}; " if "cpu_efficiency_ratio" in r else ""
     lengths = ""
     if rel.get("completion_len_mean") and trl.get("completion_len_max_per_step"):
         lengths = f"completion length mean {trl['completion_len_mean']:.0f}, longest per step {trl['completion_len_max_per_step']:.0f} tokens; "
-    what = ("relayrl ÷ TRL `GRPOTrainer` samples/s, long-tailed completions (count)" if r.get("task") == "count"
-            else "relayrl ÷ TRL `GRPOTrainer` samples/s, short answers (arithmetic)")
+    what = (
+        "relayrl ÷ TRL `GRPOTrainer` samples/s, long-tailed completions (count)"
+        if r.get("task") == "count"
+        else "relayrl ÷ TRL `GRPOTrainer` samples/s, short answers (arithmetic)"
+    )
     if "relayrl_async" in r:
         what += ", with relayrl η = 1 and TRL 2 threads (`--only grpo_vs_trl_count_async`)"
     elif r["settings"].get("seeds", [0])[0]:
         what += f", seeds {r['settings']['seeds'][0]}-{r['settings']['seeds'][-1]} (`--only {r['name']}`)"
-    return (what, "≥ 3, reward no worse",
-            f"{_med(rel, 'samples_per_s'):.0f} vs {_med(trl, 'samples_per_s'):.0f} samples/s; {'; '.join(sides) + '; ' if sides else ''}"
-            f"{cpu}{lengths}held-out accuracy {r['held_out_accuracy_before']:.2f} → {_med(rel, 'held_out_accuracy'):.2f} (relayrl) / "
-            f"{_med(trl, 'held_out_accuracy'):.2f} (TRL); last-5 train reward {_med(rel, 'final_reward'):.2f} / {_med(trl, 'final_reward'):.2f}")
+    return (
+        what,
+        "≥ 3, reward no worse",
+        f"{_med(rel, 'samples_per_s'):.0f} vs {_med(trl, 'samples_per_s'):.0f} samples/s; {'; '.join(sides) + '; ' if sides else ''}"
+        f"{cpu}{lengths}held-out accuracy {r['held_out_accuracy_before']:.2f} → {_med(rel, 'held_out_accuracy'):.2f} (relayrl) / "
+        f"{_med(trl, 'held_out_accuracy'):.2f} (TRL); last-5 train reward {_med(rel, 'final_reward'):.2f} / {_med(trl, 'final_reward'):.2f}",
+    )
 
 
 def render_table(results_dir: Path) -> str:
@@ -163,8 +264,10 @@ def render_table(results_dir: Path) -> str:
         if isinstance(r, dict) and "name" in r and r["name"] != "run_all":
             results[r["name"]] = r
     timing = json.loads((results_dir / "run_all.json").read_text()) if (results_dir / "run_all.json").exists() else {}
-    rows = ["| benchmark | headline number | median | spread (min–max) | goal | key figures | load avg | s |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| benchmark | headline number | median | spread (min–max) | goal | key figures | load avg | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name in sorted(results, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER)):
         r = results[name]
         what, goal, key = describe(r)
@@ -172,8 +275,14 @@ def render_table(results_dir: Path) -> str:
         spread = f"{_f(r.get('ratio_min'))}–{_f(r.get('ratio_max'))}" if "ratio_min" in r else "–"
         load = "–" if "loadavg" not in r else f"{r['loadavg'][0]:.1f}"
         secs = timing.get("seconds", {}).get(name)
-        rows.append(f"| `{name}` | {what} | **{_f(head)}** | {spread} | {goal} | {key} | {load} | {_f(secs, '{:.0f}')} |")
-    total = f"\n\nLast full run: {timing['total_seconds'] / 60:.1f} minutes ({timing.get('date', '')})." if timing.get("total_seconds") else ""
+        rows.append(
+            f"| `{name}` | {what} | **{_f(head)}** | {spread} | {goal} | {key} | {load} | {_f(secs, '{:.0f}')} |"
+        )
+    total = (
+        f"\n\nLast full run: {timing['total_seconds'] / 60:.1f} minutes ({timing.get('date', '')})."
+        if timing.get("total_seconds")
+        else ""
+    )
     return "\n".join(rows) + total
 
 
@@ -200,7 +309,11 @@ def main() -> None:
     if args.docs_only:
         write_docs(common.results_dir())
         return
-    names = args.only.split(",") if args.only else [n for n in ORDER if n not in OPTIONAL and not (args.quick and n not in NEW)]
+    names = (
+        args.only.split(",")
+        if args.only
+        else [n for n in ORDER if n not in OPTIONAL and not (args.quick and n not in NEW)]
+    )
     names = [n for n in names if n not in args.skip.split(",")]
     import torch
 
@@ -220,8 +333,14 @@ def main() -> None:
         if result is None:
             failed.append(name)
     total = time.monotonic() - t0
-    summary = {"name": "run_all", "seconds": {k: round(v, 1) for k, v in seconds.items()}, "total_seconds": round(total, 1),
-               "failed": failed, "loadavg": [round(x, 2) for x in os.getloadavg()], "date": time.strftime("%Y-%m-%d %H:%M")}
+    summary = {
+        "name": "run_all",
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "total_seconds": round(total, 1),
+        "failed": failed,
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     out = common.results_dir(args.quick)
     out.mkdir(parents=True, exist_ok=True)
     if args.only and (out / "run_all.json").exists():  # a partial run updates its rows, keeps the full run's total

@@ -64,7 +64,9 @@ def main() -> None:
             tps, lats = asyncio.run(_load(remote, args.concurrency, args.max_new, f"r{rep}"))
             remote_tps.append(tps)
             lat += lats
-            print(f"repeat {rep}: local {local_tps[-1]:.0f} tok/s, server {tps:.0f} tok/s, ratio {tps / local_tps[-1]:.3f}")
+            print(
+                f"repeat {rep}: local {local_tps[-1]:.0f} tok/s, server {tps:.0f} tok/s, ratio {tps / local_tps[-1]:.3f}"
+            )
     finally:
         remote.destroy()
         group.shutdown()
@@ -80,8 +82,13 @@ def main() -> None:
         "latency_p50_s": round(_pct(lat, 0.50), 4),
         "latency_p99_s": round(_pct(lat, 0.99), 4),
         "goal": "ratio >= 0.85 (HTTP costs <= 15% throughput)",
-        "settings": {"model": args.model, "concurrency": args.concurrency, "max_new_tokens": args.max_new,
-                     "repeats": args.repeats, "torch_threads": 1},
+        "settings": {
+            "model": args.model,
+            "concurrency": args.concurrency,
+            "max_new_tokens": args.max_new,
+            "repeats": args.repeats,
+            "torch_threads": 1,
+        },
     }
     out = Path(__file__).parent / "results" / "serving.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,12 @@ def make_batch(lengths: list[int], seed: int, vocab: int) -> dict:
     attn = torch.arange(seqlen)[None] < torch.tensor(lengths)[:, None]
     loss = attn.clone()
     loss[:, :16] = False
-    return {"input_ids": ids * attn, "attention_mask": attn, "loss_mask": loss, "advantages": torch.randn(bsz, seqlen, generator=g) * attn}
+    return {
+        "input_ids": ids * attn,
+        "attention_mask": attn,
+        "loss_mask": loss,
+        "advantages": torch.randn(bsz, seqlen, generator=g) * attn,
+    }
 
 
 def padded_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -139,16 +144,26 @@ def main() -> None:
     out = {
         "name": "training",
         "ratio": med["packed"] / med["padded"],
-        "ratio_min": min(ratios), "ratio_max": max(ratios),
-        "packed_tokens_per_s": med["packed"], "padded_tokens_per_s": med["padded"],
-        "packed_rates": results["packed"]["rates"], "padded_rates": results["padded"]["rates"],
-        "packed_peak_rss_mb": results["packed"]["peak_rss_mb"], "padded_peak_rss_mb": results["padded"]["peak_rss_mb"],
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "packed_tokens_per_s": med["packed"],
+        "padded_tokens_per_s": med["padded"],
+        "packed_rates": results["packed"]["rates"],
+        "padded_rates": results["padded"]["rates"],
+        "packed_peak_rss_mb": results["packed"]["peak_rss_mb"],
+        "padded_peak_rss_mb": results["padded"]["peak_rss_mb"],
         "padded_pad_fraction": 1 - sum(lengths) / pad_tokens,
-        "settings": {**vars(args), "lengths": "lognormal(4.6, 0.7) clamped to [20, 512]", "mean_len": statistics.mean(lengths)},
+        "settings": {
+            **vars(args),
+            "lengths": "lognormal(4.6, 0.7) clamped to [20, 512]",
+            "mean_len": statistics.mean(lengths),
+        },
     }
-    print(f"packed {med['packed']:.0f} tok/s vs padded {med['padded']:.0f} tok/s: {out['ratio']:.2f}x "
-          f"(range {out['ratio_min']:.2f}-{out['ratio_max']:.2f}); pad fraction {out['padded_pad_fraction']:.0%}; "
-          f"peak RSS packed {out['packed_peak_rss_mb']:.0f} MB, padded {out['padded_peak_rss_mb']:.0f} MB")
+    print(
+        f"packed {med['packed']:.0f} tok/s vs padded {med['padded']:.0f} tok/s: {out['ratio']:.2f}x "
+        f"(range {out['ratio_min']:.2f}-{out['ratio_max']:.2f}); pad fraction {out['padded_pad_fraction']:.0%}; "
+        f"peak RSS packed {out['packed_peak_rss_mb']:.0f} MB, padded {out['padded_peak_rss_mb']:.0f} MB"
+    )
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "training.json"), "w") as fh:
         json.dump(out, fh, indent=2)

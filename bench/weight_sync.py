@@ -72,8 +72,12 @@ def main() -> None:
     group = launch_servers(1, model=args.model, threads=1, overrides=[f"allowed_weight_roots=[{sync_dir}]"])
     try:
         for mode in ("http", "disk", "broadcast"):
-            cfg = InferenceConfig(backend="remote", addresses=group.addresses, weight_sync=mode,
-                                  weight_sync_dir=str(sync_dir) if mode == "disk" else "")
+            cfg = InferenceConfig(
+                backend="remote",
+                addresses=group.addresses,
+                weight_sync=mode,
+                weight_sync_dir=str(sync_dir) if mode == "disk" else "",
+            )
             remote = RemoteEngine(cfg)
             remote.initialize()
             times[f"server_{mode}"] = timed_pushes(trainer, remote, args.repeats)
@@ -87,14 +91,29 @@ def main() -> None:
     seconds = {k: common.spread(v) for k, v in times.items()}
     ratios = [h / lo for h, lo in zip(times["server_http"], times["local"], strict=True)]
     s = common.spread(ratios)
-    common.write_result({
-        "name": "weight_sync", "ratio": s["median"], "ratio_min": s["min"], "ratio_max": s["max"],
-        "ratio_is": "server (HTTP upload) seconds / LocalEngine seconds",
-        "seconds": seconds, "gb_per_s": {k: round(n_bytes / 1e9 / v["median"], 3) for k, v in seconds.items()},
-        "settings": {"model": args.model, "params": n_params, "bytes": n_bytes, "dtype": "float32", "repeats": args.repeats,
-                     "servers": 1, "server_threads": 1, "torch_threads": 1,
-                     "path": "TorchTrainEngine.update_weights(target): state_dict + clone + transfer + load + version check"},
-    }, quick=args.quick)
+    common.write_result(
+        {
+            "name": "weight_sync",
+            "ratio": s["median"],
+            "ratio_min": s["min"],
+            "ratio_max": s["max"],
+            "ratio_is": "server (HTTP upload) seconds / LocalEngine seconds",
+            "seconds": seconds,
+            "gb_per_s": {k: round(n_bytes / 1e9 / v["median"], 3) for k, v in seconds.items()},
+            "settings": {
+                "model": args.model,
+                "params": n_params,
+                "bytes": n_bytes,
+                "dtype": "float32",
+                "repeats": args.repeats,
+                "servers": 1,
+                "server_threads": 1,
+                "torch_threads": 1,
+                "path": "TorchTrainEngine.update_weights(target): state_dict + clone + transfer + load + version check",
+            },
+        },
+        quick=args.quick,
+    )
 
 
 if __name__ == "__main__":

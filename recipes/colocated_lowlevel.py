@@ -56,8 +56,10 @@ def main(overrides: list[str]) -> list[dict[str, float]]:
             actor_engine.update_weights(rollout)
         metrics = {"reward": float(batch["rewards"].mean()), **stats.export()}
         history.append(metrics)
-        print(f"step {step + 1}: reward {metrics['reward']:.3f}  loss {metrics.get('actor/loss', float('nan')):.4f}  "
-              f"lr {metrics['actor/lr']:.2e}")
+        print(
+            f"step {step + 1}: reward {metrics['reward']:.3f}  loss {metrics.get('actor/loss', float('nan')):.4f}  "
+            f"lr {metrics['actor/lr']:.2e}"
+        )
     rollout.destroy()
     return history
 

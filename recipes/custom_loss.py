@@ -23,21 +23,34 @@ from relayrl.trainer import train
 
 @register_loss("cispo")
 def cispo_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor, eps_clip: float = 0.2, eps_clip_higher: float | None = None,
-    agg_mode: str = "token-mean", norm_len: float = 0.0, **_: object,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    agg_mode: str = "token-mean",
+    norm_len: float = 0.0,
+    **_: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped, stop-gradient importance weight times the REINFORCE term, aggregated like PPO."""
     ratio = (logp.detach() - old_logp).clamp(-20.0, 20.0).exp()
     high = eps_clip if eps_clip_higher is None else eps_clip_higher
     weight = ratio.clamp(1.0 - eps_clip, 1.0 + high)
     loss = agg_loss(-weight * advantages * logp, loss_mask, cu_seqlens, agg_mode, norm_len)
-    return loss, {"clip_frac": masked_mean((weight != ratio).float(), loss_mask), "ratio_mean": masked_mean(ratio, loss_mask)}
+    return loss, {
+        "clip_frac": masked_mean((weight != ratio).float(), loss_mask),
+        "ratio_mean": masked_mean(ratio, loss_mask),
+    }
 
 
 def main(overrides: list[str]) -> dict[str, float]:
-    cfg = load_config(RunConfig, "recipes/algorithms/grpo.yaml",
-                      ["run_dir=runs/cispo", "actor.loss=cispo", "actor.eps_clip_higher=4.0", *overrides])
+    cfg = load_config(
+        RunConfig,
+        "recipes/algorithms/grpo.yaml",
+        ["run_dir=runs/cispo", "actor.loss=cispo", "actor.eps_clip_higher=4.0", *overrides],
+    )
     return train(cfg)
 
 

@@ -30,8 +30,16 @@ import openai
 
 # ------------------------------------------------------------------ the agent: openai only
 
-TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
-                                           "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate arithmetic.",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+    }
+]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -82,7 +90,11 @@ def demonstrations(rows: list[dict], seed: int) -> list[dict]:
         question, answer = row["messages"][0]["content"], str(row["answer"])
         if rng.random() < 0.5:
             call = '<tool_call>{"name":"calc","arguments":{"x":"' + question.rstrip("=") + '"}}</tool_call>'
-            turns = [{"role": "assistant", "content": call}, {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
+            turns = [
+                {"role": "assistant", "content": call},
+                {"role": "tool", "content": answer},
+                {"role": "assistant", "content": answer},
+            ]
         else:
             turns = [{"role": "assistant", "content": answer}]
         out.append({"messages": [{"role": "user", "content": question}, *turns], "tools": TOOLS})
@@ -115,18 +127,37 @@ def main(argv: list[str]) -> dict[str, float]:
     from relayrl.sft import run_sft
     from relayrl.trainer import Trainer
 
-    opts = dict(total_steps="40", seed="1", run_dir="runs/openai_agent", sft_steps="2000", sft_stop="0.4", n_eval="64",
-                warm_start="")
+    opts = dict(
+        total_steps="40",
+        seed="1",
+        run_dir="runs/openai_agent",
+        sft_steps="2000",
+        sft_stop="0.4",
+        n_eval="64",
+        warm_start="",
+    )
     opts.update(a.split("=", 1) for a in argv if a.split("=", 1)[0] in opts)
     rest = [a for a in argv if a.split("=", 1)[0] not in opts]
     seed, run_dir = int(opts["seed"]), opts["run_dir"]
     torch.manual_seed(seed)
     t0 = time.monotonic()
 
-    tok = tool_tokenizer("hermes", default_system="Use calc.", compact_tools=True)  # tools listed as calc(x): short prompts
-    cfg = AutoConfig.for_model("qwen2", vocab_size=len(tok), max_position_embeddings=512, tie_word_embeddings=True,
-                               hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
-                               num_key_value_heads=2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    tok = tool_tokenizer(
+        "hermes", default_system="Use calc.", compact_tools=True
+    )  # tools listed as calc(x): short prompts
+    cfg = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     train_rows, held_out = make_task("arithmetic", 2000, int(opts["n_eval"]), 2, seed=seed)
@@ -143,8 +174,10 @@ def main(argv: list[str]) -> dict[str, float]:
         engine.initialize()
         g = GenerationConfig(max_new_tokens=64, top_k=0, greedy=greedy)
         try:
+
             async def all_rows() -> list[float]:
                 return await asyncio.gather(*(episode(OpenAIClient(engine, tok, g), r) for r in rows))
+
             return sum(asyncio.run(all_rows())) / len(rows)
         finally:
             engine.destroy()
@@ -152,7 +185,10 @@ def main(argv: list[str]) -> dict[str, float]:
     # 1. warm start on mixed demonstrations, until greedy episodes on training prompts earn sft_stop
     def learned(step: int, policy: torch.nn.Module) -> bool:
         reward = held_out_reward(policy, train_rows[:32], greedy=True)
-        print(f"sft step {step}: greedy agent reward on training prompts {reward:.2f} (stop at {opts['sft_stop']})", flush=True)
+        print(
+            f"sft step {step}: greedy agent reward on training prompts {reward:.2f} (stop at {opts['sft_stop']})",
+            flush=True,
+        )
         return reward >= float(opts["sft_stop"])
 
     checkpoint = opts["warm_start"]  # an earlier run's run_dir/sft/final skips the warm start
@@ -160,32 +196,68 @@ def main(argv: list[str]) -> dict[str, float]:
         model = AutoModelForCausalLM.from_pretrained(checkpoint)
     else:
         sft = run_sft(
-            SFTConfig(run_dir=f"{run_dir}/sft", seed=seed, total_steps=int(opts["sft_steps"]), batch_size=32, log_every_n_steps=100,
-                      train=TrainEngineConfig(optimizer=OptimizerConfig(lr=3e-3, warmup_steps=20)),
-                      data=SFTDataConfig(max_seq_len=512), logging=LoggingConfig(tensorboard=False)),
-            tokenizer=tok, model=model, train_rows=demonstrations(train_rows, seed), stop_fn=learned,
+            SFTConfig(
+                run_dir=f"{run_dir}/sft",
+                seed=seed,
+                total_steps=int(opts["sft_steps"]),
+                batch_size=32,
+                log_every_n_steps=100,
+                train=TrainEngineConfig(optimizer=OptimizerConfig(lr=3e-3, warmup_steps=20)),
+                data=SFTDataConfig(max_seq_len=512),
+                logging=LoggingConfig(tensorboard=False),
+            ),
+            tokenizer=tok,
+            model=model,
+            train_rows=demonstrations(train_rows, seed),
+            stop_fn=learned,
         )
         checkpoint, model = str(sft.checkpoint), sft.model
     # 2. GRPO on the agent's own episodes, through the ordinary trainer (any key=value overrides these)
-    run = load_config(RunConfig, None, [
-        f"run_dir={run_dir}", f"seed={seed}", f"total_steps={opts['total_steps']}", f"model.path={checkpoint}",
-        "train.optimizer.lr=3e-4", "actor.adv_estimator=grpo", "actor.loss=ppo", "gconfig.max_new_tokens=64",
-        "gconfig.top_k=0", f"inference.seed={seed}", "inference.max_batch_size=256", "rollout.batch_size=16",
-        "rollout.group_size=4", "checkpoint.save_final=false", "logging.tensorboard=false", "logging.progress=lines",
-        "eval.every_n_steps=0", *rest,
-    ])
+    run = load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"seed={seed}",
+            f"total_steps={opts['total_steps']}",
+            f"model.path={checkpoint}",
+            "train.optimizer.lr=3e-4",
+            "actor.adv_estimator=grpo",
+            "actor.loss=ppo",
+            "gconfig.max_new_tokens=64",
+            "gconfig.top_k=0",
+            f"inference.seed={seed}",
+            "inference.max_batch_size=256",
+            "rollout.batch_size=16",
+            "rollout.group_size=4",
+            "checkpoint.save_final=false",
+            "logging.tensorboard=false",
+            "logging.progress=lines",
+            "eval.every_n_steps=0",
+            *rest,
+        ],
+    )
     before = held_out_reward(model, held_out)
-    trainer = Trainer(run, workflow=OpenAIAgentWorkflow(episode, tok, run.gconfig, timeout=120.0), reward_fn=lambda **_: 0.0,
-                      train_rows=train_rows, eval_rows=[])
+    trainer = Trainer(
+        run,
+        workflow=OpenAIAgentWorkflow(episode, tok, run.gconfig, timeout=120.0),
+        reward_fn=lambda **_: 0.0,
+        train_rows=train_rows,
+        eval_rows=[],
+    )
     try:
         last = trainer.fit()
         policy = copy.deepcopy(trainer.actor_engine.model)
     finally:
         trainer.close()
     after = held_out_reward(policy, held_out)
-    result = {"reward_before": round(before, 4), "reward_after": round(after, 4), "steps": int(opts["total_steps"]),
-              "train_reward_last": round(float(last.get("rollout/reward", float("nan"))), 4),
-              "seconds": round(time.monotonic() - t0, 1)}
+    result = {
+        "reward_before": round(before, 4),
+        "reward_after": round(after, 4),
+        "steps": int(opts["total_steps"]),
+        "train_reward_last": round(float(last.get("rollout/reward", float("nan"))), 4),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     print(json.dumps(result))
     return result
 

@@ -33,8 +33,11 @@ def reward_model(path: str, seed: int) -> TorchTrainEngine:
 
 def main(argv: list[str]) -> dict[str, float]:
     rm_path = next((a.split("=", 1)[1] for a in argv if a.startswith("rm=")), "tiny")
-    cfg = load_config(RunConfig, "recipes/algorithms/grpo.yaml",
-                      ["run_dir=runs/reward_model", *[a for a in argv if not a.startswith("rm=")]])
+    cfg = load_config(
+        RunConfig,
+        "recipes/algorithms/grpo.yaml",
+        ["run_dir=runs/reward_model", *[a for a in argv if not a.startswith("rm=")]],
+    )
     rm = reward_model(rm_path, cfg.seed)
     try:
         return train(cfg, reward_fn=rm.as_reward_fn())

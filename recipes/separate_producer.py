@@ -25,8 +25,11 @@ from relayrl.train.engine import TorchTrainEngine
 
 
 def main(overrides: list[str]) -> dict[str, float]:
-    cfg = load_config(RunConfig, None, [
-        "total_steps=4", "rollout.max_staleness=2", "actor.loss=decoupled_ppo", "eval.every_n_steps=2", *overrides])
+    cfg = load_config(
+        RunConfig,
+        None,
+        ["total_steps=4", "rollout.max_staleness=2", "actor.loss=decoupled_ppo", "eval.every_n_steps=2", *overrides],
+    )
     torch.set_num_threads(cfg.torch_threads)
     tokenizer = load_tokenizer(cfg.model)
     train_rows, eval_rows = wiring.load_rows(cfg, tokenizer)

@@ -14,10 +14,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="relayrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("config-reference", help="Print the reference of every config field (docs/config.md).")
-    sub.add_parser("serve", help="HTTP inference server (SGLang + OpenAI protocols) around LocalEngine.", add_help=False)
+    sub.add_parser(
+        "serve", help="HTTP inference server (SGLang + OpenAI protocols) around LocalEngine.", add_help=False
+    )
     sub.add_parser("sft", help="Supervised fine-tuning on prompt/completion data (SFTConfig).", add_help=False)
     sub.add_parser("train", help="RL training from a RunConfig YAML plus dotted overrides.", add_help=False)
-    sub.add_parser("eval", help="Evaluate a run directory's latest checkpoint (or a config's model) on held-out rows.", add_help=False)
+    sub.add_parser(
+        "eval",
+        help="Evaluate a run directory's latest checkpoint (or a config's model) on held-out rows.",
+        add_help=False,
+    )
     sub.add_parser("plot", help="PNG learning curves of one or more run directories.", add_help=False)
     sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
     sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
@@ -51,9 +57,14 @@ def _serve(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     overrides = [a for a in ns.args if a is not path]
-    for key, value in (("model.path", ns.model), ("host", ns.host), ("port", ns.port),
-                       ("admin_token", ns.admin_token), ("torch_threads", ns.threads),
-                       ("inference.device", ns.device)):
+    for key, value in (
+        ("model.path", ns.model),
+        ("host", ns.host),
+        ("port", ns.port),
+        ("admin_token", ns.admin_token),
+        ("torch_threads", ns.threads),
+        ("inference.device", ns.device),
+    ):
         if value is not None:
             overrides.append(f"{key}={value}")
     from relayrl.api.config import ConfigError, ServerConfig, load_config
@@ -69,11 +80,14 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
-
 def _sft(argv: list[str]) -> int:
     """``relayrl sft [CONFIG.yaml] [key=value ...]``: SFT, then one JSON line with the result."""
-    p = argparse.ArgumentParser(prog="relayrl sft", description="Supervised fine-tuning (SFTConfig); loss on completion tokens.")
-    p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as data.train_path=x.jsonl")
+    p = argparse.ArgumentParser(
+        prog="relayrl sft", description="Supervised fine-tuning (SFTConfig); loss on completion tokens."
+    )
+    p.add_argument(
+        "args", nargs="*", help="an optional YAML config, then dotted overrides such as data.train_path=x.jsonl"
+    )
     ns = p.parse_args(argv)
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     overrides = [a for a in ns.args if a is not path]
@@ -93,15 +107,29 @@ def _sft(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"relayrl sft: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"steps": res.steps, "loss": round(res.loss, 5), "eval_loss": res.eval_loss,
-                      "seconds": round(res.seconds, 1), "checkpoint": res.checkpoint, "run_dir": cfg.run_dir}))
+    print(
+        json.dumps(
+            {
+                "steps": res.steps,
+                "loss": round(res.loss, 5),
+                "eval_loss": res.eval_loss,
+                "seconds": round(res.seconds, 1),
+                "checkpoint": res.checkpoint,
+                "run_dir": cfg.run_dir,
+            }
+        )
+    )
     return 0
 
-def _config_args(prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], None] | None = None
-                 ) -> tuple[argparse.Namespace, str | None, list[str]]:
+
+def _config_args(
+    prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> tuple[argparse.Namespace, str | None, list[str]]:
     """Parse ``[CONFIG.yaml] [key=value ...]`` plus the options ``extra`` adds."""
     p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as train.optimizer.lr=1e-5")
+    p.add_argument(
+        "args", nargs="*", help="an optional YAML config, then dotted overrides such as train.optimizer.lr=1e-5"
+    )
     if extra is not None:
         extra(p)
     ns = p.parse_args(argv)
@@ -111,8 +139,13 @@ def _config_args(prog: str, argv: list[str], extra: Callable[[argparse.ArgumentP
 
 def _train(argv: list[str]) -> int:
     """``relayrl train CONFIG.yaml [key=value ...] [--recover]``."""
-    ns, path, overrides = _config_args("relayrl train", argv, lambda p: p.add_argument(
-        "--recover", action="store_true", help="resume from the run's latest checkpoint (recover=auto)"))
+    ns, path, overrides = _config_args(
+        "relayrl train",
+        argv,
+        lambda p: p.add_argument(
+            "--recover", action="store_true", help="resume from the run's latest checkpoint (recover=auto)"
+        ),
+    )
     if ns.recover:
         overrides.append("recover=auto")
     from relayrl.api.config import ConfigError, RunConfig, load_config
@@ -139,7 +172,14 @@ def _train(argv: list[str]) -> int:
     from relayrl.utils import dist as dist_utils
 
     if dist_utils.is_main():  # under torchrun: one summary line, from the driver
-        print(json.dumps({"run_dir": cfg.run_dir, **{k: last[k] for k in sorted(last) if k.startswith(("eval/", "rollout/reward"))}}))
+        print(
+            json.dumps(
+                {
+                    "run_dir": cfg.run_dir,
+                    **{k: last[k] for k in sorted(last) if k.startswith(("eval/", "rollout/reward"))},
+                }
+            )
+        )
     return 0
 
 
@@ -180,7 +220,9 @@ def _eval(argv: list[str]) -> int:
     engine.initialize()
     try:
         rows = rows[: cfg.eval.max_prompts or None]
-        workflow = wiring.make_workflow(cfg, tokenizer, wiring.reward_fn_for(cfg), cfg.eval.gconfig)  # the run's workflow
+        workflow = wiring.make_workflow(
+            cfg, tokenizer, wiring.reward_fn_for(cfg), cfg.eval.gconfig
+        )  # the run's workflow
         out = evaluate(engine, workflow, rows, cfg.eval.n_samples)
     finally:
         engine.destroy()
@@ -230,12 +272,18 @@ def _demo(argv: list[str]) -> int:
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test; learning not expected)")
-    p.add_argument("--async", dest="rl_async", action="store_true",
-                   help="GRPO with generation one version ahead; faster, not bitwise reproducible")
+    p.add_argument(
+        "--async",
+        dest="rl_async",
+        action="store_true",
+        help="GRPO with generation one version ahead; faster, not bitwise reproducible",
+    )
     ns = p.parse_args(argv)
     from relayrl.demo import DemoSettings, run_demo
 
-    run_demo(run_dir=ns.run_dir, seed=ns.seed, settings=DemoSettings.quick() if ns.quick else None, rl_async=ns.rl_async)
+    run_demo(
+        run_dir=ns.run_dir, seed=ns.seed, settings=DemoSettings.quick() if ns.quick else None, rl_async=ns.rl_async
+    )
     return 0
 
 

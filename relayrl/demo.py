@@ -59,7 +59,13 @@ Row = dict[str, object]
 
 # ~0.6M parameters: small enough that SFT + GRPO fit in minutes on 2 CPU cores, large enough
 # to learn 2-digit addition (the 5M ``tiny`` preset learns no faster per second on a CPU).
-DEMO_MODEL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+DEMO_MODEL = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 @dataclasses.dataclass
@@ -89,16 +95,32 @@ class DemoSettings:
     @classmethod
     def quick(cls) -> DemoSettings:
         """A smoke-test run (well under a minute); learning is not expected."""
-        return cls(n_train=256, n_eval=32, sft_steps=20, sft_probe_every=10, sft_batch_size=32,
-                   rl_steps=4, rl_prompts_per_step=4, rl_group_size=4, rl_eval_every=2, eval_samples=2)
+        return cls(
+            n_train=256,
+            n_eval=32,
+            sft_steps=20,
+            sft_probe_every=10,
+            sft_batch_size=32,
+            rl_steps=4,
+            rl_prompts_per_step=4,
+            rl_group_size=4,
+            rl_eval_every=2,
+            eval_samples=2,
+        )
 
 
 def build_demo_model(seed: int = 0) -> PreTrainedModel:
     """The demo's randomly initialised Qwen2-style model over the offline char tokenizer."""
     tok = build_tokenizer()
     cfg = AutoConfig.for_model(
-        "qwen2", vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **DEMO_MODEL,
+        "qwen2",
+        vocab_size=len(tok),
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        **DEMO_MODEL,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -116,15 +138,21 @@ def generation_copy(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def held_out_accuracy(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[Row], n_samples: int = 4,
-    max_new_tokens: int = 8, seed: int = 0,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[Row],
+    n_samples: int = 4,
+    max_new_tokens: int = 8,
+    seed: int = 0,
 ) -> dict[str, float]:
     """``sampled``: mean accuracy of ``n_samples`` temperature-1 samples per prompt;
     ``greedy``: accuracy of argmax decoding. Uses ``LocalEngine`` on a copy of ``model``."""
     from relayrl.inference.local import LocalEngine
     from relayrl.rollout.workflows.rlvr import RLVRWorkflow
 
-    engine = LocalEngine(InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=tokenizer)
+    engine = LocalEngine(
+        InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=tokenizer
+    )
     engine.initialize()
     reward_fn = task_reward_fn("arithmetic")
     try:
@@ -137,16 +165,30 @@ def held_out_accuracy(
 
 
 def warm_start(
-    s: DemoSettings, train: list[Row], held_out: list[Row], run_dir: Path, seed: int, logger: MetricLogger,
+    s: DemoSettings,
+    train: list[Row],
+    held_out: list[Row],
+    run_dir: Path,
+    seed: int,
+    logger: MetricLogger,
 ) -> SFTResult:
     """SFT on imperfect demonstrations of ``train`` (``s.error_rate`` of them wrong)."""
     cfg = SFTConfig(
-        run_dir=str(run_dir / "sft"), seed=seed, torch_threads=s.torch_threads, total_steps=s.sft_steps,
-        batch_size=s.sft_batch_size, log_every_n_steps=s.sft_probe_every, save_final=True,
+        run_dir=str(run_dir / "sft"),
+        seed=seed,
+        torch_threads=s.torch_threads,
+        total_steps=s.sft_steps,
+        batch_size=s.sft_batch_size,
+        log_every_n_steps=s.sft_probe_every,
+        save_final=True,
         model=ModelConfig(path="tiny"),
-        train=TrainEngineConfig(optimizer=OptimizerConfig(
-            lr=s.sft_lr, lr_schedule="constant", warmup_steps=s.sft_warmup_steps,
-        )),
+        train=TrainEngineConfig(
+            optimizer=OptimizerConfig(
+                lr=s.sft_lr,
+                lr_schedule="constant",
+                warmup_steps=s.sft_warmup_steps,
+            )
+        ),
         data=SFTDataConfig(task="arithmetic", difficulty=s.difficulty, error_rate=s.error_rate),
         logging=LoggingConfig(tensorboard=False),
     )
@@ -159,12 +201,24 @@ def warm_start(
         log.info("sft step %d: probe greedy accuracy %.2f (stop at %.2f)", step, acc["greedy"], s.sft_stop_greedy)
         return acc["greedy"] >= s.sft_stop_greedy
 
-    return run_sft(cfg, tokenizer=tokenizer, model=build_demo_model(seed), train_rows=demos,
-                   eval_rows=held_out[:64], logger=logger, stop_fn=learned)
+    return run_sft(
+        cfg,
+        tokenizer=tokenizer,
+        model=build_demo_model(seed),
+        train_rows=demos,
+        eval_rows=held_out[:64],
+        logger=logger,
+        stop_fn=learned,
+    )
 
 
 def grpo_stage(
-    s: DemoSettings, checkpoint: str, train: list[Row], held_out: list[Row], run_dir: Path, seed: int,
+    s: DemoSettings,
+    checkpoint: str,
+    train: list[Row],
+    held_out: list[Row],
+    run_dir: Path,
+    seed: int,
 ) -> PreTrainedModel:
     """GRPO from the SFT checkpoint through the ordinary ``Trainer``; returns the trained policy.
 
@@ -176,7 +230,10 @@ def grpo_stage(
     gen = GenerationConfig(max_new_tokens=s.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
     eta = s.rl_max_staleness
     cfg = RunConfig(
-        run_dir=str(run_dir), seed=seed, total_steps=s.rl_steps, torch_threads=s.torch_threads,
+        run_dir=str(run_dir),
+        seed=seed,
+        total_steps=s.rl_steps,
+        torch_threads=s.torch_threads,
         model=ModelConfig(path=checkpoint),
         train=TrainEngineConfig(optimizer=OptimizerConfig(lr=s.rl_lr, grad_clip=1.0)),
         actor=ActorConfig(adv_estimator="grpo"),  # PPO, clipped against the policy that generated each token
@@ -196,7 +253,10 @@ def grpo_stage(
 
 
 def run_demo(
-    run_dir: str = "runs/demo", seed: int = 1, settings: DemoSettings | None = None, rl_async: bool = False,
+    run_dir: str = "runs/demo",
+    seed: int = 1,
+    settings: DemoSettings | None = None,
+    rl_async: bool = False,
 ) -> dict[str, object]:
     """SFT warm start, held-out accuracy, GRPO, held-out accuracy again, ``curves.png``; returns
     (and prints as the last line) ``{"accuracy_before", "accuracy_after", "seconds", "run_dir", ...}``.
@@ -218,20 +278,31 @@ def run_demo(
         sft = warm_start(s, train, held_out, out_dir, seed, logger)
     before = held_out_accuracy(sft.model, tokenizer, held_out, s.eval_samples, s.max_new_tokens, seed)
     t_sft = time.monotonic() - t0
-    log.info("after SFT (%.0fs): held-out sampled accuracy %.3f, greedy %.3f", t_sft, before["sampled"], before["greedy"])
+    log.info(
+        "after SFT (%.0fs): held-out sampled accuracy %.3f, greedy %.3f", t_sft, before["sampled"], before["greedy"]
+    )
     assert sft.checkpoint is not None  # warm_start saves it
     model = grpo_stage(s, sft.checkpoint, train, held_out, out_dir / "grpo", seed)
     after = held_out_accuracy(model, tokenizer, held_out, s.eval_samples, s.max_new_tokens, seed)
     log.info("after GRPO: held-out sampled accuracy %.3f, greedy %.3f", after["sampled"], after["greedy"])
     curves = plot_runs([out_dir / "grpo"], out_dir / "curves.png")
     result: dict[str, object] = {
-        "accuracy_before": round(before["sampled"], 4), "accuracy_after": round(after["sampled"], 4),
-        "greedy_before": round(before["greedy"], 4), "greedy_after": round(after["greedy"], 4),
-        "sft_steps": sft.steps, "rl_steps": s.rl_steps, "sft_seconds": round(t_sft, 1),
-        "seconds": round(time.monotonic() - t0, 1), "run_dir": str(out_dir), "curves": str(curves),
+        "accuracy_before": round(before["sampled"], 4),
+        "accuracy_after": round(after["sampled"], 4),
+        "greedy_before": round(before["greedy"], 4),
+        "greedy_after": round(after["greedy"], 4),
+        "sft_steps": sft.steps,
+        "rl_steps": s.rl_steps,
+        "sft_seconds": round(t_sft, 1),
+        "seconds": round(time.monotonic() - t0, 1),
+        "run_dir": str(out_dir),
+        "curves": str(curves),
     }
     (out_dir / "result.json").write_text(json.dumps(result) + "\n")
-    print(f"held-out accuracy (sampled): {before['sampled']:.3f} -> {after['sampled']:.3f}   "
-          f"greedy: {before['greedy']:.3f} -> {after['greedy']:.3f}   curves: {curves}", flush=True)
+    print(
+        f"held-out accuracy (sampled): {before['sampled']:.3f} -> {after['sampled']:.3f}   "
+        f"greedy: {before['greedy']:.3f} -> {after['greedy']:.3f}   curves: {curves}",
+        flush=True,
+    )
     print(json.dumps(result), flush=True)
     return result

@@ -34,7 +34,10 @@ async def _episode_score(engine: InferenceEngine, workflow: RolloutWorkflow, row
 
 
 def evaluate(
-    engine: InferenceEngine, workflow: RolloutWorkflow, rows: list[DataItem], n_samples: int = 1,
+    engine: InferenceEngine,
+    workflow: RolloutWorkflow,
+    rows: list[DataItem],
+    n_samples: int = 1,
 ) -> dict[str, float]:
     """``eval/accuracy`` (first sample correct), ``eval/reward`` and, for n > 1, ``eval/pass@n``
     and ``eval/accuracy_mean``; ``eval/rejected`` and ``eval/failed`` count episodes that gave

@@ -55,7 +55,9 @@ def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig)
     messages = row.get(cfg.messages_key)
     completion = row.get(cfg.completion_key)
     if messages is not None:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
             raise ValueError(f"{cfg.messages_key!r} must be a list of {{'role', 'content'}} turns")
         if completion is None:
             completion = row.get(cfg.answer_key)
@@ -92,7 +94,9 @@ def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig)
     return ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
 
 
-def encode_rows(rows: Sequence[Row], tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig, source: str) -> list[Example]:
+def encode_rows(
+    rows: Sequence[Row], tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig, source: str
+) -> list[Example]:
     """Encode every row; a bad row stops with its index (or is skipped and counted)."""
     out: list[Example] = []
     skipped = 0
@@ -126,7 +130,9 @@ def sft_rows(cfg: SFTDataConfig, seed: int) -> tuple[list[Row], list[Row]]:
 def collate(examples: Sequence[Example]) -> TensorDict:
     """Right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (``[B, L]``)."""
     width = max(len(ids) for ids, _ in examples)
-    batch = {k: torch.zeros(len(examples), width, dtype=torch.long) for k in ("input_ids", "attention_mask", "loss_mask")}
+    batch = {
+        k: torch.zeros(len(examples), width, dtype=torch.long) for k in ("input_ids", "attention_mask", "loss_mask")
+    }
     for i, (ids, mask) in enumerate(examples):
         batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
         batch["attention_mask"][i, : len(ids)] = 1
@@ -134,7 +140,9 @@ def collate(examples: Sequence[Example]) -> TensorDict:
     return batch
 
 
-def batches(examples: Sequence[Example], batch_size: int, seed: int, shuffle: bool = True) -> Iterator[tuple[int, list[Example]]]:
+def batches(
+    examples: Sequence[Example], batch_size: int, seed: int, shuffle: bool = True
+) -> Iterator[tuple[int, list[Example]]]:
     """Endless ``(epoch, batch)`` stream; reshuffled (seeded) every epoch, last partial batch kept."""
     rng = random.Random(seed)
     epoch = 0

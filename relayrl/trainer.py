@@ -123,9 +123,15 @@ class Trainer:
             self.executor = WorkflowExecutor(cfg.rollout, self.engine)
             self.executor.initialize()
             self.reward_pool = wiring.make_reward_pool(cfg, self.reward_fn)
-            self.workflow = workflow or wiring.make_workflow(cfg, self.tokenizer, self.reward_fn, reward_pool=self.reward_pool)
-            self.eval_workflow = eval_workflow or workflow or wiring.make_workflow(
-                cfg, self.tokenizer, self.reward_fn, cfg.eval.gconfig, reward_pool=self.reward_pool
+            self.workflow = workflow or wiring.make_workflow(
+                cfg, self.tokenizer, self.reward_fn, reward_pool=self.reward_pool
+            )
+            self.eval_workflow = (
+                eval_workflow
+                or workflow
+                or wiring.make_workflow(
+                    cfg, self.tokenizer, self.reward_fn, cfg.eval.gconfig, reward_pool=self.reward_pool
+                )
             )
 
         self.step = 0
@@ -141,8 +147,12 @@ class Trainer:
         """Synchronous RL with an in-process engine on a GPU: nothing generates while the trainer
         trains, so the engine's KV cache can give its memory to training."""
         device = getattr(self.engine, "device", None)
-        return (self.cfg.rollout.max_staleness == 0 and hasattr(self.engine, "release_memory")
-                and isinstance(device, torch.device) and device.type == "cuda")
+        return (
+            self.cfg.rollout.max_staleness == 0
+            and hasattr(self.engine, "release_memory")
+            and isinstance(device, torch.device)
+            and device.type == "cuda"
+        )
 
     def fit(self) -> dict[str, float]:
         """Train until ``total_steps``; returns the last step's metrics."""
@@ -226,16 +236,18 @@ class Trainer:
             if dist_utils.broadcast_object(None):  # the driver's checkpoint decision
                 self.save()
             return metrics
-        metrics.update({
-            "rollout/reward": float(batch["rewards"].float().mean()),
-            "rollout/completion_len": float(loss_tokens.sum(1).float().mean()),
-            "rollout/staleness_mean": float(lag.float().mean()) if lag.numel() else 0.0,
-            "rollout/staleness_max": float(lag.max()) if lag.numel() else 0.0,
-            "perf/step_seconds": seconds,
-            "perf/samples_per_s": n / max(seconds, 1e-9),
-            "perf/samples": float(self._samples),
-            "version": float(self.step),
-        })
+        metrics.update(
+            {
+                "rollout/reward": float(batch["rewards"].float().mean()),
+                "rollout/completion_len": float(loss_tokens.sum(1).float().mean()),
+                "rollout/staleness_mean": float(lag.float().mean()) if lag.numel() else 0.0,
+                "rollout/staleness_max": float(lag.max()) if lag.numel() else 0.0,
+                "perf/step_seconds": seconds,
+                "perf/samples_per_s": n / max(seconds, 1e-9),
+                "perf/samples": float(self._samples),
+                "version": float(self.step),
+            }
+        )
         metrics.update({f"rollout/{k}": float(v) for k, v in self.executor.stats().items()})
         for key, value in batch.items():  # workflows' per-episode counters (num_turns, malformed_tool_calls, ...)
             if key not in ("rewards", "prompt_index", "group_id") and value.dim() == 1 and value.shape[0] == n:
@@ -255,14 +267,21 @@ class Trainer:
         """Means over this step's optimizer steps; a step skipped for a NaN/inf loss is counted and logged."""
         done = [s for s in steps if not s.get("skipped")]
         out = {"actor/optimizer_steps": float(len(steps)), "actor/skipped_steps": float(len(steps) - len(done))}
-        for key in (done[0] if done else {}):
+        for key in done[0] if done else {}:
             if "/" not in key and key not in ("epoch", "skipped"):
                 out[f"actor/{key}"] = sum(s[key] for s in done if key in s) / len(done)
         bad = [s for s in steps if s.get("skipped") and not s.get("empty_minibatch")]
         if bad:
-            logger.warning("step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "
-                           "train.max_nan_skips=%d in a row stop the run", self.step, len(bad), len(steps),
-                           bad[0].get("loss"), bad[0].get("grad_norm"), self.cfg.train.max_nan_skips)
+            logger.warning(
+                "step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "
+                "train.max_nan_skips=%d in a row stop the run",
+                self.step,
+                len(bad),
+                len(steps),
+                bad[0].get("loss"),
+                bad[0].get("grad_norm"),
+                self.cfg.train.max_nan_skips,
+            )
         return out
 
     def _health_metrics(self) -> dict[str, float]:
@@ -298,12 +317,17 @@ class Trainer:
                 attn = batch["attention_mask"][i].bool()
                 first = int(lm.nonzero()[0])
                 versions = batch["versions"][i][lm]
-                fh.write(json.dumps({
-                    "prompt": self.tokenizer.decode(ids[:first]),
-                    "completion": self.tokenizer.decode(ids[first:][attn[first:]]),
-                    "reward": float(batch["rewards"][i]),
-                    "versions": sorted({int(v) for v in versions}),
-                }) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "prompt": self.tokenizer.decode(ids[:first]),
+                            "completion": self.tokenizer.decode(ids[first:][attn[first:]]),
+                            "reward": float(batch["rewards"][i]),
+                            "versions": sorted({int(v) for v in versions}),
+                        }
+                    )
+                    + "\n"
+                )
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -316,7 +340,11 @@ class Trainer:
         final = tmp.parent / f"step_{self.step:06d}"
         if self.driver:
             torch.save({"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()}, tmp / "rng.pt")
-            state = {"version": self.step, "dataloader": self.dataloader.state_dict(), "executor": self.executor.state_dict()}
+            state = {
+                "version": self.step,
+                "dataloader": self.dataloader.state_dict(),
+                "executor": self.executor.state_dict(),
+            }
             final = self.ckpt.commit(self.step, tmp, state)
             logger.info("saved checkpoint %s", final)
         dist_utils.barrier()
@@ -379,5 +407,3 @@ def train(cfg: RunConfig, **parts: object) -> dict[str, float]:
         return trainer.fit()
     finally:
         trainer.close()
-
-

@@ -36,8 +36,12 @@ def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[
 
     def load(path: str) -> list[DataItem]:
         return load_rows_from_file(
-            path, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
-            max_prompt_len=d.max_prompt_len, skip_invalid=d.skip_invalid_rows,
+            path,
+            prompt_key=d.prompt_key,
+            answer_key=d.answer_key,
+            tokenizer=tokenizer,
+            max_prompt_len=d.max_prompt_len,
+            skip_invalid=d.skip_invalid_rows,
         )
 
     return load(d.train_path), (load(d.eval_path) if d.eval_path else [])
@@ -67,7 +71,9 @@ def make_inference_engine(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) ->
         return LocalEngine(inf, model=load_model(cfg.model, cfg.seed), tokenizer=tokenizer, model_config=cfg.model)
     from relayrl.inference.remote import RemoteEngine
 
-    return RemoteEngine(inf, model=cfg.model)  # launches inference.n_servers servers of cfg.model when no addresses are given
+    return RemoteEngine(
+        inf, model=cfg.model
+    )  # launches inference.n_servers servers of cfg.model when no addresses are given
 
 
 def make_reward_pool(cfg: RunConfig, reward_fn: RewardFn) -> RewardPool | None:
@@ -78,16 +84,28 @@ def make_reward_pool(cfg: RunConfig, reward_fn: RewardFn) -> RewardPool | None:
 
 
 def make_workflow(
-    cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFn, gconfig: GenerationConfig | None = None,
+    cfg: RunConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    reward_fn: RewardFn,
+    gconfig: GenerationConfig | None = None,
     reward_pool: RewardPool | None = None,
 ) -> RolloutWorkflow:
     """The workflow named by ``cfg.workflow``, generating with ``gconfig`` (default ``cfg.gconfig``;
     evaluation passes ``cfg.eval.gconfig``)."""
     from relayrl.rollout.workflows import MultiTurnWorkflow, ReMaxWorkflow, RLVRWorkflow, ToolAgentWorkflow
 
-    classes = {"rlvr": RLVRWorkflow, "multi_turn": MultiTurnWorkflow, "remax": ReMaxWorkflow, "tool_agent": ToolAgentWorkflow}
+    classes = {
+        "rlvr": RLVRWorkflow,
+        "multi_turn": MultiTurnWorkflow,
+        "remax": ReMaxWorkflow,
+        "tool_agent": ToolAgentWorkflow,
+    }
     r = cfg.rollout
-    kwargs: dict[str, object] = {"reward_pool": reward_pool, "reward_timeout": r.reward_timeout, "prompt_format": cfg.data.prompt_format}
+    kwargs: dict[str, object] = {
+        "reward_pool": reward_pool,
+        "reward_timeout": r.reward_timeout,
+        "prompt_format": cfg.data.prompt_format,
+    }
     if cfg.workflow == "multi_turn":
         kwargs.update(max_turns=r.max_turns, turn_discount=r.turn_discount)
     if cfg.workflow == "tool_agent":

@@ -11,9 +11,19 @@ from relayrl.data.chat import conversation_example
 
 
 def small_model(vocab_size: int, eos_id: int, seed: int = 0):
-    cfg = AutoConfig.for_model("qwen2", vocab_size=vocab_size, max_position_embeddings=1024, tie_word_embeddings=True,
-                               hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, pad_token_id=0, eos_token_id=eos_id)
+    cfg = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=vocab_size,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        eos_token_id=eos_id,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = eos_id

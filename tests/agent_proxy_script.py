@@ -5,23 +5,37 @@ import sys
 
 import openai
 
-TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
-                                           "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate arithmetic.",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
+        },
+    }
+]
 
 
 def main(base_url: str, api_key: str, mode: str) -> None:
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     seen: dict[str, object] = {}
     if mode == "errors":
-        for name, kw in [("top_logprobs", {"logprobs": True, "top_logprobs": 3}), ("image", {"messages": [
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]})]:
+        for name, kw in [
+            ("top_logprobs", {"logprobs": True, "top_logprobs": 3}),
+            (
+                "image",
+                {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+            ),
+        ]:
             try:
                 client.chat.completions.create(model="p", **({"messages": [{"role": "user", "content": "hi"}]} | kw))
             except openai.BadRequestError as e:
                 seen[name] = {"status": e.status_code, "message": e.message, "param": e.body.get("param")}
         try:
             openai.OpenAI(base_url=base_url, api_key="nope", max_retries=0).chat.completions.create(
-                model="p", messages=[{"role": "user", "content": "hi"}])
+                model="p", messages=[{"role": "user", "content": "hi"}]
+            )
         except openai.AuthenticationError as e:
             seen["auth"] = {"status": e.status_code, "message": e.message}
         print(json.dumps(seen))
@@ -30,7 +44,10 @@ def main(base_url: str, api_key: str, mode: str) -> None:
     first = client.chat.completions.create(model="p", messages=messages, tools=TOOLS)
     call = first.choices[0].message.tool_calls[0]
     seen["call"] = [call.function.name, json.loads(call.function.arguments), first.choices[0].finish_reason]
-    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "19"}]
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "19"},
+    ]
     text, finish = "", None
     for chunk in client.chat.completions.create(model="p", messages=messages, tools=TOOLS, stream=True):
         for choice in chunk.choices:

@@ -26,7 +26,9 @@ def make_engine(model, lr: float = 2e-4, head: str = "lm", trainable: bool = Tru
     return eng
 
 
-def make_batch(engine: TorchTrainEngine, tokenizer, B: int = 8, seed: int = 0, group_size: int = 4) -> dict[str, torch.Tensor]:
+def make_batch(
+    engine: TorchTrainEngine, tokenizer, B: int = 8, seed: int = 0, group_size: int = 4
+) -> dict[str, torch.Tensor]:
     """Prompts + random completions; behaviour logprobs from the engine itself (on-policy)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [tokenizer.encode(f"<|user|>{i}+{i}=<|assistant|>") for i in range(B // group_size)]
@@ -77,7 +79,9 @@ def test_compute_advantages_shaping_and_masking(tiny_model, tokenizer):
     batch = make_batch(eng, tokenizer)
     batch["truncated"] = torch.tensor([False, True] + [False] * 6)
     lengths = batch["loss_mask"].sum(1)
-    cfg = ActorConfig(reward_scale=2.0, reward_bias=0.5, reward_clip=1.5, overlong_buffer=4, overlong_max_len=8, mask_truncated=True)
+    cfg = ActorConfig(
+        reward_scale=2.0, reward_bias=0.5, reward_clip=1.5, overlong_buffer=4, overlong_max_len=8, mask_truncated=True
+    )
     PPOActor(cfg, eng).compute_advantages(batch)
     assert not batch["loss_mask"][1].any() and batch["loss_mask"][0].any()
     shaped = []
@@ -109,7 +113,9 @@ def _direction_check(before, after, adv_seq):
     assert corr > 0.5, (moved.tolist(), adv_seq.tolist())
 
 
-@pytest.mark.parametrize("loss,agg", [("ppo", "token-mean"), ("gspo", "seq-mean-token-mean"), ("reinforce", "seq-mean-token-sum")])
+@pytest.mark.parametrize(
+    "loss,agg", [("ppo", "token-mean"), ("gspo", "seq-mean-token-mean"), ("reinforce", "seq-mean-token-sum")]
+)
 def test_ppo_update_moves_logp_in_advantage_direction(tiny_model, tokenizer, loss, agg):
     eng = make_engine(tiny_model)
     batch = make_batch(eng, tokenizer, seed=1)
@@ -162,10 +168,14 @@ def test_decoupled_ppo_with_stale_behaviour_policy(tiny_model, tokenizer):
     batch = make_batch(eng, tokenizer, seed=2)
     g = torch.Generator().manual_seed(0)
     # behaviour tokens came from older versions whose logprobs differ from the current policy
-    batch["logprobs"] = (batch["logprobs"] - 0.8 * torch.rand(batch["logprobs"].shape, generator=g)) * batch["loss_mask"]
+    batch["logprobs"] = (batch["logprobs"] - 0.8 * torch.rand(batch["logprobs"].shape, generator=g)) * batch[
+        "loss_mask"
+    ]
     eng.set_version(3)
     batch["versions"] = torch.where(batch["loss_mask"], torch.randint(1, 4, batch["versions"].shape, generator=g), -1)
-    cfg = ActorConfig(loss="decoupled_ppo", behav_imp_weight_cap=1.5, reuse_update_logp=False)  # keep prox_logp to check
+    cfg = ActorConfig(
+        loss="decoupled_ppo", behav_imp_weight_cap=1.5, reuse_update_logp=False
+    )  # keep prox_logp to check
     actor = PPOActor(cfg, eng)
     actor.prepare(batch)
     lag = 3 - batch["versions"][batch["loss_mask"]]
@@ -210,7 +220,9 @@ def test_kl_to_reference_and_kl_in_reward(tiny_model, tokenizer):
 
 def test_critic_gae_and_value_update(tiny_model, tokenizer):
     eng = make_engine(tiny_model)
-    critic = Critic(ActorConfig(value_clip=10.0, ppo_epochs=1, n_minibatches=1), make_engine(tiny_model, lr=1e-4, head="value"))
+    critic = Critic(
+        ActorConfig(value_clip=10.0, ppo_epochs=1, n_minibatches=1), make_engine(tiny_model, lr=1e-4, head="value")
+    )
     batch = make_batch(eng, tokenizer, seed=4)
     actor = PPOActor(ActorConfig(adv_estimator="gae", gamma=0.99, lam=0.95), eng)
     with pytest.raises(ValueError, match="Critic"):
@@ -224,8 +236,12 @@ def test_critic_gae_and_value_update(tiny_model, tokenizer):
     m = batch["loss_mask"].bool()
     assert float(batch["advantages"][m].mean()) == pytest.approx(0.0, abs=1e-5)
     assert float(batch["advantages"][m].std()) == pytest.approx(1.0, abs=1e-4)
-    raw = PPOActor(ActorConfig(adv_estimator="gae", gamma=0.99, lam=0.95, adv_norm=False), eng).compute_advantages(dict(batch))
-    raw_ref, _ = A.gae_advantage(batch["rewards"].double(), batch["loss_mask"], values=v.double(), gamma=0.99, lam=0.95, norm=False)
+    raw = PPOActor(ActorConfig(adv_estimator="gae", gamma=0.99, lam=0.95, adv_norm=False), eng).compute_advantages(
+        dict(batch)
+    )
+    raw_ref, _ = A.gae_advantage(
+        batch["rewards"].double(), batch["loss_mask"], values=v.double(), gamma=0.99, lam=0.95, norm=False
+    )
     assert torch.allclose(raw["advantages"].double(), raw_ref, atol=1e-6)
     assert not torch.allclose(raw["advantages"], batch["advantages"], atol=1e-3)
     assert torch.allclose(raw["returns"], batch["returns"])  # critic targets come from the raw advantages
@@ -311,7 +327,9 @@ def test_one_step_update_reuses_its_own_forward_for_old_logprobs(tiny_model, tok
     for k in w_reuse:
         assert (w_reuse[k] - w_recompute[k]).abs().max() <= 1e-6, k
     assert not PPOActor(ActorConfig(ppo_epochs=2, recompute_logp=True), make_engine(tiny_model)).logp_from_update
-    assert not PPOActor(ActorConfig(kl_coef=0.1, kl_in_reward=True, recompute_logp=True), make_engine(tiny_model)).logp_from_update
+    assert not PPOActor(
+        ActorConfig(kl_coef=0.1, kl_in_reward=True, recompute_logp=True), make_engine(tiny_model)
+    ).logp_from_update
 
 
 def test_ppo_clips_against_the_behaviour_policy_by_default(tiny_model, tokenizer):

@@ -28,16 +28,26 @@ from tests.test_workflows import segments
 GREEDY = GenerationConfig(max_new_tokens=64, greedy=True)
 CALL = '<tool_call>{"name":"calc","arguments":{"expr":"12+7"}}</tool_call>'  # compact: the template renders it spaced
 HERMES_CONVS = [
-    [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": CALL}, {"role": "tool", "content": "19"},
-     {"role": "assistant", "content": "19"}],
-    [{"role": "user", "content": "oops"}, {"role": "assistant", "content": '<tool_call>{"name":"calc","arguments":{"expr":}}</tool_call>'}],
+    [
+        {"role": "user", "content": "12+7="},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "19"},
+        {"role": "assistant", "content": "19"},
+    ],
+    [
+        {"role": "user", "content": "oops"},
+        {"role": "assistant", "content": '<tool_call>{"name":"calc","arguments":{"expr":}}</tool_call>'},
+    ],
 ]
 LLAMA_CONVS = [
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3*4="}, {"role": "assistant", "content": '{"name":"calc","parameters":{"expr":"3*4"}}'},
-     {"role": "tool", "content": "12"}, {"role": "assistant", "content": "12"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "3*4="},
+        {"role": "assistant", "content": '{"name":"calc","parameters":{"expr":"3*4"}}'},
+        {"role": "tool", "content": "12"},
+        {"role": "assistant", "content": "12"},
+    ],
 ]
-
-
 
 
 def make_engine(tok, convs, seed=0):
@@ -68,19 +78,28 @@ def llama():
 
 
 def test_hermes_parser():
-    out = parse_tool_calls('let me\n<tool_call>\n{"name": "calc", "arguments": {"expr": "1+2"}}\n</tool_call>\n'
-                           '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', "hermes")
+    out = parse_tool_calls(
+        'let me\n<tool_call>\n{"name": "calc", "arguments": {"expr": "1+2"}}\n</tool_call>\n'
+        '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',
+        "hermes",
+    )
     assert out.content == "let me" and out.malformed == 0
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("calc", {"expr": "1+2"}), ("f", {"x": 1})]
     assert parse_tool_calls("just text", "hermes").tool_calls == []
-    for bad in ('<tool_call>{"name": "calc", "arguments": {"expr": }</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
-                '<tool_call>{"name": "calc", "arguments": [1]}</tool_call>', '<tool_call>{"name": "calc"'):
+    for bad in (
+        '<tool_call>{"name": "calc", "arguments": {"expr": }</tool_call>',
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "calc", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "calc"',
+    ):
         out = parse_tool_calls(bad, "hermes")
         assert out.tool_calls == [] and out.content == bad and out.malformed == 1, bad
 
 
 def test_llama3_parser():
-    out = parse_tool_calls('<|python_tag|>{"name": "calc", "parameters": {"expr": "2*3"}}; {"name": "g", "parameters": {}}', "llama3")
+    out = parse_tool_calls(
+        '<|python_tag|>{"name": "calc", "parameters": {"expr": "2*3"}}; {"name": "g", "parameters": {}}', "llama3"
+    )
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("calc", {"expr": "2*3"}), ("g", {})]
     assert out.content is None and out.malformed == 0
     plain = parse_tool_calls("The answer is 6.", "llama3")
@@ -111,7 +130,11 @@ def test_hermes_agent_loop_keeps_generated_tokens(hermes):
     first, second, messages = asyncio.run(agent())
     assert isinstance(first, ChatCompletion) and first.choices[0].finish_reason == "tool_calls"
     call = first.choices[0].message.tool_calls[0]
-    assert call.type == "function" and call.function.name == "calc" and json.loads(call.function.arguments) == {"expr": "12+7"}
+    assert (
+        call.type == "function"
+        and call.function.name == "calc"
+        and json.loads(call.function.arguments) == {"expr": "12+7"}
+    )
     assert first.choices[0].message.content is None
     assert second.choices[0].message.content == "19" and second.choices[0].finish_reason == "stop"
     rec1, rec2 = client.records
@@ -119,8 +142,11 @@ def test_hermes_agent_loop_keeps_generated_tokens(hermes):
     assert first.usage.prompt_tokens == len(rec1.prompt_ids) and first.usage.completion_tokens == len(rec1.output_ids)
     assert rec1.prompt_ids == encode(tok, render(tok, messages[:1], [CALC]))
     # the second prompt is the first call's tokens + only the new turn's tokens
-    assert rec2.parent is rec1 and rec2.prompt_ids[: len(rec1.prompt_ids) + len(rec1.output_ids)] == rec1.prompt_ids + rec1.output_ids
-    added = tok.decode(rec2.prompt_ids[len(rec1.prompt_ids) + len(rec1.output_ids):])
+    assert (
+        rec2.parent is rec1
+        and rec2.prompt_ids[: len(rec1.prompt_ids) + len(rec1.output_ids)] == rec1.prompt_ids + rec1.output_ids
+    )
+    added = tok.decode(rec2.prompt_ids[len(rec1.prompt_ids) + len(rec1.output_ids) :])
     assert added == "\n<|im_start|>user\n<tool_response>\n19\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(rec1.output_ids) == CALL + "<|im_end|>"
     # re-rendering the conversation would re-encode the call as the template spells it: different tokens
@@ -139,14 +165,20 @@ def test_hermes_agent_loop_keeps_generated_tokens(hermes):
     assert traj["logprobs"][0, g0:g1].tolist() == pytest.approx(rec1.logprobs)
     assert traj["versions"][0, h0:h1].tolist() == rec2.versions and (traj["versions"][0, e0:e1] == -1).all()
     assert traj["rewards"].tolist() == pytest.approx([0.9])  # 0 + 0.9 * 1.0: the first call's return
-    assert traj["num_turns"].item() == 2 and traj["num_tool_calls"].item() == 1 and traj["malformed_tool_calls"].item() == 0
+    assert (
+        traj["num_turns"].item() == 2
+        and traj["num_tool_calls"].item() == 1
+        and traj["malformed_tool_calls"].item() == 0
+    )
     assert tok.decode(ids).count("You are Qwen.") == 1
 
 
 def test_malformed_tool_call_is_a_plain_completion(hermes):
     tok, eng = hermes
     client = OpenAIClient(eng, tok, GREEDY)
-    out = asyncio.run(client.chat.completions.create(model="p", messages=[{"role": "user", "content": "oops"}], tools=[CALC]))
+    out = asyncio.run(
+        client.chat.completions.create(model="p", messages=[{"role": "user", "content": "oops"}], tools=[CALC])
+    )
     msg = out.choices[0].message
     assert msg.tool_calls is None and out.choices[0].finish_reason == "stop"
     assert msg.content == '<tool_call>{"name":"calc","arguments":{"expr":}}</tool_call>'
@@ -154,8 +186,11 @@ def test_malformed_tool_call_is_a_plain_completion(hermes):
     traj = client.export_trajectories()
     assert traj["malformed_tool_calls"].tolist() == [1] and traj["num_tool_calls"].tolist() == [0]
     # tool_choice="none": no parsing at all, the same text comes back
-    out = asyncio.run(client.chat.completions.create(model="p", messages=[{"role": "user", "content": "12+7="}], tools=[CALC],
-                                                     tool_choice="none"))
+    out = asyncio.run(
+        client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "12+7="}], tools=[CALC], tool_choice="none"
+        )
+    )
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content == CALL
 
 
@@ -168,7 +203,10 @@ def test_llama3_tool_calls_and_bos_once(llama):
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3*4="}]
         first = await client.chat.completions.create(model="p", messages=messages, tools=[CALC])
         call = first.choices[0].message.tool_calls[0]
-        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "12"}]
+        messages += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "12"},
+        ]
         return first, await client.chat.completions.create(model="p", messages=messages, tools=[CALC])
 
     first, second = asyncio.run(agent())
@@ -176,8 +214,10 @@ def test_llama3_tool_calls_and_bos_once(llama):
     assert second.choices[0].message.content == "12"
     rec1, rec2 = client.records
     assert rec2.parent is rec1
-    assert tok.decode(rec2.prompt_ids[len(rec1.prompt_ids) + len(rec1.output_ids):]) == \
-        "<|start_header_id|>ipython<|end_header_id|>\n\n12<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert (
+        tok.decode(rec2.prompt_ids[len(rec1.prompt_ids) + len(rec1.output_ids) :])
+        == "<|start_header_id|>ipython<|end_header_id|>\n\n12<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     traj = client.export_trajectories()
     text = tok.decode(traj["input_ids"][0].tolist())
     assert text.count("<|begin_of_text|>") == 1 and text.count("Cutting Knowledge Date") == 1
@@ -203,14 +243,19 @@ def test_rows_rewards_and_discount(hermes):
         client.set_reward(comp.id, r)
     recs = client.records
     assert recs[1].parent is recs[0] and recs[2].parent is None and recs[3].parent is recs[0]
-    assert client.returns(0.5) == pytest.approx([1 + 0.5 * (2 + 0.5 * (4 + 0.5 * 8)), 2 + 0.5 * (4 + 0.5 * 8), 4 + 0.5 * 8, 8])
+    assert client.returns(0.5) == pytest.approx(
+        [1 + 0.5 * (2 + 0.5 * (4 + 0.5 * 8)), 2 + 0.5 * (4 + 0.5 * 8), 4 + 0.5 * 8, 8]
+    )
     traj = client.export_trajectories(0.5)
     validate_trajectory(traj)
     assert traj["rewards"].tolist() == pytest.approx([1 + 0.5 * (2 + 0.5 * (4 + 0.5 * 8)), 4 + 0.5 * 8, 8])
     assert traj["num_turns"].tolist() == [2, 1, 1]
     lengths = traj["attention_mask"].sum(1).tolist()
-    assert lengths == [len(recs[1].prompt_ids) + len(recs[1].output_ids), len(recs[2].prompt_ids) + len(recs[2].output_ids),
-                       len(recs[3].prompt_ids) + len(recs[3].output_ids)]
+    assert lengths == [
+        len(recs[1].prompt_ids) + len(recs[1].output_ids),
+        len(recs[2].prompt_ids) + len(recs[2].output_ids),
+        len(recs[3].prompt_ids) + len(recs[3].output_ids),
+    ]
     # the branch row trains only on its own output: the shared prefix (a's output included) is masked
     assert int(traj["loss_mask"][2].sum()) == len(recs[3].output_ids)
     with pytest.raises(KeyError, match="no completion 'nope'"):
@@ -225,7 +270,9 @@ def test_completions_api_text_and_token_prompts(hermes):
         first = await client.completions.create(model="p", prompt="Q: 1+1\nA:", logprobs=1)
         text = "Q: 1+1\nA:" + first.choices[0].text + "\nQ: 2+2\nA:"
         second = await client.completions.create(model="p", prompt=text)
-        third = await client.completions.create(model="p", prompt=client.records[1].prompt_ids + client.records[1].output_ids + [5])
+        third = await client.completions.create(
+            model="p", prompt=client.records[1].prompt_ids + client.records[1].output_ids + [5]
+        )
         return first, second, third
 
     first, second, third = asyncio.run(run())
@@ -245,20 +292,40 @@ def test_request_errors_name_the_field(hermes):
     def create(**kw):
         return asyncio.run(client.chat.completions.create(model="p", **kw))
 
-    ok = create(messages=[{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
-                          {"role": "user", "content": "12+7="}], max_tokens=2)
+    ok = create(
+        messages=[
+            {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+            {"role": "user", "content": "12+7="},
+        ],
+        max_tokens=2,
+    )
     assert tok.decode(client.records[-1].prompt_ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert ok.usage.completion_tokens == 2 and ok.choices[0].finish_reason == "length"
     cases = [
-        (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages[0].content[0]"),
+        (
+            dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "messages[0].content[0]",
+        ),
         (dict(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
         (dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2, logprobs=True), "top_logprobs"),
         (dict(messages=[{"role": "user", "content": "x"}], presence_penalty=0.5), "presence_penalty"),
         (dict(messages=[{"role": "user", "content": "x"}], temperature=3), "temperature"),
         (dict(messages=[{"role": "user", "content": "x"}], frobnicate=1), "frobnicate"),
-        (dict(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
-                        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "calc", "arguments": "{oops"}}]}]),
-         "messages[1].tool_calls[0].function.arguments"),
+        (
+            dict(
+                messages=[
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {"id": "1", "type": "function", "function": {"name": "calc", "arguments": "{oops"}}
+                        ],
+                    },
+                ]
+            ),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
         (dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]), "tools[0]"),
     ]
     for kw, param in cases:
@@ -276,7 +343,9 @@ def test_agent_workflow_reward_and_timeout(hermes):
         out = await client.chat.completions.create(model="p", messages=data["messages"], tools=[CALC])
         return 1.0 if out.choices[0].message.tool_calls else 0.0
 
-    traj = asyncio.run(OpenAIAgentWorkflow(agent, tok, GREEDY).arun_episode(eng, {"messages": [{"role": "user", "content": "12+7="}]}))
+    traj = asyncio.run(
+        OpenAIAgentWorkflow(agent, tok, GREEDY).arun_episode(eng, {"messages": [{"role": "user", "content": "12+7="}]})
+    )
     validate_trajectory(traj)
     assert traj["rewards"].tolist() == [1.0] and traj["num_tool_calls"].tolist() == [1]
 
@@ -303,8 +372,17 @@ def test_proxy_serves_an_agent_in_another_process(hermes):
     outputs, procs = [], []
 
     async def launch(base_url, api_key, data):
-        procs.append(await asyncio.create_subprocess_exec(sys.executable, script, base_url, api_key, data["mode"],
-                                                          stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
+        procs.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                script,
+                base_url,
+                api_key,
+                data["mode"],
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        )
 
     async def episode(mode, timeout):
         try:
@@ -321,7 +399,11 @@ def test_proxy_serves_an_agent_in_another_process(hermes):
         assert seen["call"] == ["calc", {"expr": "12+7"}, "tool_calls"]
         assert seen["answer"] == "19" and seen["finish"] == "stop"
         assert seen["posted"]["final"] is True and seen["posted"]["calls"] == 2
-        assert traj["rewards"].tolist() == [0.75] and traj["num_turns"].tolist() == [2] and traj["num_tool_calls"].tolist() == [1]
+        assert (
+            traj["rewards"].tolist() == [0.75]
+            and traj["num_turns"].tolist() == [2]
+            and traj["num_tool_calls"].tolist() == [1]
+        )
         assert [v for *_, v in segments(traj["loss_mask"][0].int().tolist())] == [0, 1, 0, 1]
         assert proxy.sessions == {}  # closed
 
@@ -331,7 +413,9 @@ def test_proxy_serves_an_agent_in_another_process(hermes):
 
         # OpenAI-style errors reach the SDK with their reason and field
         sid = proxy.open_session()
-        out = subprocess.run([sys.executable, script, proxy.base_url + "/v1", sid, "errors"], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, script, proxy.base_url + "/v1", sid, "errors"], capture_output=True, text=True, timeout=120
+        )
         errs = json.loads(out.stdout.strip().splitlines()[-1])
         assert errs["top_logprobs"]["status"] == 400 and errs["top_logprobs"]["param"] == "top_logprobs"
         assert "top_logprobs > 0 is not supported" in errs["top_logprobs"]["message"]
@@ -358,7 +442,9 @@ def test_sft_rows_of_agent_conversations_learn_every_assistant_turn():
 
     tok = tool_tokenizer("hermes", default_system="You are Qwen.")
     ids, mask = encode_row({"messages": HERMES_CONVS[0], "tools": [CALC]}, tok, SFTDataConfig())
-    assert tok.decode(ids) + "\n" == render(tok, HERMES_CONVS[0], [CALC], add_generation_prompt=False)  # ends at the last reply
+    assert tok.decode(ids) + "\n" == render(
+        tok, HERMES_CONVS[0], [CALC], add_generation_prompt=False
+    )  # ends at the last reply
     learned = [t for t, m in zip(ids, mask, strict=True) if m]
     assert tok.decode(learned) == CALL + "<|im_end|>" + "19<|im_end|>"  # both replies, their end tokens, nothing else
     with pytest.raises(ValueError, match="longer than data.max_seq_len"):
@@ -386,7 +472,9 @@ def test_client_over_a_remote_engine_to_a_real_server(tokenizer):
         assert len(second.choices) == 2
         r1, r2a, r2b = client.records
         assert r2a.parent is r1 and r2b.parent is r1
-        assert tokenizer.decode(r2a.prompt_ids[len(r1.prompt_ids) + len(r1.output_ids):]).endswith("<|user|>sure?<|assistant|>")
+        assert tokenizer.decode(r2a.prompt_ids[len(r1.prompt_ids) + len(r1.output_ids) :]).endswith(
+            "<|user|>sure?<|assistant|>"
+        )
         assert [lp.logprob for lp in first.choices[0].logprobs.content] == pytest.approx(r1.logprobs)
         assert all(v == 0 for r in client.records for v in r.versions)
         client.set_final_reward(1.0)
@@ -411,8 +499,17 @@ def test_tool_agent_workflow_through_the_chat_template(hermes):
         answers.append(completions)
         return float(completions.strip() == data["answer"])
 
-    cfg = load_config(RunConfig, None, ["workflow=tool_agent", "rollout.tool_format=template", "rollout.max_tool_calls=2",
-                                        "gconfig.greedy=true", "gconfig.max_new_tokens=64"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "workflow=tool_agent",
+            "rollout.tool_format=template",
+            "rollout.max_tool_calls=2",
+            "gconfig.greedy=true",
+            "gconfig.max_new_tokens=64",
+        ],
+    )
     wf = wiring.make_workflow(cfg, tok, reward)
     assert isinstance(wf, OpenAIAgentWorkflow)
     traj = asyncio.run(wf.arun_episode(eng, {"messages": [{"role": "user", "content": "12+7="}], "answer": "19"}))

@@ -151,7 +151,9 @@ def test_group_edge_cases(name):
     group_id = torch.tensor([0, 0, 0, 1, 2])
     adv, _ = A.get_advantage(name)(rewards=rewards, loss_mask=mask, group_id=group_id)
     assert torch.equal(adv, torch.zeros_like(adv))  # equal rewards and groups of one carry no signal
-    adv, _ = A.get_advantage(name)(rewards=rewards, loss_mask=torch.zeros_like(mask), group_id=torch.zeros(5, dtype=torch.long))
+    adv, _ = A.get_advantage(name)(
+        rewards=rewards, loss_mask=torch.zeros_like(mask), group_id=torch.zeros(5, dtype=torch.long)
+    )
     assert torch.equal(adv, torch.zeros_like(adv))  # empty loss mask
 
 
@@ -221,8 +223,12 @@ def test_gae_matches_loop(gamma, lam):
     mask[1, 2:4] = True
     mask[1, 6:8] = True  # two generated spans separated by non-generated tokens
     values = torch.randn(mask.shape, generator=g, dtype=torch.float64)
-    token_rewards = A.last_token_rewards(rewards, mask) + 0.05 * torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask
-    adv, ret = A.gae_advantage(rewards, mask, values=values, token_rewards=token_rewards, gamma=gamma, lam=lam, norm=False)
+    token_rewards = (
+        A.last_token_rewards(rewards, mask) + 0.05 * torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask
+    )
+    adv, ret = A.gae_advantage(
+        rewards, mask, values=values, token_rewards=token_rewards, gamma=gamma, lam=lam, norm=False
+    )
     white, ret_w = A.gae_advantage(rewards, mask, values=values, token_rewards=token_rewards, gamma=gamma, lam=lam)
     for i in range(4):
         steps = [t for t in range(9) if mask[i, t]]
@@ -257,7 +263,9 @@ def test_gae_matches_loop(gamma, lam):
 def test_shape_rewards_and_overlong_penalty():
     r = torch.tensor([0.5, 2.0, -3.0, 1.0, 1.0, 1.0])
     lengths = torch.tensor([10, 10, 10, 12, 14, 20])
-    out = A.shape_rewards(r, scale=2.0, bias=0.5, clip=2.5, response_lengths=lengths, max_len=16, overlong_buffer=4, overlong_penalty=1.0)
+    out = A.shape_rewards(
+        r, scale=2.0, bias=0.5, clip=2.5, response_lengths=lengths, max_len=16, overlong_buffer=4, overlong_penalty=1.0
+    )
     exp = []
     for x, n in zip(r.tolist(), lengths.tolist(), strict=True):
         y = min(max(2.0 * x + 0.5, -2.5), 2.5)
@@ -350,7 +358,9 @@ def test_decoupled_ppo_matches_loop(cap):
     prox, behav, adv, mask, cu = random_packed(10, n_seqs=6, spread=0.6)
     g = torch.Generator().manual_seed(11)
     logp = (prox + 0.3 * torch.randn(len(prox), generator=g, dtype=torch.float64)).requires_grad_(True)
-    loss, stats = A.decoupled_ppo_loss(logp, behav, adv, mask, cu, prox_logp=prox, eps_clip=0.2, behav_imp_weight_cap=cap)
+    loss, stats = A.decoupled_ppo_loss(
+        logp, behav, adv, mask, cu, prox_logp=prox, eps_clip=0.2, behav_imp_weight_cap=cap
+    )
     tot, n, capped = 0.0, 0, 0
     for t in range(len(logp)):
         if not mask[t]:
@@ -386,8 +396,19 @@ def test_decoupled_ppo_behaviour_weight_modes_match_loop(level, clip, floor):
     cap = 1.3 if level == "token" else 1.08
     if floor is not None and level == "sequence":
         floor = 0.95
-    loss, stats = A.decoupled_ppo_loss(logp, behav, adv, mask, cu, prox_logp=prox, eps_clip=0.2, behav_imp_weight_cap=cap,
-                                       behav_imp_weight_floor=floor, behav_weight_level=level, behav_weight_clip=clip)
+    loss, stats = A.decoupled_ppo_loss(
+        logp,
+        behav,
+        adv,
+        mask,
+        cu,
+        prox_logp=prox,
+        eps_clip=0.2,
+        behav_imp_weight_cap=cap,
+        behav_imp_weight_floor=floor,
+        behav_weight_level=level,
+        behav_weight_clip=clip,
+    )
     bounds = cu.tolist()
     tot, n, capped = 0.0, 0, 0
     for i in range(len(bounds) - 1):
@@ -469,7 +490,9 @@ def test_value_loss_matches_loop():
 def test_entropy_bonus_and_empty_mask():
     ent, _, adv, mask, cu = random_packed(16)
     ent = ent.abs()
-    assert A.entropy_bonus(ent, mask, cu).item() == pytest.approx(ref_agg(ent.tolist(), mask.tolist(), cu, "token-mean"))
+    assert A.entropy_bonus(ent, mask, cu).item() == pytest.approx(
+        ref_agg(ent.tolist(), mask.tolist(), cu, "token-mean")
+    )
     empty = torch.zeros_like(mask)
     for name in ("ppo", "gspo", "reinforce"):
         loss, stats = A.get_loss(name)(logp=ent, old_logp=ent, advantages=adv, loss_mask=empty, cu_seqlens=cu)
@@ -488,7 +511,9 @@ def _pack_trl(case):
     mask_rows = case["completion_mask"]
     out = {}
     for key in ("logp", "old_logp", "ref_logp", "entropy", "grad_logp"):
-        out[key] = pack_rows([[0.0] + [v for v, m in zip(case[key][i], mask_rows[i], strict=True) if m] for i in range(len(mask_rows))])[0]
+        out[key] = pack_rows(
+            [[0.0] + [v for v, m in zip(case[key][i], mask_rows[i], strict=True) if m] for i in range(len(mask_rows))]
+        )[0]
     adv_rows = [[0.0] + [case["advantages"][i]] * sum(mask_rows[i]) for i in range(len(mask_rows))]
     out["advantages"], cu = pack_rows(adv_rows)
     out["loss_mask"] = pack_rows([[0.0] + [1.0] * sum(m) for m in mask_rows])[0].bool()
@@ -510,18 +535,30 @@ def test_matches_trl_grpo_trainer_loss(name):
     logp = p["logp"].clone().requires_grad_(True)
     kw = dict(eps_clip=case["epsilon"], eps_clip_higher=case["epsilon_high"])
     if name == "grpo":
-        loss, _ = A.ppo_loss(logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, agg_mode="seq-mean-token-mean", **kw)
+        loss, _ = A.ppo_loss(
+            logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, agg_mode="seq-mean-token-mean", **kw
+        )
         loss = loss + case["beta"] * A.kl_loss(logp, p["ref_logp"], p["loss_mask"], cu, "k3", "seq-mean-token-mean")
     elif name == "dr_grpo":
-        loss, _ = A.ppo_loss(logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, agg_mode="seq-mean-token-sum-norm",
-                             norm_len=case["max_completion_length"], **kw)
+        loss, _ = A.ppo_loss(
+            logp,
+            p["old_logp"],
+            p["advantages"],
+            p["loss_mask"],
+            cu,
+            agg_mode="seq-mean-token-sum-norm",
+            norm_len=case["max_completion_length"],
+            **kw,
+        )
     elif name == "dapo":
         loss, stats = A.ppo_loss(logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, agg_mode="token-mean", **kw)
         loss = loss - case["entropy_coef"] * A.entropy_bonus(p["entropy"], p["loss_mask"], cu)
         # TRL's region clip ratio only counts clipping that zeroes the gradient; ours counts the same tokens
         assert stats["clip_frac"].item() == pytest.approx(case["clip_ratio_region"])
     else:
-        loss, _ = A.gspo_loss(logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, agg_mode="seq-mean-token-mean", **kw)
+        loss, _ = A.gspo_loss(
+            logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, agg_mode="seq-mean-token-mean", **kw
+        )
     assert loss.item() == pytest.approx(case["loss"], rel=1e-9, abs=1e-12)
     loss.backward()
     assert logp.grad.tolist() == pytest.approx(p["grad_logp"].tolist(), abs=1e-10)

@@ -72,24 +72,57 @@ def _broken(mutate) -> dict[str, torch.Tensor]:
 DEFECTS = {
     "missing key": (lambda b: b.pop("logprobs"), r"missing key 'logprobs'"),
     "not a tensor": (lambda b: b.update(rewards=[1.0, 0.0]), r"\['rewards'\] must be a torch.Tensor"),
-    "wrong dtype ids": (lambda b: b.update(input_ids=b["input_ids"].float()), r"\['input_ids'\] has dtype torch.float32"),
-    "wrong dtype logprobs": (lambda b: b.update(logprobs=b["logprobs"].half()), r"\['logprobs'\] has dtype torch.float16"),
+    "wrong dtype ids": (
+        lambda b: b.update(input_ids=b["input_ids"].float()),
+        r"\['input_ids'\] has dtype torch.float32",
+    ),
+    "wrong dtype logprobs": (
+        lambda b: b.update(logprobs=b["logprobs"].half()),
+        r"\['logprobs'\] has dtype torch.float16",
+    ),
     "1-D input_ids": (lambda b: b.update(input_ids=b["input_ids"][0]), r"\['input_ids'\] must be \[B, L\]"),
-    "token key wrong shape": (lambda b: b.update(loss_mask=b["loss_mask"][:, :4]), r"\['loss_mask'\] must have shape \[B, L\] = \[2, 5\]"),
-    "rewards wrong shape": (lambda b: b.update(rewards=b["rewards"][:, None]), r"\['rewards'\] must have shape \[B\] = \[2\]"),
-    "trainer key wrong shape": (lambda b: b.update(advantages=torch.zeros(2)), r"\['advantages'\] must have shape \[B, L\]"),
-    "extra key wrong batch": (lambda b: b.update(group_id=torch.tensor([0, 0, 0])), r"extra key 'group_id' must have batch size 2"),
-    "left padding": (lambda b: b["attention_mask"][1].copy_(torch.tensor([0, 1, 1, 1, 1])), r"\['attention_mask'\] must start with 1"),
-    "hole in mask": (lambda b: b["attention_mask"][1].copy_(torch.tensor([1, 0, 1, 1, 1])), r"\['attention_mask'\] must be 1s then 0s"),
+    "token key wrong shape": (
+        lambda b: b.update(loss_mask=b["loss_mask"][:, :4]),
+        r"\['loss_mask'\] must have shape \[B, L\] = \[2, 5\]",
+    ),
+    "rewards wrong shape": (
+        lambda b: b.update(rewards=b["rewards"][:, None]),
+        r"\['rewards'\] must have shape \[B\] = \[2\]",
+    ),
+    "trainer key wrong shape": (
+        lambda b: b.update(advantages=torch.zeros(2)),
+        r"\['advantages'\] must have shape \[B, L\]",
+    ),
+    "extra key wrong batch": (
+        lambda b: b.update(group_id=torch.tensor([0, 0, 0])),
+        r"extra key 'group_id' must have batch size 2",
+    ),
+    "left padding": (
+        lambda b: b["attention_mask"][1].copy_(torch.tensor([0, 1, 1, 1, 1])),
+        r"\['attention_mask'\] must start with 1",
+    ),
+    "hole in mask": (
+        lambda b: b["attention_mask"][1].copy_(torch.tensor([1, 0, 1, 1, 1])),
+        r"\['attention_mask'\] must be 1s then 0s",
+    ),
     "loss on padding": (
-        lambda b: (b["attention_mask"][0].copy_(torch.tensor([1, 1, 1, 1, 0]))),
+        lambda b: b["attention_mask"][0].copy_(torch.tensor([1, 1, 1, 1, 0])),
         r"\['loss_mask'\] is 1 on a padding position",
     ),
-    "loss on first token": (lambda b: b["loss_mask"][1].__setitem__(0, True), r"\['loss_mask'\] is 1 on the first token"),
+    "loss on first token": (
+        lambda b: b["loss_mask"][1].__setitem__(0, True),
+        r"\['loss_mask'\] is 1 on the first token",
+    ),
     "no completion": (lambda b: b["loss_mask"][1].zero_(), r"\['loss_mask'\] selects no token in row 1"),
-    "logprob on prompt": (lambda b: b["logprobs"][0].__setitem__(1, -0.5), r"\['logprobs'\] must be 0 where loss_mask is 0"),
+    "logprob on prompt": (
+        lambda b: b["logprobs"][0].__setitem__(1, -0.5),
+        r"\['logprobs'\] must be 0 where loss_mask is 0",
+    ),
     "positive logprob": (lambda b: b["logprobs"][0].__setitem__(4, 0.3), r"\['logprobs'\] has a positive value"),
-    "version on prompt": (lambda b: b["versions"][0].__setitem__(0, 0), r"\['versions'\] must be -1 where loss_mask is 0"),
+    "version on prompt": (
+        lambda b: b["versions"][0].__setitem__(0, 0),
+        r"\['versions'\] must be -1 where loss_mask is 0",
+    ),
     "negative version": (lambda b: b["versions"][1].__setitem__(3, -1), r"\['versions'\] must be >= 0"),
     "nan reward": (lambda b: b["rewards"].__setitem__(1, float("nan")), r"\['rewards'\] contains NaN"),
     "inf reward": (lambda b: b["rewards"].__setitem__(0, float("inf")), r"\['rewards'\] contains NaN or inf"),

@@ -15,8 +15,16 @@ import pytest
 from relayrl.api.io import GenerationConfig
 from relayrl.inference.backends import ProtocolError, RelayrlBackend, SGLangBackend, VLLMBackend, make_backend
 
-G = GenerationConfig(max_new_tokens=16, min_new_tokens=2, temperature=0.7, top_p=0.9, top_k=0,
-                     stop=["\n\n"], stop_token_ids=[7], ignore_eos=False)
+G = GenerationConfig(
+    max_new_tokens=16,
+    min_new_tokens=2,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=0,
+    stop=["\n\n"],
+    stop_token_ids=[7],
+    ignore_eos=False,
+)
 
 # A reply in the shape of SGLang's documented /generate output (return_logprob=True).
 SGLANG_REPLY = {
@@ -40,11 +48,20 @@ VLLM_REPLY = {
     "object": "text_completion",
     "created": 1,
     "model": "m",
-    "choices": [{
-        "index": 0, "text": " Paris.", "finish_reason": "length", "stop_reason": None,
-        "logprobs": {"text_offset": [0, 6], "token_logprobs": [-0.25, -1.5],
-                     "tokens": ["token_id:12366", "token_id:13"], "top_logprobs": None},
-    }],
+    "choices": [
+        {
+            "index": 0,
+            "text": " Paris.",
+            "finish_reason": "length",
+            "stop_reason": None,
+            "logprobs": {
+                "text_offset": [0, 6],
+                "token_logprobs": [-0.25, -1.5],
+                "tokens": ["token_id:12366", "token_id:13"],
+                "top_logprobs": None,
+            },
+        }
+    ],
     "usage": {"prompt_tokens": 7, "total_tokens": 9, "completion_tokens": 2},
 }
 
@@ -55,8 +72,17 @@ def test_sglang_generate_request_matches_documented_fields():
     body = call.json
     assert body["input_ids"] == [1, 2, 3] and body["return_logprob"] is True and body["rid"] == "rid-1"
     sp = body["sampling_params"]
-    assert sp == {"max_new_tokens": 10, "min_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
-                  "stop": ["\n\n"], "stop_token_ids": [7], "ignore_eos": False, "skip_special_tokens": False}
+    assert sp == {
+        "max_new_tokens": 10,
+        "min_new_tokens": 2,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "stop": ["\n\n"],
+        "stop_token_ids": [7],
+        "ignore_eos": False,
+        "skip_special_tokens": False,
+    }
     greedy = SGLangBackend().generate("r", [1], G.new(greedy=True, top_k=5), 4, 0).json["sampling_params"]
     assert greedy["temperature"] == 0.0 and greedy["top_k"] == 5
 
@@ -67,9 +93,15 @@ def test_sglang_reply_parsing():
     assert p.stop_reason == "stop" and p.weight_version == 3 and p.versions is None
     batch = SGLangBackend().parse_generate([SGLANG_REPLY])  # a batch of one is a list
     assert batch.tokens == [12366, 13]
-    aborted = {**SGLANG_REPLY, "meta_info": {**SGLANG_REPLY["meta_info"], "finish_reason": {"type": "abort", "message": "x"}}}
+    aborted = {
+        **SGLANG_REPLY,
+        "meta_info": {**SGLANG_REPLY["meta_info"], "finish_reason": {"type": "abort", "message": "x"}},
+    }
     assert SGLangBackend().parse_generate(aborted).stop_reason == "abort"
-    length = {**SGLANG_REPLY, "meta_info": {**SGLANG_REPLY["meta_info"], "finish_reason": {"type": "length", "length": 2}}}
+    length = {
+        **SGLANG_REPLY,
+        "meta_info": {**SGLANG_REPLY["meta_info"], "finish_reason": {"type": "length", "length": 2}},
+    }
     assert SGLangBackend().parse_generate(length).stop_reason == "length"
     with pytest.raises(ProtocolError, match="meta_info"):
         SGLangBackend().parse_generate({"text": "x"})
@@ -79,7 +111,10 @@ def test_sglang_reply_parsing():
 
 
 def test_relayrl_reply_carries_per_token_versions():
-    reply = {**SGLANG_REPLY, "meta_info": {**SGLANG_REPLY["meta_info"], "output_token_versions": [2, 3], "weight_version": 3}}
+    reply = {
+        **SGLANG_REPLY,
+        "meta_info": {**SGLANG_REPLY["meta_info"], "output_token_versions": [2, 3], "weight_version": 3},
+    }
     p = RelayrlBackend().parse_generate(reply)
     assert p.versions == [2, 3] and p.weight_version == 3
 
@@ -88,7 +123,11 @@ def test_weight_and_control_calls():
     sg, rr, vl = SGLangBackend(), RelayrlBackend(), VLLMBackend()
     c = sg.update_from_disk("/ckpt/v3", 3)
     assert (c.path, c.json["model_path"], c.json["weight_version"], c.json["abort_all_requests"]) == (
-        "/update_weights_from_disk", "/ckpt/v3", "3", True)
+        "/update_weights_from_disk",
+        "/ckpt/v3",
+        "3",
+        True,
+    )
     assert rr.update_from_disk("/ckpt/v3", 3).json == {"model_path": "/ckpt/v3", "weight_version": 3}
     assert rr.upload(4).path == "/update_weights_from_tensor?weight_version=4"
     with pytest.raises(NotImplementedError, match="weight_sync=disk"):
@@ -109,15 +148,32 @@ def test_weight_broadcast_calls_are_sglangs_documented_bodies():
     sg = SGLangBackend()
     init = sg.init_weight_group("10.0.0.5", 29500, 2, 3, "nccl")
     assert (init.method, init.path) == ("POST", "/init_weights_update_group")
-    assert init.json == {"master_address": "10.0.0.5", "master_port": 29500, "rank_offset": 2, "world_size": 3,
-                         "group_name": "weight_update_group", "backend": "nccl"}
+    assert init.json == {
+        "master_address": "10.0.0.5",
+        "master_port": 29500,
+        "rank_offset": 2,
+        "world_size": 3,
+        "group_name": "weight_update_group",
+        "backend": "nccl",
+    }
     up = sg.update_distributed(["a.weight", "b.bias"], ["bfloat16", "float32"], [[4, 2], [4]], 9)
     assert (up.method, up.path) == ("POST", "/update_weights_from_distributed")
-    assert up.json == {"names": ["a.weight", "b.bias"], "dtypes": ["bfloat16", "float32"], "shapes": [[4, 2], [4]],
-                       "group_name": "weight_update_group", "weight_version": "9", "abort_all_requests": True}
-    assert RelayrlBackend().init_weight_group("h", 1, 1, 2, "gloo").json == {**init.json, "master_address": "h",
-                                                                             "master_port": 1, "rank_offset": 1,
-                                                                             "world_size": 2, "backend": "gloo"}
+    assert up.json == {
+        "names": ["a.weight", "b.bias"],
+        "dtypes": ["bfloat16", "float32"],
+        "shapes": [[4, 2], [4]],
+        "group_name": "weight_update_group",
+        "weight_version": "9",
+        "abort_all_requests": True,
+    }
+    assert RelayrlBackend().init_weight_group("h", 1, 1, 2, "gloo").json == {
+        **init.json,
+        "master_address": "h",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+    }
     with pytest.raises(NotImplementedError, match="weight_sync=disk"):
         VLLMBackend().init_weight_group("h", 1, 1, 2, "nccl")
 
@@ -133,8 +189,12 @@ def test_vllm_completion_request_and_reply():
     assert p.tokens == [12366, 13] and p.logprobs == [-0.25, -1.5] and p.stop_reason == "length"
     with_ids = {**VLLM_REPLY, "choices": [{**VLLM_REPLY["choices"][0], "token_ids": [1, 2], "finish_reason": "stop"}]}
     assert VLLMBackend().parse_generate(with_ids).tokens == [1, 2]
-    texts = {**VLLM_REPLY, "choices": [{**VLLM_REPLY["choices"][0], "logprobs": {
-        "tokens": [" Paris", "."], "token_logprobs": [-0.1, -0.2]}}]}
+    texts = {
+        **VLLM_REPLY,
+        "choices": [
+            {**VLLM_REPLY["choices"][0], "logprobs": {"tokens": [" Paris", "."], "token_logprobs": [-0.1, -0.2]}}
+        ],
+    }
     with pytest.raises(ProtocolError, match="token_id"):
         VLLMBackend().parse_generate(texts)
 
@@ -162,8 +222,18 @@ def test_sglang_batch_is_the_documented_batch_form():
     [(rcall, _)] = rr.batch([rr.generate(f"r{i}", [1], G, 4, 0) for i in range(2)])
     assert rcall.json["stream_items"] is True and rr.streams_items
     assert "stream_items" not in rr.batch([calls[0]])[0][0].json
-    reply = [SGLANG_REPLY, {**SGLANG_REPLY, "output_ids": [7], "meta_info": {
-        **SGLANG_REPLY["meta_info"], "output_token_logprobs": [[-0.5, 7, None]], "finish_reason": {"type": "length"}}}]
+    reply = [
+        SGLANG_REPLY,
+        {
+            **SGLANG_REPLY,
+            "output_ids": [7],
+            "meta_info": {
+                **SGLANG_REPLY["meta_info"],
+                "output_token_logprobs": [[-0.5, 7, None]],
+                "finish_reason": {"type": "length"},
+            },
+        },
+    ]
     parts = [sg.parse_generate(x) for x in sg.split(reply, 2)]
     assert [p.tokens for p in parts] == [[12366, 13], [7]] and [p.stop_reason for p in parts] == ["stop", "length"]
     with pytest.raises(ProtocolError, match="of 3 items answered 2 items"):
@@ -176,18 +246,29 @@ def test_vllm_batch_shares_one_call_per_set_of_sampling_params():
     """vLLM's /v1/completions takes a list of token-id prompts with one set of sampling parameters;
     choice i (n=1) answers prompt i."""
     vl = VLLMBackend(model="m")
-    calls = [vl.generate("a", [1, 2], G, 8, 0), vl.generate("b", [3], G, 8, 0), vl.generate("c", [4], G, 5, 0),
-             vl.generate("d", [5, 6], G, 8, 0)]
+    calls = [
+        vl.generate("a", [1, 2], G, 8, 0),
+        vl.generate("b", [3], G, 8, 0),
+        vl.generate("c", [4], G, 5, 0),
+        vl.generate("d", [5, 6], G, 8, 0),
+    ]
     groups = vl.batch(calls)
     assert [idx for _, idx in groups] == [[0, 1, 3], [2]]
     (shared, _), (alone, _) = groups
     assert shared.path == "/v1/completions" and shared.json["prompt"] == [[1, 2], [3], [5, 6]]
     assert {k: v for k, v in shared.json.items() if k not in ("prompt", "request_id")} == {
-        k: v for k, v in calls[0].json.items() if k not in ("prompt", "request_id")}
+        k: v for k, v in calls[0].json.items() if k not in ("prompt", "request_id")
+    }
     assert alone is calls[2]
     choice = VLLM_REPLY["choices"][0]
-    reply = {**VLLM_REPLY, "choices": [{**choice, "index": 1, "token_ids": [9]}, {**choice, "index": 0},
-                                       {**choice, "index": 2, "finish_reason": "stop"}]}
+    reply = {
+        **VLLM_REPLY,
+        "choices": [
+            {**choice, "index": 1, "token_ids": [9]},
+            {**choice, "index": 0},
+            {**choice, "index": 2, "finish_reason": "stop"},
+        ],
+    }
     reply["choices"][0]["logprobs"] = {"token_logprobs": [-0.1], "tokens": ["token_id:9"]}
     parts = [vl.parse_generate(x) for x in vl.split(reply, 3)]
     assert [p.tokens for p in parts] == [[12366, 13], [9], [12366, 13]]
@@ -204,8 +285,11 @@ def test_peer_detection_picks_the_routes_each_version_has():
     from relayrl.inference.peers import UnsupportedServer, detect, require_routes, version_tuple
 
     assert version_tuple("0.5.3.post1") == (0, 5, 3) and version_tuple("0.4.10rc1") == (0, 4, 10)
-    old_layout = {"/get_server_info": {"version": "0.5.2", "tp_size": 2}, "/get_model_info": {"model_path": "m"},
-                  "/get_weight_version": {"weight_version": "default"}}
+    old_layout = {
+        "/get_server_info": {"version": "0.5.2", "tp_size": 2},
+        "/get_model_info": {"model_path": "m"},
+        "/get_weight_version": {"weight_version": "default"},
+    }
     info = detect("sglang", "u", _getter(old_layout))
     assert (info.tp_size, info.version_path, info.live_path) == (2, "/get_weight_version", "/get_model_info")
     new_layout = {"/server_info": {"version": "0.5.15"}, "/model_info": {"model_path": "m", "weight_version": "3"}}
@@ -215,8 +299,11 @@ def test_peer_detection_picks_the_routes_each_version_has():
         detect("sglang", "u", _getter({"/get_server_info": {"version": "0.4.9"}}))
     with pytest.raises(UnsupportedServer, match="neither /get_server_info nor /server_info"):
         detect("sglang", "u", _getter({}))
-    vllm = {"/version": {"version": "0.15.0"}, "/v1/models": {"data": [{"id": "Qwen/Qwen3-8B"}]},
-            "/openapi.json": {"paths": {"/v1/completions": {}, "/health": {}}}}
+    vllm = {
+        "/version": {"version": "0.15.0"},
+        "/v1/models": {"data": [{"id": "Qwen/Qwen3-8B"}]},
+        "/openapi.json": {"paths": {"/v1/completions": {}, "/health": {}}},
+    }
     info = detect("vllm", "u", _getter(vllm))
     assert info.model == "Qwen/Qwen3-8B" and info.version_path is None
     with pytest.raises(UnsupportedServer, match=r"/pause .*/collective_rpc \(VLLM_SERVER_DEV_MODE=1"):

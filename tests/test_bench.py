@@ -56,8 +56,14 @@ def test_compute_clock_counts_the_outermost_call_only() -> None:
 @pytest.mark.slow
 def test_weight_sync_quick_prints_a_json_result(tmp_path: Path) -> None:
     env = dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, str(BENCH / "weight_sync.py"), "--quick"], capture_output=True, text=True,
-                         env=env, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "weight_sync.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["name"] == "weight_sync" and result["quick"] is True
     assert set(result["seconds"]) == {"local", "server_http", "server_disk", "server_broadcast"}
@@ -68,8 +74,14 @@ def test_weight_sync_quick_prints_a_json_result(tmp_path: Path) -> None:
 def test_grpo_vs_trl_count_quick_prints_a_json_result(tmp_path: Path) -> None:
     pytest.importorskip("trl")
     env = dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, str(BENCH / "grpo_vs_trl.py"), "--task", "count", "--quick"], capture_output=True,
-                         text=True, env=env, timeout=600, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "grpo_vs_trl.py"), "--task", "count", "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["name"] == "grpo_vs_trl_count" and result["task"] == "count" and result["quick"] is True
     assert result["settings"]["max_new_tokens"] == 192 and result["settings"]["sides"] == ["relayrl", "trl"]
@@ -84,8 +96,14 @@ def test_grpo_vs_trl_count_quick_prints_a_json_result(tmp_path: Path) -> None:
 def test_async_vs_sync_quick_runs_pinned_and_unpinned(tmp_path: Path) -> None:
     """The pinned mode really puts the trainer and its server on separate cores, and the result has both ratios."""
     env = dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, str(BENCH / "async_vs_sync.py"), "--task", "count", "--quick"], capture_output=True,
-                         text=True, env=env, timeout=600, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "async_vs_sync.py"), "--task", "count", "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["name"] == "async_vs_sync_count" and result["pinned"] is True and result["quick"] is True
     assert result["ratio"] > 0 and result["ratio_unpinned"] > 0 and "goal_met" in result
@@ -100,7 +118,13 @@ def test_pinning_moves_every_thread_of_a_process(tmp_path: Path) -> None:
     import common
 
     cores = sorted(os.sched_getaffinity(0))
-    child = subprocess.Popen([sys.executable, "-c", "import threading, time; [threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(3)]; time.sleep(30)"])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import threading, time; [threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(3)]; time.sleep(30)",
+        ]
+    )
     ev = threading.Event()
     t = threading.Thread(target=ev.wait, daemon=True)
     t.start()

@@ -46,10 +46,12 @@ def test_defaults_yaml_and_dotted_overrides(tmp_path):
         "seed: 7\n"
         "actor:\n  eps_clip: 0.3\n  loss: decoupled_ppo\n"
         "train:\n  optimizer:\n    lr: 1e-5\n    warmup_steps: 3\n"
-        "gconfig:\n  max_new_tokens: 12\n  stop: [\"\\n\"]\n"
+        'gconfig:\n  max_new_tokens: 12\n  stop: ["\\n"]\n'
         "inference:\n  addresses: [127.0.0.1:30000]\n"
     )
-    cfg = load_config(RunConfig, cfg_file, ["actor.eps_clip=0.1", "rollout.max_staleness=2", "actor.c_clip=3", "model.path=/m"])
+    cfg = load_config(
+        RunConfig, cfg_file, ["actor.eps_clip=0.1", "rollout.max_staleness=2", "actor.c_clip=3", "model.path=/m"]
+    )
     assert cfg.seed == 7 and cfg.actor.loss == "decoupled_ppo"
     assert cfg.actor.eps_clip == 0.1  # the override wins over the file
     assert cfg.actor.c_clip == 3.0 and isinstance(cfg.actor.c_clip, float)
@@ -97,8 +99,14 @@ def test_c_clip_must_exceed_one():
         ("inference.addresses=host:1", "inference.addresses: expected a list"),
         ("inference.addresses=[[1]]", "inference.addresses[0]: expected a string"),
         ("actor=3", "actor: expected a mapping of fields"),
-        ("actor.loss_agg_mode=token_mean", "actor.loss_agg_mode='token_mean' is not allowed; choose one of ['token-mean'"),
-        ("actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_len > 0"),
+        (
+            "actor.loss_agg_mode=token_mean",
+            "actor.loss_agg_mode='token_mean' is not allowed; choose one of ['token-mean'",
+        ),
+        (
+            "actor.loss_agg_mode=seq-mean-token-sum-norm",
+            "actor.loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_len > 0",
+        ),
         ("actor.overlong_buffer=40", "actor.overlong_buffer=40 must be below the generation limit"),
         ("model.dtype=fp8", "model.dtype='fp8' is not allowed"),
         ("gconfig.temperature=0", "gconfig.temperature=0.0 is out of range: must be > 0.0"),
@@ -118,8 +126,10 @@ def test_unregistered_loss_fails_before_any_model_loads(tmp_path, capsys):
 
     assert main(["train", f"run_dir={tmp_path}", "actor.loss=ppo2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("relayrl train: actor.loss='ppo2' is not registered; did you mean 'ppo'? "
-                                               "registered: ['decoupled_ppo', 'gspo', 'ppo', "), err  # (+ any a test registered)
+    assert "\n" not in err and err.startswith(
+        "relayrl train: actor.loss='ppo2' is not registered; did you mean 'ppo'? "
+        "registered: ['decoupled_ppo', 'gspo', 'ppo', "
+    ), err  # (+ any a test registered)
     assert main(["train", f"run_dir={tmp_path}", "actor.adv_estimator=grop"]) == 2
     assert "actor.adv_estimator='grop' is not registered; did you mean 'grpo'?" in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists()
@@ -128,7 +138,10 @@ def test_unregistered_loss_fails_before_any_model_loads(tmp_path, capsys):
 def test_nested_generation_config_cross_field_validation():
     msg = _error(["gconfig.max_new_tokens=10", "gconfig.min_new_tokens=11"])
     assert msg == "gconfig.min_new_tokens must be in [0, max_new_tokens=10], got 11"
-    assert load_config(RunConfig, None, ["gconfig.max_new_tokens=10", "gconfig.min_new_tokens=10"]).gconfig.min_new_tokens == 10
+    assert (
+        load_config(RunConfig, None, ["gconfig.max_new_tokens=10", "gconfig.min_new_tokens=10"]).gconfig.min_new_tokens
+        == 10
+    )
     assert "eval.gconfig.max_new_tokens=0 is out of range" in _error(["eval.gconfig.max_new_tokens=0"])
 
 
@@ -150,7 +163,9 @@ def test_server_config_port_range():
 
 
 def test_save_config_round_trips(tmp_path):
-    cfg = load_config(RunConfig, None, ["actor.c_clip=3", "gconfig.stop=[\"\\n\", '</answer>']", "seed=3", "run_dir=" + str(tmp_path)])
+    cfg = load_config(
+        RunConfig, None, ["actor.c_clip=3", "gconfig.stop=[\"\\n\", '</answer>']", "seed=3", "run_dir=" + str(tmp_path)]
+    )
     out = save_config(cfg, tmp_path / "run")
     assert out == tmp_path / "run" / "config.yaml"
     saved = yaml.safe_load(out.read_text())
@@ -186,11 +201,18 @@ def _leaf_fields(cls: type, prefix: str = "") -> list[str]:
 
 LEAVES = _leaf_fields(RunConfig)
 SCALARS = (
-    st.none() | st.booleans() | st.integers(-(10**400), 10**400) | st.integers(-3, 70000)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.floats(-2, 2) | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**400), 10**400)
+    | st.integers(-3, 70000)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.floats(-2, 2)
+    | st.text(max_size=8)
     | st.sampled_from(["ppo", "grpo", "auto", "float32", "requeue", "1e-5", "k3", "local", "nan", "-inf"])
 )
-VALUES = SCALARS | st.lists(SCALARS, max_size=3) | st.dictionaries(st.sampled_from(["a", "lr", "path"]), SCALARS, max_size=2)
+VALUES = (
+    SCALARS | st.lists(SCALARS, max_size=3) | st.dictionaries(st.sampled_from(["a", "lr", "path"]), SCALARS, max_size=2)
+)
 _TMP = Path(tempfile.mkdtemp(prefix="relayrl-cfg-"))  # hypothesis examples share it (no tmp_path per example)
 atexit.register(shutil.rmtree, _TMP, True)
 
@@ -206,7 +228,11 @@ def _nest(assign: dict[str, object]) -> dict[str, object]:
     return tree
 
 
-@settings(max_examples=int(os.environ.get("RELAYRL_CONFIG_EXAMPLES", "100")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("RELAYRL_CONFIG_EXAMPLES", "100")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(assign=st.dictionaries(st.sampled_from(LEAVES), VALUES, min_size=1, max_size=3), via_cli=st.booleans())
 def test_random_values_give_a_valid_config_or_a_config_error_naming_the_field(assign, via_cli):
     if via_cli:
@@ -231,8 +257,28 @@ def test_random_values_give_a_valid_config_or_a_config_error_naming_the_field(as
 # YAML 1.1 reads on/off/yes/no as bools and ~/null as null: a string field keeps the word typed.
 # --------------------------------------------------------------------------------------
 
-YAML_WORDS = ["on", "off", "On", "OFF", "yes", "no", "Yes", "NO", "y", "n", "Y", "N", "true", "false", "True",
-              "FALSE", "~", "null", "Null", "NULL"]
+YAML_WORDS = [
+    "on",
+    "off",
+    "On",
+    "OFF",
+    "yes",
+    "no",
+    "Yes",
+    "NO",
+    "y",
+    "n",
+    "Y",
+    "N",
+    "true",
+    "false",
+    "True",
+    "FALSE",
+    "~",
+    "null",
+    "Null",
+    "NULL",
+]
 BOOL_WORDS = {"on": True, "off": False, "yes": True, "no": False, "true": True, "false": False}
 
 
@@ -324,9 +370,13 @@ def test_a_config_changed_in_code_is_checked_by_the_trainer(tmp_path):
 
 
 def test_eval_generation_starts_from_the_training_generation(tmp_path):
-    cfg = load_config(RunConfig, None, ["gconfig.max_new_tokens=300", "gconfig.temperature=0.7", "gconfig.stop=['###']"])
+    cfg = load_config(
+        RunConfig, None, ["gconfig.max_new_tokens=300", "gconfig.temperature=0.7", "gconfig.stop=['###']"]
+    )
     assert cfg.eval.gconfig == GenerationConfig(max_new_tokens=300, temperature=0.7, stop=["###"], greedy=True)
-    cfg = load_config(RunConfig, None, ["gconfig.max_new_tokens=300", "eval.gconfig.max_new_tokens=64", "eval.gconfig.greedy=false"])
+    cfg = load_config(
+        RunConfig, None, ["gconfig.max_new_tokens=300", "eval.gconfig.max_new_tokens=64", "eval.gconfig.greedy=false"]
+    )
     assert (cfg.eval.gconfig.max_new_tokens, cfg.eval.gconfig.greedy, cfg.gconfig.greedy) == (64, False, False)
     (tmp_path / "c.yaml").write_text("gconfig: {max_new_tokens: 77, top_p: 0.9}\neval: {n_samples: 2}\n")
     cfg = load_config(RunConfig, tmp_path / "c.yaml")

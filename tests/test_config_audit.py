@@ -29,8 +29,12 @@ ELSEWHERE = {
 RUNS = {
     # grpo, a decaying LR, timed checkpoints, file data, requeue_after tail batches
     "local-file": [
-        "data.task=file", f"data.train_path={ROOT}/tests/data/gsm8k_sample.jsonl", f"data.eval_path={ROOT}/tests/data/gsm8k_sample.jsonl",
-        "train.optimizer.lr_schedule=linear", "checkpoint.every_minutes=60", "rollout.tail_batch=requeue_after",
+        "data.task=file",
+        f"data.train_path={ROOT}/tests/data/gsm8k_sample.jsonl",
+        f"data.eval_path={ROOT}/tests/data/gsm8k_sample.jsonl",
+        "train.optimizer.lr_schedule=linear",
+        "checkpoint.every_minutes=60",
+        "rollout.tail_batch=requeue_after",
     ],
     # PPO with a critic and a KL-regularised reference
     "gae-kl": ["actor.adv_estimator=gae", "actor.kl_coef=0.1"],
@@ -63,11 +67,25 @@ def test_every_config_field_is_read_by_a_run_or_shown_by_a_named_test(tmp_path, 
 
         monkeypatch.setattr(cls, "__getattribute__", hook)
     for name, extra in RUNS.items():
-        cfg = load_config(RunConfig, None, [
-            f"run_dir={tmp_path / name}", "total_steps=2", "rollout.batch_size=2", "rollout.group_size=2",
-            "gconfig.max_new_tokens=4", "data.n_train=8", "data.n_eval=2", "eval.before_training=true",
-            "eval.every_n_steps=1", "checkpoint.every_n_steps=1", "logging.progress=off", "logging.tensorboard=false", *extra,
-        ])
+        cfg = load_config(
+            RunConfig,
+            None,
+            [
+                f"run_dir={tmp_path / name}",
+                "total_steps=2",
+                "rollout.batch_size=2",
+                "rollout.group_size=2",
+                "gconfig.max_new_tokens=4",
+                "data.n_train=8",
+                "data.n_eval=2",
+                "eval.before_training=true",
+                "eval.every_n_steps=1",
+                "checkpoint.every_n_steps=1",
+                "logging.progress=off",
+                "logging.tensorboard=false",
+                *extra,
+            ],
+        )
         train(cfg)
     every = {f"{cls.__name__}.{n}" for cls, names in sections.items() for n in names}
     unread = sorted(every - reads - set(ELSEWHERE))

@@ -40,7 +40,9 @@ def test_rows_follow_the_contract_and_match_an_independent_reference() -> None:
         (turn,) = row["messages"]
         assert turn["role"] == "user" and row["task"] == "count"
         assert row["answer"] == reference(turn["content"])
-        assert 10000 <= row["start"] <= row["end"] <= 99999 and row["end"] % 100 == 0  # 5 digits, up to the next hundred
+        assert (
+            10000 <= row["start"] <= row["end"] <= 99999 and row["end"] % 100 == 0
+        )  # 5 digits, up to the next hundred
         assert row["end"] - row["start"] < 100
         n = row["end"] - row["start"] + 1
         # a completion is 6 tokens per number with EOS (5 digits + space / EOS)
@@ -67,20 +69,23 @@ def test_lengths_are_long_tailed() -> None:
     assert statistics.median(r["end"] - r["start"] + 1 for r in longer) >= 11
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("10098 10099 10100", 1.0),
-    ("10098 10099 10100<eos>", 1.0),
-    (" 10098  10099 10100 \n10101", 1.0),  # runs of spaces count as one; the text after a newline is ignored
-    ("10098 10099 10100<|user|>anything", 1.0),
-    ("10098 10100", 0.5),  # skipped
-    ("10098 10099 10099 10100", 0.5),  # repeated
-    ("10098 10099", 0.5),  # early stop
-    ("10098 10099 10100 10101", 0.5),  # late stop
-    ("10098,10099,10100", 0.0),  # not space-separated numbers
-    ("10098 10099 10100.", 0.0),
-    ("", 0.0),
-    ("one two three", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("10098 10099 10100", 1.0),
+        ("10098 10099 10100<eos>", 1.0),
+        (" 10098  10099 10100 \n10101", 1.0),  # runs of spaces count as one; the text after a newline is ignored
+        ("10098 10099 10100<|user|>anything", 1.0),
+        ("10098 10100", 0.5),  # skipped
+        ("10098 10099 10099 10100", 0.5),  # repeated
+        ("10098 10099", 0.5),  # early stop
+        ("10098 10099 10100 10101", 0.5),  # late stop
+        ("10098,10099,10100", 0.0),  # not space-separated numbers
+        ("10098 10099 10100.", 0.0),
+        ("", 0.0),
+        ("one two three", 0.0),
+    ],
+)
 def test_verifier(completion: str, expected: float) -> None:
     row = {"answer": "10098 10099 10100", "start": 10098, "end": 10100, "task": "count"}
     assert reward(completion, row, format_reward=0.5) == expected
@@ -128,7 +133,10 @@ def test_config_and_sft_wiring() -> None:
     cfg = load_config(RunConfig, None, ["data.task=count", "data.n_train=30", "data.n_eval=5"])
     train, held_out = load_rows(cfg, build_tokenizer())
     assert (len(train), len(held_out)) == (30, 5) and train[0]["task"] == "count"
-    assert reward_fn_for(cfg)(prompt="", completions=train[0]["answer"], prompt_ids=[], completion_ids=[], **train[0]) == 1.0
+    assert (
+        reward_fn_for(cfg)(prompt="", completions=train[0]["answer"], prompt_ids=[], completion_ids=[], **train[0])
+        == 1.0
+    )
     sft = load_config(SFTConfig, None, ["data.task=count", "data.n_train=20", "data.n_eval=4", "data.error_rate=0.25"])
     demos, held_out = sft_rows(sft.data, sft.seed)
     assert len(demos) == 20 and sum(not d["correct"] for d in demos) == 5 and len(held_out) == 4

@@ -13,8 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_demo_cli(run_dir: Path, *args: str, timeout: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "relayrl.cli", "demo", "--run-dir", str(run_dir), *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "demo", "--run-dir", str(run_dir), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])  # the last line is for scripts
     assert result == json.loads((run_dir / "result.json").read_text())
@@ -27,7 +32,10 @@ def _learning(run_dir: Path) -> list[dict]:
     """metrics.jsonl of the GRPO stage without wall-clock and engine-scheduling fields (how
     requests happened to share decode steps; the samples themselves do not depend on it)."""
     rows = [json.loads(line) for line in (run_dir / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("timing/", "perf/", "inference/"))} for r in rows]
+    return [
+        {k: v for k, v in r.items() if k != "time" and not k.startswith(("timing/", "perf/", "inference/"))}
+        for r in rows
+    ]
 
 
 def test_quick_demo_runs_end_to_end_and_repeats_exactly(tmp_path: Path):
@@ -38,8 +46,9 @@ def test_quick_demo_runs_end_to_end_and_repeats_exactly(tmp_path: Path):
     assert "eval/accuracy_mean" in _learning(tmp_path / "a")[2]  # an eval between steps: step 3 must not see it
     again = run_demo_cli(tmp_path / "b", "--quick", timeout=300)  # seeded: the same numbers again
     assert _learning(tmp_path / "a") == _learning(tmp_path / "b")
-    assert {k: v for k, v in result.items() if "seconds" not in k and k not in ("run_dir", "curves")} == \
-        {k: v for k, v in again.items() if "seconds" not in k and k not in ("run_dir", "curves")}
+    assert {k: v for k, v in result.items() if "seconds" not in k and k not in ("run_dir", "curves")} == {
+        k: v for k, v in again.items() if "seconds" not in k and k not in ("run_dir", "curves")
+    }
 
 
 @pytest.mark.slow

@@ -14,8 +14,10 @@ def test_readme_tour_trains(tmp_path: Path):
     readme = (ROOT / "README.md").read_text()
     tour = readme.split("## A 60-second tour", 1)[1]
     code = re.search(r"```python\n(.*?)```", tour, re.S).group(1)
-    tiny = ('["total_steps=2", "rollout.batch_size=2", "rollout.group_size=2", "gconfig.max_new_tokens=6", '
-            f'"data.n_train=32", "logging.tensorboard=false", "run_dir={tmp_path}",')
+    tiny = (
+        '["total_steps=2", "rollout.batch_size=2", "rollout.group_size=2", "gconfig.max_new_tokens=6", '
+        f'"data.n_train=32", "logging.tensorboard=false", "run_dir={tmp_path}",'
+    )
     assert '["total_steps=20",' in code
     old = Path.cwd()
     os.chdir(ROOT)  # the tour names recipes/ relative to the repository

@@ -53,11 +53,26 @@ def test_eval_metrics_match_the_scores_given(tiny_model, tokenizer, n):
 def _train_cfg(tmp_path, *extra):
     from relayrl.api.config import RunConfig, load_config
 
-    return load_config(RunConfig, None, [
-        f"run_dir={tmp_path}", "total_steps=1", "rollout.batch_size=2", "rollout.group_size=2", "gconfig.max_new_tokens=4",
-        "data.n_train=8", "data.n_eval=5", "eval.before_training=true", "eval.every_n_steps=1", "eval.n_samples=2",
-        "logging.tensorboard=false", "logging.progress=off", "checkpoint.save_final=false", *extra,
-    ])
+    return load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={tmp_path}",
+            "total_steps=1",
+            "rollout.batch_size=2",
+            "rollout.group_size=2",
+            "gconfig.max_new_tokens=4",
+            "data.n_train=8",
+            "data.n_eval=5",
+            "eval.before_training=true",
+            "eval.every_n_steps=1",
+            "eval.n_samples=2",
+            "logging.tensorboard=false",
+            "logging.progress=off",
+            "checkpoint.save_final=false",
+            *extra,
+        ],
+    )
 
 
 def test_trainer_evaluates_with_an_async_judge(tmp_path):
@@ -100,8 +115,9 @@ def test_trainer_evaluates_through_the_users_workflow(tmp_path):
         async def arun_episode(self, engine, data):
             self.seen.append(data["id"])
             ids = chat_ids(self.tok, data["messages"])
-            resp = await engine.agenerate(ModelRequest(rid=str(len(self.seen)), input_ids=ids,
-                                                       gconfig=GenerationConfig(max_new_tokens=3)))
+            resp = await engine.agenerate(
+                ModelRequest(rid=str(len(self.seen)), input_ids=ids, gconfig=GenerationConfig(max_new_tokens=3))
+            )
             if data["id"] == eval_ids[0]:
                 return None
             if data["id"] == eval_ids[1]:

@@ -64,7 +64,9 @@ def make(engine, **cfg):
 
 
 def bump(engine, tiny_model):
-    engine.update_weights(WeightUpdate(kind="tensors", tensors=tiny_model.state_dict(), version=engine.get_version() + 1))
+    engine.update_weights(
+        WeightUpdate(kind="tensors", tensors=tiny_model.state_dict(), version=engine.get_version() + 1)
+    )
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2])
@@ -242,7 +244,7 @@ def test_state_dict_round_trip_neither_loses_nor_repeats(engine, tiny_model, tok
         consumed += ex.prepare_batch(src, wf)["prompt_index"][0::2].tolist()
         bump(engine, tiny_model)
     state = ex.state_dict()
-    position = (max(pulled) + 2)  # rows the dataloader handed out
+    position = max(pulled) + 2  # rows the dataloader handed out
     ex.destroy()
     assert state["next_index"] == position and len(state["pending"]) > 0  # work was in flight
     assert {p["prompt_index"] for p in state["pending"]}.isdisjoint(consumed)
@@ -279,7 +281,10 @@ def test_expired_prompts_follow_the_tail_policy(engine, tiny_model, tokenizer, r
         bump(engine, tiny_model)  # now they are 2 > eta versions old
         for _ in range(4):
             batch = ex.prepare_batch(src, wf)
-            assert batch["versions"].max() >= 0 and (engine.get_version() - batch["versions"][batch["loss_mask"].bool()].min()) <= 1
+            assert (
+                batch["versions"].max() >= 0
+                and (engine.get_version() - batch["versions"][batch["loss_mask"].bool()].min()) <= 1
+            )
             consumed += batch["prompt_index"][0::2].tolist()
         s = ex.stats()
     finally:
@@ -341,7 +346,9 @@ def test_submit_wait_counts_failures_and_keeps_partial_groups(engine, tokenizer,
         ex.destroy()
     s = ex.stats()
     assert s["failed"] == wf.calls // 3 == 4 and s["completed"] == batch["input_ids"].shape[0] == 12 - 4
-    assert sorted(set(batch["prompt_index"].tolist())) == list(range(6))  # a group with a failed episode is kept, smaller
+    assert sorted(set(batch["prompt_index"].tolist())) == list(
+        range(6)
+    )  # a group with a failed episode is kept, smaller
     ex.status.reconcile()
 
 
@@ -352,7 +359,9 @@ def test_wait_times_out_with_the_counts_and_bad_calls_name_the_problem(engine, t
         ex.submit(rows[0], wf)
     ex.initialize()
     try:
-        with pytest.raises(TimeoutError, match=r"wait\(1\) timed out after 0.3s: 0 of 1 groups ready, 0 running, 0 queued"):
+        with pytest.raises(
+            TimeoutError, match=r"wait\(1\) timed out after 0.3s: 0 of 1 groups ready, 0 running, 0 queued"
+        ):
             ex.wait(1, timeout=0.3)
         with pytest.raises(ValueError, match="count >= 1"):
             ex.wait(0)

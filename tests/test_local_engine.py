@@ -73,7 +73,14 @@ def reference_logprobs(model, prompt: list[int], out: list[int], temperature=1.0
 
 
 @pytest.mark.parametrize(
-    "knobs", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=0.9, top_k=10), dict(temperature=1.0, top_p=0.8), dict(top_k=20, top_p=0.9)]
+    "knobs",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7),
+        dict(temperature=0.9, top_k=10),
+        dict(temperature=1.0, top_p=0.8),
+        dict(top_k=20, top_p=0.9),
+    ],
 )
 def test_logprobs_match_teacher_forcing(tiny_model, knobs):
     engine = make_engine(tiny_model, seed=3)
@@ -101,7 +108,13 @@ def test_greedy_equals_hf_generate_mixed_lengths(tiny_model):
     for p, r in zip(ps, resps, strict=True):
         with torch.no_grad():
             ref = tiny_model.generate(
-                torch.tensor([p]), do_sample=False, max_new_tokens=30, top_k=None, top_p=None, eos_token_id=None, pad_token_id=0
+                torch.tensor([p]),
+                do_sample=False,
+                max_new_tokens=30,
+                top_k=None,
+                top_p=None,
+                eos_token_id=None,
+                pad_token_id=0,
             )[0, len(p) :].tolist()
         assert r.output_tokens == ref
         # greedy logprobs are those of softmax(logits) at temperature 1
@@ -130,7 +143,10 @@ def test_concurrent_requests_join_and_leave(tiny_model):
     ps = prompts(10, seed=3)
     budgets = [3, 17, 8, 25, 1, 12, 30, 5, 9, 20]
     try:
-        reqs = [ModelRequest(str(i), p, GenerationConfig(max_new_tokens=b, ignore_eos=True)) for i, (p, b) in enumerate(zip(ps, budgets, strict=True))]
+        reqs = [
+            ModelRequest(str(i), p, GenerationConfig(max_new_tokens=b, ignore_eos=True))
+            for i, (p, b) in enumerate(zip(ps, budgets, strict=True))
+        ]
         resps = gather(engine, reqs)
         steps_together = engine.stats["steps"]
     finally:
@@ -156,7 +172,9 @@ def test_seed_reproducibility(tiny_model):
     for seed in (5, 5, 6):
         engine = make_engine(tiny_model, seed=seed)
         try:
-            outs.append([r.output_tokens for r in gather(engine, [ModelRequest(str(i), p, g) for i, p in enumerate(ps)])])
+            outs.append(
+                [r.output_tokens for r in gather(engine, [ModelRequest(str(i), p, g) for i, p in enumerate(ps)])]
+            )
         finally:
             engine.destroy()
     assert outs[0] == outs[1]
@@ -232,7 +250,13 @@ def test_update_from_disk_and_pause(tiny_model, tmp_path):
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         return model.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=n, top_k=None, top_p=None, eos_token_id=None, pad_token_id=0
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=n,
+            top_k=None,
+            top_p=None,
+            eos_token_id=None,
+            pad_token_id=0,
         )[0, len(prompt) :].tolist()
 
 
@@ -247,7 +271,11 @@ def test_stop_conditions(tiny_model, tokenizer):
         r = asyncio.run(engine.agenerate(ModelRequest("s", p, base.new(stop_token_ids=[stop_tok]))))
         assert r.stop_reason == "stop" and r.output_tokens == free[: free.index(stop_tok) + 1]
         # min_new_tokens masks it until enough tokens exist
-        r = asyncio.run(engine.agenerate(ModelRequest("m", p, base.new(stop_token_ids=[stop_tok], min_new_tokens=free.index(stop_tok) + 1))))
+        r = asyncio.run(
+            engine.agenerate(
+                ModelRequest("m", p, base.new(stop_token_ids=[stop_tok], min_new_tokens=free.index(stop_tok) + 1))
+            )
+        )
         assert r.output_len > free.index(stop_tok) + 1 and stop_tok not in r.output_tokens[:-1]
         # a stop string ends once the decoded text contains it
         text = tokenizer.decode(free[3:6])
@@ -306,7 +334,9 @@ def test_many_threads_with_own_loops(tiny_model):
             g = GenerationConfig(max_new_tokens=15, ignore_eos=True)
 
             async def go():
-                return await asyncio.wait_for(asyncio.gather(*[engine.agenerate(ModelRequest(str(i), ps[i], g)) for i in idx]), 60)
+                return await asyncio.wait_for(
+                    asyncio.gather(*[engine.agenerate(ModelRequest(str(i), ps[i], g)) for i in idx]), 60
+                )
 
             out = asyncio.run(go())
             results.update(dict(zip(idx, out, strict=True)))
@@ -334,7 +364,11 @@ def test_default_batch_decodes_a_whole_grpo_step_in_one_wave(tiny_model):
     engine = make_engine(tiny_model, seed=0)  # InferenceConfig defaults
     n_new = 6
     g = GenerationConfig(max_new_tokens=n_new, ignore_eos=True, top_k=0)
-    reqs = [ModelRequest(rid=f"{i}-{j}", input_ids=p, gconfig=g) for i, p in enumerate(prompts(16, seed=1)) for j in range(8)]
+    reqs = [
+        ModelRequest(rid=f"{i}-{j}", input_ids=p, gconfig=g)
+        for i, p in enumerate(prompts(16, seed=1))
+        for j in range(8)
+    ]
 
     async def run():
         return await asyncio.gather(*(engine.agenerate(r) for r in reqs))

@@ -56,7 +56,9 @@ def test_full_cache_preempts_and_continues(tiny_model, fast_decode):
     finally:
         roomy.destroy()
     assert roomy.stats["preemptions"] == 0
-    tight = LocalEngine(InferenceConfig(device="cpu", seed=5, max_tokens_in_flight=100, fast_decode=fast_decode), tiny_model)
+    tight = LocalEngine(
+        InferenceConfig(device="cpu", seed=5, max_tokens_in_flight=100, fast_decode=fast_decode), tiny_model
+    )
     tight.initialize()
     try:
         got = generate(tight, PROMPTS, g)
@@ -68,14 +70,18 @@ def test_full_cache_preempts_and_continues(tiny_model, fast_decode):
     for p, e, r in zip(PROMPTS, expected, got, strict=True):
         assert r.stop_reason == "length" and len(r.output_tokens) == 30
         assert r.output_tokens == e.output_tokens
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), teacher_forced(tiny_model, p, r.output_tokens), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(r.output_logprobs), teacher_forced(tiny_model, p, r.output_tokens), atol=1e-4, rtol=0
+        )
 
 
 def test_request_that_cannot_fit_fails_alone(tiny_model):
     engine = LocalEngine(InferenceConfig(device="cpu", max_tokens_in_flight=40), tiny_model)
     engine.initialize()
     try:
-        ok, too_big = generate(engine, [[5, 6, 7], list(range(10, 40))], GenerationConfig(max_new_tokens=20, greedy=True))[:2]
+        ok, too_big = generate(
+            engine, [[5, 6, 7], list(range(10, 40))], GenerationConfig(max_new_tokens=20, greedy=True)
+        )[:2]
     finally:
         engine.destroy()
     assert len(ok.output_tokens) >= 1
@@ -102,7 +108,9 @@ def test_out_of_memory_in_prefill_fails_only_that_request(tiny_model):
     finally:
         engine.destroy()
     assert isinstance(res[1], RuntimeError)
-    assert "prefill of 30 tokens on cpu ran out of memory" in str(res[1]) and "KV cache capacity 65536 tokens" in str(res[1])
+    assert "prefill of 30 tokens on cpu ran out of memory" in str(res[1]) and "KV cache capacity 65536 tokens" in str(
+        res[1]
+    )
     assert [len(res[0].output_tokens), len(res[2].output_tokens), len(later.output_tokens)] == [8, 8, 8]
 
 
@@ -130,7 +138,9 @@ def test_release_and_resume_memory_mid_generation(tiny_model):
     assert engine.stats["preemptions"] >= 1 and engine.stats["aborts"] == 0
     for p, r in zip(PROMPTS, res, strict=False):
         assert r.stop_reason == "length" and len(r.output_tokens) == 120
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), teacher_forced(tiny_model, p, r.output_tokens), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(r.output_logprobs), teacher_forced(tiny_model, p, r.output_tokens), atol=1e-4, rtol=0
+        )
 
 
 def test_device_setting_is_validated(tiny_model):
@@ -148,12 +158,30 @@ def test_device_setting_is_validated(tiny_model):
 def test_serve_device_flag_serves_any_family(tmp_path):
     """`relayrl serve --device cpu` on a Mistral checkpoint (a family that crashed before)."""
     path = save_tiny_family("mistral", tmp_path / "mistral", seed=1)
-    bad = subprocess.run([sys.executable, "-m", "relayrl.cli", "serve", "--model", str(path), "--device", "gpu"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "serve", "--model", str(path), "--device", "gpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "inference.device='gpu'" in bad.stderr
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relayrl.cli", "serve", "--model", str(path), "--device", "cpu", "--port", "0",
-         "model.tokenizer_path=tiny"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "relayrl.cli",
+            "serve",
+            "--model",
+            str(path),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "model.tokenizer_path=tiny",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         url = _wait_listening(proc)
@@ -166,9 +194,16 @@ def test_serve_device_flag_serves_any_family(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, top_k=None, top_p=None,
-                         eos_token_id=None, pad_token_id=0)
-    assert out["output_ids"] == ref[0, len(prompt):].tolist()
+    ref = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=12,
+        do_sample=False,
+        top_k=None,
+        top_p=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    assert out["output_ids"] == ref[0, len(prompt) :].tolist()
 
 
 def _wait_listening(proc: subprocess.Popen) -> str:
@@ -177,7 +212,7 @@ def _wait_listening(proc: subprocess.Popen) -> str:
     def read():
         for line in proc.stdout:  # type: ignore[union-attr]
             if line.startswith(LISTEN_PREFIX):
-                found.append(line.strip()[len(LISTEN_PREFIX):])
+                found.append(line.strip()[len(LISTEN_PREFIX) :])
                 return
 
     t = threading.Thread(target=read, daemon=True)
@@ -195,7 +230,9 @@ def test_cuda_release_frees_memory_and_trainer_weights_move_device_to_device(tin
     model = copy.deepcopy(tiny_model)
     engine = LocalEngine(InferenceConfig(device="cuda", seed=2, kv_cache_fraction=0.01), model)
     engine.initialize()
-    assert engine.device.type == "cuda" and engine.kv_capacity >= 16 and "kv_cache_fraction=0.01" in engine.kv_capacity_by
+    assert (
+        engine.device.type == "cuda" and engine.kv_capacity >= 16 and "kv_cache_fraction=0.01" in engine.kv_capacity_by
+    )
     g = GenerationConfig(max_new_tokens=64, temperature=1.0, ignore_eos=True)
     try:
         first = generate(engine, PROMPTS, g)
@@ -217,7 +254,9 @@ def test_cuda_release_frees_memory_and_trainer_weights_move_device_to_device(tin
     assert engine.get_version() == 1 and all(len(r.output_tokens) == 64 for r in first + second)
     ref = trainer.model.cpu().float()
     for p, r in zip(PROMPTS, second, strict=True):
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), teacher_forced(ref, p, r.output_tokens), atol=2e-3, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(r.output_logprobs), teacher_forced(ref, p, r.output_tokens), atol=2e-3, rtol=0
+        )
 
 
 def test_kv_bytes_per_token_of_any_family():
@@ -228,7 +267,10 @@ def test_kv_bytes_per_token_of_any_family():
     assert kv_bytes_per_token(build_tiny_family("qwen2")) == 2 * 2 * 2 * 16 * 4  # layers, kv heads, head_dim, fp32
     assert kv_bytes_per_token(build_tiny_family("gpt2", dtype=torch.bfloat16)) == 2 * 2 * 4 * 16 * 2  # n_layer, n_head
     assert kv_bytes_per_token(build_tiny_family("gemma2")) == 2 * 2 * 2 * 16 * 4  # explicit head_dim
-    assert kv_capacity(build_tiny_family("llama"), torch.device("cpu"), 0.5, 4096) == (4096, "inference.max_tokens_in_flight")
+    assert kv_capacity(build_tiny_family("llama"), torch.device("cpu"), 0.5, 4096) == (
+        4096,
+        "inference.max_tokens_in_flight",
+    )
 
 
 def test_weight_update_while_requests_are_preempted(tiny_model):
@@ -281,4 +323,6 @@ def test_out_of_memory_in_decode_lowers_the_budget_and_continues(tiny_model):
     assert engine.kv_capacity < 65536 and "lowered after running out of memory" in engine.kv_capacity_by
     for p, r in zip(PROMPTS, res, strict=True):
         assert r.stop_reason == "length" and len(r.output_tokens) == 24
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), teacher_forced(tiny_model, p, r.output_tokens), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(r.output_logprobs), teacher_forced(tiny_model, p, r.output_tokens), atol=1e-4, rtol=0
+        )

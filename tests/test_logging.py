@@ -28,7 +28,11 @@ def test_jsonl_has_one_object_per_step(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert {k: v for k, v in rows[0].items() if k != "time"} == {
-        "step": 1, "actor/loss": 0.5, "rollout/reward": 1.0, "n": 3.0, "np": 0.25,
+        "step": 1,
+        "actor/loss": 0.5,
+        "rollout/reward": 1.0,
+        "n": 3.0,
+        "np": 0.25,
     }
     assert math.isnan(rows[1]["actor/loss"]) and rows[1]["note"] == "hello"
     assert all(isinstance(r["time"], float) for r in rows)
@@ -151,7 +155,9 @@ def test_progress_is_a_live_bar_on_a_terminal_and_plain_lines_otherwise(tty):
     if tty:
         frames = out.split("\r")[1:]
         assert len(frames) == 2 and out.endswith("\n") and "\n" not in "".join(frames)[:-1]
-        assert frames[1].startswith("[###############...............] step 2/4 | reward 0.5 | eval 0.75 | samples/s 100")
+        assert frames[1].startswith(
+            "[###############...............] step 2/4 | reward 0.5 | eval 0.75 | samples/s 100"
+        )
     else:
         lines = out.splitlines()
         assert "\r" not in out and len(lines) == 2

@@ -42,9 +42,12 @@ def checkpoints(tmp_path_factory):
 
 def run(engine: LocalEngine, gconfigs: list[GenerationConfig]):
     async def go():
-        return await asyncio.gather(*[
-            engine.agenerate(ModelRequest(rid=str(i), input_ids=p, gconfig=g)) for i, (p, g) in enumerate(zip(PROMPTS, gconfigs, strict=True))
-        ])
+        return await asyncio.gather(
+            *[
+                engine.agenerate(ModelRequest(rid=str(i), input_ids=p, gconfig=g))
+                for i, (p, g) in enumerate(zip(PROMPTS, gconfigs, strict=True))
+            ]
+        )
 
     return asyncio.run(go())
 
@@ -67,13 +70,21 @@ def engine_checks(path: str, device: str) -> None:
         for p, r in zip(PROMPTS, greedy, strict=True):
             with torch.no_grad():
                 ids = torch.tensor([p], device=device)
-                ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                                         top_k=None, top_p=None, eos_token_id=None, pad_token_id=0)
-            assert r.output_tokens == ref[0, len(p):].tolist(), f"prompt of {len(p)} tokens"
+                ref = ref_model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=NEW,
+                    do_sample=False,
+                    top_k=None,
+                    top_p=None,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            assert r.output_tokens == ref[0, len(p) :].tolist(), f"prompt of {len(p)} tokens"
         sampled = run(engine, [GenerationConfig(max_new_tokens=NEW, temperature=0.8, ignore_eos=True)] * len(PROMPTS))
         for p, r in zip(PROMPTS, sampled, strict=True):
             assert len(r.output_tokens) == NEW
-            ref = hf_logprobs(ref_model, p + r.output_tokens, 0.8)[len(p) - 1:]
+            ref = hf_logprobs(ref_model, p + r.output_tokens, 0.8)[len(p) - 1 :]
             torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
     finally:
         engine.destroy()
@@ -92,7 +103,7 @@ def packed_checks(path: str) -> None:
     ref_model = load_model(ModelConfig(path=path)).eval()  # transformers' own attention, one sequence at a time
     for i, s in enumerate(seqs):
         torch.testing.assert_close(packed[i, 1 : len(s)], hf_logprobs(ref_model, s), atol=1e-4, rtol=0)
-        assert (packed[i, len(s):] == 0).all() and packed[i, 0] == 0
+        assert (packed[i, len(s) :] == 0).all() and packed[i, 0] == 0
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -129,7 +140,10 @@ def test_ready_mask_only_where_the_model_takes_it():
     from relayrl.data.families import build_tiny_family
     from relayrl.inference.device import accepts_mask_dict
 
-    takes = {name: accepts_mask_dict(build_tiny_family(name), torch.device("cpu")) for name in ("qwen3", "llama", "mistral", "gpt2")}
+    takes = {
+        name: accepts_mask_dict(build_tiny_family(name), torch.device("cpu"))
+        for name in ("qwen3", "llama", "mistral", "gpt2")
+    }
     assert takes == {"qwen3": True, "llama": False, "mistral": False, "gpt2": False}
 
 

@@ -15,8 +15,13 @@ RECIPE = ROOT / "recipes" / "openai_agent.py"
 
 
 def run_recipe(tmp_path: Path, *args: str, timeout: int) -> dict:
-    out = subprocess.run([sys.executable, str(RECIPE), f"run_dir={tmp_path}", *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, str(RECIPE), f"run_dir={tmp_path}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -24,9 +29,12 @@ def run_recipe(tmp_path: Path, *args: str, timeout: int) -> dict:
 def test_the_agent_imports_only_openai():
     tree = ast.parse(RECIPE.read_text())
     agent = {"calc", "solve"}
-    top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
-           for alias in node.names} | {node.module.split(".")[0] for node in tree.body
-                                      if isinstance(node, ast.ImportFrom) and node.module}
+    top = {
+        alias.name.split(".")[0]
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    } | {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
     assert "relayrl" not in top and "openai" in top  # relayrl is imported inside main() only, for training
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in agent:
@@ -41,7 +49,9 @@ def test_recipe_runs_end_to_end(tmp_path: Path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # the episodes' counters reach the metrics: calls per row, tool calls, malformed tool calls
     steps = [r for r in rows if "rollout/reward" in r]
-    assert len(steps) == 2 and all(r["rollout/malformed_tool_calls"] >= 0 and r["rollout/num_turns"] >= 1 for r in steps)
+    assert len(steps) == 2 and all(
+        r["rollout/malformed_tool_calls"] >= 0 and r["rollout/num_turns"] >= 1 for r in steps
+    )
 
 
 # The warm start the default recipe reaches (seed 1: SFT stops at step 1300, greedy reward 0.4 on

@@ -63,7 +63,9 @@ def test_pack_errors_name_the_problem():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(64, 600), st.integers(1, 4), st.integers(1, 3))
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(64, 600), st.integers(1, 4), st.integers(1, 3)
+)
 def test_split_by_token_budget_properties(lengths, budget, min_groups, multiple_of):
     groups = split_by_token_budget(lengths, budget, min_groups=min_groups, multiple_of=multiple_of)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
@@ -117,7 +119,9 @@ def test_token_logprobs_and_entropy_match_plain_loop(temperature):
     ent = token_entropy(logits, p, temperature, chunk=4)
     cu = p["cu_seqlens"].tolist()
     for s, e in zip(cu[:-1], cu[1:], strict=True):
-        torch.testing.assert_close(lp[s:e], ref_logprobs(logits[s:e], p["input_ids"][s:e], temperature), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            lp[s:e], ref_logprobs(logits[s:e], p["input_ids"][s:e], temperature), atol=1e-5, rtol=0
+        )
         torch.testing.assert_close(ent[s:e], ref_entropy(logits[s:e], temperature), atol=1e-5, rtol=0)
     assert lp[cu[:-1]].abs().sum() == 0 and ent[cu[:-1]].abs().sum() == 0
     # differentiable
@@ -140,7 +144,9 @@ def test_packed_forward_equals_separate(tiny_model, impl, lengths):
     p = pack(b)
     with torch.no_grad():
         packed = model(**model_inputs(p)).logits[0]
-        separate = torch.cat([tiny_model(input_ids=b["input_ids"][i : i + 1, :n]).logits[0] for i, n in enumerate(lengths)])
+        separate = torch.cat(
+            [tiny_model(input_ids=b["input_ids"][i : i + 1, :n]).logits[0] for i, n in enumerate(lengths)]
+        )
     assert (packed - separate).abs().max() <= 1e-5
 
 
@@ -165,5 +171,7 @@ def test_flash_varlen_equals_separate(tiny_model):
     p = {k: v.cuda() for k, v in pack(b).items()}
     with torch.no_grad():
         packed = model(**model_inputs(p)).logits[0].float()
-        separate = torch.cat([model(input_ids=b["input_ids"][i : i + 1, :n].cuda()).logits[0].float() for i, n in enumerate(lengths)])
+        separate = torch.cat(
+            [model(input_ids=b["input_ids"][i : i + 1, :n].cuda()).logits[0].float() for i, n in enumerate(lengths)]
+        )
     assert (packed - separate).abs().max() <= 5e-2  # bf16

@@ -19,10 +19,21 @@ PEERS = Path(__file__).parent / "peers"
 
 
 def _engine(kind: str, tmp_path: Path, **kw) -> RemoteEngine:
-    cfg = InferenceConfig(backend="remote", protocol=kind, launch=kind, n_servers=2, launch_tp_size=2,
-                          launch_gpus=[4, 5, 6, 7], launch_command=f"{sys.executable} {PEERS / f'{kind}_server.py'}",
-                          launch_log_dir=str(tmp_path / "logs"), weight_sync="disk", weight_sync_dir=str(tmp_path / "w"),
-                          launch_timeout=120, health_interval=0.2, **kw)
+    cfg = InferenceConfig(
+        backend="remote",
+        protocol=kind,
+        launch=kind,
+        n_servers=2,
+        launch_tp_size=2,
+        launch_gpus=[4, 5, 6, 7],
+        launch_command=f"{sys.executable} {PEERS / f'{kind}_server.py'}",
+        launch_log_dir=str(tmp_path / "logs"),
+        weight_sync="disk",
+        weight_sync_dir=str(tmp_path / "w"),
+        launch_timeout=120,
+        health_interval=0.2,
+        **kw,
+    )
     return RemoteEngine(cfg, model=ModelConfig(path="tiny"))
 
 

@@ -35,8 +35,17 @@ DEV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 def engine(protocol: str, addresses: list[str], **kw) -> RemoteEngine:
-    cfg = InferenceConfig(**{"backend": "remote", "protocol": protocol, "health_interval": 0.2, "request_timeout": 60,
-                             "max_retries": 10, "batch_window_ms": 0, **kw})
+    cfg = InferenceConfig(
+        **{
+            "backend": "remote",
+            "protocol": protocol,
+            "health_interval": 0.2,
+            "request_timeout": 60,
+            "max_retries": 10,
+            "batch_window_ms": 0,
+            **kw,
+        }
+    )
     eng = RemoteEngine(cfg, addresses=addresses)
     eng.initialize()
     return eng
@@ -64,7 +73,9 @@ def test_vllm_requests_name_the_served_model_and_logprobs_follow_the_temperature
     eng = engine("vllm", [p.address])
     try:
         ps = prompts(3)
-        assert [o.output_tokens for o in run_all(eng, ps, greedy(6))] == [r.output_tokens for r in reference(tiny_model, ps, greedy(6))]
+        assert [o.output_tokens for o in run_all(eng, ps, greedy(6))] == [
+            r.output_tokens for r in reference(tiny_model, ps, greedy(6))
+        ]
         g = GenerationConfig(max_new_tokens=6, temperature=0.7, ignore_eos=True)
         out = run_all(eng, ps[:1], g)[0]
         local = LocalEngine(InferenceConfig(), model=tiny_model)
@@ -73,7 +84,7 @@ def test_vllm_requests_name_the_served_model_and_logprobs_follow_the_temperature
             import torch
 
             with torch.inference_mode():
-                logits = tiny_model(torch.tensor([ps[0] + out.output_tokens])).logits[0, len(ps[0]) - 1:-1] / 0.7
+                logits = tiny_model(torch.tensor([ps[0] + out.output_tokens])).logits[0, len(ps[0]) - 1 : -1] / 0.7
             want = torch.log_softmax(logits.float(), -1)[torch.arange(6), torch.tensor(out.output_tokens)]
         finally:
             local.destroy()
@@ -137,10 +148,13 @@ def test_concurrent_requests_of_one_episode_get_distinct_rids(stopper):
     p = started(stopper, "sglang")
     eng = engine("sglang", [p.address])
     try:
+
         async def remax_like():
             g = GenerationConfig(max_new_tokens=24, temperature=1.0, ignore_eos=True)
-            return await asyncio.gather(eng.agenerate(ModelRequest("ep", [3, 20, 21], g)),
-                                        eng.agenerate(ModelRequest("ep", [3, 20, 21], g.new(greedy=True))))
+            return await asyncio.gather(
+                eng.agenerate(ModelRequest("ep", [3, 20, 21], g)),
+                eng.agenerate(ModelRequest("ep", [3, 20, 21], g.new(greedy=True))),
+            )
 
         a, b = asyncio.run(remax_like())
         assert a.output_len == b.output_len == 24
@@ -196,7 +210,9 @@ def test_broadcast_to_sglang_in_buckets_with_tensor_parallel_ranks(stopper, tiny
             assert info["weight_version"] == "2" and info["tp_size"] == tp
             assert info["stand_in_counts"]["buckets"] >= n_bytes // (1 << 20)  # one call per bounded bucket
         qs = prompts(4)
-        assert [o.output_tokens for o in run_all(eng, qs, greedy(8))] == [r.output_tokens for r in reference(new, qs, greedy(8))]
+        assert [o.output_tokens for o in run_all(eng, qs, greedy(8))] == [
+            r.output_tokens for r in reference(new, qs, greedy(8))
+        ]
     finally:
         eng.destroy()
 
@@ -267,8 +283,14 @@ def test_weights_kill_and_readmit_on_every_peer(name, tmp_path, tiny_model):
         outs = run_all(eng, ps, greedy(8), prefix="b")
         assert [o.output_tokens for o in outs] == [r.output_tokens for r in reference(tiny_model, ps, greedy(8))]
         assert all(o.output_versions == [2] * 8 for o in outs)
-        served = {httpx.post(f"http://{a}/v1/completions" if group.protocol == "vllm" else f"http://{a}/generate",
-                             json=_probe_body(group.protocol, eng), timeout=30).status_code for a in group.addresses}
+        served = {
+            httpx.post(
+                f"http://{a}/v1/completions" if group.protocol == "vllm" else f"http://{a}/generate",
+                json=_probe_body(group.protocol, eng),
+                timeout=30,
+            ).status_code
+            for a in group.addresses
+        }
         assert served == {200}  # both serve after the re-admission
     finally:
         eng.destroy()
@@ -291,6 +313,8 @@ def test_a_restarted_trainer_builds_its_group_on_servers_that_still_hold_one(sto
             eng.update_weights(WeightUpdate(kind="tensors", version=version, tensors=model.state_dict()))
             assert p.get("/get_weight_version").json()["weight_version"] == str(version)
             qs = prompts(2)
-            assert [o.output_tokens for o in run_all(eng, qs, greedy(6))] == [r.output_tokens for r in reference(model, qs, greedy(6))]
+            assert [o.output_tokens for o in run_all(eng, qs, greedy(6))] == [
+                r.output_tokens for r in reference(model, qs, greedy(6))
+            ]
         finally:
             eng.destroy()

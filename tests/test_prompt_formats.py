@@ -97,8 +97,11 @@ def test_tool_agent_markers_of_several_tokens():
 def test_workflow_settings_are_config_fields():
     from relayrl import wiring
 
-    cfg = load_config(RunConfig, None, ["workflow=multi_turn", "rollout.max_turns=4", "rollout.turn_discount=0.5",
-                                        "data.prompt_format=plain"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        ["workflow=multi_turn", "rollout.max_turns=4", "rollout.turn_discount=0.5", "data.prompt_format=plain"],
+    )
     wf = wiring.make_workflow(cfg, build_tokenizer(), never_right)
     assert (wf.max_turns, wf.turn_discount, wf.prompt_format) == (4, 0.5, "plain")
     cfg = load_config(RunConfig, None, ["workflow=tool_agent", "rollout.max_tool_calls=1", "rollout.tool=python"])
@@ -120,8 +123,9 @@ def test_templates_that_rewrite_history_start_a_new_sequence():
         "{% else %}<|user|>{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     history = [{"role": "user", "content": "1+1="}]
-    plain = continuation_ids(tok, history, {"role": "assistant", "content": "2"}, [{"role": "user", "content": "ok"}],
-                             int(tok.eos_token_id))
+    plain = continuation_ids(
+        tok, history, {"role": "assistant", "content": "2"}, [{"role": "user", "content": "ok"}], int(tok.eos_token_id)
+    )
     assert tok.decode(plain) == "<|user|>ok<|assistant|>"
     thinking = {"role": "assistant", "content": "<think>so</think>2"}
     assert continuation_ids(tok, history, thinking, [{"role": "user", "content": "ok"}], int(tok.eos_token_id)) is None

@@ -18,9 +18,18 @@ from relayrl.api.config import RunConfig, load_config
 from relayrl.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["total_steps=2", "rollout.batch_size=2", "rollout.group_size=2", "gconfig.max_new_tokens=6",
-        "data.n_train=32", "data.n_eval=4", "logging.tensorboard=false", "logging.progress=lines",
-        "eval.gconfig.max_new_tokens=6", "checkpoint.save_final=false"]
+TINY = [
+    "total_steps=2",
+    "rollout.batch_size=2",
+    "rollout.group_size=2",
+    "gconfig.max_new_tokens=6",
+    "data.n_train=32",
+    "data.n_eval=4",
+    "logging.tensorboard=false",
+    "logging.progress=lines",
+    "eval.gconfig.max_new_tokens=6",
+    "checkpoint.save_final=false",
+]
 
 
 def _load_script(name: str):
@@ -34,8 +43,13 @@ def test_colocated_lowlevel_follows_the_lr_schedule():
     from relayrl.api.config import OptimizerConfig
     from relayrl.train.engine import lr_factor
 
-    sched = ["train.optimizer.lr=1e-3", "train.optimizer.warmup_steps=2", "train.optimizer.lr_schedule=cosine",
-             "train.optimizer.min_lr_ratio=0.1", "train.total_steps=4"]
+    sched = [
+        "train.optimizer.lr=1e-3",
+        "train.optimizer.warmup_steps=2",
+        "train.optimizer.lr_schedule=cosine",
+        "train.optimizer.min_lr_ratio=0.1",
+        "train.total_steps=4",
+    ]
     history = _load_script("colocated_lowlevel").main([*TINY, "total_steps=4", *sched])
     assert "timing/rollout" in history[-1] and "actor/loss" in history[-1]
     opt = OptimizerConfig(lr=1e-3, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
@@ -55,8 +69,13 @@ def test_remax_with_user_written_reinforce_actor():
 
 
 def test_colocated_highlevel_cli(tmp_path: Path):
-    out = subprocess.run([sys.executable, "recipes/colocated_highlevel.py", f"run_dir={tmp_path}", *TINY],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "recipes/colocated_highlevel.py", f"run_dir={tmp_path}", *TINY],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "metrics.jsonl").exists()
 
@@ -68,8 +87,16 @@ YAMLS = ["multi_turn", "tool_agent", "gsm8k_grpo"]
 @pytest.mark.parametrize("name", ALGORITHMS + YAMLS)
 def test_yaml_recipe_trains(tmp_path: Path, name: str):
     path = ROOT / "recipes" / ("algorithms" if name in ALGORITHMS else "") / f"{name}.yaml"
-    extra = ["data.train_path=tests/data/gsm8k_sample.jsonl", "data.eval_path=tests/data/gsm8k_sample.jsonl",
-             "gconfig.max_new_tokens=6", "eval.gconfig.max_new_tokens=6"] if name == "gsm8k_grpo" else []
+    extra = (
+        [
+            "data.train_path=tests/data/gsm8k_sample.jsonl",
+            "data.eval_path=tests/data/gsm8k_sample.jsonl",
+            "gconfig.max_new_tokens=6",
+            "eval.gconfig.max_new_tokens=6",
+        ]
+        if name == "gsm8k_grpo"
+        else []
+    )
     cfg = load_config(RunConfig, path, [f"run_dir={tmp_path}", *TINY, *extra])
     if cfg.rollout.max_staleness > 2:
         cfg.rollout.max_staleness = 2  # keep the smoke run short; eta itself is tested elsewhere
@@ -137,8 +164,8 @@ def test_custom_workflow_episode_and_training(tmp_path: Path, tokenizer, tiny_mo
     mask = traj["loss_mask"][0].tolist()
     prompt_len = mask.index(1)
     # prompt (0s), first answer (5 x 1), hint (0s), second answer (5 x 1): the untrained model is wrong twice
-    assert mask[prompt_len:prompt_len + 5] == [1] * 5 and sum(mask) == 10 and mask[-5:] == [1] * 5
-    assert 0 in mask[prompt_len + 5:-5]
+    assert mask[prompt_len : prompt_len + 5] == [1] * 5 and sum(mask) == 10 and mask[-5:] == [1] * 5
+    assert 0 in mask[prompt_len + 5 : -5]
     assert float(traj["rewards"][0]) == pytest.approx(-0.1) and not bool(traj["solved_first_try"][0])
     assert (traj["versions"][0][traj["loss_mask"][0]] == 0).all()
     last = module.main([f"run_dir={tmp_path}", *TINY])
@@ -157,6 +184,11 @@ def test_reward_model_recipe_scores_rollouts_with_the_reward_model(tmp_path: Pat
     rows = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
     assert len(rows) == 4
     for row in rows:  # each saved reward is the reward model's score of that prompt + completion
-        p, c = tok.encode(row["prompt"], add_special_tokens=False), tok.encode(row["completion"], add_special_tokens=False)
-        assert row["reward"] == pytest.approx(fn(prompt=row["prompt"], completions=row["completion"], prompt_ids=p, completion_ids=c), abs=1e-4)
+        p, c = (
+            tok.encode(row["prompt"], add_special_tokens=False),
+            tok.encode(row["completion"], add_special_tokens=False),
+        )
+        assert row["reward"] == pytest.approx(
+            fn(prompt=row["prompt"], completions=row["completion"], prompt_ids=p, completion_ids=c), abs=1e-4
+        )
     assert len({round(r["reward"], 6) for r in rows}) > 2  # real-valued scores, not a verifier's 0/1

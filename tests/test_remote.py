@@ -37,8 +37,17 @@ def group(shared):
 
 
 def make_engine(group, shared, **kw) -> RemoteEngine:
-    cfg = InferenceConfig(**{"backend": "remote", "admin_token": TOKEN, "health_interval": 0.2, "request_timeout": 60,
-                             "max_retries": 10, "weight_sync_dir": str(shared), **kw})
+    cfg = InferenceConfig(
+        **{
+            "backend": "remote",
+            "admin_token": TOKEN,
+            "health_interval": 0.2,
+            "request_timeout": 60,
+            "max_retries": 10,
+            "weight_sync_dir": str(shared),
+            **kw,
+        }
+    )
     eng = RemoteEngine(cfg, addresses=group.addresses)
     eng.initialize()
     return eng
@@ -123,8 +132,13 @@ def _burst(tiny_model, k: int):
 
 def run_each(engine, ps, gs, prefix="b"):
     async def go():
-        return await asyncio.gather(*(engine.agenerate(ModelRequest(f"{prefix}{i}", p, g))
-                                      for i, (p, g) in enumerate(zip(ps, gs, strict=True))), return_exceptions=True)
+        return await asyncio.gather(
+            *(
+                engine.agenerate(ModelRequest(f"{prefix}{i}", p, g))
+                for i, (p, g) in enumerate(zip(ps, gs, strict=True))
+            ),
+            return_exceptions=True,
+        )
 
     return asyncio.run(go())
 
@@ -152,7 +166,9 @@ def test_a_burst_goes_out_in_few_http_calls_with_single_request_results(group, s
             assert o.output_tokens == s.output_tokens and o.stop_reason == s.stop_reason, protocol
             assert o.output_logprobs == pytest.approx(s.output_logprobs, abs=1e-5)
             assert o.output_versions == s.output_versions == [0] * o.output_len
-            assert o.stop_reason == ("stop" if g.stop_token_ids else "length") and o.output_len == (stop if g.stop_token_ids else g.max_new_tokens)
+            assert o.stop_reason == ("stop" if g.stop_token_ids else "length") and o.output_len == (
+                stop if g.stop_token_ids else g.max_new_tokens
+            )
 
 
 def test_a_bad_request_in_a_batch_fails_alone(group, shared, tiny_model):
@@ -174,7 +190,9 @@ def test_a_bad_request_in_a_batch_fails_alone(group, shared, tiny_model):
 def test_no_item_of_a_batch_waits_for_the_slowest(group, shared):
     """relayrl streams a batch's items as they finish: short requests return long before a long
     one that went out in the same HTTP call."""
-    eng = RemoteEngine(InferenceConfig(backend="remote", admin_token=TOKEN, request_timeout=60), addresses=group.addresses[:1])
+    eng = RemoteEngine(
+        InferenceConfig(backend="remote", admin_token=TOKEN, request_timeout=60), addresses=group.addresses[:1]
+    )
     eng.initialize()
     gs = [greedy(150)] + [greedy(2)] * 7
     try:
@@ -188,12 +206,17 @@ def test_no_item_of_a_batch_waits_for_the_slowest(group, shared):
 
 def test_batch_size_cap_and_callers_that_give_up(group, shared):
     """batch_max_requests splits a burst; requests cancelled before their batch leaves are not sent."""
-    eng = RemoteEngine(InferenceConfig(backend="remote", admin_token=TOKEN, batch_max_requests=4, batch_window_ms=50),
-                       addresses=group.addresses[:1])
+    eng = RemoteEngine(
+        InferenceConfig(backend="remote", admin_token=TOKEN, batch_max_requests=4, batch_window_ms=50),
+        addresses=group.addresses[:1],
+    )
     eng.initialize()
 
     async def go():
-        tasks = [asyncio.ensure_future(eng.agenerate(ModelRequest(f"cap{i}", p, greedy(3)))) for i, p in enumerate(prompts(11))]
+        tasks = [
+            asyncio.ensure_future(eng.agenerate(ModelRequest(f"cap{i}", p, greedy(3))))
+            for i, p in enumerate(prompts(11))
+        ]
         await asyncio.sleep(0)  # every request is queued: 8 left in full batches, 3 wait for the window
         tasks[9].cancel()
         tasks[10].cancel()
@@ -220,7 +243,9 @@ def test_200_concurrent_requests(group, shared):
     finally:
         eng.destroy()
     assert len(outs) == 200
-    assert all(o.output_len == 3 and len(o.output_logprobs) == 3 and all(x <= 0 for x in o.output_logprobs) for o in outs)
+    assert all(
+        o.output_len == 3 and len(o.output_logprobs) == 3 and all(x <= 0 for x in o.output_logprobs) for o in outs
+    )
 
 
 def test_weight_updates_reach_every_server(group, shared, tiny_model):
@@ -248,7 +273,10 @@ def test_weight_updates_reach_every_server(group, shared, tiny_model):
         finally:
             eng.resume()
         t.join()
-        versions = [int(httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"]) for a in group.addresses]
+        versions = [
+            int(httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"])
+            for a in group.addresses
+        ]
         assert versions == [1, 1] and eng.get_version() == 1
         for r in results:
             assert r.output_len == 200 and r.output_versions == sorted(r.output_versions)
@@ -262,7 +290,10 @@ def test_weight_updates_reach_every_server(group, shared, tiny_model):
         eng.update_weights(WeightUpdate(kind="tensors", version=2, tensors=tiny_model.state_dict()))
         assert (shared / "v00000002" / "model.safetensors").exists()
         eng.update_weights(WeightUpdate(kind="disk", version=3, path=str(shared / "v00000002")))
-        versions = [int(httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"]) for a in group.addresses]
+        versions = [
+            int(httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"])
+            for a in group.addresses
+        ]
         assert versions == [3, 3]
         outs = run_all(eng, ps, greedy(8))
         assert [o.output_tokens for o in outs] == [r.output_tokens for r in reference(tiny_model, ps, greedy(8))]
@@ -352,19 +383,28 @@ def test_weights_by_collective_broadcast_survive_a_dead_and_a_returning_server(g
     ps = prompts(6)
 
     def versions(servers=(0, 1)) -> list[int]:
-        return [int(httpx.get(f"http://{group.addresses[i]}/get_weight_version", timeout=10).json()["weight_version"]) for i in servers]
+        return [
+            int(httpx.get(f"http://{group.addresses[i]}/get_weight_version", timeout=10).json()["weight_version"])
+            for i in servers
+        ]
 
     try:
         eng.update_weights(WeightUpdate(kind="tensors", version=5, tensors=new.state_dict()))
         assert versions() == [5, 5] and eng.get_version() == 5
-        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [r.output_tokens for r in reference(new, ps, greedy(8))]
-        eng.update_weights(WeightUpdate(kind="tensors", version=6, tensors=tiny_model.state_dict()))  # the same group again
+        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [
+            r.output_tokens for r in reference(new, ps, greedy(8))
+        ]
+        eng.update_weights(
+            WeightUpdate(kind="tensors", version=6, tensors=tiny_model.state_dict())
+        )  # the same group again
         assert versions() == [6, 6]
 
         group.kill(1)  # the next update goes to the survivor through a new group
         eng.update_weights(WeightUpdate(kind="tensors", version=7, tensors=new.state_dict()))
         assert eng.live_servers() == [f"http://{group.addresses[0]}"] and versions([0]) == [7]
-        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [r.output_tokens for r in reference(new, ps, greedy(8))]
+        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [
+            r.output_tokens for r in reference(new, ps, greedy(8))
+        ]
 
         group.restart(1)  # back at version 0: it rejoins (a group of both) and gets version 7
         deadline = time.monotonic() + 60
@@ -373,7 +413,9 @@ def test_weights_by_collective_broadcast_survive_a_dead_and_a_returning_server(g
         assert len(eng.live_servers()) == 2 and versions() == [7, 7]
         eng.update_weights(WeightUpdate(kind="tensors", version=8, tensors=tiny_model.state_dict()))
         assert versions() == [8, 8]
-        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [r.output_tokens for r in reference(tiny_model, ps, greedy(8))]
+        assert [o.output_tokens for o in run_all(eng, ps, greedy(8))] == [
+            r.output_tokens for r in reference(tiny_model, ps, greedy(8))
+        ]
     finally:
         eng.destroy()
 

@@ -53,8 +53,11 @@ def reference(model, prompts, max_new):
 
 
 def gen(url, ids, **sp):
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, **sp},
-            "return_logprob": True}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, **sp},
+        "return_logprob": True,
+    }
     return httpx.post(url + "/generate", json=body, timeout=60)
 
 
@@ -77,7 +80,9 @@ def test_generate_matches_in_process_engine(server, tiny_model):
     assert len(sampled["output_ids"]) == 8 and all(t[0] <= 0 for t in sampled["meta_info"]["output_token_logprobs"])
     # a vanishing temperature decodes greedily (as SGLang and vLLM do) instead of overflowing the logits
     tiny = gen(server, PROMPT, temperature=1e-300).json()
-    assert tiny["output_ids"] == refs[0].output_tokens and tiny["meta_info"]["output_token_logprobs"] == out_lps(gen(server, PROMPT))
+    assert tiny["output_ids"] == refs[0].output_tokens and tiny["meta_info"]["output_token_logprobs"] == out_lps(
+        gen(server, PROMPT)
+    )
 
 
 def out_lps(r):
@@ -87,7 +92,10 @@ def out_lps(r):
 def test_replies_never_hold_invalid_json():
     from relayrl.inference.server import _dumps
 
-    assert _dumps({"a": [float("-inf"), 1.5, {"b": float("nan")}], "c": "é"}) == '{"a":[null,1.5,{"b":null}],"c":"é"}'.encode()
+    assert (
+        _dumps({"a": [float("-inf"), 1.5, {"b": float("nan")}], "c": "é"})
+        == '{"a":[null,1.5,{"b":null}],"c":"é"}'.encode()
+    )
 
 
 @pytest.mark.parametrize(
@@ -95,7 +103,10 @@ def test_replies_never_hold_invalid_json():
     [
         ('{"input_ids": [3, 4', "malformed JSON"),
         ('{"input_ids": [3, 4], "colour": 1}', "unknown field 'colour'"),
-        ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokenz": 3}}', "unknown field 'sampling_params.max_new_tokenz'"),
+        (
+            '{"input_ids": [3, 4], "sampling_params": {"max_new_tokenz": 3}}',
+            "unknown field 'sampling_params.max_new_tokenz'",
+        ),
         ('{"input_ids": [3, 999]}', "input_ids[1]=999 is out of vocabulary"),
         ('{"input_ids": [3, -1]}', "input_ids[1]=-1"),
         ('{"input_ids": [3, 4], "sampling_params": {"top_p": 1.5}}', "sampling_params.top_p"),
@@ -126,30 +137,54 @@ def test_batch_generate_matches_single_requests(server, tiny_model):
     k = next((k for k in range(1, len(toks)) if toks[k] not in toks[:k]), 0)  # stop at the first new token
     info = httpx.get(server + "/get_model_info", timeout=10).json()
     calls0, served0 = info["generate_calls"], info["requests_served"]
-    body = {"input_ids": prompts, "return_logprob": True, "rid": ["a", "b", "c"],
-            "sampling_params": [{"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
-                                {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
-                                {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [toks[k]]}]}
+    body = {
+        "input_ids": prompts,
+        "return_logprob": True,
+        "rid": ["a", "b", "c"],
+        "sampling_params": [
+            {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+            {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+            {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [toks[k]]},
+        ],
+    }
     r = httpx.post(server + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     out = r.json()
     assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["a", "b", "c"]
-    assert out[0]["output_ids"] == refs[0].output_tokens and out[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert out[0]["output_ids"] == refs[0].output_tokens and out[0]["meta_info"]["finish_reason"] == {
+        "type": "length",
+        "length": 8,
+    }
     assert out[1]["output_ids"] == refs[1].output_tokens[:3] and out[1]["meta_info"]["completion_tokens"] == 3
-    assert out[2]["output_ids"] == toks[:k + 1] and out[2]["meta_info"]["finish_reason"]["type"] == "stop"
+    assert out[2]["output_ids"] == toks[: k + 1] and out[2]["meta_info"]["finish_reason"]["type"] == "stop"
     for o, ref in zip(out, refs, strict=True):
         n = len(o["output_ids"])
-        assert [t[0] for t in o["meta_info"]["output_token_logprobs"]] == pytest.approx(ref.output_logprobs[:n], abs=1e-4)
+        assert [t[0] for t in o["meta_info"]["output_token_logprobs"]] == pytest.approx(
+            ref.output_logprobs[:n], abs=1e-4
+        )
         assert o["meta_info"]["output_token_versions"] == [0] * n
     single = gen(server, PROMPT).json()  # the same item alone: the same reply (timings aside)
-    assert {k: v for k, v in single.items() if k != "meta_info"} == {k: v for k, v in out[0].items() if k != "meta_info"}
+    assert {k: v for k, v in single.items() if k != "meta_info"} == {
+        k: v for k, v in out[0].items() if k != "meta_info"
+    }
     assert set(single["meta_info"]) == set(out[0]["meta_info"])
     # shared sampling_params / return_logprob and a rid prefix; text prompts
-    shared = httpx.post(server + "/generate", json={"input_ids": prompts[:2], "rid": "grp", "sampling_params": {
-        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
+    shared = httpx.post(
+        server + "/generate",
+        json={
+            "input_ids": prompts[:2],
+            "rid": "grp",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        },
+        timeout=60,
+    ).json()
     assert [o["output_ids"] for o in shared] == [refs[0].output_tokens, refs[1].output_tokens]
-    assert [o["meta_info"]["id"] for o in shared] == ["grp-0", "grp-1"] and "output_token_logprobs" not in shared[0]["meta_info"]
-    texts = httpx.post(server + "/generate", json={"text": ["1+1=", "2+2="], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert [o["meta_info"]["id"] for o in shared] == ["grp-0", "grp-1"] and "output_token_logprobs" not in shared[0][
+        "meta_info"
+    ]
+    texts = httpx.post(
+        server + "/generate", json={"text": ["1+1=", "2+2="], "sampling_params": {"max_new_tokens": 2}}, timeout=60
+    )
     assert texts.status_code == 200 and [len(o["output_ids"]) for o in texts.json()] == [2, 2]
     info = httpx.get(server + "/get_model_info", timeout=10).json()
     assert (info["generate_calls"] - calls0, info["requests_served"] - served0) == (4, 8)  # a batch is one call
@@ -161,17 +196,27 @@ def test_batch_items_stream_as_they_finish(server, tiny_model):
     lengths = [60, 2, 5]
     refs = reference(tiny_model, prompts, 60)
     sps = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in lengths]
-    body = {"input_ids": prompts, "sampling_params": sps, "return_logprob": True, "rid": ["a", "b", "c"], "stream_items": True}
+    body = {
+        "input_ids": prompts,
+        "sampling_params": sps,
+        "return_logprob": True,
+        "rid": ["a", "b", "c"],
+        "stream_items": True,
+    }
     with httpx.stream("POST", server + "/generate", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert sorted(x["index"] for x in lines) == [0, 1, 2] and lines[-1]["index"] == 0  # the longest comes last
     for x in lines:
         i = x["index"]
-        assert x["meta_info"]["id"] == "abc"[i] and x["output_ids"] == refs[i].output_tokens[:lengths[i]]
-        assert [t[0] for t in x["meta_info"]["output_token_logprobs"]] == pytest.approx(refs[i].output_logprobs[:lengths[i]], abs=1e-4)
+        assert x["meta_info"]["id"] == "abc"[i] and x["output_ids"] == refs[i].output_tokens[: lengths[i]]
+        assert [t[0] for t in x["meta_info"]["output_token_logprobs"]] == pytest.approx(
+            refs[i].output_logprobs[: lengths[i]], abs=1e-4
+        )
     bad = httpx.post(server + "/generate", json={**body, "input_ids": [PROMPT, [3, 999], PROMPT]}, timeout=60)
-    assert bad.status_code == 400 and "input_ids[1][1]=999" in bad.json()["error"]["message"]  # validated before streaming
+    assert (
+        bad.status_code == 400 and "input_ids[1][1]=999" in bad.json()["error"]["message"]
+    )  # validated before streaming
 
 
 @pytest.mark.parametrize(
@@ -181,15 +226,24 @@ def test_batch_items_stream_as_they_finish(server, tiny_model):
         ('{"input_ids": [[3, 4], []]}', "input_ids[1]: the prompt is empty"),
         ('{"input_ids": [[3, 4], 5]}', "input_ids[1]: Input should be a valid list"),
         ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"top_p": 1.5}]}', "sampling_params[1].top_p"),
-        ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"max_new_tokenz": 1}]}',
-         "unknown field 'sampling_params[1].max_new_tokenz'"),
+        (
+            '{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"max_new_tokenz": 1}]}',
+            "unknown field 'sampling_params[1].max_new_tokenz'",
+        ),
         ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}]}', "sampling_params: 1 values for 2 prompts"),
         ('{"input_ids": [[3, 4], [3, 5]], "rid": ["a"]}', "rid: 1 values for 2 prompts"),
-        ('{"input_ids": [[3, 4], [3, 5]], "return_logprob": [true, 1, false]}', "return_logprob: 3 values for 2 prompts"),
-        ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"max_new_tokens": 5000}]}',
-         "input_ids[1]: input length 2 + sampling_params[1].max_new_tokens=5000 exceeds"),
-        ('{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"stop_token_ids": [7000]}]}',
-         "sampling_params[1].stop_token_ids[0]=7000"),
+        (
+            '{"input_ids": [[3, 4], [3, 5]], "return_logprob": [true, 1, false]}',
+            "return_logprob: 3 values for 2 prompts",
+        ),
+        (
+            '{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"max_new_tokens": 5000}]}',
+            "input_ids[1]: input length 2 + sampling_params[1].max_new_tokens=5000 exceeds",
+        ),
+        (
+            '{"input_ids": [[3, 4], [3, 5]], "sampling_params": [{}, {"stop_token_ids": [7000]}]}',
+            "sampling_params[1].stop_token_ids[0]=7000",
+        ),
         ('{"input_ids": [[3, 4]], "text": ["a"]}', "exactly one of input_ids or text"),
         ('{"input_ids": [[3, 4]], "colour": 1}', "unknown field 'colour'"),
     ],
@@ -219,13 +273,21 @@ def test_weight_group_routes_are_admin_and_validate(server):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     init = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
     update = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[320]]}
-    for path, body in (("/init_weights_update_group", init), ("/update_weights_from_distributed", update),
-                       ("/destroy_weights_update_group", {})):
+    for path, body in (
+        ("/init_weights_update_group", init),
+        ("/update_weights_from_distributed", update),
+        ("/destroy_weights_update_group", {}),
+    ):
         assert httpx.post(server + path, json=body, timeout=10).status_code == 401, path
     r = httpx.post(server + "/update_weights_from_distributed", json=update, headers=auth, timeout=10)
     assert r.status_code == 400 and "no weight group 'weight_update_group'" in r.json()["error"]["message"]
-    for field, value in (("world_size", 1), ("world_size", 2**70), ("rank_offset", 0), ("backend", "mpi"),
-                         ("master_port", 70000)):
+    for field, value in (
+        ("world_size", 1),
+        ("world_size", 2**70),
+        ("rank_offset", 0),
+        ("backend", "mpi"),
+        ("master_port", 70000),
+    ):
         r = httpx.post(server + "/init_weights_update_group", json={**init, field: value}, headers=auth, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), (field, r.text)
     r = httpx.post(server + "/init_weights_update_group", json={**init, "rank_offset": 2}, headers=auth, timeout=10)
@@ -245,7 +307,9 @@ def test_disk_paths_are_confined(server, roots):
     for path in cases:
         r = httpx.post(server + "/update_weights_from_disk", json={"model_path": path}, headers=auth, timeout=10)
         assert r.status_code == 403, (path, r.text)
-    r = httpx.post(server + "/update_weights_from_disk", json={"model_path": str(root / "sub")}, headers=auth, timeout=10)
+    r = httpx.post(
+        server + "/update_weights_from_disk", json={"model_path": str(root / "sub")}, headers=auth, timeout=10
+    )
     assert r.status_code == 400 and "no *.safetensors" in r.json()["error"]["message"]
     assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == "0"
 
@@ -257,8 +321,12 @@ def test_weights_from_disk_and_upload(server, roots):
     state = {k: v.clone() for k, v in new.state_dict().items()}
     (root / "v1").mkdir()
     safetensors.torch.save_file(state, str(root / "v1" / "model.safetensors"))
-    r = httpx.post(server + "/update_weights_from_disk", json={"model_path": str(root / "v1"), "weight_version": 1},
-                   headers=auth, timeout=120)
+    r = httpx.post(
+        server + "/update_weights_from_disk",
+        json={"model_path": str(root / "v1"), "weight_version": 1},
+        headers=auth,
+        timeout=120,
+    )
     assert r.status_code == 200 and r.json()["weight_version"] == "1", r.text
     assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == "1"
     ref = reference(new, [PROMPT], 8)[0]
@@ -272,13 +340,21 @@ def test_weights_from_disk_and_upload(server, roots):
     partial = safetensors.torch.save({"model.norm.weight": torch.ones(320)})
     r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=partial, headers=auth, timeout=60)
     assert r.status_code == 400 and "missing" in r.json()["error"]["message"]
-    r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=b"garbage", headers=auth, timeout=60)
+    r = httpx.post(
+        server + "/update_weights_from_tensor?weight_version=9", content=b"garbage", headers=auth, timeout=60
+    )
     assert r.status_code == 400 and "safetensors" in r.json()["error"]["message"]
-    r = httpx.post(server + "/update_weights_from_tensor?weight_version=9", content=b"\0" * (25 << 20), headers=auth, timeout=60)
+    r = httpx.post(
+        server + "/update_weights_from_tensor?weight_version=9", content=b"\0" * (25 << 20), headers=auth, timeout=60
+    )
     assert r.status_code == 413
     orig = {k: v.clone() for k, v in build_tiny_model("tiny", seed=0).state_dict().items()}
-    r = httpx.post(server + "/update_weights_from_tensor?weight_version=2", content=safetensors.torch.save(orig),
-                   headers=auth, timeout=120)
+    r = httpx.post(
+        server + "/update_weights_from_tensor?weight_version=2",
+        content=safetensors.torch.save(orig),
+        headers=auth,
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     assert httpx.get(server + "/get_weight_version", timeout=10).json()["weight_version"] == "2"
     assert httpx.get(server + "/health", timeout=10).status_code == 200
@@ -289,8 +365,11 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
     ids = [int(i) for i in tokenizer.encode(prompt)]
     ref = reference(tiny_model, [ids], 6)[0]
     # what the OpenAI SDK's client.completions.create(model=..., prompt=..., max_tokens=6, temperature=0, logprobs=0) sends
-    r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
-                                                     "temperature": 0, "logprobs": 0}, timeout=60)
+    r = httpx.post(
+        server + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     ch = r.json()["choices"][0]
     assert ch["token_ids"] == ref.output_tokens and ch["finish_reason"] in ("length", "stop")
@@ -302,8 +381,18 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
     # a list of prompts: choice p * n + j is sample j of prompt p (vLLM's order)
     other = [3, 30, 31, 4]
     oref = reference(tiny_model, [other], 6)[0]
-    r3 = httpx.post(server + "/v1/completions", json={"prompt": [ids, other], "max_tokens": 6, "temperature": 0, "n": 2,
-                                                      "logprobs": 0, "return_tokens_as_token_ids": True}, timeout=60)
+    r3 = httpx.post(
+        server + "/v1/completions",
+        json={
+            "prompt": [ids, other],
+            "max_tokens": 6,
+            "temperature": 0,
+            "n": 2,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+        timeout=60,
+    )
     assert r3.status_code == 200, r3.text
     chs = r3.json()["choices"]
     assert [c["index"] for c in chs] == [0, 1, 2, 3]
@@ -317,8 +406,11 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
 
     messages = [{"role": "user", "content": "2+2?"}]
     cref = reference(tiny_model, [chat_ids(tokenizer, messages)], 5)[0]
-    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 5,
-                                                          "temperature": 0, "logprobs": True, "n": 2}, timeout=60)
+    r = httpx.post(
+        server + "/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0, "logprobs": True, "n": 2},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and len(body["choices"]) == 2
@@ -326,7 +418,9 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
         assert ch["message"]["role"] == "assistant"
         assert [c["logprob"] for c in ch["logprobs"]["content"]] == pytest.approx(cref.output_logprobs, abs=1e-4)
         assert ch["token_ids"] == cref.output_tokens
-    bad = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}, timeout=10)
+    bad = httpx.post(
+        server + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}, timeout=10
+    )
     assert bad.status_code == 400 and "messages[0].role" in bad.json()["error"]["message"]
     assert httpx.post(server + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10).status_code == 400
     info = httpx.get(server + "/get_model_info", timeout=10).json()
@@ -345,15 +439,28 @@ def test_a_stale_broadcast_failing_late_leaves_the_new_weight_group_alone(server
 
     auth = {"Authorization": f"Bearer {TOKEN}"}
     weights = dict(sorted(tiny_model.state_dict().items()))  # what the server serves: no visible change
-    update = {"names": list(weights), "dtypes": [dtype_name(t.dtype) for t in weights.values()],
-              "shapes": [list(t.shape) for t in weights.values()], "weight_version": 0}
+    update = {
+        "names": list(weights),
+        "dtypes": [dtype_name(t.dtype) for t in weights.values()],
+        "shapes": [list(t.shape) for t in weights.values()],
+        "weight_version": 0,
+    }
 
     def join() -> WeightBroadcastGroup:
         group = WeightBroadcastGroup("127.0.0.1", 0, 2, 0, "gloo", timeout_s=60)
-        init = {"master_address": "127.0.0.1", "master_port": group.port, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+        init = {
+            "master_address": "127.0.0.1",
+            "master_port": group.port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "backend": "gloo",
+        }
         reply: list[httpx.Response] = []
-        t = threading.Thread(target=lambda: reply.append(httpx.post(server + "/init_weights_update_group", json=init,
-                                                                      headers=auth, timeout=60)))
+        t = threading.Thread(
+            target=lambda: reply.append(
+                httpx.post(server + "/init_weights_update_group", json=init, headers=auth, timeout=60)
+            )
+        )
         t.start()
         group.join()
         t.join()
@@ -362,8 +469,11 @@ def test_a_stale_broadcast_failing_late_leaves_the_new_weight_group_alone(server
 
     old = join()
     stale: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: stale.append(httpx.post(server + "/update_weights_from_distributed", json=update,
-                                                                 headers=auth, timeout=60)))
+    t = threading.Thread(
+        target=lambda: stale.append(
+            httpx.post(server + "/update_weights_from_distributed", json=update, headers=auth, timeout=60)
+        )
+    )
     t.start()  # the server waits for a broadcast the trainer never sends
     time.sleep(0.5)
     new = join()  # the trainer gave up on the old group and built a new one
@@ -372,8 +482,11 @@ def test_a_stale_broadcast_failing_late_leaves_the_new_weight_group_alone(server
     t.join(timeout=60)
     assert stale and stale[0].status_code == 500 and "failed" in stale[0].json()["error"]["message"]
     reply: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: reply.append(httpx.post(server + "/update_weights_from_distributed", json=update,
-                                                                 headers=auth, timeout=60)))
+    t = threading.Thread(
+        target=lambda: reply.append(
+            httpx.post(server + "/update_weights_from_distributed", json=update, headers=auth, timeout=60)
+        )
+    )
     t.start()
     new.broadcast(weights)
     t.join(timeout=60)

@@ -34,8 +34,11 @@ def server(root):
 
 
 def _generate(url: str, n: int, **sp) -> httpx.Response:
-    body = {"input_ids": [3, 20, 21, 22, 4], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **sp}}
+    body = {
+        "input_ids": [3, 20, 21, 22, 4],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **sp},
+    }
     return httpx.post(url + "/generate", json=body, timeout=120)
 
 
@@ -74,10 +77,10 @@ def test_weight_version_is_a_string(server):
 def test_stop_strings_are_trimmed_from_the_text_unless_no_stop_trim(server):
     full = _generate(server, 24).json()
     text = full["text"]
-    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].strip())
+    stop = next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i : i + 2].strip())
     cut = _generate(server, 24, stop=[stop]).json()
     assert cut["meta_info"]["finish_reason"]["type"] == "stop"
-    assert cut["text"] == text[:text.find(stop)] and stop not in cut["text"]
+    assert cut["text"] == text[: text.find(stop)] and stop not in cut["text"]
     kept = _generate(server, 24, stop=[stop], no_stop_trim=True).json()
     assert kept["text"].endswith(stop)
     body = {"prompt": [3, 20, 21, 22, 4], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop]}
@@ -88,16 +91,29 @@ def test_stop_strings_are_trimmed_from_the_text_unless_no_stop_trim(server):
 def test_sglang_disk_update_extras_and_routes_are_accepted(server, root, tiny_model):
     d = root / "v3"
     d.mkdir()
-    safetensors.torch.save_file({k: v.clone() for k, v in tiny_model.state_dict().items()}, str(d / "model.safetensors"))
-    body = {"model_path": str(d), "weight_version": "3", "abort_all_requests": True, "is_async": False,
-            "torch_empty_cache": True, "keep_pause": False, "recapture_cuda_graph": False, "token_step": 7, "flush_cache": True}
+    safetensors.torch.save_file(
+        {k: v.clone() for k, v in tiny_model.state_dict().items()}, str(d / "model.safetensors")
+    )
+    body = {
+        "model_path": str(d),
+        "weight_version": "3",
+        "abort_all_requests": True,
+        "is_async": False,
+        "torch_empty_cache": True,
+        "keep_pause": False,
+        "recapture_cuda_graph": False,
+        "token_step": 7,
+        "flush_cache": True,
+    }
     r = httpx.post(server + "/update_weights_from_disk", json=body, headers=AUTH, timeout=120)
     assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == "3", r.text
     for method in ("GET", "POST"):
         assert httpx.request(method, server + "/flush_cache", timeout=10).status_code == 200
     assert httpx.post(server + "/abort_request", json={"abort_all": True}, headers=AUTH, timeout=30).json()["success"]
     info = httpx.get(server + "/server_info", timeout=10).json()
-    assert info["tp_size"] == 1 and info["version"] and httpx.get(server + "/get_server_info", timeout=10).json() == info
+    assert (
+        info["tp_size"] == 1 and info["version"] and httpx.get(server + "/get_server_info", timeout=10).json() == info
+    )
     assert httpx.get(server + "/model_info", timeout=10).json()["weight_version"] == "3"
 
 

@@ -44,7 +44,9 @@ def test_encode_formats(tokenizer):
     (ids0, m0), (ids1, m1), (ids2, m2) = encode_rows(ROWS, tokenizer, DATA, "train")
     eos = tokenizer.eos_token_id
     # raw prompt: tokenized as is, completion + EOS is the loss part
-    assert ids0 == tokenizer.encode("12+7=", add_special_tokens=False) + tokenizer.encode("19", add_special_tokens=False) + [eos]
+    assert ids0 == tokenizer.encode("12+7=", add_special_tokens=False) + tokenizer.encode(
+        "19", add_special_tokens=False
+    ) + [eos]
     assert m0 == [0] * 5 + [1, 1, 1]
     # chat prompt (template ends with the assistant tag), answer as completion
     prompt = chat_ids(tokenizer, [{"role": "user", "content": "3+4="}])
@@ -87,11 +89,21 @@ def test_loss_is_completion_token_mean(tokenizer, tiny_model):
 
 
 def test_sft_lowers_loss_and_checkpoint_reloads(tmp_path, tokenizer, tiny_model):
-    cfg = load_config(SFTConfig, overrides=[
-        f"run_dir={tmp_path / 'run'}", "total_steps=25", "batch_size=16", "data.n_train=48", "data.n_eval=16",
-        "data.error_rate=0.25", "train.optimizer.lr=2e-3", "train.optimizer.warmup_steps=2",
-        "train.optimizer.lr_schedule=cosine", "log_every_n_steps=5",
-    ])
+    cfg = load_config(
+        SFTConfig,
+        overrides=[
+            f"run_dir={tmp_path / 'run'}",
+            "total_steps=25",
+            "batch_size=16",
+            "data.n_train=48",
+            "data.n_eval=16",
+            "data.error_rate=0.25",
+            "train.optimizer.lr=2e-3",
+            "train.optimizer.warmup_steps=2",
+            "train.optimizer.lr_schedule=cosine",
+            "log_every_n_steps=5",
+        ],
+    )
     from relayrl.data.tasks import make_task
 
     _, held_out = make_task("arithmetic", 48, 16, 2, cfg.seed)
@@ -117,8 +129,18 @@ def test_cli_sft_from_jsonl(tmp_path, capsys):
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(12)))
-    rc = main(["sft", f"run_dir={tmp_path / 'run'}", "data.task=file", f"data.train_path={data}", "batch_size=4",
-               "epochs=2", "model.path=tiny", "train.optimizer.lr=1e-3"])
+    rc = main(
+        [
+            "sft",
+            f"run_dir={tmp_path / 'run'}",
+            "data.task=file",
+            f"data.train_path={data}",
+            "batch_size=4",
+            "epochs=2",
+            "model.path=tiny",
+            "train.optimizer.lr=1e-3",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps"] == 6 and out["checkpoint"] == str(tmp_path / "run" / "final")
@@ -132,10 +154,18 @@ def test_cli_sft_from_jsonl(tmp_path, capsys):
 
 
 def test_stop_fn_ends_training_early(tmp_path, tokenizer, tiny_model):
-    cfg = load_config(SFTConfig, overrides=[f"run_dir={tmp_path}", "total_steps=10", "batch_size=4", "log_every_n_steps=2"])
+    cfg = load_config(
+        SFTConfig, overrides=[f"run_dir={tmp_path}", "total_steps=10", "batch_size=4", "log_every_n_steps=2"]
+    )
     asked: list[int] = []
-    res = run_sft(cfg, tokenizer=tokenizer, model=copy.deepcopy(tiny_model), train_rows=ROWS * 4, eval_rows=ROWS,
-                  stop_fn=lambda step, model: asked.append(step) or step >= 4)
+    res = run_sft(
+        cfg,
+        tokenizer=tokenizer,
+        model=copy.deepcopy(tiny_model),
+        train_rows=ROWS * 4,
+        eval_rows=ROWS,
+        stop_fn=lambda step, model: asked.append(step) or step >= 4,
+    )
     assert asked == [2, 4] and res.steps == 4 and res.eval_loss is not None
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 4]  # the last row: eval/loss at the stop
@@ -153,9 +183,24 @@ def test_parquet_json_and_jsonl_files_read_the_same(tmp_path, capsys):
     records = [json.loads(line) for line in src.read_text().splitlines()]
     datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "rows.parquet"))
     (tmp_path / "rows.json").write_text(json.dumps(records))
-    assert read_records(tmp_path / "rows.parquet") == read_records(tmp_path / "rows.json") == read_records(src) == records
+    assert (
+        read_records(tmp_path / "rows.parquet") == read_records(tmp_path / "rows.json") == read_records(src) == records
+    )
     rl = load_rows_from_file(tmp_path / "rows.parquet", "question", "answer")
-    assert [r["answer"] for r in rl] == [r["answer"] for r in load_rows_from_file(src, "question", "answer")] and len(rl) == len(records)
-    rc = main(["sft", f"run_dir={tmp_path / 'run'}", "data.task=file", f"data.train_path={tmp_path / 'rows.parquet'}",
-               "data.prompt_key=question", "data.completion_key=answer", "batch_size=4", "total_steps=2", "model.path=tiny"])
+    assert [r["answer"] for r in rl] == [r["answer"] for r in load_rows_from_file(src, "question", "answer")] and len(
+        rl
+    ) == len(records)
+    rc = main(
+        [
+            "sft",
+            f"run_dir={tmp_path / 'run'}",
+            "data.task=file",
+            f"data.train_path={tmp_path / 'rows.parquet'}",
+            "data.prompt_key=question",
+            "data.completion_key=answer",
+            "batch_size=4",
+            "total_steps=2",
+            "model.path=tiny",
+        ]
+    )
     assert rc == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2

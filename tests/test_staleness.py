@@ -27,8 +27,14 @@ class Sim:
 
     def capacity(self, waiting: int = 0) -> int:
         return rollout_capacity(
-            max_staleness=self.eta, batch_size=self.batch, version=self.version, consumed=self.consumed,
-            accepted=len(self.accepted), running=len(self.running), max_concurrent=self.maxc, waiting=waiting,
+            max_staleness=self.eta,
+            batch_size=self.batch,
+            version=self.version,
+            consumed=self.consumed,
+            accepted=len(self.accepted),
+            running=len(self.running),
+            max_concurrent=self.maxc,
+            waiting=waiting,
         )
 
     def start(self, n: int, waiting: int = 0) -> None:
@@ -126,13 +132,23 @@ def test_synchronous_rule_numbers():
     # a consumer blocked at the same version still gets its batch (no deadlock)
     assert rollout_capacity(version=0, consumed=4, accepted=1, running=0, waiting=4, **kw) == 3
     # eta = 2: three batches ahead, capped by max_concurrent
-    assert rollout_capacity(max_staleness=2, batch_size=4, version=0, consumed=0, accepted=0, running=0,
-                            max_concurrent=100) == 12
-    assert rollout_capacity(max_staleness=2, batch_size=4, version=0, consumed=0, accepted=0, running=0,
-                            max_concurrent=5) == 5
+    assert (
+        rollout_capacity(
+            max_staleness=2, batch_size=4, version=0, consumed=0, accepted=0, running=0, max_concurrent=100
+        )
+        == 12
+    )
+    assert (
+        rollout_capacity(max_staleness=2, batch_size=4, version=0, consumed=0, accepted=0, running=0, max_concurrent=5)
+        == 5
+    )
     # versions bumped ahead of consumption do not shrink the window
-    assert rollout_capacity(max_staleness=1, batch_size=2, version=5, consumed=0, accepted=0, running=0,
-                            max_concurrent=100) == 4
+    assert (
+        rollout_capacity(
+            max_staleness=1, batch_size=2, version=5, consumed=0, accepted=0, running=0, max_concurrent=100
+        )
+        == 4
+    )
     assert is_expired(3, 5, 1) and not is_expired(4, 5, 1) and not is_expired(5, 5, 0)
     with pytest.raises(ValueError, match="batch_size"):
         rollout_capacity(max_staleness=0, batch_size=0, version=0, consumed=0, accepted=0, running=0, max_concurrent=1)

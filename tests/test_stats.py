@@ -17,8 +17,19 @@ from relayrl.utils.stats import StatsTracker
 
 def _ref(values: list[torch.Tensor], masks: list[torch.Tensor]) -> dict[str, float]:
     """Plain-loop reference over every selected element of every record."""
-    picked = [float(v) for x, m in zip(values, masks, strict=True) for v, keep in zip(x.flatten(), m.flatten(), strict=True) if keep]
-    return {"avg": sum(picked) / len(picked), "sum": sum(picked), "min": min(picked), "max": max(picked), "n": len(picked)}
+    picked = [
+        float(v)
+        for x, m in zip(values, masks, strict=True)
+        for v, keep in zip(x.flatten(), m.flatten(), strict=True)
+        if keep
+    ]
+    return {
+        "avg": sum(picked) / len(picked),
+        "sum": sum(picked),
+        "min": min(picked),
+        "max": max(picked),
+        "n": len(picked),
+    }
 
 
 def test_masked_average_min_max_sum_match_plain_loop():
@@ -153,7 +164,11 @@ def test_module_level_default_tracker_without_torch_distributed():
         stats.stat(denominator="n", ratio=torch.tensor([1.0, 2.0, 9.0]))
         stats.scalar(lr=0.1)
     out = stats.export()
-    assert {k: v for k, v in out.items() if not k.startswith("timing/")} == {"actor/lr": 0.1, "actor/n": 2.0, "actor/ratio": 1.5}
+    assert {k: v for k, v in out.items() if not k.startswith("timing/")} == {
+        "actor/lr": 0.1,
+        "actor/n": 2.0,
+        "actor/ratio": 1.5,
+    }
     assert "timing/step" in out and stats.export() == {}
 
 

@@ -31,8 +31,13 @@ def test_python_tool_restrictions_and_limits():
     p = python_tool(timeout=1.5, memory_mb=128)
     t0 = time.monotonic()
     out = run(
-        p("xs = [i * i for i in range(5)]\nsum(xs)"), p("print('a'); 3"), p("import os"),
-        p("().__class__.__bases__"), p("open('/etc/passwd')"), p("while True: pass"), p("s = ' ' * (10**9)"),
+        p("xs = [i * i for i in range(5)]\nsum(xs)"),
+        p("print('a'); 3"),
+        p("import os"),
+        p("().__class__.__bases__"),
+        p("open('/etc/passwd')"),
+        p("while True: pass"),
+        p("s = ' ' * (10**9)"),
     )
     assert out[0] == "30" and out[1] == "a\n3"
     assert out[2] == "error: ValueError: imports are not allowed"

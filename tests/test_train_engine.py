@@ -22,7 +22,9 @@ LENGTHS = [20, 37, 9, 50, 33, 16]
 def make_engine(model, budget=100_000, head="lm", trainable=True, gc=False, **opt) -> TorchTrainEngine:
     opt.setdefault("lr", 1e-3)
     cfg = TrainEngineConfig(mb_max_tokens=budget, optimizer=OptimizerConfig(**opt), total_steps=10)
-    eng = TorchTrainEngine(cfg, ModelConfig(gradient_checkpointing=gc), model=copy.deepcopy(model), head=head, trainable=trainable)
+    eng = TorchTrainEngine(
+        cfg, ModelConfig(gradient_checkpointing=gc), model=copy.deepcopy(model), head=head, trainable=trainable
+    )
     eng.initialize()
     return eng
 
@@ -79,7 +81,9 @@ def test_forward_logprobs_match_separate_runs(tiny_model):
         for i, n in enumerate(LENGTHS):
             with torch.no_grad():
                 logits = tiny_model(input_ids=batch["input_ids"][i : i + 1, :n]).logits[0]
-            torch.testing.assert_close(out[i, :n], ref_logprobs(logits, batch["input_ids"][i, :n], temp), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                out[i, :n], ref_logprobs(logits, batch["input_ids"][i, :n], temp), atol=1e-5, rtol=0
+            )
             assert out[i, n:].abs().sum() == 0
     with pytest.raises(RuntimeError, match="frozen"):
         eng.train_batch(batch, pg_loss, n_loss_tokens)

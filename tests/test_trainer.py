@@ -18,9 +18,17 @@ from relayrl.api.config import RunConfig, load_config
 from relayrl.trainer import train
 
 FAST = [
-    "rollout.batch_size=2", "rollout.group_size=2", "gconfig.max_new_tokens=6", "data.n_train=64", "data.n_eval=4",
+    "rollout.batch_size=2",
+    "rollout.group_size=2",
+    "gconfig.max_new_tokens=6",
+    "data.n_train=64",
+    "data.n_eval=4",
     # A random model earns no reward, so advantages are 0: the entropy bonus keeps gradients non-zero.
-    "train.optimizer.lr=1e-3", "actor.entropy_coef=0.01", "logging.tensorboard=false", "logging.progress=lines", "eval.gconfig.max_new_tokens=6",
+    "train.optimizer.lr=1e-3",
+    "actor.entropy_coef=0.01",
+    "logging.tensorboard=false",
+    "logging.progress=lines",
+    "eval.gconfig.max_new_tokens=6",
 ]
 
 
@@ -39,9 +47,19 @@ def _metrics(run_dir: str | Path) -> list[dict[str, float]]:
         ["rollout.max_staleness=2", "inference.backend=local", "actor.loss=decoupled_ppo"],
         # launched servers serve the policy's model, overrides included (a vocab they did not have once),
         # ... and take the weights by collective broadcast (gloo)
-        pytest.param(["rollout.max_staleness=0", "inference.backend=remote", "inference.n_servers=1", "model.vocab_size=128",
-                      "inference.weight_sync=broadcast"], marks=pytest.mark.slow),
-        pytest.param(["rollout.max_staleness=1", "inference.backend=remote", "inference.n_servers=2"], marks=pytest.mark.slow),
+        pytest.param(
+            [
+                "rollout.max_staleness=0",
+                "inference.backend=remote",
+                "inference.n_servers=1",
+                "model.vocab_size=128",
+                "inference.weight_sync=broadcast",
+            ],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["rollout.max_staleness=1", "inference.backend=remote", "inference.n_servers=2"], marks=pytest.mark.slow
+        ),
     ],
     ids=["sync-colocated", "async-colocated", "sync-disaggregated", "async-disaggregated"],
 )
@@ -65,8 +83,19 @@ def test_modes_train_and_respect_staleness(tmp_path: Path, mode: list[str]) -> N
 
 
 def _run_cli(run_dir: Path, *extra: str, kill_after_ckpt: int | None = None) -> subprocess.CompletedProcess[str] | None:
-    cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run_dir={run_dir}", *FAST, "total_steps=4",
-           "checkpoint.every_n_steps=1", "checkpoint.keep_last=5", "rollout.max_staleness=0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "relayrl.cli",
+        "train",
+        f"run_dir={run_dir}",
+        *FAST,
+        "total_steps=4",
+        "checkpoint.every_n_steps=1",
+        "checkpoint.keep_last=5",
+        "rollout.max_staleness=0",
+        *extra,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if kill_after_ckpt is None:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, check=True)
@@ -108,13 +137,29 @@ def test_ctrl_c_saves_a_final_checkpoint_and_stops_the_servers(tmp_path: Path) -
     import psutil
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run_dir={run}", *FAST, "total_steps=10000",
-           "checkpoint.every_n_steps=0", "rollout.max_staleness=1", "inference.backend=remote", "inference.n_servers=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "relayrl.cli",
+        "train",
+        f"run_dir={run}",
+        *FAST,
+        "total_steps=10000",
+        "checkpoint.every_n_steps=0",
+        "rollout.max_staleness=1",
+        "inference.backend=remote",
+        "inference.n_servers=1",
+    ]
     # SIG_DFL in the child: a suite started in the background (`cmd &`) ignores SIGINT, and Python
     # then never turns it into KeyboardInterrupt
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if (run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2:
@@ -150,17 +195,27 @@ def test_plot_and_show(tmp_path: Path) -> None:
     train(cfg)
     train(other)
     png = tmp_path / "curves.png"
-    res = subprocess.run([sys.executable, "-m", "relayrl.cli", "plot", cfg.run_dir, other.run_dir, "--out", str(png)],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "plot", cfg.run_dir, other.run_dir, "--out", str(png)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert png.exists() and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG", res.stderr
     fig = figure([cfg.run_dir, other.run_dir])  # what the PNG draws: both runs overlaid, told apart
     panels = {ax.get_title(): ax for ax in fig.axes}
     assert set(panels) == {title for title, _ in PANELS}
     reward = {line.get_label(): list(line.get_ydata()) for line in panels["reward"].get_lines()}
-    assert reward == {cfg.run_dir: [r["rollout/reward"] for r in _metrics(cfg.run_dir)],
-                      other.run_dir: [r["rollout/reward"] for r in _metrics(other.run_dir)]}
-    shown = subprocess.run([sys.executable, "-m", "relayrl.cli", "show", cfg.run_dir, "--step", "2"],
-                           capture_output=True, text=True, check=True).stdout
+    assert reward == {
+        cfg.run_dir: [r["rollout/reward"] for r in _metrics(cfg.run_dir)],
+        other.run_dir: [r["rollout/reward"] for r in _metrics(other.run_dir)],
+    }
+    shown = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "show", cfg.run_dir, "--step", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "completion:" in shown and "reward" in shown
 
 
@@ -169,9 +224,21 @@ def test_evaluation_never_perturbs_training(tmp_path: Path) -> None:
     steps (the executor stays paused until generation is reseeded for the next step)."""
     rows = {}
     for name, every in (("with_eval", "1"), ("without", "0")):
-        cfg = load_config(RunConfig, None, [f"run_dir={tmp_path / name}", *FAST, "total_steps=3", "rollout.batch_size=4",
-                                            "rollout.group_size=4", f"eval.every_n_steps={every}", "eval.n_samples=3",
-                                            "eval.gconfig.greedy=false", "data.n_eval=8"])
+        cfg = load_config(
+            RunConfig,
+            None,
+            [
+                f"run_dir={tmp_path / name}",
+                *FAST,
+                "total_steps=3",
+                "rollout.batch_size=4",
+                "rollout.group_size=4",
+                f"eval.every_n_steps={every}",
+                "eval.n_samples=3",
+                "eval.gconfig.greedy=false",
+                "data.n_eval=8",
+            ],
+        )
         train(cfg)
         rows[name] = _metrics(cfg.run_dir)
     assert "eval/accuracy" in rows["with_eval"][0] and "eval/accuracy" not in rows["without"][0]
@@ -185,14 +252,22 @@ def test_evaluation_never_perturbs_training(tmp_path: Path) -> None:
 def test_eval_cli_scores_a_run_directorys_latest_checkpoint(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "total_steps=2", "data.n_eval=6")
     train(cfg)
-    out = subprocess.run([sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir, "eval.gconfig.max_new_tokens=4"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir, "eval.gconfig.max_new_tokens=4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["model"].endswith("checkpoints/step_000002/actor")  # the trained policy, not the start
     assert result["eval/n_prompts"] == 6.0 and 0.0 <= result["eval/accuracy"] <= 1.0
-    bad = subprocess.run([sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir, "eval.n_samples=0"],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir, "eval.n_samples=0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "eval.n_samples=0 is out of range" in bad.stderr
 
 
@@ -202,15 +277,44 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path) -> None:
     broadcasts each batch, both ranks train their share of it. The run trains on the same prompts
     with the same rewards as one process, writes one run directory, and ends with the same
     weights up to summation order."""
-    args = [*FAST, "total_steps=3", "rollout.batch_size=4", "rollout.group_size=2", "checkpoint.every_n_steps=2",
-            "train.optimizer.warmup_steps=2", "train.optimizer.lr_schedule=cosine", "train.optimizer.min_lr_ratio=0.1"]
+    args = [
+        *FAST,
+        "total_steps=3",
+        "rollout.batch_size=4",
+        "rollout.group_size=2",
+        "checkpoint.every_n_steps=2",
+        "train.optimizer.warmup_steps=2",
+        "train.optimizer.lr_schedule=cosine",
+        "train.optimizer.min_lr_ratio=0.1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "relayrl.cli", "train", f"run_dir={tmp_path / 'one'}", *args],
-                         capture_output=True, text=True, timeout=600, env=env)
+    one = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "train", f"run_dir={tmp_path / 'one'}", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "relayrl.cli", "train", f"run_dir={tmp_path / 'two'}", *args],
-                         capture_output=True, text=True, timeout=600, env=env)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "relayrl.cli",
+            "train",
+            f"run_dir={tmp_path / 'two'}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert len([line for line in two.stdout.splitlines() if line.startswith("{")]) == 1  # the driver's summary only
     a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
@@ -229,11 +333,20 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path) -> None:
 def test_relayrl_train_follows_the_lr_schedule(tmp_path: Path) -> None:
     """The trainer's optimizer steps advance the schedule: warmup over 2 steps, then linear decay
     to min_lr_ratio at the last of total_steps x n_minibatches optimizer steps."""
-    cfg = _cfg(tmp_path, "total_steps=3", "actor.n_minibatches=2", "train.optimizer.warmup_steps=2",
-               "train.optimizer.lr_schedule=linear", "train.optimizer.min_lr_ratio=0.2", "checkpoint.save_final=false")
+    cfg = _cfg(
+        tmp_path,
+        "total_steps=3",
+        "actor.n_minibatches=2",
+        "train.optimizer.warmup_steps=2",
+        "train.optimizer.lr_schedule=linear",
+        "train.optimizer.min_lr_ratio=0.2",
+        "checkpoint.save_final=false",
+    )
     train(cfg)
     f = [1e-3 * x for x in (0.5, 1.0, 1 - 0.8 * 1 / 4, 1 - 0.8 * 2 / 4, 1 - 0.8 * 3 / 4, 0.2)]  # 6 optimizer steps
-    assert [r["actor/lr"] for r in _metrics(cfg.run_dir)] == pytest.approx([(f[0] + f[1]) / 2, (f[2] + f[3]) / 2, (f[4] + f[5]) / 2])
+    assert [r["actor/lr"] for r in _metrics(cfg.run_dir)] == pytest.approx(
+        [(f[0] + f[1]) / 2, (f[2] + f[3]) / 2, (f[4] + f[5]) / 2]
+    )
 
 
 def test_checkpoints_are_due_every_n_steps_or_every_n_minutes(tmp_path: Path) -> None:

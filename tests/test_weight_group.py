@@ -23,8 +23,9 @@ PEER = Path(__file__).parent / "peers" / "sglang_group.py"
 
 
 def _peer(*args: object) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(PEER), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, str(PEER), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _sums(ts: list[torch.Tensor]) -> list[float]:
@@ -66,11 +67,14 @@ def test_the_backend_sits_under_the_store_prefix_torch_gives_it():
     assert store_device("nccl") == "cuda"
 
 
-@pytest.mark.parametrize(("sizes", "limit", "want"), [
-    ([4, 4, 4], 8, [[0, 1], [2]]),
-    ([10, 1, 1], 8, [[0], [1, 2]]),  # an item over the limit goes alone
-    ([1, 2, 3], 100, [[0, 1, 2]]),
-    ([], 8, []),
-])
+@pytest.mark.parametrize(
+    ("sizes", "limit", "want"),
+    [
+        ([4, 4, 4], 8, [[0, 1], [2]]),
+        ([10, 1, 1], 8, [[0], [1, 2]]),  # an item over the limit goes alone
+        ([1, 2, 3], 100, [[0, 1, 2]]),
+        ([], 8, []),
+    ],
+)
 def test_buckets_stay_within_the_byte_limit(sizes, limit, want):
     assert buckets(sizes, limit) == want

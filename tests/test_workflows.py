@@ -50,7 +50,7 @@ def test_rlvr_reward_and_truncation(engine, tokenizer):
     ids = traj["input_ids"][0].tolist()
     assert ids[: len(prompt)] == prompt and len(ids) == len(prompt) + 5
     assert bool(traj["truncated"][0])
-    expected = digit_reward("", tokenizer.decode(ids[len(prompt):]), prompt, ids[len(prompt):])
+    expected = digit_reward("", tokenizer.decode(ids[len(prompt) :]), prompt, ids[len(prompt) :])
     assert traj["rewards"][0].item() == pytest.approx(expected)
 
 
@@ -61,8 +61,9 @@ def test_remax_baseline_is_greedy_reward(engine, tokenizer):
     prompt = chat_ids(tokenizer, ROW["messages"])
     greedy = asyncio.run(engine.agenerate(ModelRequest(rid="g", input_ids=prompt, gconfig=G.new(greedy=True))))
     assert traj["baseline_rewards"][0].item() == pytest.approx(
-        digit_reward("", tokenizer.decode(greedy.output_tokens), prompt, greedy.output_tokens))
-    sampled = traj["input_ids"][0, len(prompt):].tolist()
+        digit_reward("", tokenizer.decode(greedy.output_tokens), prompt, greedy.output_tokens)
+    )
+    sampled = traj["input_ids"][0, len(prompt) :].tolist()
     assert traj["rewards"][0].item() == pytest.approx(digit_reward("", tokenizer.decode(sampled), prompt, sampled))
 
 
@@ -103,8 +104,9 @@ def test_tool_outputs_masked_tokens_concatenated(engine, tokenizer):
             break
     assert prompt is not None, "the tiny model's greedy output has no usable markers"
     tool = calculator(timeout=3.0)
-    wf = ToolAgentWorkflow(digit_reward, greedy, tokenizer, tool=tool, max_tool_calls=2,
-                           call_start=start_tok, call_end=end_tok)
+    wf = ToolAgentWorkflow(
+        digit_reward, greedy, tokenizer, tool=tool, max_tool_calls=2, call_start=start_tok, call_end=end_tok
+    )
     traj = asyncio.run(wf.arun_episode(engine, prompt))
     validate_trajectory(traj)
     n_calls = traj["num_tool_calls"].item()
@@ -124,8 +126,9 @@ def test_tool_outputs_masked_tokens_concatenated(engine, tokenizer):
 
 
 def test_generative_judge_grades_with_engine(engine, tokenizer):
-    judge = GenerativeJudge(None, tokenizer, template="Q {question} A {answer} R {reference}",
-                            parse_fn=lambda text: len(text) / 100)
+    judge = GenerativeJudge(
+        None, tokenizer, template="Q {question} A {answer} R {reference}", parse_fn=lambda text: len(text) / 100
+    )
     score = asyncio.run(judge(engine, prompt="p", completions="19", **ROW))
     ids = chat_ids(tokenizer, [{"role": "user", "content": "Q 12+7= A 19 R 19"}])
     resp = asyncio.run(engine.agenerate(ModelRequest(rid="j", input_ids=ids, gconfig=judge.gconfig)))

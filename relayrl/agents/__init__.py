@@ -12,6 +12,12 @@ from relayrl.agents.tool_parsers import ParsedOutput, ToolCall, detect_parser, p
 from relayrl.agents.workflow import OpenAIAgentWorkflow
 
 __all__ = [
-    "CallRecord", "OpenAIAgentWorkflow", "OpenAIClient", "ParsedOutput", "RequestError", "ToolCall", "detect_parser",
+    "CallRecord",
+    "OpenAIAgentWorkflow",
+    "OpenAIClient",
+    "ParsedOutput",
+    "RequestError",
+    "ToolCall",
+    "detect_parser",
     "parse_tool_calls",
 ]

@@ -21,15 +21,25 @@ from relayrl.api.engine import DataItem
 from relayrl.api.io import GenerationConfig
 from relayrl.data.chat import encode
 
-CALC_TOOL = {"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
-                                              "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "Evaluate arithmetic.",
+        "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
+    },
+}
 Tool = Callable[[str], Awaitable[str]]
 RewardFn = Callable[..., float]
 
 
 def tool_agent_workflow(
-    reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: PreTrainedTokenizerBase, tool: Tool,
-    max_tool_calls: int = 3, timeout: float = 0.0,
+    reward_fn: RewardFn,
+    gconfig: GenerationConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    tool: Tool,
+    max_tool_calls: int = 3,
+    timeout: float = 0.0,
 ) -> OpenAIAgentWorkflow:
     """``workflow=tool_agent`` with ``rollout.tool_format=template`` (see module doc)."""
 
@@ -51,7 +61,14 @@ def tool_agent_workflow(
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})
         extra = {k: v for k, v in data.items() if k not in ("prompt", "completions", "prompt_ids", "completion_ids")}
         last = client.records[-1]
-        return float(reward_fn(prompt="", completions=answer, prompt_ids=last.prompt_ids,
-                               completion_ids=encode(tokenizer, answer), **extra))
+        return float(
+            reward_fn(
+                prompt="",
+                completions=answer,
+                prompt_ids=last.prompt_ids,
+                completion_ids=encode(tokenizer, answer),
+                **extra,
+            )
+        )
 
     return OpenAIAgentWorkflow(agent, tokenizer, gconfig, timeout=timeout)

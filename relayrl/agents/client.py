@@ -49,8 +49,23 @@ from relayrl.data.chat import continuation_ids, encode, render
 from relayrl.rollout.workflows.multi_turn import TokenBuffer
 
 # Accepted and ignored: they change nothing about what a local policy generates.
-_IGNORED = {"model", "user", "metadata", "seed", "store", "parallel_tool_calls", "service_tier", "stream_options",
-            "extra_headers", "extra_query", "extra_body", "timeout", "reasoning_effort", "prompt_cache_key", "safety_identifier"}
+_IGNORED = {
+    "model",
+    "user",
+    "metadata",
+    "seed",
+    "store",
+    "parallel_tool_calls",
+    "service_tier",
+    "stream_options",
+    "extra_headers",
+    "extra_query",
+    "extra_body",
+    "timeout",
+    "reasoning_effort",
+    "prompt_cache_key",
+    "safety_identifier",
+}
 
 
 @dataclass
@@ -106,12 +121,18 @@ class OpenAIClient:
     """
 
     def __init__(
-        self, engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase, gconfig: GenerationConfig | None = None,
-        tool_parser: str = "auto", model_name: str = "relayrl-policy",
+        self,
+        engine: InferenceEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        gconfig: GenerationConfig | None = None,
+        tool_parser: str = "auto",
+        model_name: str = "relayrl-policy",
     ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.gconfig = (gconfig or GenerationConfig()).new()
-        self.tool_parser = detect_parser(getattr(tokenizer, "chat_template", None)) if tool_parser == "auto" else tool_parser
+        self.tool_parser = (
+            detect_parser(getattr(tokenizer, "chat_template", None)) if tool_parser == "auto" else tool_parser
+        )
         parse_tool_calls("", self.tool_parser)  # an unknown parser name fails here, not on the first call
         self.model_name = model_name
         self.rid = uuid.uuid4().hex  # one episode: a RemoteEngine keeps its calls on one server
@@ -133,7 +154,9 @@ class OpenAIClient:
         if temperature is not None:
             if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
                 raise RequestError(f"temperature must be in [0, 2], got {temperature!r}", "temperature")
-            changes.update(greedy=True) if temperature == 0 else changes.update(temperature=float(temperature), greedy=False)
+            changes.update(greedy=True) if temperature == 0 else changes.update(
+                temperature=float(temperature), greedy=False
+            )
         top_p = p.pop("top_p", None)
         if top_p is not None:
             if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
@@ -155,7 +178,9 @@ class OpenAIClient:
         logprobs = p.pop("logprobs", None)
         top = p.pop("top_logprobs", None)
         if top:
-            raise RequestError("top_logprobs > 0 is not supported: engines return the sampled token's logprob only", "top_logprobs")
+            raise RequestError(
+                "top_logprobs > 0 is not supported: engines return the sampled token's logprob only", "top_logprobs"
+            )
         for key in ("frequency_penalty", "presence_penalty"):
             if p.pop(key, None):
                 raise RequestError(f"{key} is not supported: it would change the policy the logprobs describe", key)
@@ -187,7 +212,9 @@ class OpenAIClient:
     def _output_text(self, resp: ModelResponse, gconfig: GenerationConfig) -> tuple[str, int | None]:
         """Decoded reply without its stop token or stop string, and the stop token it ended with."""
         out = resp.output_tokens
-        stops = set(gconfig.stop_token_ids) | ({int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set())
+        stops = set(gconfig.stop_token_ids) | (
+            {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
+        )
         end = out[-1] if out and resp.stop_reason == "stop" and out[-1] in stops else None
         text = self.tokenizer.decode(out[:-1] if end is not None else out, skip_special_tokens=False)
         if resp.stop_reason == "stop" and end is None and gconfig.stop:
@@ -202,8 +229,10 @@ class OpenAIClient:
             if rec.messages is None or rec.reply is None or rec.tools != tools:
                 continue
             k = len(rec.messages) + 1
-            if len(messages) > k and (best is None or k >= len(best.messages or []) + 1) and all(
-                same_message(a, b) for a, b in zip(messages[:k], [*rec.messages, rec.reply], strict=True)
+            if (
+                len(messages) > k
+                and (best is None or k >= len(best.messages or []) + 1)
+                and all(same_message(a, b) for a, b in zip(messages[:k], [*rec.messages, rec.reply], strict=True))
             ):
                 best = rec
         return best
@@ -213,13 +242,18 @@ class OpenAIClient:
         tools = normalize_tools(params.get("tools"))
         tool_choice = params.get("tool_choice", "auto")
         if isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
-            raise RequestError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}", "tool_choice")
+            raise RequestError(
+                f"tool_choice must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}",
+                "tool_choice",
+            )
         gconfig, n, want_logprobs = self._gconfig(params)
         parent, ids = self._find_parent(messages, tools), None
         if parent is not None:
             k = len(parent.messages or []) + 1
             end = parent.output_ids[-1] if self._ends_with_stop(parent) else None
-            extra = continuation_ids(self.tokenizer, parent.messages or [], parent.reply or {}, messages[k:], end, tools)
+            extra = continuation_ids(
+                self.tokenizer, parent.messages or [], parent.reply or {}, messages[k:], end, tools
+            )
             if extra is None:
                 parent = None
             else:
@@ -233,21 +267,47 @@ class OpenAIClient:
         cid, choices = "chatcmpl-" + uuid.uuid4().hex, []
         for i, resp in enumerate(resps):
             text, _ = self._output_text(resp, gconfig)
-            parsed = ParsedOutput(text, []) if not tools or tool_choice == "none" else parse_tool_calls(text, self.tool_parser)
-            calls = [ChatCompletionMessageFunctionToolCall(id=c.id, type="function", function=Function(name=c.name, arguments=c.arguments))
-                     for c in parsed.tool_calls]
+            parsed = (
+                ParsedOutput(text, [])
+                if not tools or tool_choice == "none"
+                else parse_tool_calls(text, self.tool_parser)
+            )
+            calls = [
+                ChatCompletionMessageFunctionToolCall(
+                    id=c.id, type="function", function=Function(name=c.name, arguments=c.arguments)
+                )
+                for c in parsed.tool_calls
+            ]
             message = ChatCompletionMessage(role="assistant", content=parsed.content, tool_calls=calls or None)
             finish = "tool_calls" if calls else ("length" if resp.stop_reason == "length" else "stop")
             logprobs = ChoiceLogprobs(content=self._token_logprobs(resp)) if want_logprobs else None
             choices.append(Choice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
-            self.records.append(CallRecord(
-                id=cid, index=i, prompt_ids=list(ids), output_ids=list(resp.output_tokens), logprobs=list(resp.output_logprobs),
-                versions=list(resp.output_versions), stop_reason=resp.stop_reason, messages=messages, tools=tools,
-                reply=normalize_messages([message])[0], text=text, parent=parent, tool_calls=len(calls),
-                malformed_tool_calls=parsed.malformed,
-            ))
-        return ChatCompletion(id=cid, object="chat.completion", created=int(time.time()), model=self.model_name,
-                              choices=choices, usage=_usage(len(ids), resps))
+            self.records.append(
+                CallRecord(
+                    id=cid,
+                    index=i,
+                    prompt_ids=list(ids),
+                    output_ids=list(resp.output_tokens),
+                    logprobs=list(resp.output_logprobs),
+                    versions=list(resp.output_versions),
+                    stop_reason=resp.stop_reason,
+                    messages=messages,
+                    tools=tools,
+                    reply=normalize_messages([message])[0],
+                    text=text,
+                    parent=parent,
+                    tool_calls=len(calls),
+                    malformed_tool_calls=parsed.malformed,
+                )
+            )
+        return ChatCompletion(
+            id=cid,
+            object="chat.completion",
+            created=int(time.time()),
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(len(ids), resps),
+        )
 
     def _ends_with_stop(self, rec: CallRecord) -> bool:
         """Whether the record's last token is a stop token (EOS or one of the config's)."""
@@ -256,7 +316,10 @@ class OpenAIClient:
 
     async def _complete(self, prompt: str | list[int], params: dict[str, object]) -> Completion:
         if params.get("logprobs", 0) not in (None, 0, 1, True, False):
-            raise RequestError("logprobs > 1 (top alternatives) is not supported: engines return the sampled token's logprob only", "logprobs")
+            raise RequestError(
+                "logprobs > 1 (top alternatives) is not supported: engines return the sampled token's logprob only",
+                "logprobs",
+            )
         gconfig, n, want_logprobs = self._gconfig(params)
         parent, ids = None, None
         if isinstance(prompt, list):
@@ -269,10 +332,18 @@ class OpenAIClient:
                     parent = rec
         elif isinstance(prompt, str) and prompt:
             for rec in self.records:  # a text prompt that extends a call's prompt + reply keeps that call's tokens
-                if rec.prompt_text is not None and prompt.startswith(rec.prompt_text + rec.text) and len(prompt) > len(rec.prompt_text + rec.text):
+                if (
+                    rec.prompt_text is not None
+                    and prompt.startswith(rec.prompt_text + rec.text)
+                    and len(prompt) > len(rec.prompt_text + rec.text)
+                ):
                     parent = rec
             if parent is not None:
-                ids = parent.prompt_ids + parent.output_ids + encode(self.tokenizer, prompt[len(parent.prompt_text or "") + len(parent.text):])
+                ids = (
+                    parent.prompt_ids
+                    + parent.output_ids
+                    + encode(self.tokenizer, prompt[len(parent.prompt_text or "") + len(parent.text) :])
+                )
             else:
                 ids = encode(self.tokenizer, prompt, special=True)
         else:
@@ -284,22 +355,47 @@ class OpenAIClient:
             lp = None
             if want_logprobs:
                 toks = [self.tokenizer.decode([t], skip_special_tokens=False) for t in resp.output_tokens]
-                lp = Logprobs(tokens=toks, token_logprobs=list(resp.output_logprobs), top_logprobs=None,
-                              text_offset=[sum(len(t) for t in toks[:j]) for j in range(len(toks))])
-            choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason="length" if resp.stop_reason == "length" else "stop"))
-            self.records.append(CallRecord(
-                id=cid, index=i, prompt_ids=list(ids), output_ids=list(resp.output_tokens), logprobs=list(resp.output_logprobs),
-                versions=list(resp.output_versions), stop_reason=resp.stop_reason, prompt_text=prompt if isinstance(prompt, str) else None,
-                text=text, parent=parent,
-            ))
-        return Completion(id=cid, object="text_completion", created=int(time.time()), model=self.model_name,
-                          choices=choices, usage=_usage(len(ids), resps))
+                lp = Logprobs(
+                    tokens=toks,
+                    token_logprobs=list(resp.output_logprobs),
+                    top_logprobs=None,
+                    text_offset=[sum(len(t) for t in toks[:j]) for j in range(len(toks))],
+                )
+            choices.append(
+                CompletionChoice(
+                    index=i, text=text, logprobs=lp, finish_reason="length" if resp.stop_reason == "length" else "stop"
+                )
+            )
+            self.records.append(
+                CallRecord(
+                    id=cid,
+                    index=i,
+                    prompt_ids=list(ids),
+                    output_ids=list(resp.output_tokens),
+                    logprobs=list(resp.output_logprobs),
+                    versions=list(resp.output_versions),
+                    stop_reason=resp.stop_reason,
+                    prompt_text=prompt if isinstance(prompt, str) else None,
+                    text=text,
+                    parent=parent,
+                )
+            )
+        return Completion(
+            id=cid,
+            object="text_completion",
+            created=int(time.time()),
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(len(ids), resps),
+        )
 
     def _token_logprobs(self, resp: ModelResponse) -> list[ChatCompletionTokenLogprob]:
         out = []
         for tok, lp in zip(resp.output_tokens, resp.output_logprobs, strict=True):
             text = self.tokenizer.decode([tok], skip_special_tokens=False)
-            out.append(ChatCompletionTokenLogprob(token=text, bytes=list(text.encode()), logprob=float(lp), top_logprobs=[]))
+            out.append(
+                ChatCompletionTokenLogprob(token=text, bytes=list(text.encode()), logprob=float(lp), top_logprobs=[])
+            )
         return out
 
     # ------------------------------------------------------------------ rewards and export
@@ -307,8 +403,11 @@ class OpenAIClient:
         """Reward of a completion (every choice of it unless ``choice`` is given)."""
         hits = [r for r in self.records if r.id == completion_id and (choice is None or r.index == choice)]
         if not hits:
-            raise KeyError(f"no completion {completion_id!r}" + (f" with choice {choice}" if choice is not None else "")
-                           + f" in this episode ({len(self.records)} calls recorded)")
+            raise KeyError(
+                f"no completion {completion_id!r}"
+                + (f" with choice {choice}" if choice is not None else "")
+                + f" in this episode ({len(self.records)} calls recorded)"
+            )
         for r in hits:
             r.reward = float(reward)
 
@@ -352,16 +451,19 @@ class OpenAIClient:
             buf = TokenBuffer(chain[0].prompt_ids)
             for prev, rec in zip([None, *chain[:-1]], chain, strict=True):
                 if prev is not None:
-                    buf.add_context(rec.prompt_ids[len(prev.prompt_ids) + len(prev.output_ids):])
+                    buf.add_context(rec.prompt_ids[len(prev.prompt_ids) + len(prev.output_ids) :])
                 buf.add_generated(rec.output_ids, rec.logprobs, rec.versions)
             if not any(buf.mask):
                 continue
-            trajs.append(buf.trajectory(
-                returns[id(chain[0])], num_turns=torch.tensor([len(chain)], dtype=torch.int64),
-                num_tool_calls=torch.tensor([sum(r.tool_calls for r in chain)], dtype=torch.int64),
-                malformed_tool_calls=torch.tensor([sum(r.malformed_tool_calls for r in chain)], dtype=torch.int64),
-                truncated=torch.tensor([chain[-1].stop_reason == "length"], dtype=torch.bool),
-            ))
+            trajs.append(
+                buf.trajectory(
+                    returns[id(chain[0])],
+                    num_turns=torch.tensor([len(chain)], dtype=torch.int64),
+                    num_tool_calls=torch.tensor([sum(r.tool_calls for r in chain)], dtype=torch.int64),
+                    malformed_tool_calls=torch.tensor([sum(r.malformed_tool_calls for r in chain)], dtype=torch.int64),
+                    truncated=torch.tensor([chain[-1].stop_reason == "length"], dtype=torch.bool),
+                )
+            )
         return concat_trajectories(trajs) if trajs else None
 
 

@@ -51,12 +51,20 @@ def content_text(content: object, where: str) -> str:
         out = []
         for j, part in enumerate(content):
             part = _plain(part)
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text") or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") not in ("text", "input_text")
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(f"content part of type {kind!r} is not supported (text parts only)", f"{where}.content[{j}]")
+                raise RequestError(
+                    f"content part of type {kind!r} is not supported (text parts only)", f"{where}.content[{j}]"
+                )
             out.append(part["text"])
         return "".join(out)
-    raise RequestError(f"content must be a string or a list of text parts, got {type(content).__name__}", f"{where}.content")
+    raise RequestError(
+        f"content must be a string or a list of text parts, got {type(content).__name__}", f"{where}.content"
+    )
 
 
 def _tool_calls(calls: object, where: str) -> list[Message]:
@@ -73,10 +81,14 @@ def _tool_calls(calls: object, where: str) -> list[Message]:
             try:
                 args = json.loads(args or "{}")
             except json.JSONDecodeError as e:
-                raise RequestError(f"arguments are not valid JSON ({e.msg})", f"{where}.tool_calls[{j}].function.arguments") from None
+                raise RequestError(
+                    f"arguments are not valid JSON ({e.msg})", f"{where}.tool_calls[{j}].function.arguments"
+                ) from None
         if not isinstance(args, dict):
             raise RequestError("arguments must be a JSON object", f"{where}.tool_calls[{j}].function.arguments")
-        out.append({"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        out.append(
+            {"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
     return out
 
 
@@ -93,7 +105,10 @@ def normalize_messages(messages: Iterable[object]) -> list[Message]:
         role = m.get("role")
         if role not in ROLES:
             raise RequestError(f"role {role!r} is not one of {list(ROLES)}", f"{where}.role")
-        msg: Message = {"role": "system" if role == "developer" else role, "content": content_text(m.get("content"), where)}
+        msg: Message = {
+            "role": "system" if role == "developer" else role,
+            "content": content_text(m.get("content"), where),
+        }
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         if role == "tool":
@@ -117,9 +132,15 @@ def normalize_tools(tools: object) -> list[Message] | None:
     for i, tool in enumerate(tools):
         tool = _plain(tool)
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str):
-            raise RequestError("a tool must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}}", f"tools[{i}]")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise RequestError(
+                "a tool must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}}", f"tools[{i}]"
+            )
         out.append({"type": "function", "function": fn})
     return out or None
 

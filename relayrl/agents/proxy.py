@@ -42,8 +42,13 @@ logger = get_logger("agents")
 SESSION_HEADER = "x-relayrl-session"
 
 
-def _error(status: int, message: str, param: str | None = None, code: str = "invalid_request",
-           kind: str = "invalid_request_error") -> JSONResponse:
+def _error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str = "invalid_request",
+    kind: str = "invalid_request_error",
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
@@ -60,8 +65,14 @@ class AgentProxy:
     """
 
     def __init__(
-        self, engine: InferenceEngine | None, tokenizer: PreTrainedTokenizerBase, gconfig: GenerationConfig | None = None,
-        host: str = "127.0.0.1", port: int = 0, tool_parser: str = "auto", model_name: str = "relayrl-policy",
+        self,
+        engine: InferenceEngine | None,
+        tokenizer: PreTrainedTokenizerBase,
+        gconfig: GenerationConfig | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tool_parser: str = "auto",
+        model_name: str = "relayrl-policy",
     ) -> None:
         self.engine, self.tokenizer, self.gconfig = engine, tokenizer, gconfig or GenerationConfig()
         self.tool_parser, self.model_name, self.host = tool_parser, model_name, host
@@ -82,7 +93,9 @@ class AgentProxy:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> AgentProxy:
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="agent-proxy", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="agent-proxy", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
@@ -104,7 +117,9 @@ class AgentProxy:
         sid = session_id or "rl-" + uuid.uuid4().hex
         if self.engine is None:
             raise RuntimeError("AgentProxy has no engine yet: pass one, or let ProxyAgentWorkflow set the trainer's")
-        client = OpenAIClient(self.engine, self.tokenizer, self.gconfig, tool_parser=self.tool_parser, model_name=self.model_name)
+        client = OpenAIClient(
+            self.engine, self.tokenizer, self.gconfig, tool_parser=self.tool_parser, model_name=self.model_name
+        )
         with self._lock:
             if sid in self.sessions:
                 raise ValueError(f"session {sid!r} is already open")
@@ -118,8 +133,10 @@ class AgentProxy:
         try:
             await asyncio.wait_for(asyncio.wrap_future(session.done), timeout)
         except TimeoutError:
-            raise TimeoutError(f"agent session {session_id!r} posted no reward within {timeout}s "
-                               f"({len(session.client.records)} model calls made)") from None
+            raise TimeoutError(
+                f"agent session {session_id!r} posted no reward within {timeout}s "
+                f"({len(session.client.records)} model calls made)"
+            ) from None
         finally:
             with self._lock:
                 self.sessions.pop(session_id, None)
@@ -152,8 +169,13 @@ class AgentProxy:
         async def served(request: Request, chat: bool) -> Response:
             sid, session = self._session(request)
             if session is None:
-                return _error(401, f"unknown session {sid!r}: use the API key (or {SESSION_HEADER} header) the trainer "
-                              "opened for this episode", code="invalid_session", kind="authentication_error")
+                return _error(
+                    401,
+                    f"unknown session {sid!r}: use the API key (or {SESSION_HEADER} header) the trainer "
+                    "opened for this episode",
+                    code="invalid_session",
+                    kind="authentication_error",
+                )
             if session.done.done():
                 return _error(409, f"session {sid!r} already ended (its reward was posted)", code="session_closed")
             body = await body_of(request)
@@ -189,7 +211,12 @@ class AgentProxy:
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "relayrl"}]})
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "relayrl"}],
+                }
+            )
 
         @app.post("/v1/rewards")
         async def rewards(request: Request) -> Response:
@@ -215,7 +242,9 @@ class AgentProxy:
                 return _error(409, f"session {sid!r} already has its final reward", code="session_closed")
             session.client.set_final_reward(float(reward))
             session.done.set_result(float(reward))
-            return JSONResponse({"session": sid, "reward": float(reward), "final": True, "calls": len(session.client.records)})
+            return JSONResponse(
+                {"session": sid, "reward": float(reward), "final": True, "calls": len(session.client.records)}
+            )
 
         return app
 
@@ -232,12 +261,26 @@ async def _chunks(data: dict[str, object], chat: bool) -> AsyncIterator[bytes]:
             if msg.get("content"):
                 parts.append({"content": msg["content"]})
             for j, call in enumerate(msg.get("tool_calls") or []):
-                parts.append({"tool_calls": [{"index": j, "id": call["id"], "type": "function", "function": call["function"]}]})
+                parts.append(
+                    {"tool_calls": [{"index": j, "id": call["id"], "type": "function", "function": call["function"]}]}
+                )
             for delta in parts:
                 yield _sse({**base, "object": obj, "choices": [{"index": i, "delta": delta, "finish_reason": None}]})
-            yield _sse({**base, "object": obj, "choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}]})
+            yield _sse(
+                {
+                    **base,
+                    "object": obj,
+                    "choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}],
+                }
+            )
         else:
-            yield _sse({**base, "object": obj, "choices": [{"index": i, "text": choice["text"], "finish_reason": choice["finish_reason"]}]})
+            yield _sse(
+                {
+                    **base,
+                    "object": obj,
+                    "choices": [{"index": i, "text": choice["text"], "finish_reason": choice["finish_reason"]}],
+                }
+            )
     if data.get("usage"):
         yield _sse({**base, "object": obj, "choices": [], "usage": data["usage"]})
     yield b"data: [DONE]\n\n"

@@ -53,11 +53,11 @@ LLAMA3_TEMPLATE = (
     "{% for m in rest %}"
     "{% if m['role'] == 'user' and tools and ns.first_user %}{% set ns.first_user = false %}"
     "<|start_header_id|>user<|end_header_id|>\n\n"
-    "Respond with a JSON function call {\"name\": function name, \"parameters\": dictionary of arguments}.\n"
+    'Respond with a JSON function call {"name": function name, "parameters": dictionary of arguments}.\n'
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{{ m['content'] }}<|eot_id|>"
     "{% elif m['role'] == 'assistant' and m.get('tool_calls') %}<|start_header_id|>assistant<|end_header_id|>\n\n"
     "{% for call in m['tool_calls'] %}{% set fn = call['function'] if call['function'] is defined else call %}"
-    "{% if not loop.first %}; {% endif %}{\"name\": \"{{ fn['name'] }}\", \"parameters\": {{ fn['arguments'] | tojson }}}"
+    '{% if not loop.first %}; {% endif %}{"name": "{{ fn[\'name\'] }}", "parameters": {{ fn[\'arguments\'] | tojson }}}'
     "{% endfor %}<|eot_id|>"
     "{% elif m['role'] in ('tool', 'ipython') %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
     "{% else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endif %}"
@@ -72,9 +72,11 @@ MARKERS = {
 
 
 _FULL_TOOLS = "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
-_COMPACT_TOOLS = ("{% for tool in tools %}{% set fn = tool['function'] if tool['function'] is defined else tool %}{{ '\\n' }}"
-                  "{{ fn['name'] }}({{ (fn.get('parameters') or {}).get('properties', {}) | join(',') }}){% endfor %}")
-_HOWTO = "Call a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+_COMPACT_TOOLS = (
+    "{% for tool in tools %}{% set fn = tool['function'] if tool['function'] is defined else tool %}{{ '\\n' }}"
+    "{{ fn['name'] }}({{ (fn.get('parameters') or {}).get('properties', {}) | join(',') }}){% endfor %}"
+)
+_HOWTO = 'Call a function as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 
 
 def hermes_template(default_system: str = "You are a helpful assistant.", compact_tools: bool = False) -> str:
@@ -83,12 +85,17 @@ def hermes_template(default_system: str = "You are a helpful assistant.", compac
     ``compact_tools`` lists each tool as ``name(arg, ...)`` instead of its JSON schema and drops the
     how-to line: far fewer tokens for small CPU models (the call format is unchanged)."""
     system = default_system.replace("\\", "\\\\").replace("'", "\\'")
-    return (HERMES_TEMPLATE.replace("__SYSTEM__", system).replace("__TOOLS__", _COMPACT_TOOLS if compact_tools else _FULL_TOOLS)
-            .replace("__HOWTO__", "" if compact_tools else _HOWTO))
+    return (
+        HERMES_TEMPLATE.replace("__SYSTEM__", system)
+        .replace("__TOOLS__", _COMPACT_TOOLS if compact_tools else _FULL_TOOLS)
+        .replace("__HOWTO__", "" if compact_tools else _HOWTO)
+    )
 
 
 def tool_tokenizer(
-    style: str = "hermes", default_system: str = "You are a helpful assistant.", compact_tools: bool = False,
+    style: str = "hermes",
+    default_system: str = "You are a helpful assistant.",
+    compact_tools: bool = False,
 ) -> PreTrainedTokenizerFast:
     """The offline character tokenizer with ``style``'s markers as special tokens and its template."""
     from relayrl.data.models import build_tokenizer

@@ -29,8 +29,13 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     """
 
     def __init__(
-        self, agent: AgentFn, tokenizer: PreTrainedTokenizerBase, gconfig: GenerationConfig, discount: float = 1.0,
-        tool_parser: str = "auto", timeout: float = 0.0,
+        self,
+        agent: AgentFn,
+        tokenizer: PreTrainedTokenizerBase,
+        gconfig: GenerationConfig,
+        discount: float = 1.0,
+        tool_parser: str = "auto",
+        timeout: float = 0.0,
     ) -> None:
         if not 0.0 <= discount <= 1.0:
             raise ValueError(f"discount must be in [0, 1], got {discount}")

@@ -44,10 +44,13 @@ def sampling_temperature(g: GenerationConfig) -> float:
 @dataclass
 class ModelConfig:
     path: str = f("tiny", help="HF model directory, or 'tiny' / 'tiny-30m' for a model built from a config in code.")
-    tokenizer_path: str = f("", help="Tokenizer directory; empty means the model path (or the offline tokenizer for tiny models).")
+    tokenizer_path: str = f(
+        "", help="Tokenizer directory; empty means the model path (or the offline tokenizer for tiny models)."
+    )
     dtype: str = f("float32", help="Parameter dtype.", choices=["float32", "bfloat16", "float16"])
     attn_impl: str = f(
-        "auto", help="Attention for packed training: 'varlen' (relayrl per-document), 'flash' (flash-attn), 'auto'.",
+        "auto",
+        help="Attention for packed training: 'varlen' (relayrl per-document), 'flash' (flash-attn), 'auto'.",
         choices=["auto", "varlen", "flash", "sdpa"],
     )
     gradient_checkpointing: bool = f(False, help="Recompute activations in backward to save memory.")
@@ -79,50 +82,99 @@ class TrainEngineConfig:
 
 @dataclass
 class InferenceConfig:
-    backend: str = f("local", help="'local': in-process LocalEngine; 'remote': HTTP servers.", choices=["local", "remote"])
-    max_batch_size: int = f(
-        0, help="LocalEngine: most sequences decoded together; 0 (default) = as many as the KV cache budget holds, so a "
-        "training step's whole batch decodes in one wave.", ge=0,
+    backend: str = f(
+        "local", help="'local': in-process LocalEngine; 'remote': HTTP servers.", choices=["local", "remote"]
     )
-    max_tokens_in_flight: int = f(65536, help="LocalEngine on CPU: KV cache budget in tokens (rows x columns of the running batch).", ge=16)
+    max_batch_size: int = f(
+        0,
+        help="LocalEngine: most sequences decoded together; 0 (default) = as many as the KV cache budget holds, so a "
+        "training step's whole batch decodes in one wave.",
+        ge=0,
+    )
+    max_tokens_in_flight: int = f(
+        65536, help="LocalEngine on CPU: KV cache budget in tokens (rows x columns of the running batch).", ge=16
+    )
     seed: int = f(0, help="Sampling seed of the engine.")
-    fast_decode: bool = f(True, help="LocalEngine: lean decode step for Llama/Qwen2-style models (else the generic HF forward).")
-    device: str = f("auto", help="LocalEngine / `relayrl serve`: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
-    kv_cache_fraction: float = f(0.5, help="LocalEngine on CUDA: KV cache budget as a fraction of the free GPU memory after the "
-                                 "weights are loaded (on CPU max_tokens_in_flight is the budget).", gt=0.0, le=1.0)
+    fast_decode: bool = f(
+        True, help="LocalEngine: lean decode step for Llama/Qwen2-style models (else the generic HF forward)."
+    )
+    device: str = f(
+        "auto", help="LocalEngine / `relayrl serve`: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
+    )
+    kv_cache_fraction: float = f(
+        0.5,
+        help="LocalEngine on CUDA: KV cache budget as a fraction of the free GPU memory after the "
+        "weights are loaded (on CPU max_tokens_in_flight is the budget).",
+        gt=0.0,
+        le=1.0,
+    )
     admit_window_ms: float = f(
-        5.0, help="LocalEngine: an idle engine waits up to this long while requests keep arriving, so a burst is "
-        "prefilled in one forward (0 = admit at once).", ge=0.0, le=1000.0,
+        5.0,
+        help="LocalEngine: an idle engine waits up to this long while requests keep arriving, so a burst is "
+        "prefilled in one forward (0 = admit at once).",
+        ge=0.0,
+        le=1000.0,
     )
     protocol: str = f("relayrl", help="Remote server protocol.", choices=["relayrl", "sglang", "vllm"])
     addresses: list[str] = f([], help="Remote servers as host:port; empty with n_servers > 0 launches local servers.")
     n_servers: int = f(0, help="Servers to launch for backend=remote when no addresses are given (see launch).", ge=0)
-    launch: str = f("relayrl", help="Who starts the n_servers servers: relayrl (`relayrl serve`), sglang "
-                    "(`python -m sglang.launch_server`), vllm (`vllm serve`), none (never: addresses are required).",
-                    choices=["none", "relayrl", "sglang", "vllm"])
-    launch_command: str = f("", help="launch=sglang|vllm: the command run instead of `python -m sglang.launch_server` / "
-                            "`vllm serve` (a wrapper script, a container entry point).")
-    launch_args: list[str] = f([], help="launch=sglang|vllm: extra server flags, e.g. ['--mem-fraction-static', '0.7'].")
-    launch_gpus: list[int] = f([], help="launch=sglang|vllm: GPUs handed out in order, launch_tp_size per server "
-                               "(CUDA_VISIBLE_DEVICES); empty = the servers' own default.")
+    launch: str = f(
+        "relayrl",
+        help="Who starts the n_servers servers: relayrl (`relayrl serve`), sglang "
+        "(`python -m sglang.launch_server`), vllm (`vllm serve`), none (never: addresses are required).",
+        choices=["none", "relayrl", "sglang", "vllm"],
+    )
+    launch_command: str = f(
+        "",
+        help="launch=sglang|vllm: the command run instead of `python -m sglang.launch_server` / "
+        "`vllm serve` (a wrapper script, a container entry point).",
+    )
+    launch_args: list[str] = f(
+        [], help="launch=sglang|vllm: extra server flags, e.g. ['--mem-fraction-static', '0.7']."
+    )
+    launch_gpus: list[int] = f(
+        [],
+        help="launch=sglang|vllm: GPUs handed out in order, launch_tp_size per server "
+        "(CUDA_VISIBLE_DEVICES); empty = the servers' own default.",
+    )
     launch_tp_size: int = f(1, help="launch=sglang|vllm: tensor-parallel size of each launched server.", ge=1)
-    launch_log_dir: str = f("", help="launch=sglang|vllm: where server-<i>.log files go (empty: a temporary directory).")
-    launch_timeout: float = f(900.0, help="launch=sglang|vllm: seconds a server may take to load and become healthy.", gt=0.0)
+    launch_log_dir: str = f(
+        "", help="launch=sglang|vllm: where server-<i>.log files go (empty: a temporary directory)."
+    )
+    launch_timeout: float = f(
+        900.0, help="launch=sglang|vllm: seconds a server may take to load and become healthy.", gt=0.0
+    )
     server_threads: int = f(1, help="torch threads of each launched server.", ge=1)
     request_timeout: float = f(300.0, help="Seconds before one HTTP request is abandoned and retried.", gt=0.0)
     max_retries: int = f(5, help="Retries of a request on connection errors (with backoff).", ge=0)
     admin_token: str = f("", help="Bearer token for admin endpoints of servers (also read from RELAYRL_ADMIN_TOKEN).")
-    weight_sync: str = f("auto", help="How weights reach servers: 'disk' (versioned dir), 'http' (upload), 'broadcast' "
-                         "(a process group with the servers: NCCL on GPUs, gloo on CPU), 'auto' (disk if weight_sync_dir, else http).",
-                         choices=["auto", "disk", "http", "broadcast"])
-    weight_sync_dir: str = f("", help="Shared directory for weight_sync=disk (versioned safetensors dirs); auto uses disk when set.")
-    health_interval: float = f(1.0, help="Seconds between health checks of remote servers (dead ones are re-admitted).", gt=0.0)
-    batch_window_ms: float = f(1.0, help="RemoteEngine: generation requests headed to the same server within this many "
-                               "milliseconds go out as one batched HTTP call (each still retried, continued and balanced on its "
-                               "own); 0 = one call per request.", ge=0.0, le=1000.0)
+    weight_sync: str = f(
+        "auto",
+        help="How weights reach servers: 'disk' (versioned dir), 'http' (upload), 'broadcast' "
+        "(a process group with the servers: NCCL on GPUs, gloo on CPU), 'auto' (disk if weight_sync_dir, else http).",
+        choices=["auto", "disk", "http", "broadcast"],
+    )
+    weight_sync_dir: str = f(
+        "", help="Shared directory for weight_sync=disk (versioned safetensors dirs); auto uses disk when set."
+    )
+    health_interval: float = f(
+        1.0, help="Seconds between health checks of remote servers (dead ones are re-admitted).", gt=0.0
+    )
+    batch_window_ms: float = f(
+        1.0,
+        help="RemoteEngine: generation requests headed to the same server within this many "
+        "milliseconds go out as one batched HTTP call (each still retried, continued and balanced on its "
+        "own); 0 = one call per request.",
+        ge=0.0,
+        le=1000.0,
+    )
     batch_max_requests: int = f(256, help="RemoteEngine: most generation requests in one batched HTTP call.", ge=1)
-    weight_bucket_mb: float = f(512.0, help="weight_sync=broadcast: most megabytes of tensors per update call (servers "
-                                "allocate one bucket of receive buffers at a time).", gt=0.0)
+    weight_bucket_mb: float = f(
+        512.0,
+        help="weight_sync=broadcast: most megabytes of tensors per update call (servers "
+        "allocate one bucket of receive buffers at a time).",
+        gt=0.0,
+    )
 
     def validate(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda|cuda:\d+", self.device):
@@ -134,81 +186,138 @@ class RolloutConfig:
     batch_size: int = f(8, help="Prompts per training step (each yields group_size episodes).", ge=1)
     group_size: int = f(4, help="Episodes per prompt (GRPO group).", ge=1)
     max_staleness: int = f(0, help="eta: most versions a trajectory may lag the trainer; 0 = synchronous RL.", ge=0)
-    max_concurrent_rollouts: int = f(0, help="Most prompts in flight at once (0 = batch_size * (max_staleness + 1)).", ge=0)
-    dynamic_filter: bool = f(False, help="DAPO dynamic sampling: drop groups whose rewards are all equal and over-sample.")
-    filter_patience: int = f(
-        20, help="Stop with an error when this many batch_size-worth of groups in a row were filtered "
-        "(dynamic_filter or accept fn) while one batch was being filled: the task gives no learning signal (0 = never).", ge=0,
+    max_concurrent_rollouts: int = f(
+        0, help="Most prompts in flight at once (0 = batch_size * (max_staleness + 1)).", ge=0
     )
-    max_failure_rate: float = f(0.5, help="Stop the run when more than this fraction of recent episodes failed.", ge=0.0, le=1.0)
+    dynamic_filter: bool = f(
+        False, help="DAPO dynamic sampling: drop groups whose rewards are all equal and over-sample."
+    )
+    filter_patience: int = f(
+        20,
+        help="Stop with an error when this many batch_size-worth of groups in a row were filtered "
+        "(dynamic_filter or accept fn) while one batch was being filled: the task gives no learning signal (0 = never).",
+        ge=0,
+    )
+    max_failure_rate: float = f(
+        0.5, help="Stop the run when more than this fraction of recent episodes failed.", ge=0.0, le=1.0
+    )
     failure_window: int = f(50, help="Episodes over which the failure rate is measured.", ge=1)
     tail_batch: str = f(
-        "requeue", help="What happens to aborted/expired prompts: discard, requeue (at once), requeue_after (N pile up).",
+        "requeue",
+        help="What happens to aborted/expired prompts: discard, requeue (at once), requeue_after (N pile up).",
         choices=["discard", "requeue", "requeue_after"],
     )
     tail_batch_trigger: int = f(8, help="requeue_after: prompts that pile up before they are re-run together.", ge=1)
     reward_timeout: float = f(30.0, help="Seconds before one reward call is abandoned (counted as failed).", gt=0.0)
     reward_workers: int = f(0, help="Reward worker processes (0 = run reward fns in the rollout thread).", ge=0)
-    max_turns: int = f(2, help="workflow=multi_turn: most attempts per episode (a wrong answer gets feedback and another try).", ge=1)
-    turn_discount: float = f(0.9, help="workflow=multi_turn: the reward of attempt t is multiplied by turn_discount**t.", gt=0.0, le=1.0)
+    max_turns: int = f(
+        2, help="workflow=multi_turn: most attempts per episode (a wrong answer gets feedback and another try).", ge=1
+    )
+    turn_discount: float = f(
+        0.9, help="workflow=multi_turn: the reward of attempt t is multiplied by turn_discount**t.", gt=0.0, le=1.0
+    )
     max_tool_calls: int = f(3, help="workflow=tool_agent: most tool calls per episode.", ge=0)
-    tool: str = f("calc", help="workflow=tool_agent: the sandboxed tool (calc: arithmetic; python: restricted Python).", choices=["calc", "python"])
-    tool_format: str = f("markers", help="workflow=tool_agent: markers (call_start/call_end text) or template (the chat template's "
-                         "tool calling, Hermes/Qwen2.5 or Llama-3.1, through relayrl.agents).", choices=["markers", "template"])
+    tool: str = f(
+        "calc",
+        help="workflow=tool_agent: the sandboxed tool (calc: arithmetic; python: restricted Python).",
+        choices=["calc", "python"],
+    )
+    tool_format: str = f(
+        "markers",
+        help="workflow=tool_agent: markers (call_start/call_end text) or template (the chat template's "
+        "tool calling, Hermes/Qwen2.5 or Llama-3.1, through relayrl.agents).",
+        choices=["markers", "template"],
+    )
 
 
 @dataclass
 class ActorConfig:
-    adv_estimator: str = f("grpo", help="Advantage estimator, a name registered with @register_advantage: grpo, dr_grpo, rloo, reinforce, reinforce_pp, remax, gae, or your own (checked against the registry when the trainer or actor is built, before any model loads).")
-    loss: str = f("ppo", help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own (checked against the registry when the trainer or actor is built, before any model loads).")
-    eps_clip: float = f(0.2, help="PPO clip range (lower side, and upper unless eps_clip_higher is set).", gt=0.0, lt=1.0)
-    eps_clip_higher: float | None = f(None, help="DAPO clip-higher: upper clip range; None = eps_clip.", gt=0.0, lt=10.0)
+    adv_estimator: str = f(
+        "grpo",
+        help="Advantage estimator, a name registered with @register_advantage: grpo, dr_grpo, rloo, reinforce, reinforce_pp, remax, gae, or your own (checked against the registry when the trainer or actor is built, before any model loads).",
+    )
+    loss: str = f(
+        "ppo",
+        help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own (checked against the registry when the trainer or actor is built, before any model loads).",
+    )
+    eps_clip: float = f(
+        0.2, help="PPO clip range (lower side, and upper unless eps_clip_higher is set).", gt=0.0, lt=1.0
+    )
+    eps_clip_higher: float | None = f(
+        None, help="DAPO clip-higher: upper clip range; None = eps_clip.", gt=0.0, lt=10.0
+    )
     c_clip: float | None = f(None, help="Dual-clip factor for negative advantages, must be > 1; None disables.", gt=1.0)
     behav_imp_weight_cap: float | None = f(5.0, help="Decoupled PPO: cap on pi_prox / pi_behav; None disables.", gt=1.0)
-    behav_imp_weight_floor: float | None = f(None, help="Decoupled PPO: weights below this leave the loss (a lower "
-                                             "bound; None = none).", gt=0.0, lt=1.0)
-    behav_weight_level: str = f("token", help="Decoupled PPO: one behaviour weight per token (AReaL) or per sequence "
-                                "(the geometric mean of its tokens').", choices=["token", "sequence"])
-    behav_weight_clip: str = f("mask", help="Decoupled PPO: a weight above the cap leaves the loss (mask, AReaL) or is "
-                               "cut to the cap (truncate).", choices=["mask", "truncate"])
+    behav_imp_weight_floor: float | None = f(
+        None, help="Decoupled PPO: weights below this leave the loss (a lower bound; None = none).", gt=0.0, lt=1.0
+    )
+    behav_weight_level: str = f(
+        "token",
+        help="Decoupled PPO: one behaviour weight per token (AReaL) or per sequence "
+        "(the geometric mean of its tokens').",
+        choices=["token", "sequence"],
+    )
+    behav_weight_clip: str = f(
+        "mask",
+        help="Decoupled PPO: a weight above the cap leaves the loss (mask, AReaL) or is cut to the cap (truncate).",
+        choices=["mask", "truncate"],
+    )
     kl_coef: float = f(0.0, help="KL(pi || ref) coefficient (0 disables the reference model).", ge=0.0)
     kl_estimator: str = f("k3", help="KL estimator.", choices=["k1", "k2", "k3"])
     kl_in_reward: bool = f(False, help="Apply KL as a per-token reward penalty instead of a loss term.")
     entropy_coef: float = f(0.0, help="Entropy bonus coefficient.", ge=0.0)
     loss_agg_mode: str = f(
-        "token-mean", help="How token losses become one number (seq-mean-token-sum-norm divides by n_seqs * loss_norm_len: Dr.GRPO).",
+        "token-mean",
+        help="How token losses become one number (seq-mean-token-sum-norm divides by n_seqs * loss_norm_len: Dr.GRPO).",
         choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
     )
-    loss_norm_len: int = f(0, help="seq-mean-token-sum-norm: the constant per-sequence divisor, usually gconfig.max_new_tokens.", ge=0)
+    loss_norm_len: int = f(
+        0, help="seq-mean-token-sum-norm: the constant per-sequence divisor, usually gconfig.max_new_tokens.", ge=0
+    )
     temperature: float | None = f(
-        None, help="Temperature the trainer recomputes logprobs at. None (default) = gconfig.temperature, the one the "
-        "rollouts were sampled at (1.0 for greedy rollouts, or for an actor built alone); a different value is a load-time error.", gt=0.0,
+        None,
+        help="Temperature the trainer recomputes logprobs at. None (default) = gconfig.temperature, the one the "
+        "rollouts were sampled at (1.0 for greedy rollouts, or for an actor built alone); a different value is a load-time error.",
+        gt=0.0,
     )
     ppo_epochs: int = f(1, help="Passes over each batch.", ge=1)
     n_minibatches: int = f(1, help="Optimizer steps per pass.", ge=1)
     recompute_logp: bool | None = f(
-        None, help="PPO-style losses: the ratio's old logprobs from the trainer (true) or the generator (false). None "
+        None,
+        help="PPO-style losses: the ratio's old logprobs from the trainer (true) or the generator (false). None "
         "(default): the trainer's when the batch is on-policy (every loss token made by the current weights: exact and "
         "reproducible), the generator's when it is stale, so the clip is a trust region around the policy that generated "
         "the tokens (recomputing would anchor it at the current policy). decoupled_ppo always recomputes (its proximal policy).",
     )
     reuse_update_logp: bool = f(
-        True, help="With ppo_epochs=1 and n_minibatches=1 the policy before the update is the one the update's own "
+        True,
+        help="With ppo_epochs=1 and n_minibatches=1 the policy before the update is the one the update's own "
         "forward runs: its detached logprobs serve as the old / proximal ones, saving a forward pass per step "
         "(identical unless the model has dropout).",
     )
     reward_scale: float = f(1.0, help="Rewards are multiplied by this ...", gt=0.0)
     reward_bias: float = f(0.0, help="... then shifted by this ...")
     reward_clip: float = f(0.0, help="... then clipped to [-c, c] (0 disables).", ge=0.0)
-    overlong_buffer: int = f(0, help="DAPO overlong penalty: tokens before max_new_tokens where the penalty ramps (0 disables).", ge=0)
+    overlong_buffer: int = f(
+        0, help="DAPO overlong penalty: tokens before max_new_tokens where the penalty ramps (0 disables).", ge=0
+    )
     overlong_penalty: float = f(1.0, help="DAPO overlong penalty at max_new_tokens.", ge=0.0)
-    overlong_max_len: int = f(0, help="DAPO overlong penalty: the generation limit (gconfig.max_new_tokens); needed when overlong_buffer > 0.", ge=0)
+    overlong_max_len: int = f(
+        0,
+        help="DAPO overlong penalty: the generation limit (gconfig.max_new_tokens); needed when overlong_buffer > 0.",
+        ge=0,
+    )
     mask_truncated: bool = f(False, help="Drop completions that hit max_new_tokens from the loss.")
     gamma: float = f(1.0, help="Discount for GAE / REINFORCE returns.", ge=0.0, le=1.0)
     lam: float = f(1.0, help="GAE lambda.", ge=0.0, le=1.0)
-    adv_norm: bool = f(True, help="grpo: divide by group std; reinforce_pp: normalise over the batch; gae: whiten over "
-                       "the batch's loss tokens (as verl / TRL PPO).")
-    adv_eps: float = f(1e-6, help="grpo / reinforce_pp: added to the std before dividing; gae: to the variance.", gt=0.0)
+    adv_norm: bool = f(
+        True,
+        help="grpo: divide by group std; reinforce_pp: normalise over the batch; gae: whiten over "
+        "the batch's loss tokens (as verl / TRL PPO).",
+    )
+    adv_eps: float = f(
+        1e-6, help="grpo / reinforce_pp: added to the std before dividing; gae: to the variance.", gt=0.0
+    )
     baseline: bool = f(True, help="reinforce: subtract the batch-mean reward as a baseline.")
     value_clip: float = f(0.2, help="Critic: value clipping range.", gt=0.0)
     critic_lr: float = f(1e-5, help="Critic learning rate (PPO with critic).", gt=0.0)
@@ -216,15 +325,23 @@ class ActorConfig:
     def validate(self) -> None:
         """Cross-field rules (``ValueError`` naming the fields; field prefix added by the loader)."""
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_norm_len <= 0:
-            raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_len > 0 (e.g. gconfig.max_new_tokens)")
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_len > 0 (e.g. gconfig.max_new_tokens)"
+            )
         if self.overlong_buffer > 0 and 0 < self.overlong_max_len <= self.overlong_buffer:
-            raise ValueError(f"overlong_buffer={self.overlong_buffer} needs overlong_max_len > overlong_buffer "
-                             f"(the generation limit), got {self.overlong_max_len}")
+            raise ValueError(
+                f"overlong_buffer={self.overlong_buffer} needs overlong_max_len > overlong_buffer "
+                f"(the generation limit), got {self.overlong_max_len}"
+            )
 
 
 @dataclass
 class DataConfig:
-    task: str = f("arithmetic", help="A synthetic task name, or 'file' to read train_path/eval_path.", choices=["arithmetic", "countdown", "count", "file"])
+    task: str = f(
+        "arithmetic",
+        help="A synthetic task name, or 'file' to read train_path/eval_path.",
+        choices=["arithmetic", "countdown", "count", "file"],
+    )
     train_path: str = f("", help="jsonl / parquet / json file of training rows (task=file).")
     eval_path: str = f("", help="Held-out rows (task=file).")
     prompt_key: str = f("question", help="Column holding the prompt text (or 'messages' for chat rows).")
@@ -232,11 +349,17 @@ class DataConfig:
     n_train: int = f(2000, help="Synthetic task: training prompts.", ge=1)
     n_eval: int = f(200, help="Synthetic task: held-out prompts.", ge=1)
     max_prompt_len: int = f(1024, help="Prompts longer than this (tokens) are rejected.", ge=1)
-    prompt_format: str = f("chat", help="chat: the tokenizer's chat template; plain: the prompt text as is (base models; "
-                           "chosen with a warning when the tokenizer has no chat template).", choices=["chat", "plain"])
+    prompt_format: str = f(
+        "chat",
+        help="chat: the tokenizer's chat template; plain: the prompt text as is (base models; "
+        "chosen with a warning when the tokenizer has no chat template).",
+        choices=["chat", "plain"],
+    )
     skip_invalid_rows: bool = f(False, help="Skip (and count) bad rows instead of stopping with an error.")
     shuffle: bool = f(True, help="Shuffle the training set each epoch (seeded).")
-    difficulty: int = f(2, help="Synthetic task: number of digits / operands (count: length scale, median 3x numbers).", ge=1, le=6)
+    difficulty: int = f(
+        2, help="Synthetic task: number of digits / operands (count: length scale, median 3x numbers).", ge=1, le=6
+    )
 
 
 @dataclass
@@ -266,7 +389,11 @@ class LoggingConfig:
     wandb_mode: str = f("offline", help="W&B mode.", choices=["online", "offline", "disabled"])
     wandb_project: str = f("relayrl", help="W&B project.")
     rollouts_per_step: int = f(4, help="Rollouts (prompt, completion, reward, version) saved per step.", ge=0)
-    progress: str = f("auto", help="Progress display: auto (a live bar on a terminal, lines otherwise), bar, lines, off.", choices=["auto", "bar", "lines", "off"])
+    progress: str = f(
+        "auto",
+        help="Progress display: auto (a live bar on a terminal, lines otherwise), bar, lines, off.",
+        choices=["auto", "bar", "lines", "off"],
+    )
 
 
 @dataclass
@@ -277,7 +404,11 @@ class RunConfig:
     seed: int = f(1, help="Global seed (data order, init, sampling).")
     total_steps: int = f(100, help="Training steps (one batch and one weight update each).", ge=1)
     torch_threads: int = f(1, help="torch threads per process (1 is fastest on small shared CPUs).", ge=1)
-    recover: str = f("off", help="off; auto (resume if a checkpoint exists); resume (must resume).", choices=["off", "auto", "resume"])
+    recover: str = f(
+        "off",
+        help="off; auto (resume if a checkpoint exists); resume (must resume).",
+        choices=["off", "auto", "resume"],
+    )
     workflow: str = f("rlvr", help="Rollout workflow.", choices=["rlvr", "multi_turn", "remax", "tool_agent"])
     model: ModelConfig = f(ModelConfig(), help="Policy model.")
     train: TrainEngineConfig = f(TrainEngineConfig(), help="Train engine.")
@@ -318,8 +449,10 @@ class RunConfig:
             )
         limit = self.actor.overlong_max_len or self.gconfig.max_new_tokens
         if self.actor.overlong_buffer and limit <= self.actor.overlong_buffer:
-            raise ValueError(f"actor.overlong_buffer={self.actor.overlong_buffer} must be below the generation limit "
-                             f"(actor.overlong_max_len or gconfig.max_new_tokens = {limit})")
+            raise ValueError(
+                f"actor.overlong_buffer={self.actor.overlong_buffer} must be below the generation limit "
+                f"(actor.overlong_max_len or gconfig.max_new_tokens = {limit})"
+            )
 
 
 @dataclass
@@ -331,7 +464,9 @@ class ServerConfig:
     host: str = f("127.0.0.1", help="Bind address; loopback unless told otherwise.")
     port: int = f(30000, help="TCP port (0 = pick a free one and print it).", ge=0, le=65535)
     admin_token: str = f("", help="Bearer token required by admin endpoints (also RELAYRL_ADMIN_TOKEN).")
-    allowed_weight_roots: list[str] = f([], help="Directories /update_weights_from_disk may read (empty = none but uploads).")
+    allowed_weight_roots: list[str] = f(
+        [], help="Directories /update_weights_from_disk may read (empty = none but uploads)."
+    )
     torch_threads: int = f(1, help="torch threads of the server process.", ge=1)
     max_upload_mb: int = f(4096, help="Largest weight upload accepted over HTTP.", ge=1)
 
@@ -344,7 +479,8 @@ class ServerConfig:
 @dataclass
 class SFTDataConfig:
     task: str = f(
-        "arithmetic", help="'file': read train_path/eval_path; a synthetic task name: its demonstrations.",
+        "arithmetic",
+        help="'file': read train_path/eval_path; a synthetic task name: its demonstrations.",
         choices=["arithmetic", "countdown", "count", "file"],
     )
     train_path: str = f("", help="jsonl / json / parquet rows: prompt + completion, or messages (+ answer).")
@@ -357,7 +493,9 @@ class SFTDataConfig:
     skip_invalid_rows: bool = f(False, help="Skip (and count) bad rows instead of stopping with an error.")
     n_train: int = f(2000, help="Synthetic task: training demonstrations.", ge=1)
     n_eval: int = f(200, help="Synthetic task: held-out rows (eval loss).", ge=0)
-    difficulty: int = f(2, help="Synthetic task: digits / numbers (count: length scale, median 3x numbers).", ge=1, le=6)
+    difficulty: int = f(
+        2, help="Synthetic task: digits / numbers (count: length scale, median 3x numbers).", ge=1, le=6
+    )
     error_rate: float = f(0.0, help="Synthetic task: fraction of demonstrations that are wrong.", ge=0.0, le=1.0)
 
 

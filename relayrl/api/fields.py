@@ -60,7 +60,10 @@ def _word_loader(base: type[yaml.SafeLoader]) -> type[yaml.SafeLoader]:
         pass
 
     def word(loader: yaml.SafeLoader, node: yaml.Node) -> YamlWord:
-        resolved = {"tag:yaml.org,2002:bool": loader.construct_yaml_bool, "tag:yaml.org,2002:null": loader.construct_yaml_null}
+        resolved = {
+            "tag:yaml.org,2002:bool": loader.construct_yaml_bool,
+            "tag:yaml.org,2002:null": loader.construct_yaml_null,
+        }
         return YamlWord(str(node.value), resolved[node.tag](node))
 
     for tag in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:null"):
@@ -81,7 +84,6 @@ def f(default: T, help: str = "", **rules: object) -> T:
     if isinstance(default, list) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)  # type: ignore[return-value]
     return field(default=default, metadata=meta)  # type: ignore[no-any-return]
-
 
 
 def _type_name(tp: object) -> str:
@@ -343,7 +345,16 @@ def config_reference(classes: tuple[type, ...]) -> str:
                 f"| `{prefix}{fl.name}` | {_type_name(tp).replace('|', 'or')} | `{default!r}` | {'; '.join(rules)} | {str(fl.metadata.get('help', '')).replace('|', '/')} |"
             )
         if rows:
-            lines.extend([f"## `{prefix.rstrip('.') or cls.__name__}`", "", "| field | type | default | allowed | help |", "|---|---|---|---|---|", *rows, ""])
+            lines.extend(
+                [
+                    f"## `{prefix.rstrip('.') or cls.__name__}`",
+                    "",
+                    "| field | type | default | allowed | help |",
+                    "|---|---|---|---|---|",
+                    *rows,
+                    "",
+                ]
+            )
         for sub, sub_prefix in nested:
             walk(sub, sub_prefix)
 

@@ -74,7 +74,9 @@ def validate_trajectory(traj: Trajectory) -> None:
             continue
         level = REQUIRED_KEYS[key][0] if key in REQUIRED_KEYS else ("token" if key in TOKEN_KEYS else None)
         if level == "token" and tuple(value.shape) != (bsz, seqlen):
-            raise TrajectoryError(f"trajectory[{key!r}] must have shape [B, L] = {[bsz, seqlen]}, got {list(value.shape)}")
+            raise TrajectoryError(
+                f"trajectory[{key!r}] must have shape [B, L] = {[bsz, seqlen]}, got {list(value.shape)}"
+            )
         if level == "seq" and tuple(value.shape) != (bsz,):
             raise TrajectoryError(f"trajectory[{key!r}] must have shape [B] = {[bsz]}, got {list(value.shape)}")
         if level is None and (value.dim() == 0 or value.shape[0] != bsz):
@@ -139,7 +141,9 @@ def concat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory:
             v = t[key]
             is_token = v.dim() >= 2 and v.shape[1] == t["input_ids"].shape[1] and key != "rewards"
             if is_token and v.shape[1] < seqlen:
-                pad = torch.full((v.shape[0], seqlen - v.shape[1], *v.shape[2:]), -1 if key == "versions" else 0, dtype=v.dtype)
+                pad = torch.full(
+                    (v.shape[0], seqlen - v.shape[1], *v.shape[2:]), -1 if key == "versions" else 0, dtype=v.dtype
+                )
                 v = torch.cat([v, pad], dim=1)
             parts.append(v)
         out[key] = torch.cat(parts, dim=0)

@@ -41,8 +41,10 @@ def resolve_prompt_format(tokenizer: PreTrainedTokenizerBase, prompt_format: str
     if prompt_format == "chat" and not has_chat_template(tokenizer):
         if id(tokenizer) not in _warned_plain:
             _warned_plain.add(id(tokenizer))
-            logger.warning("the tokenizer has no chat template: prompts are plain text (data.prompt_format=plain); "
-                           "set a template or data.prompt_format=plain to silence this")
+            logger.warning(
+                "the tokenizer has no chat template: prompts are plain text (data.prompt_format=plain); "
+                "set a template or data.prompt_format=plain to silence this"
+            )
         return "plain"
     return prompt_format
 
@@ -57,37 +59,54 @@ def plain_text(messages: Sequence[Mapping[str, object]]) -> str:
 
 
 def render(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, object]], tools: Sequence[Mapping[str, object]] | None = None,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, object]],
+    tools: Sequence[Mapping[str, object]] | None = None,
     add_generation_prompt: bool = True,
 ) -> str:
     """The chat template's text of ``messages`` (with the tool schemas when given)."""
     if not has_chat_template(tokenizer):
-        raise ValueError("tokenizer.chat_template is not set: use data.prompt_format=plain (plain-text prompts) "
-                         "or give the tokenizer a chat template")
+        raise ValueError(
+            "tokenizer.chat_template is not set: use data.prompt_format=plain (plain-text prompts) "
+            "or give the tokenizer a chat template"
+        )
     if tools and "tools" not in str(tokenizer.chat_template):
-        raise ValueError("the tokenizer's chat template does not render tools (it never reads `tools`); "
-                         "use a template with tool support (Hermes / Qwen2.5, Llama-3.1)")
+        raise ValueError(
+            "the tokenizer's chat template does not render tools (it never reads `tools`); "
+            "use a template with tool support (Hermes / Qwen2.5, Llama-3.1)"
+        )
     text = tokenizer.apply_chat_template(
-        list(messages), tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt, tokenize=False,
+        list(messages),
+        tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
     )
     return str(text)
 
 
 def prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, object]], prompt_format: str = "chat",
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, object]],
+    prompt_format: str = "chat",
     tools: Sequence[Mapping[str, object]] | None = None,
 ) -> list[int]:
     """Token ids of a prompt that ends where the assistant's answer starts."""
     if resolve_prompt_format(tokenizer, prompt_format) == "plain":
         if tools:
-            raise ValueError("tools need a chat template (prompt_format=chat); the tokenizer has none or plain was asked")
+            raise ValueError(
+                "tools need a chat template (prompt_format=chat); the tokenizer has none or plain was asked"
+            )
         return encode(tokenizer, plain_text(messages), special=True)
     return encode(tokenizer, render(tokenizer, messages, tools))
 
 
 def continuation_ids(
-    tokenizer: PreTrainedTokenizerBase, history: Sequence[Mapping[str, object]], assistant: Mapping[str, object],
-    new_turns: Sequence[Mapping[str, object]], end_token: int | None, tools: Sequence[Mapping[str, object]] | None = None,
+    tokenizer: PreTrainedTokenizerBase,
+    history: Sequence[Mapping[str, object]],
+    assistant: Mapping[str, object],
+    new_turns: Sequence[Mapping[str, object]],
+    end_token: int | None,
+    tools: Sequence[Mapping[str, object]] | None = None,
 ) -> list[int] | None:
     """Tokens to append after a generated assistant turn so the sequence continues with ``new_turns``
     and ends with the generation prompt, as the template would render it.
@@ -104,7 +123,7 @@ def continuation_ids(
     full = render(tokenizer, [*history, assistant, *new_turns], tools, add_generation_prompt=True)
     if not closed.startswith(before) or not full.startswith(closed):
         return None
-    turn = closed[len(before):]  # the template's own text of the assistant turn, end-of-turn marker included
+    turn = closed[len(before) :]  # the template's own text of the assistant turn, end-of-turn marker included
     head: list[int] = []
     end_text = tokenizer.decode([end_token], skip_special_tokens=False) if end_token is not None else ""
     if not end_text or end_text not in turn:
@@ -112,13 +131,17 @@ def continuation_ids(
         if not isinstance(eos, str) or eos not in turn:
             return None  # the template closes assistant turns without a token we can name
         head, end_text = [int(tokenizer.eos_token_id)], eos  # type: ignore[arg-type]
-    tail = turn[turn.rindex(end_text) + len(end_text):]  # e.g. the newline after Qwen's <|im_end|>
-    return head + encode(tokenizer, tail + full[len(closed):])
+    tail = turn[turn.rindex(end_text) + len(end_text) :]  # e.g. the newline after Qwen's <|im_end|>
+    return head + encode(tokenizer, tail + full[len(closed) :])
 
 
 def user_turn_ids(
-    tokenizer: PreTrainedTokenizerBase, history: Sequence[Mapping[str, object]], answer_ids: Sequence[int], content: str,
-    prompt_format: str = "chat", role: str = "user",
+    tokenizer: PreTrainedTokenizerBase,
+    history: Sequence[Mapping[str, object]],
+    answer_ids: Sequence[int],
+    content: str,
+    prompt_format: str = "chat",
+    role: str = "user",
 ) -> list[int]:
     """Tokens that follow a generated answer with one more turn (feedback, a tool result) and the
     generation prompt: only the new turn's tokens, never the template's preamble again."""
@@ -128,15 +151,21 @@ def user_turn_ids(
         return encode(tokenizer, f"\n{content}\n")
     body = list(answer_ids[:-1]) if ended else list(answer_ids)
     assistant = {"role": "assistant", "content": tokenizer.decode(body, skip_special_tokens=True)}
-    ids = continuation_ids(tokenizer, history, assistant, [{"role": role, "content": content}], int(eos_id) if ended else None)  # type: ignore[arg-type]
+    ids = continuation_ids(
+        tokenizer, history, assistant, [{"role": role, "content": content}], int(eos_id) if ended else None
+    )  # type: ignore[arg-type]
     if ids is None:
-        raise ValueError("the chat template is not prefix-stable (rendering a longer conversation changes earlier text), "
-                         "so a turn cannot be appended as tokens; use a template without history rewriting")
+        raise ValueError(
+            "the chat template is not prefix-stable (rendering a longer conversation changes earlier text), "
+            "so a turn cannot be appended as tokens; use a template without history rewriting"
+        )
     return ids
 
 
 def conversation_example(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, object]], tools: Sequence[Mapping[str, object]] | None = None,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, object]],
+    tools: Sequence[Mapping[str, object]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of a whole conversation for supervised training: 1 on every
     assistant turn up to and including its end-of-turn token, 0 on everything the template or
@@ -153,8 +182,8 @@ def conversation_example(
         closed = render(tokenizer, messages[: k + 1], tools, add_generation_prompt=False)
         if not before.startswith(done) or not closed.startswith(before):
             raise ValueError(f"messages[{k}]: the chat template is not prefix-stable, so turns cannot be cut from it")
-        context = encode(tokenizer, before[len(done):])
-        turn = closed[len(before):]
+        context = encode(tokenizer, before[len(done) :])
+        turn = closed[len(before) :]
         cut = turn.rindex(eos) + len(eos) if eos and eos in turn else len(turn)
         answer = encode(tokenizer, turn[:cut])
         ids += context + answer

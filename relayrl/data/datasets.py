@@ -64,8 +64,13 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
         raise DatasetError(f"{where}: missing prompt field {prompt_key!r} (has {sorted(record)})")
     prompt = record[prompt_key]
     if prompt_key == "messages" or isinstance(prompt, list):
-        ok = isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        ok = (
+            isinstance(prompt, list)
+            and prompt
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt
+            )
         )
         if not ok:
             raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty list of {{role, content}} strings")
@@ -73,7 +78,9 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
     elif isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
-        raise DatasetError(f"{where}: {prompt_key!r} must be a string or a list of chat turns, got {type(prompt).__name__}")
+        raise DatasetError(
+            f"{where}: {prompt_key!r} must be a string or a list of chat turns, got {type(prompt).__name__}"
+        )
     if not any(str(m["content"]).strip() for m in messages):  # type: ignore[index]
         raise DatasetError(f"{where}: the prompt is empty")
     if answer_key not in record:
@@ -90,8 +97,12 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
 
 
 def load_rows_from_file(
-    path: str | Path, prompt_key: str = "question", answer_key: str = "answer",
-    tokenizer: PreTrainedTokenizerBase | None = None, max_prompt_len: int = 0, skip_invalid: bool = False,
+    path: str | Path,
+    prompt_key: str = "question",
+    answer_key: str = "answer",
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    max_prompt_len: int = 0,
+    skip_invalid: bool = False,
 ) -> list[DataItem]:
     """Validated rows of a file. Bad rows raise DatasetError, or are skipped (and counted in
     a warning) with ``skip_invalid``. With a tokenizer, prompts over ``max_prompt_len``
@@ -105,7 +116,9 @@ def load_rows_from_file(
             if tokenizer is not None and max_prompt_len:
                 n = len(chat_ids(tokenizer, row["messages"]))  # type: ignore[arg-type]
                 if n > max_prompt_len:
-                    raise DatasetError(f"row {i} (id={row['id']!r}): prompt has {n} tokens > data.max_prompt_len={max_prompt_len}")
+                    raise DatasetError(
+                        f"row {i} (id={row['id']!r}): prompt has {n} tokens > data.max_prompt_len={max_prompt_len}"
+                    )
         except DatasetError as e:
             if not skip_invalid:
                 raise DatasetError(f"{path}: {e}") from None

@@ -17,8 +17,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 VOCAB = 128
 _COMMON = {"vocab_size": VOCAB, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
-_DECODER = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 512}
+_DECODER = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
 
 # model_type -> config overrides; windows are short so that test sequences cross them
 FAMILIES: dict[str, dict[str, object]] = {
@@ -27,16 +33,41 @@ FAMILIES: dict[str, dict[str, object]] = {
     "qwen3": {**_DECODER, "head_dim": 16},
     "mistral": {**_DECODER, "sliding_window": 12},
     "mixtral": {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
-    "qwen3_moe": {**_DECODER, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                  "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "gemma2": {**_DECODER, "head_dim": 16, "sliding_window": 12, "attn_logit_softcapping": 50.0,
-               "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
-    "gemma3_text": {**_DECODER, "head_dim": 16, "sliding_window": 12, "query_pre_attn_scalar": 16,
-                    "layer_types": ["sliding_attention", "full_attention"]},
+    "qwen3_moe": {
+        **_DECODER,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "gemma2": {
+        **_DECODER,
+        "head_dim": 16,
+        "sliding_window": 12,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": 16,
+    },
+    "gemma3_text": {
+        **_DECODER,
+        "head_dim": 16,
+        "sliding_window": 12,
+        "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
     "phi3": {**_DECODER, "num_key_value_heads": 4, "partial_rotary_factor": 0.5, "sliding_window": None},
     "olmo2": {**_DECODER},
-    "gpt_neox": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "rotary_pct": 0.25, "max_position_embeddings": 512, "use_parallel_residual": True},
+    "gpt_neox": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "rotary_pct": 0.25,
+        "max_position_embeddings": 512,
+        "use_parallel_residual": True,
+    },
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512},
 }
 

@@ -34,9 +34,21 @@ CHAT_TEMPLATE = (
 
 TINY_PRESETS: dict[str, dict[str, int]] = {
     # ~5M parameters with the offline vocabulary
-    "tiny": {"hidden_size": 320, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "tiny": {
+        "hidden_size": 320,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
     # ~30M parameters
-    "tiny-30m": {"hidden_size": 512, "intermediate_size": 1920, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4},
+    "tiny-30m": {
+        "hidden_size": 512,
+        "intermediate_size": 1920,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
 }
 
 
@@ -47,7 +59,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="?",
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="?",
         additional_special_tokens=SPECIAL_TOKENS[3:],
     )
     tok.chat_template = CHAT_TEMPLATE

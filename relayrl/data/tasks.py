@@ -43,8 +43,13 @@ def _user(text: str) -> list[dict[str, str]]:
 
 
 def _split(
-    name: str, problems: Callable[[random.Random], tuple[tuple[object, ...], Row]], n_train: int, n_eval: int,
-    difficulty: int, seed: int, capacity: int,
+    name: str,
+    problems: Callable[[random.Random], tuple[tuple[object, ...], Row]],
+    n_train: int,
+    n_eval: int,
+    difficulty: int,
+    seed: int,
+    capacity: int,
 ) -> tuple[list[Row], list[Row]]:
     """Draw ``n_train + n_eval`` distinct problems (keyed by ``problems``), then cut into splits."""
     need = n_train + n_eval
@@ -69,7 +74,9 @@ def _split(
     return out
 
 
-def arithmetic_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, ops: str = "+") -> tuple[list[Row], list[Row]]:
+def arithmetic_task(
+    n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, ops: str = "+"
+) -> tuple[list[Row], list[Row]]:
     """Addition/subtraction of two ``difficulty``-digit numbers, e.g. "23+58=" -> "81"."""
     if not 1 <= difficulty <= 9:
         raise ValueError(f"arithmetic difficulty (digits) must be in [1, 9], got {difficulty}")
@@ -83,8 +90,13 @@ def arithmetic_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int = 
         if op == "-" and a < b:
             a, b = b, a
         result = a + b if op == "+" else a - b
-        row: Row = {"messages": _user(f"{a}{op}{b}="), "answer": str(result), "task": "arithmetic",
-                    "operands": [a, b], "op": op}
+        row: Row = {
+            "messages": _user(f"{a}{op}{b}="),
+            "answer": str(result),
+            "task": "arithmetic",
+            "operands": [a, b],
+            "op": op,
+        }
         return (a, op, b), row
 
     capacity = (hi - lo + 1) ** 2 * len(op_list) // (2 if op_list == ["-"] else 1)
@@ -103,7 +115,12 @@ def _countdown_expr(rng: random.Random, numbers: list[int]) -> str:
 
 
 def countdown_task(
-    n_train: int, n_eval: int, difficulty: int = 3, seed: int = 0, max_number: int = 9, max_target: int = 100,
+    n_train: int,
+    n_eval: int,
+    difficulty: int = 3,
+    seed: int = 0,
+    max_number: int = 9,
+    max_target: int = 100,
 ) -> tuple[list[Row], list[Row]]:
     """Reach a target from ``difficulty`` numbers with +, -, *, each number used once."""
     if difficulty < 2:
@@ -117,15 +134,22 @@ def countdown_task(
             if target is not None and 0 < target <= max_target:
                 break
         shown = sorted(numbers, key=lambda _: rng.random())
-        row: Row = {"messages": _user(f"Make {target} with {' '.join(map(str, shown))}:"), "answer": expr,
-                    "task": "countdown", "numbers": shown, "target": target}
+        row: Row = {
+            "messages": _user(f"Make {target} with {' '.join(map(str, shown))}:"),
+            "answer": expr,
+            "task": "countdown",
+            "numbers": shown,
+            "target": target,
+        }
         return (tuple(sorted(numbers)), target), row
 
     capacity = min(max_number**difficulty * 3 ** (difficulty - 1), max_number**difficulty // 2 * max_target)
     return _split("countdown", problem, n_train, n_eval, difficulty, seed, capacity)
 
 
-def count_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, sigma: float = 0.75) -> tuple[list[Row], list[Row]]:
+def count_task(
+    n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, sigma: float = 0.75
+) -> tuple[list[Row], list[Row]]:
     """Count up to the next multiple of 100: "Count to 34700 from 34696:" -> "34696 34697 34698 34699 34700"."""
     if not 1 <= difficulty <= 6:
         raise ValueError(f"count difficulty (length scale) must be in [1, 6], got {difficulty}")
@@ -135,8 +159,13 @@ def count_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, si
         n = min(longest, max(1, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
         b = 100 * rng.randint(101, 999)  # every number has 5 digits
         a = b - n + 1
-        row: Row = {"messages": _user(f"Count to {b} from {a}:"), "answer": " ".join(map(str, range(a, b + 1))),
-                    "task": "count", "start": a, "end": b}
+        row: Row = {
+            "messages": _user(f"Count to {b} from {a}:"),
+            "answer": " ".join(map(str, range(a, b + 1))),
+            "task": "count",
+            "start": a,
+            "end": b,
+        }
         return (a, b), row
 
     return _split("count", problem, n_train, n_eval, difficulty, seed, 899 * longest)
@@ -145,7 +174,9 @@ def count_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, si
 TASKS = {"arithmetic": arithmetic_task, "countdown": countdown_task, "count": count_task}
 
 
-def make_task(name: str, n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, **options: object) -> tuple[list[Row], list[Row]]:
+def make_task(
+    name: str, n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, **options: object
+) -> tuple[list[Row], list[Row]]:
     """``(train_rows, eval_rows)`` of synthetic task ``name``; ``options`` go to the task (e.g. ops="+-")."""
     if name not in TASKS:
         raise ValueError(f"unknown synthetic task {name!r}; choose one of {sorted(TASKS)}")
@@ -175,7 +206,9 @@ def _wrong_number(rng: random.Random, row: Row, kinds: tuple[str, ...]) -> str:
                 d = 1 if digits[0] != "1" else 2
             cand = int(digits[:i] + str(d) + digits[i + 1 :])
         elif kind == "swap":
-            pairs = [i for i in range(len(digits) - 1) if digits[i] != digits[i + 1] and (i > 0 or digits[i + 1] != "0")]
+            pairs = [
+                i for i in range(len(digits) - 1) if digits[i] != digits[i + 1] and (i > 0 or digits[i + 1] != "0")
+            ]
             if not pairs:
                 continue
             i = rng.choice(pairs)
@@ -238,7 +271,10 @@ def _wrong_count(rng: random.Random, row: Row) -> str:
 
 
 def demonstrations(
-    rows: list[Row], error_rate: float, seed: int = 0, kinds: tuple[str, ...] = ERROR_KINDS,
+    rows: list[Row],
+    error_rate: float,
+    seed: int = 0,
+    kinds: tuple[str, ...] = ERROR_KINDS,
 ) -> list[Row]:
     """SFT pairs for ``rows``: ``{"id", "messages", "completion", "answer", "correct"}``.
 
@@ -264,7 +300,16 @@ def demonstrations(
             elif task == "count":
                 completion = _wrong_count(rng, row)
             else:
-                raise ValueError(f"row {i} (id={row.get('id')!r}): demonstrations need a synthetic task row, got task={task!r}")
-        out.append({"id": row["id"], "messages": row["messages"], "completion": completion,
-                    "answer": row["answer"], "correct": i not in wrong})
+                raise ValueError(
+                    f"row {i} (id={row.get('id')!r}): demonstrations need a synthetic task row, got task={task!r}"
+                )
+        out.append(
+            {
+                "id": row["id"],
+                "messages": row["messages"],
+                "completion": completion,
+                "answer": row["answer"],
+                "correct": i not in wrong,
+            }
+        )
     return out

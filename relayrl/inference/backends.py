@@ -161,19 +161,31 @@ class SGLangBackend:
         )
 
     def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> Call:
-        body: JsonDict = {"master_address": host, "master_port": port, "rank_offset": rank_offset,
-                          "world_size": world_size, "group_name": WEIGHT_GROUP, "backend": backend}
+        body: JsonDict = {
+            "master_address": host,
+            "master_port": port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": WEIGHT_GROUP,
+            "backend": backend,
+        }
         return Call("POST", "/init_weights_update_group", body)
 
     def destroy_weight_group(self) -> Call:
         return Call("POST", "/destroy_weights_update_group", {"group_name": WEIGHT_GROUP})
 
-    def update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None,
-                           abort: bool = True) -> Call:
+    def update_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None, abort: bool = True
+    ) -> Call:
         """One bucket of a broadcast update: the version goes with the last bucket only (the server
         reports it once every bucket is loaded), the abort of in-flight requests with the first."""
-        body: JsonDict = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": WEIGHT_GROUP,
-                          "abort_all_requests": abort}
+        body: JsonDict = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": WEIGHT_GROUP,
+            "abort_all_requests": abort,
+        }
         if version is not None:
             body["weight_version"] = str(version)
         return Call("POST", "/update_weights_from_distributed", body)
@@ -215,7 +227,9 @@ class RelayrlBackend(SGLangBackend):
         return Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version})
 
     def pause(self) -> Call:
-        return Call("POST", "/pause_generation", {"mode": "in_place"})  # in-flight requests are interrupted by the update
+        return Call(
+            "POST", "/pause_generation", {"mode": "in_place"}
+        )  # in-flight requests are interrupted by the update
 
     def upload(self, version: int) -> Call:
         return Call("POST", f"/update_weights_from_tensor?weight_version={version}")
@@ -267,8 +281,11 @@ class VLLMBackend:
                 out.append((calls[idx[0]], idx))
                 continue
             first = calls[idx[0]].json or {}
-            body: JsonDict = {**first, "prompt": [(calls[i].json or {})["prompt"] for i in idx],
-                              "request_id": f"{first.get('request_id')}+{len(idx) - 1}"}
+            body: JsonDict = {
+                **first,
+                "prompt": [(calls[i].json or {})["prompt"] for i in idx],
+                "request_id": f"{first.get('request_id')}+{len(idx) - 1}",
+            }
             out.append((Call("POST", "/v1/completions", body), idx))
         return out
 
@@ -308,12 +325,17 @@ class VLLMBackend:
         raise NotImplementedError("vLLM servers take no safetensors upload; use inference.weight_sync=disk")
 
     def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> Call:
-        raise NotImplementedError("vLLM servers have no standard weight-broadcast route (it takes a worker extension); "
-                                  "use inference.weight_sync=disk")
+        raise NotImplementedError(
+            "vLLM servers have no standard weight-broadcast route (it takes a worker extension); "
+            "use inference.weight_sync=disk"
+        )
 
-    def update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None,
-                           abort: bool = True) -> Call:
-        raise NotImplementedError("vLLM servers have no standard weight-broadcast route; use inference.weight_sync=disk")
+    def update_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None, abort: bool = True
+    ) -> Call:
+        raise NotImplementedError(
+            "vLLM servers have no standard weight-broadcast route; use inference.weight_sync=disk"
+        )
 
     def pause(self) -> Call:
         return Call("POST", "/pause?mode=abort")
@@ -321,8 +343,15 @@ class VLLMBackend:
     def logprob_probe(self, temperature: float) -> Call:
         """One greedy-free token with the top logprob: with ``raw_logprobs`` (vLLM's default) its value
         does not change with the temperature; with ``processed_logprobs`` it does."""
-        body: JsonDict = {"model": self.model, "prompt": [0, 1, 2], "max_tokens": 1, "temperature": temperature,
-                          "logprobs": 1, "seed": 0, "return_tokens_as_token_ids": True}
+        body: JsonDict = {
+            "model": self.model,
+            "prompt": [0, 1, 2],
+            "max_tokens": 1,
+            "temperature": temperature,
+            "logprobs": 1,
+            "seed": 0,
+            "return_tokens_as_token_ids": True,
+        }
         return Call("POST", "/v1/completions", body)
 
     @staticmethod

@@ -105,14 +105,18 @@ class MicroBatcher:
                 async for line in lines:
                     i = line.get("index") if isinstance(line, dict) else None
                     if not isinstance(i, int) or i not in pending:
-                        raise ProtocolError(f"{url}{call.path} streamed an item with no pending index: {str(line)[:200]}")
+                        raise ProtocolError(
+                            f"{url}{call.path} streamed an item with no pending index: {str(line)[:200]}"
+                        )
                     _, fut = pending.pop(i)
                     if "error" in line:  # type: ignore[operator]
                         _settle(fut, error=ValueError(f"{url}{call.path} refused item {i}: {line['error']}"))  # type: ignore[index]
                     else:
                         _settle(fut, value=line)
             if pending:
-                raise ProtocolError(f"{url}{call.path} ended its stream with {len(pending)} of {len(items)} items unanswered")
+                raise ProtocolError(
+                    f"{url}{call.path} ended its stream with {len(pending)} of {len(items)} items unanswered"
+                )
         except asyncio.CancelledError:
             for _, fut in pending.values():
                 fut.cancel()

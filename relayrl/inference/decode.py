@@ -99,34 +99,45 @@ class FastDecoder:
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-            self.layers.append((
-                layer.input_layernorm.weight,
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                None if biases[0] is None else torch.cat(biases),
-                a.o_proj.weight, a.o_proj.bias,
-                layer.post_attention_layernorm.weight,
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]),
-                mlp.down_proj.weight, mlp.down_proj.bias,
-                getattr(getattr(a, "q_norm", None), "weight", None), getattr(getattr(a, "k_norm", None), "weight", None),
-            ))
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    None if biases[0] is None else torch.cat(biases),
+                    a.o_proj.weight,
+                    a.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]),
+                    mlp.down_proj.weight,
+                    mlp.down_proj.bias,
+                    getattr(getattr(a, "q_norm", None), "weight", None),
+                    getattr(getattr(a, "k_norm", None), "weight", None),
+                )
+            )
         attn = m.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.n_kv = self.model.config.num_key_value_heads
         self.n_q = self.model.config.num_attention_heads
 
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: list[SlabLayer]) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: list[SlabLayer]
+    ) -> torch.Tensor:
         """Logits [B, V] for ``tokens`` [B] at positions ``pos`` [B]; ``mask`` [B, L+1] bool."""
         m, b, d = self.model.model, tokens.shape[0], self.head_dim
         x = m.embed_tokens(tokens)
         cos, sin = m.rotary_emb(x[:, None], pos[:, None])  # [B, 1, D]
         amask = mask[:, None, None, :]
         nq, nkv = self.n_q * d, self.n_kv * d
-        for (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d, w_qn, w_kn), kv in zip(self.layers, cache, strict=True):
+        for (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d, w_qn, w_kn), kv in zip(
+            self.layers, cache, strict=True
+        ):
             qkv = F.linear(_rms(x, w_in, self.eps), w_qkv, b_qkv)
             heads = qkv[:, : nq + nkv].view(b, self.n_q + self.n_kv, d)
             if w_qn is not None:  # Qwen3: RMSNorm over each head's q and k before the rotation
-                heads = torch.cat([_rms(heads[:, : self.n_q], w_qn, self.eps), _rms(heads[:, self.n_q :], w_kn, self.eps)], 1)
+                heads = torch.cat(
+                    [_rms(heads[:, : self.n_q], w_qn, self.eps), _rms(heads[:, self.n_q :], w_kn, self.eps)], 1
+                )
             qk = _rope(heads, cos, sin)  # q and k heads at once
             keys, values = kv.update(qk[:, self.n_q :, None], qkv[:, nq + nkv :].view(b, self.n_kv, 1, d))
             # the query heads of one kv group attend together: [B, Hkv, G, D] against [B, Hkv, L, D]

@@ -72,12 +72,19 @@ def accepts_mask_dict(model: PreTrainedModel, device: torch.device) -> bool:
     and returns the same logits as with the 2D mask (one 3-token probe on a private cache)."""
     ids = torch.tensor([[3, 4, 5]], device=device)
     pos = torch.arange(3, device=device)[None]
+
     def step(mask: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         cache = DynamicCache()
-        model(input_ids=ids[:, :2], position_ids=pos[:, :2], attention_mask=torch.ones_like(ids[:, :2]),
-              past_key_values=cache, use_cache=True)
-        return model(input_ids=ids[:, 2:], position_ids=pos[:, 2:], attention_mask=mask, past_key_values=cache,
-                     use_cache=True).logits
+        model(
+            input_ids=ids[:, :2],
+            position_ids=pos[:, :2],
+            attention_mask=torch.ones_like(ids[:, :2]),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return model(
+            input_ids=ids[:, 2:], position_ids=pos[:, 2:], attention_mask=mask, past_key_values=cache, use_cache=True
+        ).logits
 
     try:
         with torch.inference_mode():

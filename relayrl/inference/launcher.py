@@ -69,8 +69,9 @@ class ServerGroup:
     def _popen(self, port: int = 0) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "relayrl.cli", "serve", *self.args, f"port={port}"]
         # Spawned from one long-lived thread: PDEATHSIG fires when the *thread* that forked exits.
-        return _spawner.submit(subprocess.Popen, cmd, stdout=subprocess.PIPE, text=True, env=self.env,
-                               preexec_fn=_die_with_parent).result()
+        return _spawner.submit(
+            subprocess.Popen, cmd, stdout=subprocess.PIPE, text=True, env=self.env, preexec_fn=_die_with_parent
+        ).result()
 
     def _await_address(self, proc: subprocess.Popen[str]) -> str:
         """Read the child's stdout until it announces ``relayrl server listening on http://H:P``."""
@@ -82,7 +83,7 @@ class ServerGroup:
                 raise RuntimeError(f"server exited with code {proc.wait()} before announcing its port ({self.args})")
             if line.startswith(LISTEN_PREFIX):
                 threading.Thread(target=_drain, args=(proc,), daemon=True).start()
-                return line[len(LISTEN_PREFIX):].strip().removeprefix("http://")
+                return line[len(LISTEN_PREFIX) :].strip().removeprefix("http://")
         proc.kill()
         raise TimeoutError(f"server did not start within {self.startup_timeout}s")
 
@@ -148,8 +149,14 @@ def _drain(proc: subprocess.Popen[str]) -> None:
         pass
 
 
-def launch_servers(n: int, model: str = "tiny", threads: int = 1, overrides: list[str] | None = None,
-                   admin_token: str = "", startup_timeout: float = 120.0) -> ServerGroup:
+def launch_servers(
+    n: int,
+    model: str = "tiny",
+    threads: int = 1,
+    overrides: list[str] | None = None,
+    admin_token: str = "",
+    startup_timeout: float = 120.0,
+) -> ServerGroup:
     """Start ``n`` servers on 127.0.0.1 (free ports) and wait until all answer /health.
 
     ``overrides`` are ServerConfig dotted overrides (``inference.max_batch_size=32``). The

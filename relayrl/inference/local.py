@@ -64,8 +64,17 @@ class LocalEngine(InferenceEngine):
         self.model_config = model_config
         # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
         # preemptions: rows set aside (and continued later) because the KV cache was full
-        self.stats = {"requests": 0, "aborts": 0, "tokens": 0, "steps": 0, "prefills": 0, "prefill_rows": 0, "prefill_unique": 0,
-                      "preemptions": 0, "kv_peak": 0}  # kv_peak: most KV slab cells (rows x columns) held
+        self.stats = {
+            "requests": 0,
+            "aborts": 0,
+            "tokens": 0,
+            "steps": 0,
+            "prefills": 0,
+            "prefill_rows": 0,
+            "prefill_unique": 0,
+            "preemptions": 0,
+            "kv_peak": 0,
+        }  # kv_peak: most KV slab cells (rows x columns) held
         self.device = torch.device("cpu")
         self.kv_capacity, self.kv_capacity_by = config.max_tokens_in_flight, "inference.max_tokens_in_flight"
         self._version = 0
@@ -117,7 +126,9 @@ class LocalEngine(InferenceEngine):
         self._full_attention_only = all(t == "full_attention" for t in layer_types)
         self._fast = FastDecoder(self.model) if self.config.fast_decode and FastDecoder.supports(self.model) else None
         # generic path: a ready 4D mask where the model takes one, else transformers builds masks from the 2D one
-        self._mask_dict = self._fast is None and self._full_attention_only and accepts_mask_dict(self.model, self.device)
+        self._mask_dict = (
+            self._fast is None and self._full_attention_only and accepts_mask_dict(self.model, self.device)
+        )
         self._keep_arg = {"logits_to_keep": 1} if takes_logits_to_keep(self.model) else {}
         self.kv_capacity, self.kv_capacity_by = kv_capacity(
             self.model, self.device, self.config.kv_cache_fraction, self.config.max_tokens_in_flight
@@ -151,8 +162,14 @@ class LocalEngine(InferenceEngine):
     async def _generate(self, req: ModelRequest, continue_aborted: bool) -> ModelResponse:
         if self._thread is None:
             raise RuntimeError("LocalEngine.agenerate called before initialize() (or after destroy())")
-        validate_request(req, self.vocab_size, self.max_positions, self.kv_capacity, self.kv_capacity_by,
-                         has_tokenizer=self.tokenizer is not None)
+        validate_request(
+            req,
+            self.vocab_size,
+            self.max_positions,
+            self.kv_capacity,
+            self.kv_capacity_by,
+            has_tokenizer=self.tokenizer is not None,
+        )
         loop = asyncio.get_running_loop()
         with self._key_lock:
             key = self.config.seed * 1_000_003 + next(self._keys)
@@ -170,8 +187,13 @@ class LocalEngine(InferenceEngine):
                 break
             # interrupted by a weight update: continue from prompt + partial output
             seq = Seq(
-                prompt=seq.prompt, g=seq.g, key=seq.key, on_done=seq.on_done,
-                out=resp.output_tokens, logprobs=resp.output_logprobs, versions=resp.output_versions,
+                prompt=seq.prompt,
+                g=seq.g,
+                key=seq.key,
+                on_done=seq.on_done,
+                out=resp.output_tokens,
+                logprobs=resp.output_logprobs,
+                versions=resp.output_versions,
             )
         resp.latency = time.perf_counter() - start
         resp.ttft = ttft or resp.latency
@@ -305,8 +327,14 @@ class LocalEngine(InferenceEngine):
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while not self._stopped and self._control.empty() and (
-                        self._paused or self._released or (not self._rows and not self._preempted and self._waiting.empty())
+                    while (
+                        not self._stopped
+                        and self._control.empty()
+                        and (
+                            self._paused
+                            or self._released
+                            or (not self._rows and not self._preempted and self._waiting.empty())
+                        )
                     ):
                         self._wake.wait()
                     stopped = self._stopped
@@ -428,12 +456,15 @@ class LocalEngine(InferenceEngine):
             top_k = [0 if s.g.greedy else s.g.top_k for s in rows]
             top_p = [1.0 if s.g.greedy else s.g.top_p for s in rows]
             self._params = RowParams(
-                temperature=torch.tensor(temps, device=dev), top_k=torch.tensor(top_k, device=dev),
-                top_p=torch.tensor(top_p, device=dev), greedy=torch.tensor(greedy, device=dev),
+                temperature=torch.tensor(temps, device=dev),
+                top_k=torch.tensor(top_k, device=dev),
+                top_p=torch.tensor(top_p, device=dev),
+                greedy=torch.tensor(greedy, device=dev),
                 keys=torch.tensor([s.key for s in rows], device=dev),
                 counters=torch.tensor([len(s.out) for s in rows], device=dev),
                 any_filter=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
-                any_greedy=any(greedy), all_temp_one=all(t == 1.0 for t in temps),
+                any_greedy=any(greedy),
+                all_temp_one=all(t == 1.0 for t in temps),
             )
         banned = None
         young = [i for i, s in enumerate(rows) if len(s.out) < s.g.min_new_tokens and s.stop_ids and self._alive[i]]
@@ -491,12 +522,17 @@ class LocalEngine(InferenceEngine):
         n_old = len(self._rows)
         if n_old:
             assert self._cache is not None
-            old_kv = [(layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in self._cache.layers]  # type: ignore[attr-defined]
+            old_kv = [
+                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in self._cache.layers
+            ]  # type: ignore[attr-defined]
             parts.insert(0, (old_kv, self._mask, self._logits))
         kv, mask, logits = parts[0]
         for p_kv, p_mask, p_logits in parts[1:]:  # stack the left-padded batches by rows
             width = max(mask.shape[1], p_mask.shape[1])
-            kv = [(cat_left_padded(k, pk, width), cat_left_padded(v, pv, width)) for (k, v), (pk, pv) in zip(kv, p_kv, strict=True)]
+            kv = [
+                (cat_left_padded(k, pk, width), cat_left_padded(v, pv, width))
+                for (k, v), (pk, pv) in zip(kv, p_kv, strict=True)
+            ]
             mask, logits = cat_left_padded(mask, p_mask, width), torch.cat([logits, p_logits])
         self._cache = DynamicCache()
         self._cache.layers = [SlabLayer(k, v) for k, v in kv]
@@ -518,10 +554,12 @@ class LocalEngine(InferenceEngine):
             n = len(seqs[0].prompt) + len(seqs[0].out)
             oom = isinstance(e, torch.OutOfMemoryError)
             what = "ran out of memory" if oom else f"failed ({type(e).__name__}: {e})"
-            seqs[0].on_done(RuntimeError(  # type: ignore[arg-type]  # the future raises it
-                f"prefill of {n} tokens on {self.device} {what}; KV cache capacity {self.kv_capacity} tokens "
-                f"({self.kv_capacity_by}){': ' + str(e) if oom else ''}"
-            ))
+            seqs[0].on_done(
+                RuntimeError(  # type: ignore[arg-type]  # the future raises it
+                    f"prefill of {n} tokens on {self.device} {what}; KV cache capacity {self.kv_capacity} tokens "
+                    f"({self.kv_capacity_by}){': ' + str(e) if oom else ''}"
+                )
+            )
             return []
 
     def _prefill(self, seqs: list[Seq]) -> Prefilled:
@@ -547,7 +585,12 @@ class LocalEngine(InferenceEngine):
         pos = (mask.cumsum(1) - 1).clamp_(min=0)
         cache = DynamicCache()  # full layers even for sliding-window models: the decode masks apply the window
         out = self.model(  # type: ignore[misc]
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **self._keep_arg
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            **self._keep_arg,
         )
         return [(layer.keys, layer.values) for layer in cache.layers], mask, out.logits[:, -1].float()
 
@@ -582,8 +625,12 @@ class LocalEngine(InferenceEngine):
             if self._mask_dict:  # a ready 4D mask skips transformers' per-step mask building
                 attn = {"full_attention": self._mask_bool[:, None, None, :]}
             logits = self.model(  # type: ignore[misc]
-                input_ids=tokens[:, None], attention_mask=attn, position_ids=self._pos[:, None],
-                past_key_values=self._cache, use_cache=True, **self._keep_arg,
+                input_ids=tokens[:, None],
+                attention_mask=attn,
+                position_ids=self._pos[:, None],
+                past_key_values=self._cache,
+                use_cache=True,
+                **self._keep_arg,
             ).logits[:, -1]
         self._pos = self._pos + 1
         self._logits = logits.float()

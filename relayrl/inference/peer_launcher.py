@@ -41,13 +41,32 @@ def _free_port(host: str = "127.0.0.1") -> int:
 def server_command(kind: str, cfg: InferenceConfig, model: str, port: int) -> list[str]:
     """The command line of one launched server."""
     if kind == "sglang":
-        prefix = shlex.split(cfg.launch_command) if cfg.launch_command else [sys.executable, "-m", "sglang.launch_server"]
-        flags = ["--model-path", model, "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(cfg.launch_tp_size)]
+        prefix = (
+            shlex.split(cfg.launch_command) if cfg.launch_command else [sys.executable, "-m", "sglang.launch_server"]
+        )
+        flags = [
+            "--model-path",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--tp-size",
+            str(cfg.launch_tp_size),
+        ]
         return [*prefix, *flags, *cfg.launch_args]
     if kind == "vllm":
         prefix = shlex.split(cfg.launch_command) if cfg.launch_command else ["vllm", "serve"]
-        flags = ["--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(cfg.launch_tp_size),
-                 "--logprobs-mode", "processed_logprobs"]
+        flags = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--tensor-parallel-size",
+            str(cfg.launch_tp_size),
+            "--logprobs-mode",
+            "processed_logprobs",
+        ]
         return [*prefix, model, *flags, *cfg.launch_args]
     raise ValueError(f"inference.launch must be sglang or vllm here, got {kind!r}")
 
@@ -56,10 +75,12 @@ def server_env(kind: str, cfg: InferenceConfig, i: int) -> dict[str, str]:
     env = dict(os.environ)
     k = cfg.launch_tp_size
     if cfg.launch_gpus:
-        gpus = cfg.launch_gpus[i * k:(i + 1) * k]
+        gpus = cfg.launch_gpus[i * k : (i + 1) * k]
         if len(gpus) < k:
-            raise ValueError(f"inference.launch_gpus={cfg.launch_gpus} has no {k} GPUs left for server {i} "
-                             f"(n_servers={cfg.n_servers}, launch_tp_size={k} need {cfg.n_servers * k})")
+            raise ValueError(
+                f"inference.launch_gpus={cfg.launch_gpus} has no {k} GPUs left for server {i} "
+                f"(n_servers={cfg.n_servers}, launch_tp_size={k} need {cfg.n_servers * k})"
+            )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     if kind == "sglang":
         env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
@@ -91,9 +112,16 @@ class PeerServerGroup:
                 with open(log, "wb") as out:
                     out.write(f"$ {shlex.join(cmd)}\n".encode())
                     out.flush()
-                    self.procs.append(launcher._spawner.submit(  # noqa: SLF001 - PDEATHSIG needs a long-lived thread
-                        subprocess.Popen, cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                        preexec_fn=launcher._die_with_parent).result())  # noqa: SLF001
+                    self.procs.append(
+                        launcher._spawner.submit(  # noqa: SLF001 - PDEATHSIG needs a long-lived thread
+                            subprocess.Popen,
+                            cmd,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            env=env,
+                            preexec_fn=launcher._die_with_parent,
+                        ).result()
+                    )  # noqa: SLF001
                 self.addresses.append(f"127.0.0.1:{port}")
                 self.logs.append(log)
             for i in range(len(self.procs)):
@@ -108,16 +136,20 @@ class PeerServerGroup:
         while True:
             code = self.procs[i].poll()
             if code is not None:
-                raise RuntimeError(f"{self.kind} server {i} exited with code {code} before it was healthy; "
-                                   f"{self.logs[i]} ends with:\n{self.tail(i)}")
+                raise RuntimeError(
+                    f"{self.kind} server {i} exited with code {code} before it was healthy; "
+                    f"{self.logs[i]} ends with:\n{self.tail(i)}"
+                )
             try:
                 if httpx.get(f"http://{self.addresses[i]}/health", timeout=5.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.kind} server {i} not healthy after {self.cfg.launch_timeout:.0f}s "
-                                   f"(inference.launch_timeout); {self.logs[i]} ends with:\n{self.tail(i)}")
+                raise TimeoutError(
+                    f"{self.kind} server {i} not healthy after {self.cfg.launch_timeout:.0f}s "
+                    f"(inference.launch_timeout); {self.logs[i]} ends with:\n{self.tail(i)}"
+                )
             time.sleep(0.25)
 
     def tail(self, i: int, n: int = 20) -> str:

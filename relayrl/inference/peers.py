@@ -44,7 +44,7 @@ def version_tuple(v: str) -> tuple[int, ...]:
     """``"0.5.3.post1"`` -> ``(0, 5, 3)``; unparsable parts end the tuple."""
     out = []
     for part in v.split(".")[:3]:
-        digits = part[:len(part) - len(part.lstrip("0123456789"))]  # the leading digits ("10rc1" -> "10")
+        digits = part[: len(part) - len(part.lstrip("0123456789"))]  # the leading digits ("10rc1" -> "10")
         if not digits:
             break
         out.append(int(digits))
@@ -62,16 +62,20 @@ def _first(get: Getter, paths: tuple[str, ...]) -> tuple[str, dict[str, object]]
 def detect_sglang(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
     found = _first(get, ("/get_server_info", "/server_info"))
     if found is None:
-        raise UnsupportedServer(f"{url} answers neither /get_server_info nor /server_info: not an SGLang server, or "
-                                f"one older than {'.'.join(map(str, MIN_SGLANG))} (relayrl needs SGLang >= "
-                                f"{'.'.join(map(str, MIN_SGLANG))}: pip install 'sglang>={'.'.join(map(str, MIN_SGLANG))}')")
+        raise UnsupportedServer(
+            f"{url} answers neither /get_server_info nor /server_info: not an SGLang server, or "
+            f"one older than {'.'.join(map(str, MIN_SGLANG))} (relayrl needs SGLang >= "
+            f"{'.'.join(map(str, MIN_SGLANG))}: pip install 'sglang>={'.'.join(map(str, MIN_SGLANG))}')"
+        )
     _, info = found
     version = str(info.get("version", ""))
     server = str(info.get("server", "sglang"))
     if server != "relayrl" and version_tuple(version) < MIN_SGLANG:
         need = ".".join(map(str, MIN_SGLANG))
-        raise UnsupportedServer(f"{url} runs SGLang {version or '(no version)'}; relayrl needs SGLang >= {need} "
-                                f"(weight_version on weight updates, /pause_generation modes): pip install 'sglang>={need}'")
+        raise UnsupportedServer(
+            f"{url} runs SGLang {version or '(no version)'}; relayrl needs SGLang >= {need} "
+            f"(weight_version on weight updates, /pause_generation modes): pip install 'sglang>={need}'"
+        )
     tp = int(info.get("tp_size", 1) or 1)  # type: ignore[call-overload]
     version_path = None
     for p in ("/get_weight_version", "/model_info", "/get_model_info"):
@@ -80,8 +84,15 @@ def detect_sglang(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
             version_path = p
             break
     live = _first(get, ("/get_model_info", "/model_info"))
-    return PeerInfo(protocol, version, tp, str(info.get("served_model_name") or "default"), version_path,
-                    live[0] if live else "/health", server=server)
+    return PeerInfo(
+        protocol,
+        version,
+        tp,
+        str(info.get("served_model_name") or "default"),
+        version_path,
+        live[0] if live else "/health",
+        server=server,
+    )
 
 
 def detect_vllm(url: str, get: Getter) -> PeerInfo:
@@ -95,8 +106,16 @@ def detect_vllm(url: str, get: Getter) -> PeerInfo:
     status, spec = get("/openapi.json")
     paths = spec.get("paths") if isinstance(spec, dict) else None
     routes = set(paths) if isinstance(paths, dict) else set()
-    return PeerInfo("vllm", str(body.get("version", "")), 1, str(data[0]["id"]), None, "/health", routes,
-                    str(body.get("server", "vllm")))
+    return PeerInfo(
+        "vllm",
+        str(body.get("version", "")),
+        1,
+        str(data[0]["id"]),
+        None,
+        "/health",
+        routes,
+        str(body.get("server", "vllm")),
+    )
 
 
 def detect(protocol: str, url: str, get: Getter) -> PeerInfo:
@@ -109,10 +128,14 @@ def require_routes(info: PeerInfo, url: str, sync: str) -> None:
     """Start-up check that ``url`` has the routes weight_sync=``sync`` needs (vLLM)."""
     if info.protocol != "vllm" or not info.routes or info.server == "relayrl":
         return
-    need = {"/pause": "the RL routes (/pause, /resume: VLLM_SERVER_DEV_MODE=1 on vLLM releases that gate them)",
-            "/collective_rpc": "VLLM_SERVER_DEV_MODE=1 (for /collective_rpc reload_weights)"}
+    need = {
+        "/pause": "the RL routes (/pause, /resume: VLLM_SERVER_DEV_MODE=1 on vLLM releases that gate them)",
+        "/collective_rpc": "VLLM_SERVER_DEV_MODE=1 (for /collective_rpc reload_weights)",
+    }
     if sync != "disk":
         need.pop("/collective_rpc")
     missing = [f"{p} ({why})" for p, why in need.items() if p not in info.routes]
     if missing:
-        raise UnsupportedServer(f"{url} (vLLM {info.version}) lacks {', '.join(missing)}, which weight_sync={sync} needs")
+        raise UnsupportedServer(
+            f"{url} (vLLM {info.version}) lacks {', '.join(missing)}, which weight_sync={sync} needs"
+        )

@@ -55,7 +55,6 @@ from relayrl.inference.weight_group import WeightBroadcastGroup
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _Server:
     url: str
@@ -81,7 +80,9 @@ class RemoteEngine(WeightSync, InferenceEngine):
     """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched
     serving ``model``, the policy's ModelConfig, so that its weights fit them)."""
 
-    def __init__(self, config: InferenceConfig, addresses: list[str] | None = None, model: ModelConfig | None = None) -> None:
+    def __init__(
+        self, config: InferenceConfig, addresses: list[str] | None = None, model: ModelConfig | None = None
+    ) -> None:
         self.config = config
         self.model = model or ModelConfig()
         self.addresses = list(addresses if addresses is not None else config.addresses)
@@ -91,7 +92,9 @@ class RemoteEngine(WeightSync, InferenceEngine):
         self._lock = threading.Lock()  # server table and counters (agenerate runs on many threads)
         self._update_lock = threading.Lock()
         self._affinity: collections.OrderedDict[str, _Server] = collections.OrderedDict()
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary()
+        )
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, MicroBatcher] = weakref.WeakKeyDictionary()
         self._version = 0
         # ("disk", path), ("http", payload) or ("broadcast", tensors): what a returning server is given
@@ -116,8 +119,10 @@ class RemoteEngine(WeightSync, InferenceEngine):
         launch = self.config.launch
         if not self.addresses and self.config.n_servers > 0 and launch in ("sglang", "vllm"):
             if self.backend.name != launch:
-                raise ValueError(f"inference.launch={launch} starts {launch} servers: set inference.protocol={launch} "
-                                 f"(it is {self.backend.name})")
+                raise ValueError(
+                    f"inference.launch={launch} starts {launch} servers: set inference.protocol={launch} "
+                    f"(it is {self.backend.name})"
+                )
             from relayrl.inference.peer_launcher import PeerServerGroup
 
             self._launched = PeerServerGroup(launch, self.config, self.model.path).start()
@@ -129,13 +134,20 @@ class RemoteEngine(WeightSync, InferenceEngine):
             m = self.model
             model_args = [f"model.vocab_size={m.vocab_size}", f"model.dtype={m.dtype}"]
             model_args += [f"model.tokenizer_path={m.tokenizer_path}"] if m.tokenizer_path else []
-            group = launch_servers(self.config.n_servers, model=m.path, threads=self.config.server_threads,
-                                   overrides=[f"allowed_weight_roots={roots}", *model_args], admin_token=self.token)
+            group = launch_servers(
+                self.config.n_servers,
+                model=m.path,
+                threads=self.config.server_threads,
+                overrides=[f"allowed_weight_roots={roots}", *model_args],
+                admin_token=self.token,
+            )
             self._launched = group
             self.addresses = group.addresses
         if not self.addresses:
-            raise ValueError("RemoteEngine needs inference.addresses (host:port of servers), or inference.n_servers > 0 "
-                             f"with inference.launch=relayrl|sglang|vllm (it is {launch})")
+            raise ValueError(
+                "RemoteEngine needs inference.addresses (host:port of servers), or inference.n_servers > 0 "
+                f"with inference.launch=relayrl|sglang|vllm (it is {launch})"
+            )
         self.servers = [_Server(_url(a)) for a in self.addresses]
         deadline = time.monotonic() + wait_timeout
         pending = list(self.servers)
@@ -161,6 +173,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
                 return r.status_code, r.json()
             except ValueError:
                 return r.status_code, None
+
         return get
 
     def _connect_all(self) -> None:
@@ -192,7 +205,8 @@ class RemoteEngine(WeightSync, InferenceEngine):
             raise UnsupportedServer(
                 f"{srv.url} returns logprobs that ignore the sampling temperature (vLLM's default raw_logprobs): "
                 "start vLLM with --logprobs-mode processed_logprobs (relayrl's importance weights need the "
-                "logprobs of the distribution actually sampled)")
+                "logprobs of the distribution actually sampled)"
+            )
 
     def destroy(self) -> None:
         self._stop.set()
@@ -263,8 +277,9 @@ class RemoteEngine(WeightSync, InferenceEngine):
         client = self._clients.get(loop)
         if client is None:
             limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
-            client = httpx.AsyncClient(timeout=self.config.request_timeout, limits=limits, headers=self._headers(),
-                                       verify=self._verify())
+            client = httpx.AsyncClient(
+                timeout=self.config.request_timeout, limits=limits, headers=self._headers(), verify=self._verify()
+            )
             self._clients[loop] = client
         return client
 
@@ -295,8 +310,13 @@ class RemoteEngine(WeightSync, InferenceEngine):
         loop = asyncio.get_running_loop()
         batcher = self._batchers.get(loop)
         if batcher is None:
-            batcher = MicroBatcher(self.backend, self._send, self._stream, self.config.batch_window_ms / 1000,
-                                   self.config.batch_max_requests)
+            batcher = MicroBatcher(
+                self.backend,
+                self._send,
+                self._stream,
+                self.config.batch_window_ms / 1000,
+                self.config.batch_max_requests,
+            )
             self._batchers[loop] = batcher
         return batcher.submit(srv.url, call)
 
@@ -322,13 +342,20 @@ class RemoteEngine(WeightSync, InferenceEngine):
                 attempt = self._count_failure(attempt, req.rid, "no live server")
                 await asyncio.sleep(self._backoff(attempt))
                 continue
-            if self._paused or srv.updating:  # held here while weights change: a request runs under the version it is sent under
+            if (
+                self._paused or srv.updating
+            ):  # held here while weights change: a request runs under the version it is sent under
                 self._release(srv)
                 await asyncio.sleep(0.005)
                 continue
             # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
-            call = self.backend.generate(f"{req.rid}-{next(self._wire_ids)}", req.input_ids + tokens, g, remaining,
-                                         max(0, g.min_new_tokens - len(tokens)))
+            call = self.backend.generate(
+                f"{req.rid}-{next(self._wire_ids)}",
+                req.input_ids + tokens,
+                g,
+                remaining,
+                max(0, g.min_new_tokens - len(tokens)),
+            )
             sent_version = srv.version  # what produced these tokens when the server reports no version
             self.stats["requests"] += 1
             try:
@@ -358,8 +385,15 @@ class RemoteEngine(WeightSync, InferenceEngine):
                 await asyncio.sleep(0.01)
                 continue
             stop = part.stop_reason
-        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=tokens, output_logprobs=logps,
-                             output_versions=versions, stop_reason=stop, latency=time.perf_counter() - t0, ttft=ttft)
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=tokens,
+            output_logprobs=logps,
+            output_versions=versions,
+            stop_reason=stop,
+            latency=time.perf_counter() - t0,
+            ttft=ttft,
+        )
 
     def _count_failure(self, attempt: int, rid: str, why: str) -> int:
         attempt += 1
@@ -370,8 +404,9 @@ class RemoteEngine(WeightSync, InferenceEngine):
     # ------------------------------------------------------------------ admin (sync, fanned out)
     def _admin(self, srv: _Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
         with self._sync_client(timeout or self.config.request_timeout) as c:
-            r = c.request(call.method, srv.url + call.path, json=call.json if content is None else None,
-                          content=content)
+            r = c.request(
+                call.method, srv.url + call.path, json=call.json if content is None else None, content=content
+            )
         if r.status_code >= 400:
             raise RuntimeError(f"{srv.url}{call.path} answered {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else {}
@@ -444,8 +479,13 @@ class RemoteEngine(WeightSync, InferenceEngine):
                     srv.version = 0  # no update yet: its start-up weights are the engine's
                 if srv.version != self._version:
                     if self._last_weights is None:  # stale weights and nothing to push: keep it out
-                        log.warning("server %s is back at weight version %d (engine at %d) and no weights are "
-                                    "known to push; not re-admitted", srv.url, srv.version, self._version)
+                        log.warning(
+                            "server %s is back at weight version %d (engine at %d) and no weights are "
+                            "known to push; not re-admitted",
+                            srv.url,
+                            srv.version,
+                            self._version,
+                        )
                         return
                     self._push(srv, self._last_weights, self._version)
             except (httpx.HTTPError, RuntimeError, ConnectionError, ValueError) as e:
@@ -455,4 +495,3 @@ class RemoteEngine(WeightSync, InferenceEngine):
                 srv.alive = True
                 self.stats["readmissions"] += 1
             log.warning("server %s re-admitted at weight version %d", srv.url, srv.version)
-

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 # Errors after which a server is presumed dead (refused, reset, closed mid-reply).
 DEAD_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 
-Weights = tuple[str, str | bytes | dict[str, torch.Tensor]]  # ("disk", path), ("http", payload) or ("broadcast", tensors)
+Weights = tuple[
+    str, str | bytes | dict[str, torch.Tensor]
+]  # ("disk", path), ("http", payload) or ("broadcast", tensors)
 
 
 class WeightSync:
@@ -95,9 +97,13 @@ class WeightSync:
             parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
             for b, idx in enumerate(parts):  # one bounded bucket per call: the servers allocate one bucket at a time
                 bucket = {names[i]: tensors[names[i]] for i in idx}
-                call = self.backend.update_distributed(list(bucket), [dtype_name(t.dtype) for t in bucket.values()],
-                                                       [list(t.shape) for t in bucket.values()],
-                                                       version if b == len(parts) - 1 else None, abort=b == 0)
+                call = self.backend.update_distributed(
+                    list(bucket),
+                    [dtype_name(t.dtype) for t in bucket.values()],
+                    [list(t.shape) for t in bucket.values()],
+                    version if b == len(parts) - 1 else None,
+                    abort=b == 0,
+                )
                 replies = [ex.submit(self._admin, s, call) for s in servers]
                 self._settle(servers, replies, lambda bucket=bucket: group.broadcast(bucket), errors)
                 if errors:
@@ -110,8 +116,13 @@ class WeightSync:
             self.backend.parse_update(f.result())
             self._confirm(s, version)
 
-    def _settle(self, servers: list[_Server], replies: list[Future[object]], collective: Callable[[], None],
-                errors: list[BaseException]) -> None:
+    def _settle(
+        self,
+        servers: list[_Server],
+        replies: list[Future[object]],
+        collective: Callable[[], None],
+        errors: list[BaseException],
+    ) -> None:
         """Run this side of a collective (on a thread) while the servers' HTTP calls run theirs.
 
         A failed call (a dead server, a refusal) or a failed collective ends the wait at once:
@@ -171,8 +182,9 @@ class WeightSync:
             self._version = update.version
             self._last_weights = weights
 
-    def _update_live(self, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int,
-                     live: list[_Server]) -> None:
+    def _update_live(
+        self, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int, live: list[_Server]
+    ) -> None:
         if weights[0] != "broadcast":
             self._fan_out(lambda s: self._push(s, weights, version), live)
             return
@@ -189,13 +201,19 @@ class WeightSync:
         if mode == "auto":
             mode = "disk" if self.config.weight_sync_dir else "http"
         if mode == "disk" and not self.config.weight_sync_dir:
-            raise ValueError("inference.weight_sync=disk needs inference.weight_sync_dir (a directory all servers can read)")
+            raise ValueError(
+                "inference.weight_sync=disk needs inference.weight_sync_dir (a directory all servers can read)"
+            )
         if mode == "broadcast" and self.backend.name == "vllm":
-            raise ValueError("weight_sync=broadcast to vLLM is not supported: vLLM's weight-transfer engine "
-                             "(--weight-transfer-backend nccl) rendezvous through its own StatelessProcessGroup and "
-                             "PyNccl, not torch.distributed; set inference.weight_sync=disk and weight_sync_dir")
+            raise ValueError(
+                "weight_sync=broadcast to vLLM is not supported: vLLM's weight-transfer engine "
+                "(--weight-transfer-backend nccl) rendezvous through its own StatelessProcessGroup and "
+                "PyNccl, not torch.distributed; set inference.weight_sync=disk and weight_sync_dir"
+            )
         if mode == "http" and not self.backend.supports_upload:
-            raise ValueError(f"{self.backend.name} servers take no HTTP upload: set inference.weight_sync=disk and weight_sync_dir")
+            raise ValueError(
+                f"{self.backend.name} servers take no HTTP upload: set inference.weight_sync=disk and weight_sync_dir"
+            )
         return mode
 
     def _prepare(self, update: WeightUpdate) -> tuple[str, str | bytes | dict[str, torch.Tensor]]:
@@ -220,4 +238,3 @@ class WeightSync:
         for old in sorted(root.glob("v*"))[:-2]:  # keep the two newest versions
             shutil.rmtree(old, ignore_errors=True)
         return ("disk", str(final))
-

@@ -61,8 +61,11 @@ class GenerateBatchRequest(_Body):
     return_logprob: _one_or_many(bool) = False  # type: ignore[valid-type]
     rid: _one_or_many(str) | None = Field(None, description="one per item, or a prefix (item i gets '<rid>-<i>')")  # type: ignore[valid-type]
     stream: bool = Field(False, description="streaming is not supported")
-    stream_items: bool = Field(False, description="relayrl: answer NDJSON, one line {'index': i, ...item's reply} (or "
-                               "{'index': i, 'error': ...}) per item as soon as it finishes, instead of one list")
+    stream_items: bool = Field(
+        False,
+        description="relayrl: answer NDJSON, one line {'index': i, ...item's reply} (or "
+        "{'index': i, 'error': ...}) per item as soon as it finishes, instead of one list",
+    )
 
 
 def _body_form(v: object) -> str:
@@ -75,7 +78,8 @@ def _body_form(v: object) -> str:
 
 
 GenerateBody = Annotated[
-    Annotated[GenerateRequest, Tag("<single>")] | Annotated[GenerateBatchRequest, Tag("<batch>")], Discriminator(_body_form)
+    Annotated[GenerateRequest, Tag("<single>")] | Annotated[GenerateBatchRequest, Tag("<batch>")],
+    Discriminator(_body_form),
 ]
 
 
@@ -152,7 +156,9 @@ def _prompt_form(v: object) -> str:
 
 
 Prompt = Annotated[
-    Annotated[str, Tag("<text>")] | Annotated[list[TokenId], Tag("<ids>")] | Annotated[list[list[TokenId]], Tag("<id lists>")]
+    Annotated[str, Tag("<text>")]
+    | Annotated[list[TokenId], Tag("<ids>")]
+    | Annotated[list[list[TokenId]], Tag("<id lists>")]
     | Annotated[list[str], Tag("<texts>")],
     Discriminator(_prompt_form),
 ]

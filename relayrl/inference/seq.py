@@ -41,7 +41,7 @@ class Seq:
             return "stop"
         if g.stop and n >= g.min_new_tokens:
             longest = max(len(s) for s in g.stop)
-            tail = tokenizer.decode(self.out[-(longest + 8):])  # type: ignore[attr-defined]
+            tail = tokenizer.decode(self.out[-(longest + 8) :])  # type: ignore[attr-defined]
             if any(s in tail for s in g.stop):
                 return "stop"
         if n >= g.max_new_tokens:
@@ -51,8 +51,12 @@ class Seq:
     def response(self, reason: StopReason) -> ModelResponse:
         now = time.perf_counter()
         return ModelResponse(
-            input_tokens=list(self.prompt), output_tokens=list(self.out), output_logprobs=list(self.logprobs),
-            output_versions=list(self.versions), stop_reason=reason, latency=now - self.submitted,
+            input_tokens=list(self.prompt),
+            output_tokens=list(self.out),
+            output_logprobs=list(self.logprobs),
+            output_versions=list(self.versions),
+            stop_reason=reason,
+            latency=now - self.submitted,
             ttft=(self.first_token_at or now) - self.submitted,
         )
 
@@ -91,7 +95,12 @@ def resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]
 
 
 def validate_request(
-    req: ModelRequest, vocab_size: int, max_positions: int, kv_capacity: int, kv_capacity_by: str, has_tokenizer: bool,
+    req: ModelRequest,
+    vocab_size: int,
+    max_positions: int,
+    kv_capacity: int,
+    kv_capacity_by: str,
+    has_tokenizer: bool,
 ) -> None:
     """``ValueError`` naming the request and the field when ``req`` asks what an engine with these
     limits cannot give (checked before it queues, so a bad request fails alone)."""
@@ -100,9 +109,7 @@ def validate_request(
         raise ValueError(f"request {req.rid!r}: input_ids must be a non-empty list of token ids")
     for i, t in enumerate(ids):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise ValueError(
-                f"request {req.rid!r}: input_ids[{i}]={t!r} is not a token id in [0, {vocab_size})"
-            )
+            raise ValueError(f"request {req.rid!r}: input_ids[{i}]={t!r} is not a token id in [0, {vocab_size})")
     if not isinstance(req.gconfig, GenerationConfig):
         raise ValueError(f"request {req.rid!r}: gconfig must be a GenerationConfig, got {type(req.gconfig).__name__}")
     try:
@@ -110,7 +117,9 @@ def validate_request(
     except ValueError as e:
         raise ValueError(f"request {req.rid!r}: gconfig.{e}") from None
     if any(t >= vocab_size for t in req.gconfig.stop_token_ids):
-        raise ValueError(f"request {req.rid!r}: gconfig.stop_token_ids {req.gconfig.stop_token_ids} has ids >= vocab size {vocab_size}")
+        raise ValueError(
+            f"request {req.rid!r}: gconfig.stop_token_ids {req.gconfig.stop_token_ids} has ids >= vocab size {vocab_size}"
+        )
     if req.gconfig.stop and not has_tokenizer:
         raise ValueError(f"request {req.rid!r}: gconfig.stop (stop strings) needs the engine to have a tokenizer")
     if len(ids) + req.gconfig.max_new_tokens > max_positions:

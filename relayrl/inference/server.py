@@ -73,14 +73,23 @@ __all__ = ["LISTEN_PREFIX", "Server", "_dumps", "build_app", "confine_path", "ma
 LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
-_Job = tuple[str, list[int], GenerationConfig, bool, bool, bool]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim
+_Job = tuple[
+    str, list[int], GenerationConfig, bool, bool, bool
+]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim
 
 
 class Server(WeightRoutes, OpenAIRoutes):
     """The routes, bound to one engine and tokenizer."""
 
-    def __init__(self, engine: LocalEngine, tokenizer: object, cfg: ServerConfig, vocab_size: int,
-                 max_positions: int, reference: dict[str, tuple[torch.Size, torch.dtype]] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LocalEngine,
+        tokenizer: object,
+        cfg: ServerConfig,
+        vocab_size: int,
+        max_positions: int,
+        reference: dict[str, tuple[torch.Size, torch.dtype]] | None = None,
+    ) -> None:
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.reference = reference or {}  # parameter name -> (shape, dtype), to check updates
@@ -98,8 +107,9 @@ class Server(WeightRoutes, OpenAIRoutes):
             return
         header = request.headers.get("authorization", "")
         if not header:
-            raise HTTPException(401, "admin endpoint: missing 'Authorization: Bearer <token>'",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "admin endpoint: missing 'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"}
+            )
         scheme, _, value = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
             raise _bad("admin endpoint: invalid bearer token", 403)
@@ -109,14 +119,21 @@ class Server(WeightRoutes, OpenAIRoutes):
             if not 0 <= t < self.vocab_size:
                 raise _bad(f"{field}[{i}]={t} is out of vocabulary [0, {self.vocab_size})")
 
-    def gconfig(self, sp: SamplingParams, prompt_len: int, field: str = "sampling_params",
-                prompt: str = "input_ids") -> GenerationConfig:
+    def gconfig(
+        self, sp: SamplingParams, prompt_len: int, field: str = "sampling_params", prompt: str = "input_ids"
+    ) -> GenerationConfig:
         greedy = sp.temperature < GREEDY_BELOW  # as SGLang and vLLM do: a tinier one only overflows the logits
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
         g = GenerationConfig(
-            max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.min_new_tokens, greedy=greedy,
-            temperature=1.0 if greedy else sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0),
-            stop_token_ids=list(sp.stop_token_ids), stop=stop, ignore_eos=sp.ignore_eos,
+            max_new_tokens=sp.max_new_tokens,
+            min_new_tokens=sp.min_new_tokens,
+            greedy=greedy,
+            temperature=1.0 if greedy else sp.temperature,
+            top_p=sp.top_p,
+            top_k=max(sp.top_k, 0),
+            stop_token_ids=list(sp.stop_token_ids),
+            stop=stop,
+            ignore_eos=sp.ignore_eos,
         )
         try:
             g.validate()
@@ -126,8 +143,10 @@ class Server(WeightRoutes, OpenAIRoutes):
         if prompt_len == 0:
             raise _bad(f"{prompt}: the prompt is empty")
         if prompt_len + g.max_new_tokens > self.max_positions:
-            raise _bad(f"{prompt}: input length {prompt_len} + {field}.max_new_tokens={g.max_new_tokens} exceeds the "
-                       f"model's {self.max_positions} positions")
+            raise _bad(
+                f"{prompt}: input length {prompt_len} + {field}.max_new_tokens={g.max_new_tokens} exceeds the "
+                f"model's {self.max_positions} positions"
+            )
         return g
 
     async def run(self, rid: str, ids: list[int], g: GenerationConfig, once: bool = False) -> ModelResponse:
@@ -177,8 +196,13 @@ class Server(WeightRoutes, OpenAIRoutes):
         g = self.gconfig(req.sampling_params, len(ids))
         rid = req.rid or uuid.uuid4().hex
         r = await self.run(rid, ids, g, once=True)
-        return self.reply(rid, r, req.return_logprob, req.sampling_params.skip_special_tokens,
-                          [] if req.sampling_params.no_stop_trim else g.stop)
+        return self.reply(
+            rid,
+            r,
+            req.return_logprob,
+            req.sampling_params.skip_special_tokens,
+            [] if req.sampling_params.no_stop_trim else g.stop,
+        )
 
     def batch_jobs(self, req: GenerateBatchRequest) -> list[_Job]:
         """Every item validated before any is generated (errors name the item index)."""
@@ -202,8 +226,9 @@ class Server(WeightRoutes, OpenAIRoutes):
             jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim))
         return jobs
 
-    async def generate_item(self, rid: str, ids: list[int], g: GenerationConfig, logprob: bool, skip: bool,
-                            keep_stop: bool = False) -> dict[str, object]:
+    async def generate_item(
+        self, rid: str, ids: list[int], g: GenerationConfig, logprob: bool, skip: bool, keep_stop: bool = False
+    ) -> dict[str, object]:
         return self.reply(rid, await self.run(rid, ids, g, once=True), logprob, skip, [] if keep_stop else g.stop)
 
     async def stream_items(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
@@ -225,21 +250,29 @@ class Server(WeightRoutes, OpenAIRoutes):
             for t in tasks:  # the client went away: nobody reads the rest
                 t.cancel()
 
-    def reply(self, rid: str, r: ModelResponse, logprob: bool, skip_special: bool, stops: list[str] | None = None
-              ) -> dict[str, object]:
+    def reply(
+        self, rid: str, r: ModelResponse, logprob: bool, skip_special: bool, stops: list[str] | None = None
+    ) -> dict[str, object]:
         """One item's SGLang reply (+ relayrl's per-token ``output_token_versions``)."""
         meta: dict[str, object] = {
-            "id": rid, "prompt_tokens": r.input_len, "completion_tokens": r.output_len,
+            "id": rid,
+            "prompt_tokens": r.input_len,
+            "completion_tokens": r.output_len,
             "finish_reason": self.finish(r),
             "weight_version": str(r.output_versions[-1] if r.output_versions else self.engine.get_version()),
-            "output_token_versions": r.output_versions, "e2e_latency": r.latency, "ttft": r.ttft,
+            "output_token_versions": r.output_versions,
+            "e2e_latency": r.latency,
+            "ttft": r.ttft,
         }
         if logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)]
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)
+            ]
         text = self.decode(r.output_tokens, skip_special)
         if r.stop_reason == "stop" and stops:
             text = trim_stop(text, stops)
         return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
+
 
 class _JsonByDefault:
     """ASGI middleware: POST bodies without a JSON content type (``curl -d``) are read as JSON."""
@@ -262,8 +295,9 @@ def build_app(srv: Server) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content=error_body(str(exc.detail), exc.status_code),
-                            headers=exc.headers)
+        return JSONResponse(
+            status_code=exc.status_code, content=error_body(str(exc.detail), exc.status_code), headers=exc.headers
+        )
 
     admin = [Depends(srv.admin)]
     app.post("/generate")(srv.generate)
@@ -289,8 +323,10 @@ def build_app(srv: Server) -> FastAPI:
     @app.post("/abort_request", dependencies=admin)
     async def abort_request(req: AbortRequest) -> JSONResponse:
         if not req.abort_all:
-            raise _bad("abort_request: relayrl serve aborts all requests at once (send abort_all=true); "
-                       "one request cannot be aborted alone")
+            raise _bad(
+                "abort_request: relayrl serve aborts all requests at once (send abort_all=true); "
+                "one request cannot be aborted alone"
+            )
         await asyncio.to_thread(srv.abort_all)
         return JSONResponse({"success": True, "message": "aborted"})
 
@@ -317,8 +353,15 @@ def build_app(srv: Server) -> FastAPI:
     async def server_info() -> dict[str, object]:
         from relayrl import __version__
 
-        return {"version": __version__, "server": "relayrl", "tp_size": 1, "dp_size": 1, "model_path": srv.cfg.model.path,
-                "served_model_name": srv.cfg.model.path, "weight_version": str(srv.engine.get_version())}
+        return {
+            "version": __version__,
+            "server": "relayrl",
+            "tp_size": 1,
+            "dp_size": 1,
+            "model_path": srv.cfg.model.path,
+            "served_model_name": srv.cfg.model.path,
+            "weight_version": str(srv.engine.get_version()),
+        }
 
     @app.get("/version")
     async def version() -> dict[str, object]:
@@ -328,16 +371,28 @@ def build_app(srv: Server) -> FastAPI:
 
     @app.get("/model_info")
     async def sglang_model_info() -> dict[str, object]:
-        return {"model_path": srv.cfg.model.path, "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
-                "is_generation": True, "weight_version": str(srv.engine.get_version())}
+        return {
+            "model_path": srv.cfg.model.path,
+            "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
+            "is_generation": True,
+            "weight_version": str(srv.engine.get_version()),
+        }
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, object]:
-        return {"model_path": srv.cfg.model.path, "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
-                "is_generation": True, "vocab_size": srv.vocab_size, "max_position_embeddings": srv.max_positions,
-                "weight_version": str(srv.engine.get_version()), "paused": srv.paused, "requests_served": srv.n_served,
-                "generate_calls": srv.n_calls,
-                "tokens_generated": srv.engine.stats["tokens"], "aborts": srv.engine.stats["aborts"]}
+        return {
+            "model_path": srv.cfg.model.path,
+            "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
+            "is_generation": True,
+            "vocab_size": srv.vocab_size,
+            "max_position_embeddings": srv.max_positions,
+            "weight_version": str(srv.engine.get_version()),
+            "paused": srv.paused,
+            "requests_served": srv.n_served,
+            "generate_calls": srv.n_calls,
+            "tokens_generated": srv.engine.stats["tokens"],
+            "aborts": srv.engine.stats["aborts"],
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
@@ -356,7 +411,14 @@ def make_server(cfg: ServerConfig) -> Server:
     reference = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
     engine = LocalEngine(cfg.inference, model=model, tokenizer=tok, model_config=cfg.model)
     engine.initialize()
-    return Server(engine, tok, cfg, int(model.config.vocab_size), int(getattr(model.config, "max_position_embeddings", 2048)), reference)
+    return Server(
+        engine,
+        tok,
+        cfg,
+        int(model.config.vocab_size),
+        int(getattr(model.config, "max_position_embeddings", 2048)),
+        reference,
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -378,8 +440,12 @@ def run_server(cfg: ServerConfig) -> None:
     sock.listen(2048)
     port = sock.getsockname()[1]
     if not srv.token and not _is_loopback(cfg.host):
-        print(f"relayrl serve: WARNING: listening on {cfg.host} with no admin token: anyone who can reach port {port} "
-              "can replace the weights or pause generation (set admin_token or RELAYRL_ADMIN_TOKEN)", file=sys.stderr, flush=True)
+        print(
+            f"relayrl serve: WARNING: listening on {cfg.host} with no admin token: anyone who can reach port {port} "
+            "can replace the weights or pause generation (set admin_token or RELAYRL_ADMIN_TOKEN)",
+            file=sys.stderr,
+            flush=True,
+        )
     app = build_app(srv)
 
     @contextlib.asynccontextmanager

@@ -17,8 +17,15 @@ from fastapi.responses import JSONResponse, Response
 
 from relayrl.api.io import ModelResponse
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-          413: "RequestTooLargeError", 422: "UnprocessableEntityError", 500: "InternalServerError"}
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, object]:
@@ -82,7 +89,6 @@ def confine_path(path: str, roots: list[str]) -> Path:
     return real
 
 
-
 def _version(v: object) -> int | None:
     if v is None or v == "":
         return None
@@ -128,7 +134,6 @@ def _json(content: object) -> Response:
 def _usage(prompt_len: int, outs: list[ModelResponse]) -> dict[str, int]:
     done = sum(r.output_len for r in outs)
     return {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done}
-
 
 
 def trim_stop(text: str, stops: list[str]) -> str:

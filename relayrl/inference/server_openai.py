@@ -16,13 +16,19 @@ from relayrl.inference.server_common import _bad, _json, _usage, trim_stop
 class OpenAIRoutes:
     """Mixed into ``Server`` (which provides ``tok``, ``cfg``, ``gconfig``, ``check_ids``, ``run``, ``decode``)."""
 
-    def openai_gconfig(self, req: CompletionRequest | ChatRequest, prompt_len: int, prompt: str = "prompt") -> GenerationConfig:
+    def openai_gconfig(
+        self, req: CompletionRequest | ChatRequest, prompt_len: int, prompt: str = "prompt"
+    ) -> GenerationConfig:
         max_tokens = (req.max_completion_tokens or req.max_tokens) if isinstance(req, ChatRequest) else req.max_tokens
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         sp = SamplingParams(
             max_new_tokens=max_tokens or max(1, min(1024, self.max_positions - prompt_len)),
-            min_new_tokens=getattr(req, "min_tokens", 0), temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, stop=stop, stop_token_ids=list(getattr(req, "stop_token_ids", [])),
+            min_new_tokens=getattr(req, "min_tokens", 0),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=stop,
+            stop_token_ids=list(getattr(req, "stop_token_ids", [])),
             ignore_eos=getattr(req, "ignore_eos", False),
         )
         return self.gconfig(sp, prompt_len, field="body", prompt=prompt)
@@ -48,35 +54,63 @@ class OpenAIRoutes:
             self.check_ids(ids, name)
             gs.append(self.openai_gconfig(req, len(ids), prompt=name))
         cid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-        jobs = [(f"{cid}-{p * req.n + i}", ids, g) for p, (ids, g) in enumerate(zip(prompts, gs, strict=True)) for i in range(req.n)]
+        jobs = [
+            (f"{cid}-{p * req.n + i}", ids, g)
+            for p, (ids, g) in enumerate(zip(prompts, gs, strict=True))
+            for i in range(req.n)
+        ]
         outs = await asyncio.gather(*(self.run(*job) for job in jobs))
         self.n_calls += 1
         choices = []
         for i, r in enumerate(outs):
             lp = None
             if req.logprobs is not None:
-                toks = [f"token_id:{t}" if req.return_tokens_as_token_ids else self.decode([t], False) for t in r.output_tokens]
+                toks = [
+                    f"token_id:{t}" if req.return_tokens_as_token_ids else self.decode([t], False)
+                    for t in r.output_tokens
+                ]
                 offsets, pos = [], 0
                 for s in toks:
                     offsets.append(pos)
                     pos += len(s)
                 lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": None, "text_offset": offsets}
             text = self.decode(r.output_tokens, req.skip_special_tokens)
-            if r.stop_reason == "stop" and gs[i // req.n].stop:  # the stop string is not part of the text (vLLM, OpenAI)
+            if (
+                r.stop_reason == "stop" and gs[i // req.n].stop
+            ):  # the stop string is not part of the text (vLLM, OpenAI)
                 text = trim_stop(text, gs[i // req.n].stop)
-            choices.append({"index": i, "text": text, "logprobs": lp,
-                            "finish_reason": r.stop_reason, "token_ids": r.output_tokens,
-                            "token_versions": r.output_versions})
-        return _json({"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.cfg.model.path,
-                      "choices": choices, "usage": _usage(sum(len(ids) for ids in prompts), outs)})
+            choices.append(
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": r.stop_reason,
+                    "token_ids": r.output_tokens,
+                    "token_versions": r.output_versions,
+                }
+            )
+        return _json(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.cfg.model.path,
+                "choices": choices,
+                "usage": _usage(sum(len(ids) for ids in prompts), outs),
+            }
+        )
 
     async def chat(self, req: ChatRequest) -> dict[str, object]:
         if req.stream:
             raise _bad("stream: streaming is not supported")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
-            ids = [int(i) for i in self.tok.apply_chat_template(  # type: ignore[attr-defined]
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+            ids = [
+                int(i)
+                for i in self.tok.apply_chat_template(  # type: ignore[attr-defined]
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            ]
         except Exception as e:  # a template may reject a role order
             raise _bad(f"messages: chat template failed: {e}") from None
         g = self.openai_gconfig(req, len(ids))
@@ -91,9 +125,25 @@ class OpenAIRoutes:
                     s = self.decode([t], False)
                     content.append({"token": s, "logprob": x, "bytes": list(s.encode()), "top_logprobs": []})
                 lp = {"content": content}
-            content = trim_stop(self.decode(r.output_tokens), g.stop) if r.stop_reason == "stop" else self.decode(r.output_tokens)
-            choices.append({"index": i, "message": {"role": "assistant", "content": content},
-                            "logprobs": lp, "finish_reason": r.stop_reason, "token_ids": r.output_tokens})
-        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.cfg.model.path,
-                "choices": choices, "usage": _usage(len(ids), outs)}
-
+            content = (
+                trim_stop(self.decode(r.output_tokens), g.stop)
+                if r.stop_reason == "stop"
+                else self.decode(r.output_tokens)
+            )
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": content},
+                    "logprobs": lp,
+                    "finish_reason": r.stop_reason,
+                    "token_ids": r.output_tokens,
+                }
+            )
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.cfg.model.path,
+            "choices": choices,
+            "usage": _usage(len(ids), outs),
+        }

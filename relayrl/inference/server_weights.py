@@ -46,8 +46,12 @@ class WeightRoutes:
                 await asyncio.to_thread(self.engine.update_weights, update)
             except ValueError as e:  # e.g. missing parameters
                 raise _bad(f"weights: {e}") from None
-        return {"success": True, "message": f"loaded {len(tensors)} tensors", "weight_version": str(self.engine.get_version()),
-                "num_paused_requests": 0}
+        return {
+            "success": True,
+            "message": f"loaded {len(tensors)} tensors",
+            "weight_version": str(self.engine.get_version()),
+            "num_paused_requests": 0,
+        }
 
     async def update_from_disk(self, req: DiskUpdate) -> dict[str, object]:
         path = confine_path(req.model_path, self.cfg.allowed_weight_roots)
@@ -64,11 +68,21 @@ class WeightRoutes:
         self.groups.pop(req.group_name, None)
         self.staged.pop(req.group_name, None)
         try:
-            self.groups[req.group_name] = await asyncio.to_thread(lambda: WeightBroadcastGroup(
-                req.master_address, req.master_port, req.world_size, req.rank_offset, req.backend, req.group_name,
-                self.cfg.inference.request_timeout).join())
+            self.groups[req.group_name] = await asyncio.to_thread(
+                lambda: WeightBroadcastGroup(
+                    req.master_address,
+                    req.master_port,
+                    req.world_size,
+                    req.rank_offset,
+                    req.backend,
+                    req.group_name,
+                    self.cfg.inference.request_timeout,
+                ).join()
+            )
         except (RuntimeError, ValueError, TypeError, OSError) as e:  # bad address, timeout, no CUDA for nccl
-            raise _bad(f"could not join weight group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}") from None
+            raise _bad(
+                f"could not join weight group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}"
+            ) from None
         return {"success": True, "message": f"joined {req.group_name!r} as rank {req.rank_offset} of {req.world_size}"}
 
     async def update_distributed(self, req: DistributedUpdate) -> dict[str, object]:
@@ -77,15 +91,22 @@ class WeightRoutes:
         if group is None:
             raise _bad(f"no weight group {req.group_name!r}: call /init_weights_update_group first")
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
-            raise _bad(f"names, dtypes and shapes differ in length ({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})")
+            raise _bad(
+                f"names, dtypes and shapes differ in length ({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})"
+            )
         self.check_weights({n: tuple(shape) for n, shape in zip(req.names, req.shapes, strict=True)}, partial=True)
         try:
-            buffers = {n: torch.empty(shape, dtype=parse_dtype(d)) for n, d, shape in zip(req.names, req.dtypes, req.shapes, strict=True)}
+            buffers = {
+                n: torch.empty(shape, dtype=parse_dtype(d))
+                for n, d, shape in zip(req.names, req.dtypes, req.shapes, strict=True)
+            }
         except ValueError as e:
             raise _bad(f"dtypes: {e}") from None
         try:
             await asyncio.to_thread(group.broadcast, buffers)
-        except RuntimeError as e:  # a member died or timed out: this group is unusable (a newer one may have replaced it)
+        except (
+            RuntimeError
+        ) as e:  # a member died or timed out: this group is unusable (a newer one may have replaced it)
             if self.groups.get(req.group_name) is group:
                 del self.groups[req.group_name]
             raise _bad(f"weight broadcast in {req.group_name!r} failed: {e}", 500) from None
@@ -93,7 +114,11 @@ class WeightRoutes:
         staged.update(buffers)
         complete = not self.reference or not set(self.reference) - set(staged) - {"lm_head.weight"}
         if req.weight_version is None and not complete:
-            return {"success": True, "message": f"staged {len(staged)} of {len(self.reference)} tensors", "num_paused_requests": 0}
+            return {
+                "success": True,
+                "message": f"staged {len(staged)} of {len(self.reference)} tensors",
+                "num_paused_requests": 0,
+            }
         del self.staged[req.group_name]
         return await self.apply(staged, _version(req.weight_version))
 

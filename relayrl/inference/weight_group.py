@@ -77,8 +77,16 @@ class WeightBroadcastGroup:
     members joined, or ``timeout_s`` passed.
     """
 
-    def __init__(self, host: str, port: int, world_size: int, rank: int, backend: str = "nccl",
-                 group_name: str = "weight_update_group", timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank: int,
+        backend: str = "nccl",
+        group_name: str = "weight_update_group",
+        timeout_s: float = 300.0,
+    ) -> None:
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"weight group backend must be 'nccl' or 'gloo', got {backend!r}")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -88,8 +96,9 @@ class WeightBroadcastGroup:
         self.rank, self.world_size, self.backend, self.name = rank, world_size, backend, group_name
         self.timeout = timedelta(seconds=timeout_s)
         # rank 0 does not wait for check-ins here: its port must be handed to the others first
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=self.timeout,
-                                   wait_for_workers=rank != 0)
+        self.store = dist.TCPStore(
+            host, port, world_size, is_master=rank == 0, timeout=self.timeout, wait_for_workers=rank != 0
+        )
         self.port = self.store.port
         self.pg: dist.ProcessGroup | None = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -88,7 +88,8 @@ class RewardPool:
         self._lock = threading.Lock()
         self._closed = False
         self.stats: collections.Counter[str] = collections.Counter(
-            {"calls": 0, "ok": 0, "errors": 0, "timeouts": 0, "worker_deaths": 0, "replaced": 0})
+            {"calls": 0, "ok": 0, "errors": 0, "timeouts": 0, "worker_deaths": 0, "replaced": 0}
+        )
         for _ in range(n_workers):
             self._add_worker()
         self._threads = ThreadPoolExecutor(n_workers, thread_name_prefix="relayrl-reward")
@@ -133,15 +134,18 @@ class RewardPool:
         if not ready:
             self._count("timeouts")
             self._replace(w)
-            raise TimeoutError(f"reward fn {_name(self.fn)!r} did not return within {self.timeout}s "
-                               f"(its worker was killed and replaced)")
+            raise TimeoutError(
+                f"reward fn {_name(self.fn)!r} did not return within {self.timeout}s "
+                f"(its worker was killed and replaced)"
+            )
         try:
             status, value = w.conn.recv()
         except (EOFError, OSError):
             self._count("worker_deaths")
             code = self._replace(w)
-            raise RewardWorkerDied(f"reward worker running {_name(self.fn)!r} died (exit code {code}); "
-                                   f"it was replaced") from None
+            raise RewardWorkerDied(
+                f"reward worker running {_name(self.fn)!r} died (exit code {code}); it was replaced"
+            ) from None
         self._idle.put(w)
         if status == "error":
             self._count("errors")

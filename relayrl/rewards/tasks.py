@@ -34,8 +34,13 @@ def completion_answer(text: str) -> str:
 
 
 def arithmetic_reward_fn(
-    prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int],
-    answer: str, format_reward: float = 0.0, **data: object,
+    prompt: str,
+    completions: str,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    answer: str,
+    format_reward: float = 0.0,
+    **data: object,
 ) -> float:
     """1.0 if the completion is exactly the integer ``answer`` ("81", "81<eos>", " 81 \\n...")."""
     got = completion_answer(completions)
@@ -73,8 +78,14 @@ def evaluate_countdown(expr: str, numbers: list[int]) -> int | None:
 
 
 def countdown_reward_fn(
-    prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int],
-    numbers: list[int], target: int, format_reward: float = 0.0, **data: object,
+    prompt: str,
+    completions: str,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    numbers: list[int],
+    target: int,
+    format_reward: float = 0.0,
+    **data: object,
 ) -> float:
     """1.0 if the completion is an expression using each of ``numbers`` once that equals ``target``."""
     value = evaluate_countdown(completion_answer(completions), numbers)
@@ -84,8 +95,13 @@ def countdown_reward_fn(
 
 
 def count_reward_fn(
-    prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int],
-    answer: str, format_reward: float = 0.0, **data: object,
+    prompt: str,
+    completions: str,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    answer: str,
+    format_reward: float = 0.0,
+    **data: object,
 ) -> float:
     """1.0 if the completion is exactly the numbers of ``answer`` ("123 124 125"), space-separated
     (runs of spaces count as one); nothing skipped, repeated or added, no early or late stop."""
@@ -95,7 +111,11 @@ def count_reward_fn(
     return 1.0 if got.split() == str(answer).split() else float(format_reward)
 
 
-TASK_REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward_fn, "countdown": countdown_reward_fn, "count": count_reward_fn}
+TASK_REWARDS: dict[str, RewardFn] = {
+    "arithmetic": arithmetic_reward_fn,
+    "countdown": countdown_reward_fn,
+    "count": count_reward_fn,
+}
 
 
 def task_reward_fn(name: str, format_reward: float = 0.0) -> RewardFn:

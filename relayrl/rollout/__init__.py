@@ -6,6 +6,12 @@ from relayrl.rollout.staleness import is_expired, rollout_capacity
 from relayrl.rollout.workflows import MultiTurnWorkflow, ReMaxWorkflow, RLVRWorkflow, ToolAgentWorkflow
 
 __all__ = [
-    "GenerativeJudge", "MultiTurnWorkflow", "RLVRWorkflow", "ReMaxWorkflow", "ToolAgentWorkflow",
-    "WorkflowExecutor", "is_expired", "rollout_capacity",
+    "GenerativeJudge",
+    "MultiTurnWorkflow",
+    "RLVRWorkflow",
+    "ReMaxWorkflow",
+    "ToolAgentWorkflow",
+    "WorkflowExecutor",
+    "is_expired",
+    "rollout_capacity",
 ]

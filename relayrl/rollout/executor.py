@@ -211,9 +211,14 @@ class WorkflowExecutor:
                 return
             stream_running = sum(not p.sync for p in self._running.values())
             cap = rollout_capacity(
-                max_staleness=self.config.max_staleness, batch_size=self.config.batch_size,
-                version=self._version(), consumed=self._consumed, accepted=len(self._ready),
-                running=stream_running, max_concurrent=maxc, waiting=self._waiting,
+                max_staleness=self.config.max_staleness,
+                batch_size=self.config.batch_size,
+                version=self._version(),
+                consumed=self._consumed,
+                accepted=len(self._ready),
+                running=stream_running,
+                max_concurrent=maxc,
+                waiting=self._waiting,
             )
             cap = min(cap, maxc - len(self._running))
             for _ in range(min(cap, len(self._queue))):
@@ -258,7 +263,9 @@ class WorkflowExecutor:
         if key not in self._logged:
             self._logged.add(key)
             tb = "".join(traceback.format_exception(e))
-            logger.error("rollout episode of prompt %d failed (later identical errors are not re-logged):\n%s", p.index, tb)
+            logger.error(
+                "rollout episode of prompt %d failed (later identical errors are not re-logged):\n%s", p.index, tb
+            )
         else:
             logger.debug("rollout episode of prompt %d failed: %s", p.index, msg)
         return msg
@@ -433,8 +440,10 @@ class WorkflowExecutor:
                 self._lock.wait(0.1)
             groups = [g for g in (self._sync_done.pop(i) for i in indices) if g is not None]
             if not groups:
-                raise RuntimeError(f"rollout_batch: none of the {len(data)} prompts gave an accepted group "
-                                   f"(episodes {self.status.as_dict()}; last error: {self._last_error or 'none'})")
+                raise RuntimeError(
+                    f"rollout_batch: none of the {len(data)} prompts gave an accepted group "
+                    f"(episodes {self.status.as_dict()}; last error: {self._last_error or 'none'})"
+                )
             return self._take(groups)
 
     def prepare_batch(self, dataloader: Iterable[list[DataItem]], workflow: RolloutWorkflow) -> TensorDict:
@@ -497,7 +506,9 @@ class WorkflowExecutor:
             raise TypeError("the dataloader must yield lists of row dicts, got a dict (a collated batch?)")
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
-                raise TypeError(f"dataloader batch row {i} is a {type(row).__name__}, expected a dict (id, messages, answer)")
+                raise TypeError(
+                    f"dataloader batch row {i} is a {type(row).__name__}, expected a dict (id, messages, answer)"
+                )
             self._enqueue(row, workflow)
 
     def _fill(self, workflow: RolloutWorkflow) -> None:
@@ -518,9 +529,12 @@ class WorkflowExecutor:
         with self._lock:
             out: dict[str, float] = {k: float(v) for k, v in self.status.as_dict().items()}
             out.update(
-                in_flight=float(self.status.in_flight), running_prompts=float(len(self._running)),
-                ready_prompts=float(len(self._ready)), queued_prompts=float(len(self._queue) + len(self._sync_queue)),
-                tail_prompts=float(len(self._tail)), consumed_prompts=float(self._consumed),
+                in_flight=float(self.status.in_flight),
+                running_prompts=float(len(self._running)),
+                ready_prompts=float(len(self._ready)),
+                queued_prompts=float(len(self._queue) + len(self._sync_queue)),
+                tail_prompts=float(len(self._tail)),
+                consumed_prompts=float(self._consumed),
                 discarded_prompts=float(self._discarded),
                 staleness_mean=sum(self.last_staleness) / max(1, len(self.last_staleness)),
                 staleness_max=float(max(self.last_staleness, default=0)),
@@ -535,14 +549,21 @@ class WorkflowExecutor:
         counts are saved without the in-flight ones (they are re-run after a resume).
         """
         with self._lock:
-            prompts = [*self._restored, *(g.prompt for g in self._ready),
-                       *(p for p in self._running.values() if not p.sync), *self._tail, *self._queue]
+            prompts = [
+                *self._restored,
+                *(g.prompt for g in self._ready),
+                *(p for p in self._running.values() if not p.sync),
+                *self._tail,
+                *self._queue,
+            ]
             status = self.status.state_dict()
             status["submitted"] = self.status.finished
             return {
-                "next_index": self._next_index, "next_group_id": self._next_group,
+                "next_index": self._next_index,
+                "next_group_id": self._next_group,
                 "pending": [{"prompt_index": p.index, "data": p.data} for p in prompts],
-                "status": status, "discarded": self._discarded,
+                "status": status,
+                "discarded": self._discarded,
                 "staleness_counts": dict(self.staleness_counts),
             }
 

@@ -35,8 +35,12 @@ class GenerativeJudge:
     """Grades answers with an LLM (see module doc)."""
 
     def __init__(
-        self, engine: InferenceEngine | None, tokenizer: object, template: str = DEFAULT_TEMPLATE,
-        parse_fn: Callable[[str], float] = first_number, gconfig: GenerationConfig | None = None,
+        self,
+        engine: InferenceEngine | None,
+        tokenizer: object,
+        template: str = DEFAULT_TEMPLATE,
+        parse_fn: Callable[[str], float] = first_number,
+        gconfig: GenerationConfig | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer

@@ -48,8 +48,14 @@ def rollout_capacity(
     for name, value in (("batch_size", batch_size), ("max_concurrent", max_concurrent)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    for name, value in (("max_staleness", max_staleness), ("version", version), ("consumed", consumed),
-                        ("accepted", accepted), ("running", running), ("waiting", waiting)):
+    for name, value in (
+        ("max_staleness", max_staleness),
+        ("version", version),
+        ("consumed", consumed),
+        ("accepted", accepted),
+        ("running", running),
+        ("waiting", waiting),
+    ):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     ahead = max(version * batch_size, consumed)

@@ -19,7 +19,7 @@ import asyncio
 import sys
 
 # The child program: reads (mode, code) from stdin, sets limits, checks and runs the code.
-_CHILD = r'''
+_CHILD = r"""
 import ast, io, json, resource, sys, contextlib
 mode, code, mem, cpu = json.loads(sys.stdin.read())
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -61,13 +61,15 @@ except MemoryError:
 except BaseException as e:
     out = f"error: {type(e).__name__}: {e}"
 sys.stdout.write(out)
-'''
+"""
 
 
 class SubprocessTool:
     """``await tool(code) -> str``: run ``code`` in a limited subprocess (see module doc)."""
 
-    def __init__(self, mode: str = "calc", timeout: float = 2.0, memory_mb: int = 256, max_output_chars: int = 256) -> None:
+    def __init__(
+        self, mode: str = "calc", timeout: float = 2.0, memory_mb: int = 256, max_output_chars: int = 256
+    ) -> None:
         if mode not in ("calc", "python"):
             raise ValueError(f"tool mode must be 'calc' or 'python', got {mode!r}")
         if timeout <= 0 or memory_mb < 32:
@@ -79,8 +81,14 @@ class SubprocessTool:
 
         payload = json.dumps([self.mode, code, self.memory_mb << 20, max(1, int(self.timeout) + 1)]).encode()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", _CHILD, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            _CHILD,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         try:
             out, err = await asyncio.wait_for(proc.communicate(payload), self.timeout)

@@ -45,7 +45,9 @@ def prefix_values(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
     """
     v = logits[:, 0].float()
     out = torch.cat([v.new_zeros(1), v[:-1]])
-    return out.masked_fill(torch.zeros_like(out, dtype=torch.bool).index_fill(0, packed["cu_seqlens"][:-1].long(), True), 0.0)
+    return out.masked_fill(
+        torch.zeros_like(out, dtype=torch.bool).index_fill(0, packed["cu_seqlens"][:-1].long(), True), 0.0
+    )
 
 
 class _StatsSink:
@@ -76,8 +78,10 @@ def check_actor_config(config: ActorConfig) -> None:
     when an actor is made directly from code."""
     validate_config(config, "actor.")
     if config.overlong_buffer > 0 and config.overlong_max_len <= config.overlong_buffer:
-        raise ConfigError(f"actor.overlong_buffer={config.overlong_buffer} needs actor.overlong_max_len > overlong_buffer "
-                          f"(the generation limit), got {config.overlong_max_len}")
+        raise ConfigError(
+            f"actor.overlong_buffer={config.overlong_buffer} needs actor.overlong_max_len > overlong_buffer "
+            f"(the generation limit), got {config.overlong_max_len}"
+        )
     A.get_advantage(config.adv_estimator), A.get_loss(config.loss)
 
 
@@ -130,13 +134,20 @@ class PPOActor:
         lengths = mask.sum(1)
         if cfg.mask_truncated:
             if "truncated" not in batch:
-                raise ValueError("actor.mask_truncated=true needs the sequence-level batch key 'truncated' [B] (set by the workflow)")
+                raise ValueError(
+                    "actor.mask_truncated=true needs the sequence-level batch key 'truncated' [B] (set by the workflow)"
+                )
             mask = mask & ~batch["truncated"].bool().unsqueeze(1)
             batch["loss_mask"] = mask.to(batch["loss_mask"].dtype)
         rewards = A.shape_rewards(
-            batch["rewards"].double(), cfg.reward_scale, cfg.reward_bias, cfg.reward_clip,
-            response_lengths=lengths, max_len=cfg.overlong_max_len,
-            overlong_buffer=cfg.overlong_buffer, overlong_penalty=cfg.overlong_penalty,
+            batch["rewards"].double(),
+            cfg.reward_scale,
+            cfg.reward_bias,
+            cfg.reward_clip,
+            response_lengths=lengths,
+            max_len=cfg.overlong_max_len,
+            overlong_buffer=cfg.overlong_buffer,
+            overlong_penalty=cfg.overlong_penalty,
         )
         token_rewards = A.last_token_rewards(rewards, mask)
         if cfg.kl_in_reward and cfg.kl_coef > 0:
@@ -151,16 +162,27 @@ class PPOActor:
             raise ValueError(f"actor.adv_estimator={cfg.adv_estimator!r} needs the sequence-level batch key 'group_id'")
         values = batch.get("values")
         adv, ret = A.get_advantage(cfg.adv_estimator)(
-            rewards=rewards, loss_mask=mask, group_id=batch.get("group_id"),
-            values=None if values is None else values.double(), baseline_rewards=batch.get("baseline_rewards"),
-            token_rewards=token_rewards, gamma=cfg.gamma, lam=cfg.lam, norm=cfg.adv_norm, eps=cfg.adv_eps,
+            rewards=rewards,
+            loss_mask=mask,
+            group_id=batch.get("group_id"),
+            values=None if values is None else values.double(),
+            baseline_rewards=batch.get("baseline_rewards"),
+            token_rewards=token_rewards,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            norm=cfg.adv_norm,
+            eps=cfg.adv_eps,
             baseline=cfg.baseline,
         )
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
-        self.adv_stats.update({
-            "reward_mean": float(batch["rewards"].float().mean()), "shaped_reward_mean": float(rewards.mean()),
-            "adv_mean": float(A.masked_mean(adv, mask)), "adv_abs_mean": float(A.masked_mean(adv.abs(), mask)),
-        })
+        self.adv_stats.update(
+            {
+                "reward_mean": float(batch["rewards"].float().mean()),
+                "shaped_reward_mean": float(rewards.mean()),
+                "adv_mean": float(A.masked_mean(adv, mask)),
+                "adv_abs_mean": float(A.masked_mean(adv.abs(), mask)),
+            }
+        )
         return batch
 
     # ---------------------------------------------------------------- update
@@ -186,10 +208,20 @@ class PPOActor:
             else:
                 old, prox = packed.get("old_logp", before), None
             loss, stats = policy_loss(
-                logp=logp, old_logp=old, advantages=packed["advantages"], loss_mask=mask, cu_seqlens=cu,
-                prox_logp=prox, eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher,
-                c_clip=cfg.c_clip, behav_imp_weight_cap=cfg.behav_imp_weight_cap, behav_imp_weight_floor=cfg.behav_imp_weight_floor,
-                behav_weight_level=cfg.behav_weight_level, behav_weight_clip=cfg.behav_weight_clip, **agg,
+                logp=logp,
+                old_logp=old,
+                advantages=packed["advantages"],
+                loss_mask=mask,
+                cu_seqlens=cu,
+                prox_logp=prox,
+                eps_clip=cfg.eps_clip,
+                eps_clip_higher=cfg.eps_clip_higher,
+                c_clip=cfg.c_clip,
+                behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+                behav_imp_weight_floor=cfg.behav_imp_weight_floor,
+                behav_weight_level=cfg.behav_weight_level,
+                behav_weight_clip=cfg.behav_weight_clip,
+                **agg,
             )
             stats["policy_loss"] = loss.detach()
             # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
@@ -312,8 +344,12 @@ class Critic:
 
                 def loss_fn(logits: torch.Tensor, packed: TensorDict, sink: _StatsSink = sink) -> torch.Tensor:
                     loss, stats = A.value_loss(
-                        prefix_values(logits, packed), packed["values"], packed["returns"], packed["loss_mask"].bool(),
-                        packed["cu_seqlens"], cfg.value_clip,
+                        prefix_values(logits, packed),
+                        packed["values"],
+                        packed["returns"],
+                        packed["loss_mask"].bool(),
+                        packed["cu_seqlens"],
+                        cfg.value_clip,
                     )
                     sink.add(stats, weight(packed))
                     return loss
@@ -321,7 +357,6 @@ class Critic:
                 stats = self.engine.train_batch(mb, loss_fn, weight)
                 out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **stats}.items()}})
         return out
-
 
 
 # --------------------------------------------------------------------------------------

@@ -106,7 +106,9 @@ def seq_sums(x: Tensor, cu_seqlens: Tensor) -> Tensor:
     return out[:n]
 
 
-def agg_loss(values: Tensor, mask: Tensor, cu_seqlens: Tensor, mode: str = "token-mean", norm_len: float = 0.0) -> Tensor:
+def agg_loss(
+    values: Tensor, mask: Tensor, cu_seqlens: Tensor, mode: str = "token-mean", norm_len: float = 0.0
+) -> Tensor:
     """Reduce packed per-token ``values`` to one number.
 
     - ``token-mean``: mean over all loss tokens (DAPO, TRL ``bnpo``/``dapo``).
@@ -156,8 +158,14 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
 
 
 def shape_rewards(
-    rewards: Tensor, scale: float = 1.0, bias: float = 0.0, clip: float = 0.0,
-    response_lengths: Tensor | None = None, max_len: int = 0, overlong_buffer: int = 0, overlong_penalty: float = 1.0,
+    rewards: Tensor,
+    scale: float = 1.0,
+    bias: float = 0.0,
+    clip: float = 0.0,
+    response_lengths: Tensor | None = None,
+    max_len: int = 0,
+    overlong_buffer: int = 0,
+    overlong_penalty: float = 1.0,
 ) -> Tensor:
     """``clip(scale * r + bias)`` plus DAPO's soft overlong penalty.
 
@@ -222,7 +230,9 @@ def _broadcast(adv: Tensor, loss_mask: Tensor) -> Tensor:
 
 
 @register_advantage("grpo")
-def grpo_advantage(rewards: Tensor, loss_mask: Tensor, group_id: Tensor, norm: bool = True, eps: float = 1e-6, **_: object) -> tuple[Tensor, Tensor]:
+def grpo_advantage(
+    rewards: Tensor, loss_mask: Tensor, group_id: Tensor, norm: bool = True, eps: float = 1e-6, **_: object
+) -> tuple[Tensor, Tensor]:
     """GRPO: ``(r - group mean) / (group std + eps)`` (std optional); a group of one gets 0."""
     mean, std, count = _group_stats(rewards, group_id)
     adv = rewards - mean
@@ -250,7 +260,12 @@ def rloo_advantage(rewards: Tensor, loss_mask: Tensor, group_id: Tensor, **_: ob
 
 @register_advantage("reinforce")
 def reinforce_advantage(
-    rewards: Tensor, loss_mask: Tensor, token_rewards: Tensor | None = None, gamma: float = 1.0, baseline: bool = True, **_: object
+    rewards: Tensor,
+    loss_mask: Tensor,
+    token_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+    baseline: bool = True,
+    **_: object,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE: discounted return-to-go, minus the batch-mean reward as a baseline."""
     if token_rewards is None:
@@ -262,7 +277,13 @@ def reinforce_advantage(
 
 @register_advantage("reinforce_pp")
 def reinforce_pp_advantage(
-    rewards: Tensor, loss_mask: Tensor, token_rewards: Tensor | None = None, gamma: float = 1.0, norm: bool = True, eps: float = 1e-8, **_: object
+    rewards: Tensor,
+    loss_mask: Tensor,
+    token_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+    norm: bool = True,
+    eps: float = 1e-8,
+    **_: object,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++: return-to-go of per-token rewards (KL penalties included), whitened over the batch.
 
@@ -283,7 +304,9 @@ def reinforce_pp_advantage(
 
 
 @register_advantage("remax")
-def remax_advantage(rewards: Tensor, loss_mask: Tensor, baseline_rewards: Tensor | None = None, **_: object) -> tuple[Tensor, Tensor]:
+def remax_advantage(
+    rewards: Tensor, loss_mask: Tensor, baseline_rewards: Tensor | None = None, **_: object
+) -> tuple[Tensor, Tensor]:
     """ReMax: reward minus the reward of the greedy completion of the same prompt.
 
     ``baseline_rewards [B]`` is set by the ReMax workflow.
@@ -296,8 +319,15 @@ def remax_advantage(rewards: Tensor, loss_mask: Tensor, baseline_rewards: Tensor
 
 @register_advantage("gae")
 def gae_advantage(
-    rewards: Tensor, loss_mask: Tensor, values: Tensor | None = None, token_rewards: Tensor | None = None,
-    gamma: float = 1.0, lam: float = 1.0, norm: bool = True, eps: float = 1e-6, **_: object,
+    rewards: Tensor,
+    loss_mask: Tensor,
+    values: Tensor | None = None,
+    token_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm: bool = True,
+    eps: float = 1e-6,
+    **_: object,
 ) -> tuple[Tensor, Tensor]:
     """GAE over the generated tokens of each row (non-generated tokens are skipped).
 
@@ -344,7 +374,12 @@ def _ratio_stats(ratio: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, Te
 
 
 def _clipped_surrogate(
-    ratio: Tensor, advantages: Tensor, mask: Tensor, eps_clip: float, eps_clip_higher: float | None, c_clip: float | None
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_clip: float,
+    eps_clip_higher: float | None,
+    c_clip: float | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token ``-min(r A, clip(r) A)``, with dual clip ``min(., -c A)`` for ``A < 0``."""
     high = eps_clip if eps_clip_higher is None else eps_clip_higher
@@ -364,23 +399,46 @@ def _clipped_surrogate(
 
 @register_loss("ppo")
 def ppo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor,
-    eps_clip: float = 0.2, eps_clip_higher: float | None = None, c_clip: float | None = None,
-    agg_mode: str = "token-mean", norm_len: float = 0.0, **_: object,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    agg_mode: str = "token-mean",
+    norm_len: float = 0.0,
+    **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (with DAPO clip-higher and dual clip), ratio against ``old_logp``."""
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     per_token, stats = _clipped_surrogate(ratio, advantages, loss_mask, eps_clip, eps_clip_higher, c_clip)
-    return agg_loss(per_token, loss_mask, cu_seqlens, agg_mode, norm_len), {**stats, **_ratio_stats(ratio, log_ratio, loss_mask)}
+    return agg_loss(per_token, loss_mask, cu_seqlens, agg_mode, norm_len), {
+        **stats,
+        **_ratio_stats(ratio, log_ratio, loss_mask),
+    }
 
 
 @register_loss("decoupled_ppo")
 def decoupled_ppo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor,
-    prox_logp: Tensor | None = None, eps_clip: float = 0.2, eps_clip_higher: float | None = None,
-    c_clip: float | None = None, behav_imp_weight_cap: float | None = None, behav_imp_weight_floor: float | None = None,
-    behav_weight_level: str = "token", behav_weight_clip: str = "mask", agg_mode: str = "token-mean", norm_len: float = 0.0, **_: object,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    prox_logp: Tensor | None = None,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+    behav_imp_weight_floor: float | None = None,
+    behav_weight_level: str = "token",
+    behav_weight_clip: str = "mask",
+    agg_mode: str = "token-mean",
+    norm_len: float = 0.0,
+    **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL): clip against the proximal policy, reweight by pi_prox / pi_behav.
 
@@ -397,8 +455,10 @@ def decoupled_ppo_loss(
     if prox_logp is None:
         raise ValueError("decoupled_ppo needs prox_logp (the trainer's logprobs before the update)")
     if behav_weight_level not in ("token", "sequence") or behav_weight_clip not in ("mask", "truncate"):
-        raise ValueError(f"behav_weight_level must be token|sequence and behav_weight_clip mask|truncate, got "
-                         f"{behav_weight_level!r}, {behav_weight_clip!r}")
+        raise ValueError(
+            f"behav_weight_level must be token|sequence and behav_weight_clip mask|truncate, got "
+            f"{behav_weight_level!r}, {behav_weight_clip!r}"
+        )
     log_ratio = (logp - prox_logp).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     per_token, stats = _clipped_surrogate(ratio, advantages, loss_mask, eps_clip, eps_clip_higher, c_clip)
@@ -428,9 +488,16 @@ def decoupled_ppo_loss(
 
 @register_loss("gspo")
 def gspo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor,
-    eps_clip: float = 3e-4, eps_clip_higher: float | None = 4e-4,
-    agg_mode: str = "seq-mean-token-mean", norm_len: float = 0.0, **_: object,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    eps_clip: float = 3e-4,
+    eps_clip_higher: float | None = 4e-4,
+    agg_mode: str = "seq-mean-token-mean",
+    norm_len: float = 0.0,
+    **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: one ratio per sequence, the geometric mean of its token ratios, clipped.
 
@@ -444,36 +511,66 @@ def gspo_loss(
     log_ratio = (seq_log_ratio.detach() + logp - logp.detach()).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     per_token, stats = _clipped_surrogate(ratio, advantages, loss_mask, eps_clip, eps_clip_higher, None)
-    return agg_loss(per_token, loss_mask, cu_seqlens, agg_mode, norm_len), {**stats, **_ratio_stats(ratio, log_ratio, loss_mask)}
+    return agg_loss(per_token, loss_mask, cu_seqlens, agg_mode, norm_len), {
+        **stats,
+        **_ratio_stats(ratio, log_ratio, loss_mask),
+    }
 
 
 @register_loss("reinforce")
 def reinforce_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor,
-    agg_mode: str = "token-mean", norm_len: float = 0.0, **_: object,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    agg_mode: str = "token-mean",
+    norm_len: float = 0.0,
+    **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """REINFORCE: ``-logp * advantage`` (seed 002's loss, with rewards as the advantage)."""
     log_ratio = logp.detach() - old_logp
-    return agg_loss(-logp * advantages, loss_mask, cu_seqlens, agg_mode, norm_len), _ratio_stats(log_ratio.exp(), log_ratio, loss_mask)
+    return agg_loss(-logp * advantages, loss_mask, cu_seqlens, agg_mode, norm_len), _ratio_stats(
+        log_ratio.exp(), log_ratio, loss_mask
+    )
 
 
 def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, cu_seqlens: Tensor,
-    value_clip: float = 0.2, agg_mode: str = "token-mean", norm_len: float = 0.0,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    value_clip: float = 0.2,
+    agg_mode: str = "token-mean",
+    norm_len: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss: ``0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)``."""
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     loss1 = (values - returns).square()
     loss2 = (clipped - returns).square()
     loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), loss_mask, cu_seqlens, agg_mode, norm_len)
-    return loss, {"vf_clip_frac": masked_mean((loss2 > loss1).float(), loss_mask), "value_mean": masked_mean(values.detach(), loss_mask)}
+    return loss, {
+        "vf_clip_frac": masked_mean((loss2 > loss1).float(), loss_mask),
+        "value_mean": masked_mean(values.detach(), loss_mask),
+    }
 
 
-def kl_loss(logp: Tensor, ref_logp: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, kind: str = "k3", agg_mode: str = "token-mean", norm_len: float = 0.0) -> Tensor:
+def kl_loss(
+    logp: Tensor,
+    ref_logp: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    kind: str = "k3",
+    agg_mode: str = "token-mean",
+    norm_len: float = 0.0,
+) -> Tensor:
     """KL(pi || ref) as a loss term (GRPO's ``beta * KL``), aggregated like the policy loss."""
     return agg_loss(kl_penalty(logp, ref_logp, kind), loss_mask, cu_seqlens, agg_mode, norm_len)
 
 
-def entropy_bonus(entropy: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, agg_mode: str = "token-mean", norm_len: float = 0.0) -> Tensor:
+def entropy_bonus(
+    entropy: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, agg_mode: str = "token-mean", norm_len: float = 0.0
+) -> Tensor:
     """Mean policy entropy on the loss tokens; the actor subtracts ``entropy_coef`` times it."""
     return agg_loss(entropy, loss_mask, cu_seqlens, agg_mode, norm_len)

@@ -112,7 +112,10 @@ class TorchTrainEngine(TrainEngine):
                 raise ValueError(f"train.total_steps must be > 0 for optimizer.lr_schedule={opt.lr_schedule!r}")
             self.optimizer = torch.optim.AdamW(
                 [p for p in model.parameters() if p.requires_grad],
-                lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
+                lr=opt.lr,
+                betas=(opt.beta1, opt.beta2),
+                eps=opt.eps,
+                weight_decay=opt.weight_decay,
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda s: lr_factor(s, opt, self.config.total_steps)
@@ -160,7 +163,9 @@ class TorchTrainEngine(TrainEngine):
         shares = split_by_token_budget(lengths, sum(lengths) + 1, min_groups=world, multiple_of=world)
         n_mb = max(len(split_by_token_budget([lengths[i] for i in s], budget)) for s in shares)
         mine = shares[dist_utils.rank()]
-        return [[mine[j] for j in g] for g in split_by_token_budget([lengths[i] for i in mine], budget, min_groups=n_mb)]
+        return [
+            [mine[j] for j in g] for g in split_by_token_budget([lengths[i] for i in mine], budget, min_groups=n_mb)
+        ]
 
     def _micro_batches(self, batch: TensorDict) -> Iterator[tuple[TensorDict, bool]]:
         """(packed micro-batch, is_dummy); a dummy re-packs row 0 so every rank runs alike."""
@@ -218,7 +223,9 @@ class TorchTrainEngine(TrainEngine):
         if self.head != "reward":
             raise ValueError(f"as_reward_fn needs head='reward', this engine has head={self.head!r}")
 
-        def reward_fn(prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], **data: object) -> float:
+        def reward_fn(
+            prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], **data: object
+        ) -> float:
             ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.int64)
             return float(self.score({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)})[0])
 
@@ -291,8 +298,12 @@ class TorchTrainEngine(TrainEngine):
                     f"({float(grad_norm)}); train.max_nan_skips={self.config.max_nan_skips}"
                 )
         return {
-            "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0 if finite else 1.0,
-            "n_tokens": D.all_reduce_sum(n_tokens), "n_mbs": float(len(mbs)),
+            "loss": loss_value,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "skipped": 0.0 if finite else 1.0,
+            "n_tokens": D.all_reduce_sum(n_tokens),
+            "n_mbs": float(len(mbs)),
         }
 
     def get_lr(self) -> float:
@@ -348,7 +359,9 @@ class TorchTrainEngine(TrainEngine):
                     {
                         "optimizer": optim,
                         "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-                        "steps": self._steps, "version": self._version, "nan_skips": self._nan_skips,
+                        "steps": self._steps,
+                        "version": self._version,
+                        "nan_skips": self._nan_skips,
                     },
                     os.path.join(meta.path, TRAIN_STATE),
                 )

@@ -61,7 +61,9 @@ def pack(batch: TensorDict, rows: Sequence[int] | None = None) -> TensorDict:
         elif value.dim() >= 1 and value.shape[0] == shape[0]:
             out[key] = value[idx.to(value.device)]
         else:
-            raise ValueError(f"batch[{key!r}] has shape {list(value.shape)}; expected [B, L, ...] or [B, ...] with B={shape[0]}")
+            raise ValueError(
+                f"batch[{key!r}] has shape {list(value.shape)}; expected [B, L, ...] or [B, ...] with B={shape[0]}"
+            )
     cu = torch.zeros(len(idx) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
     starts = torch.repeat_interleave(cu[:-1].long(), lengths)
@@ -156,7 +158,9 @@ def _shifted(per_pred: torch.Tensor, packed: TensorDict) -> torch.Tensor:
     return out.masked_fill(_first_token_mask(packed, out.shape[0], out.device), 0.0)
 
 
-def token_logprobs(logits: torch.Tensor, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024
+) -> torch.Tensor:
     """``[T]``: value i = log p(input_ids[i] | earlier tokens of its sequence); 0 at each start.
 
     Computed as ``logit[label] - logsumexp(logits)`` in chunks of ``chunk`` tokens, so no
@@ -179,7 +183,9 @@ def token_logprobs(logits: torch.Tensor, packed: TensorDict, temperature: float 
     return _shifted(pred, packed)
 
 
-def token_entropy(logits: torch.Tensor, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+def token_entropy(
+    logits: torch.Tensor, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024
+) -> torch.Tensor:
     """``[T]``: entropy of the distribution that predicted token i (0 at each start)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -242,7 +248,9 @@ def varlen_attention_forward(
         starts = torch.tensor([bounds[i] for i in group], device=q.device)
         lens = torch.tensor([lengths[i] for i in group], device=q.device)
         cols = torch.arange(int(lens.max()), device=q.device)
-        idx = starts[:, None] + torch.minimum(cols[None, :], lens[:, None] - 1)  # [n, W]; padding repeats the last token
+        idx = starts[:, None] + torch.minimum(
+            cols[None, :], lens[:, None] - 1
+        )  # [n, W]; padding repeats the last token
         o = attend(q[:, idx].transpose(0, 1), k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1))  # [n, H, W, D]
         real = cols[None, :] < lens[:, None]
         outs.append(o.transpose(0, 1)[:, real])  # [H, tokens of the group, D]
@@ -252,8 +260,14 @@ def varlen_attention_forward(
 
 
 def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop: float, scale: float | None, gqa: bool,
-    window: int | None, softcap: float | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    drop: float,
+    scale: float | None,
+    gqa: bool,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """Causal attention of ``[n, H, W, D]`` queries over ``[n, H_kv, W, D]`` keys/values, with an
     optional sliding window and logit soft-cap (then an explicit mask / the eager formula)."""

@@ -121,7 +121,9 @@ class MetricLogger:
             )
 
     @classmethod
-    def from_config(cls, cfg: LoggingConfig, run_dir: str | os.PathLike[str], config: object | None = None) -> MetricLogger:
+    def from_config(
+        cls, cfg: LoggingConfig, run_dir: str | os.PathLike[str], config: object | None = None
+    ) -> MetricLogger:
         """Build from the ``logging`` section of a RunConfig (``config`` is stored in W&B)."""
         return cls(run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_mode, cfg.wandb_project, config)
 

@@ -33,7 +33,13 @@ def rng_state() -> RngState:
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
     state: RngState = {
         "python": random.getstate(),
-        "numpy": (str(kind), torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)),
+        "numpy": (
+            str(kind),
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -65,7 +65,7 @@ class TinyPeer:
     def logits(self, ids: list[int], out: list[int]) -> torch.Tensor:
         """Logits that produced each of ``out`` (one row per output token)."""
         seq = torch.tensor([ids + out])
-        return self.model(seq).logits[0, len(ids) - 1: len(ids) + len(out) - 1].float()
+        return self.model(seq).logits[0, len(ids) - 1 : len(ids) + len(out) - 1].float()
 
 
 def listen(app: object, name: str, host: str = "127.0.0.1", port: int = 0) -> None:

@@ -18,18 +18,22 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: timedelta) -> dist.ProcessGroup:
+def init_custom_process_group(
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout: timedelta
+) -> dist.ProcessGroup:
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
-def receive(pg: dist.ProcessGroup, dtypes: list[str], shapes: list[list[int]], device: str = "cpu") -> list[torch.Tensor]:
+def receive(
+    pg: dist.ProcessGroup, dtypes: list[str], shapes: list[list[int]], device: str = "cpu"
+) -> list[torch.Tensor]:
     """``update_weights_from_distributed``'s receiving side: one broadcast from rank 0 per tensor, in order."""
     out = []
     for d, shape in zip(dtypes, shapes, strict=True):
@@ -48,7 +52,11 @@ def send(pg: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
 def sample_tensors() -> list[torch.Tensor]:
     """What the two-process tests send: three tensors of different dtypes and shapes."""
     g = torch.Generator().manual_seed(7)
-    return [torch.randn(4, 3, generator=g), torch.arange(10, dtype=torch.int64), torch.randn(5, generator=g).to(torch.bfloat16)]
+    return [
+        torch.randn(4, 3, generator=g),
+        torch.arange(10, dtype=torch.int64),
+        torch.randn(5, generator=g).to(torch.bfloat16),
+    ]
 
 
 def tp_worker() -> None:
@@ -64,8 +72,13 @@ def tp_worker() -> None:
         try:
             if cmd["op"] == "init":
                 groups[cmd["group_name"]] = init_custom_process_group(
-                    cmd["backend"], f"tcp://{cmd['master_address']}:{cmd['master_port']}", cmd["world_size"],
-                    cmd["rank"], cmd["group_name"], timedelta(seconds=cmd["timeout"]))
+                    cmd["backend"],
+                    f"tcp://{cmd['master_address']}:{cmd['master_port']}",
+                    cmd["world_size"],
+                    cmd["rank"],
+                    cmd["group_name"],
+                    timedelta(seconds=cmd["timeout"]),
+                )
                 print(json.dumps({"ok": True}), flush=True)
             elif cmd["op"] == "destroy":
                 dist.destroy_process_group(groups.pop(cmd["group_name"]))

@@ -52,10 +52,31 @@ from sglang_group import init_custom_process_group, receive  # noqa: E402
 
 from relayrl.api.io import GenerationConfig  # noqa: E402
 
-SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-                 "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty", "json_schema", "regex", "ebnf",
-                 "custom_params", "stream_interval", "logit_bias", "sampling_seed"}
+SAMPLING_KEYS = {
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+}
 
 
 def _err(msg: str, status: int = 400) -> JSONResponse:
@@ -133,8 +154,12 @@ class SGLangStandIn:
         self.counts = {"aborted": 0, "health_503": 0, "buckets": 0}
 
     def _spawn_worker(self) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, str(Path(__file__).parent / "sglang_group.py"), "worker"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "sglang_group.py"), "worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def _ask(self, w: subprocess.Popen[str], cmd: dict) -> dict:  # type: ignore[type-arg]
         assert w.stdin is not None and w.stdout is not None
@@ -152,10 +177,17 @@ class SGLangStandIn:
             raise ValueError(f"SamplingParams.__init__() got an unexpected keyword argument '{unknown[0]}'")
         t = float(sp.get("temperature", 1.0))
         stop = sp.get("stop") or []
-        return GenerationConfig(max_new_tokens=int(sp.get("max_new_tokens", 128)), min_new_tokens=int(sp.get("min_new_tokens", 0)),
-                                greedy=t < 1e-5, temperature=1.0 if t < 1e-5 else t, top_p=float(sp.get("top_p", 1.0)),
-                                top_k=max(0, int(sp.get("top_k", -1))), stop=[stop] if isinstance(stop, str) else list(stop),
-                                stop_token_ids=list(sp.get("stop_token_ids") or []), ignore_eos=bool(sp.get("ignore_eos", False)))
+        return GenerationConfig(
+            max_new_tokens=int(sp.get("max_new_tokens", 128)),
+            min_new_tokens=int(sp.get("min_new_tokens", 0)),
+            greedy=t < 1e-5,
+            temperature=1.0 if t < 1e-5 else t,
+            top_p=float(sp.get("top_p", 1.0)),
+            top_k=max(0, int(sp.get("top_k", -1))),
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop_token_ids=list(sp.get("stop_token_ids") or []),
+            ignore_eos=bool(sp.get("ignore_eos", False)),
+        )
 
     async def one(self, rid: str, ids: list[int], sp: dict, logprob: bool) -> dict:  # type: ignore[type-arg]
         r = await self.peer.generate(rid, ids, self.gconfig(sp))
@@ -167,10 +199,19 @@ class SGLangStandIn:
             finish["matched"] = r.output_tokens[-1] if r.output_tokens else None
         else:
             finish["message"] = "Abort before update weights" if self.paused else "aborted"
-        meta: dict[str, object] = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": self.weight_version,
-                                   "completion_tokens": r.output_len, "cached_tokens": 0, "e2e_latency": r.latency}
+        meta: dict[str, object] = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "weight_version": self.weight_version,
+            "completion_tokens": r.output_len,
+            "cached_tokens": 0,
+            "e2e_latency": r.latency,
+        }
         if logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)]
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)
+            ]
         return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
 
     async def generate(self, obj: GenerateReqInput) -> Response:
@@ -181,8 +222,13 @@ class SGLangStandIn:
         if prompts is None or prompts == [None]:
             return _err("Either text or input_ids should be provided.")
         n = len(prompts)  # type: ignore[arg-type]
-        rids = obj.rid if isinstance(obj.rid, list) else [obj.rid or uuid.uuid4().hex] if n == 1 else \
-            [f"{obj.rid or uuid.uuid4().hex}_{i}" for i in range(n)]
+        rids = (
+            obj.rid
+            if isinstance(obj.rid, list)
+            else [obj.rid or uuid.uuid4().hex]
+            if n == 1
+            else [f"{obj.rid or uuid.uuid4().hex}_{i}" for i in range(n)]
+        )
         sps = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params or {}] * n
         lps = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob] * n
         for rid in rids:
@@ -192,7 +238,9 @@ class SGLangStandIn:
         try:
             while self.paused:  # SGLang holds new requests while generation is paused
                 await asyncio.sleep(0.01)
-            outs = await asyncio.gather(*(self.one(r, p, s, lp) for r, p, s, lp in zip(rids, prompts, sps, lps, strict=True)))  # type: ignore[arg-type]
+            outs = await asyncio.gather(
+                *(self.one(r, p, s, lp) for r, p, s, lp in zip(rids, prompts, sps, lps, strict=True))
+            )  # type: ignore[arg-type]
         except ValueError as e:
             return _err(str(e))
         finally:
@@ -220,12 +268,15 @@ class SGLangStandIn:
             try:
                 n = await asyncio.to_thread(self.peer.load_dir, obj.model_path, v)
             except (OSError, ValueError) as e:
-                return JSONResponse({"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0})
+                return JSONResponse(
+                    {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
+                )
             self.int_version = v
             if obj.weight_version is not None:
                 self.weight_version = obj.weight_version
-        return JSONResponse({"success": True, "message": f"Succeeded to update model weights ({n} tensors).",
-                               "num_paused_requests": 0})
+        return JSONResponse(
+            {"success": True, "message": f"Succeeded to update model weights ({n} tensors).", "num_paused_requests": 0}
+        )
 
     async def init_group(self, obj: InitWeightsUpdateGroupReqInput) -> Response:
         timeout = timedelta(seconds=60)
@@ -236,17 +287,28 @@ class SGLangStandIn:
 
             def rank0() -> None:
                 try:
-                    self.groups[obj.group_name] = init_custom_process_group(obj.backend, init, obj.world_size, obj.rank_offset,
-                                                                            obj.group_name, timeout)
+                    self.groups[obj.group_name] = init_custom_process_group(
+                        obj.backend, init, obj.world_size, obj.rank_offset, obj.group_name, timeout
+                    )
                 except BaseException as e:  # noqa: BLE001
                     errors.append(e)
 
             t = threading.Thread(target=rank0)
             t.start()
             for tp_rank, w in enumerate(self.workers, start=1):
-                self._ask(w, {"op": "init", "master_address": obj.master_address, "master_port": obj.master_port,
-                              "rank": obj.rank_offset + tp_rank, "world_size": obj.world_size, "group_name": obj.group_name,
-                              "backend": obj.backend, "timeout": 60})
+                self._ask(
+                    w,
+                    {
+                        "op": "init",
+                        "master_address": obj.master_address,
+                        "master_port": obj.master_port,
+                        "rank": obj.rank_offset + tp_rank,
+                        "world_size": obj.world_size,
+                        "group_name": obj.group_name,
+                        "backend": obj.backend,
+                        "timeout": 60,
+                    },
+                )
             t.join()
             if errors:
                 raise errors[0]
@@ -273,11 +335,16 @@ class SGLangStandIn:
         if obj.abort_all_requests:
             self.counts["aborted"] += await asyncio.to_thread(self.peer.abort_running)
         async with self.peer.lock:
+
             def recv_all() -> list[torch.Tensor]:
                 for w in self.workers:  # TP ranks > 0 receive the same broadcasts
                     assert w.stdin is not None
-                    w.stdin.write(json.dumps({"op": "recv", "group_name": obj.group_name, "dtypes": obj.dtypes,
-                                              "shapes": obj.shapes}) + "\n")
+                    w.stdin.write(
+                        json.dumps(
+                            {"op": "recv", "group_name": obj.group_name, "dtypes": obj.dtypes, "shapes": obj.shapes}
+                        )
+                        + "\n"
+                    )
                     w.stdin.flush()
                 got = receive(pg, obj.dtypes, obj.shapes)
                 for w in self.workers:
@@ -314,8 +381,15 @@ class SGLangStandIn:
         return JSONResponse({})
 
     def server_info(self) -> dict[str, object]:
-        return {"version": self.version, "tp_size": self.tp_size, "dp_size": 1, "model_path": "tiny",
-                "served_model_name": "tiny", "weight_version": self.weight_version, "stand_in_counts": self.counts}
+        return {
+            "version": self.version,
+            "tp_size": self.tp_size,
+            "dp_size": 1,
+            "model_path": "tiny",
+            "served_model_name": "tiny",
+            "weight_version": self.weight_version,
+            "stand_in_counts": self.counts,
+        }
 
 
 def _as_int(v: str | None, default: int) -> int:
@@ -363,6 +437,7 @@ def build_app(s: SGLangStandIn) -> FastAPI:
         @app.get("/get_weight_version")
         async def get_weight_version() -> dict[str, object]:
             return {"weight_version": s.weight_version}
+
     return app
 
 
@@ -374,7 +449,9 @@ def main() -> None:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--load-delay", type=float, default=0.0, help="extra seconds each weight load holds the model lock")
     args, _ = ap.parse_known_args()
-    listen(build_app(SGLangStandIn(args.version, args.tp_size, args.load_delay)), "sglang stand-in", args.host, args.port)
+    listen(
+        build_app(SGLangStandIn(args.version, args.tp_size, args.load_delay)), "sglang stand-in", args.host, args.port
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,10 @@ VERSION = "0.15.0"
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
     kinds = {400: "BadRequestError", 404: "NotFoundError"}
-    return JSONResponse({"error": {"message": message, "type": kinds.get(status, "Error"), "param": param, "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kinds.get(status, "Error"), "param": param, "code": status}},
+        status_code=status,
+    )
 
 
 class VLLMStandIn:
@@ -64,10 +66,17 @@ class VLLMStandIn:
             return _error("the stand-in takes token-id prompts only", 400, "prompt")
         t = float(body.get("temperature", 1.0))
         stop = body.get("stop") or []
-        g = GenerationConfig(max_new_tokens=int(body.get("max_tokens") or 16), min_new_tokens=int(body.get("min_tokens", 0)),
-                             greedy=t < 1e-5, temperature=1.0 if t < 1e-5 else t, top_p=float(body.get("top_p", 1.0)),
-                             top_k=max(0, int(body.get("top_k", -1) or -1)), stop=[stop] if isinstance(stop, str) else list(stop),
-                             stop_token_ids=list(body.get("stop_token_ids") or []), ignore_eos=bool(body.get("ignore_eos", False)))
+        g = GenerationConfig(
+            max_new_tokens=int(body.get("max_tokens") or 16),
+            min_new_tokens=int(body.get("min_tokens", 0)),
+            greedy=t < 1e-5,
+            temperature=1.0 if t < 1e-5 else t,
+            top_p=float(body.get("top_p", 1.0)),
+            top_k=max(0, int(body.get("top_k", -1) or -1)),
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop_token_ids=list(body.get("stop_token_ids") or []),
+            ignore_eos=bool(body.get("ignore_eos", False)),
+        )
         while self.paused:  # new requests wait while paused
             await asyncio.sleep(0.01)
         rid = body.get("request_id") or f"cmpl-{uuid.uuid4().hex}"
@@ -79,16 +88,37 @@ class VLLMStandIn:
             if k is not None:
                 token_lps, tops = self.logprobs(p, r.output_tokens, r.output_logprobs, t, int(k))
                 names = [f"token_id:{x}" if body.get("return_tokens_as_token_ids") else str(x) for x in r.output_tokens]
-                lp = {"tokens": names, "token_logprobs": token_lps, "top_logprobs": tops if k else None,
-                      "text_offset": list(range(len(names)))}
-            choices.append({"index": i, "text": "", "logprobs": lp, "finish_reason": r.stop_reason, "stop_reason": None,
-                            "prompt_logprobs": None})
+                lp = {
+                    "tokens": names,
+                    "token_logprobs": token_lps,
+                    "top_logprobs": tops if k else None,
+                    "text_offset": list(range(len(names))),
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "text": "",
+                    "logprobs": lp,
+                    "finish_reason": r.stop_reason,
+                    "stop_reason": None,
+                    "prompt_logprobs": None,
+                }
+            )
         usage = {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": sum(r.output_len for r in outs)}
-        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.served,
-                             "choices": choices, "usage": {**usage, "total_tokens": sum(usage.values())}})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.served,
+                "choices": choices,
+                "usage": {**usage, "total_tokens": sum(usage.values())},
+            }
+        )
 
-    def logprobs(self, ids: list[int], out: list[int], sampled: list[float], t: float, k: int
-                 ) -> tuple[list[float], list[dict[str, float]]]:
+    def logprobs(
+        self, ids: list[int], out: list[int], sampled: list[float], t: float, k: int
+    ) -> tuple[list[float], list[dict[str, float]]]:
         """Sampled-token logprobs and top-k dicts: raw (before temperature) or processed (after)."""
         if not out:
             return [], []
@@ -96,7 +126,9 @@ class VLLMStandIn:
         if self.logprobs_mode == "processed_logprobs" and t >= 1e-5:
             logits = logits / t
         logp = torch.log_softmax(logits, dim=-1)
-        token_lps = sampled if self.logprobs_mode == "processed_logprobs" else [float(logp[i, x]) for i, x in enumerate(out)]
+        token_lps = (
+            sampled if self.logprobs_mode == "processed_logprobs" else [float(logp[i, x]) for i, x in enumerate(out)]
+        )
         tops = []
         for i, x in enumerate(out):
             vals, idx = logp[i].topk(max(k, 1))
@@ -112,7 +144,10 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
 
     @app.get("/stand_in")
     async def stand_in() -> dict[str, object]:  # test introspection, not a vLLM route: how it was started
-        return {"argv": sys.argv, "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_SERVER_DEV_MODE")}}
+        return {
+            "argv": sys.argv,
+            "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_SERVER_DEV_MODE")},
+        }
 
     @app.get("/health")
     async def health() -> Response:
@@ -121,7 +156,9 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:  # vLLM's Prometheus counter of generated tokens (the one the tests watch)
         n = s.peer.engine.stats["tokens"]
-        return Response(f'vllm:generation_tokens_total{{model_name="{s.served}"}} {float(n)}\n', media_type="text/plain")
+        return Response(
+            f'vllm:generation_tokens_total{{model_name="{s.served}"}} {float(n)}\n', media_type="text/plain"
+        )
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -162,8 +199,9 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
     async def collective_rpc(request: Request) -> JSONResponse:
         body = await request.json()
         if body.get("method") != "reload_weights":
-            return JSONResponse({"error": f"the stand-in implements reload_weights only, got {body.get('method')!r}"},
-                                status_code=400)
+            return JSONResponse(
+                {"error": f"the stand-in implements reload_weights only, got {body.get('method')!r}"}, status_code=400
+            )
         path = (body.get("kwargs") or {}).get("weights_path")
         try:
             await asyncio.to_thread(s.peer.load_dir, path, s.version + 1)
@@ -184,7 +222,9 @@ def main() -> None:
     ap.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"])
     args, _ = ap.parse_known_args()
     dev = os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
-    listen(build_app(VLLMStandIn(args.served_model_name, args.logprobs_mode), dev), "vllm stand-in", args.host, args.port)
+    listen(
+        build_app(VLLMStandIn(args.served_model_name, args.logprobs_mode), dev), "vllm stand-in", args.host, args.port
+    )
 
 
 if __name__ == "__main__":

@@ -19,9 +19,16 @@ from relayrl.api.engine import DataItem
 from relayrl.data.datasets import RLDataLoader
 
 FAST = [
-    "rollout.batch_size=2", "rollout.group_size=2", "gconfig.max_new_tokens=6", "data.n_train=400", "data.n_eval=4",
+    "rollout.batch_size=2",
+    "rollout.group_size=2",
+    "gconfig.max_new_tokens=6",
+    "data.n_train=400",
+    "data.n_eval=4",
     # A random model earns no reward, so advantages are 0: the entropy bonus keeps gradients non-zero.
-    "train.optimizer.lr=1e-3", "actor.entropy_coef=0.01", "logging.tensorboard=false", "logging.progress=lines",
+    "train.optimizer.lr=1e-3",
+    "actor.entropy_coef=0.01",
+    "logging.tensorboard=false",
+    "logging.progress=lines",
     "logging.rollouts_per_step=0",
 ]
 TOKEN = "reliability-token"
@@ -29,11 +36,23 @@ TOKEN = "reliability-token"
 
 def remote_cfg(run_dir: str | Path, addresses: list[str], *extra: str) -> RunConfig:
     """A fast asynchronous run (eta=1) generating on the servers at ``addresses``."""
-    return load_config(RunConfig, None, [
-        f"run_dir={run_dir}", *FAST, "inference.backend=remote", f"inference.addresses={addresses}",
-        f"inference.admin_token={TOKEN}", "inference.health_interval=0.2", "inference.max_retries=12",
-        "inference.request_timeout=60", "rollout.max_staleness=1", "gconfig.max_new_tokens=16", *extra,
-    ])
+    return load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={run_dir}",
+            *FAST,
+            "inference.backend=remote",
+            f"inference.addresses={addresses}",
+            f"inference.admin_token={TOKEN}",
+            "inference.health_interval=0.2",
+            "inference.max_retries=12",
+            "inference.request_timeout=60",
+            "rollout.max_staleness=1",
+            "gconfig.max_new_tokens=16",
+            *extra,
+        ],
+    )
 
 
 def metrics_rows(run_dir: str | Path) -> list[dict]:
@@ -68,8 +87,9 @@ def pulled_ids(rows: list[DataItem], batch_size: int, seed: int, loader_state: d
     return out
 
 
-def audit_prompts(rows: list[DataItem], metric_rows: list[dict], state: dict, batch_size: int, seed: int
-                  ) -> tuple[Counter, Counter, Counter]:
+def audit_prompts(
+    rows: list[DataItem], metric_rows: list[dict], state: dict, batch_size: int, seed: int
+) -> tuple[Counter, Counter, Counter]:
     """(trained, pending, dropped) row ids; fails if a prompt was trained twice or appeared from nowhere.
 
     Counted as multisets: after the dataloader wraps into its next epoch a row id is handed

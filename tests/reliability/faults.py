@@ -23,8 +23,15 @@ def fault_of(row_id: object, faults: tuple[int, ...]) -> int | None:
     return n if n in faults else None
 
 
-def faulty_reward(prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int],
-                  id: str, answer: str, **data: object) -> float:
+def faulty_reward(
+    prompt: str,
+    completions: str,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    id: str,
+    answer: str,
+    **data: object,
+) -> float:
     """The arithmetic verifier, except: rows ending in 3 raise, in 5 hang, in 7 SIGKILL their own
     process (run it in a RewardPool!), in 9 score NaN."""
     fault = fault_of(id, (RAISE, HANG, DIE, NAN))

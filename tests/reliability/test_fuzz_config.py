@@ -37,10 +37,19 @@ def _fields(cls: type) -> dict[str, object]:
     return {f.name: hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None for f in dataclasses.fields(cls)}
 
 
-SCALAR = (st.none() | st.booleans() | st.integers(-(10**30), 10**30) | st.floats() | st.text(max_size=12)
-          | st.sampled_from(["1e-5", "nan", "-inf", "ppo", "remote", "requeue", "tiny", "", "0x10", "1_000"]))
-JUNK = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                    max_leaves=6)
+SCALAR = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**30), 10**30)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.sampled_from(["1e-5", "nan", "-inf", "ppo", "remote", "requeue", "tiny", "", "0x10", "1_000"])
+)
+JUNK = st.recursive(
+    SCALAR,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -109,15 +118,18 @@ def test_random_overrides_never_crash_the_loader(overrides):
     _load(None, overrides)
 
 
-@pytest.mark.parametrize(("content", "needle"), [
-    (b"actor:\n  lr: 1e-5\n", "unknown config key 'actor.lr'; known fields: adv_estimator"),
-    (b"rollout: 8\n", "rollout: expected a mapping of fields, got 8"),
-    (b"rollout:\n  batch_size: [8]\n", "rollout.batch_size: expected an integer, got [8]"),
-    (b"train:\n  optimizer:\n    lr: -1\n", "train.optimizer.lr=-1.0 is out of range"),
-    (b"\xff\xfeseed: 1\n", "is not UTF-8 text"),
-    (b"seed: 1" + b"0" * 5000 + b"\n", "is not valid YAML"),
-    (b"- just\n- a list\n", "must hold a mapping of sections, got list"),
-])
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"actor:\n  lr: 1e-5\n", "unknown config key 'actor.lr'; known fields: adv_estimator"),
+        (b"rollout: 8\n", "rollout: expected a mapping of fields, got 8"),
+        (b"rollout:\n  batch_size: [8]\n", "rollout.batch_size: expected an integer, got [8]"),
+        (b"train:\n  optimizer:\n    lr: -1\n", "train.optimizer.lr=-1.0 is out of range"),
+        (b"\xff\xfeseed: 1\n", "is not UTF-8 text"),
+        (b"seed: 1" + b"0" * 5000 + b"\n", "is not valid YAML"),
+        (b"- just\n- a list\n", "must hold a mapping of sections, got list"),
+    ],
+)
 def test_cli_prints_one_line_naming_the_field_and_no_traceback(tmp_path, content, needle):
     cfg = tmp_path / "bad.yaml"
     cfg.write_bytes(content)

@@ -29,17 +29,25 @@ TMP = Path(tempfile.mkdtemp(prefix="relayrl-fuzz-data-"))
 MAX_LEN = 48
 TOK = build_tokenizer()
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-                    max_leaves=5)
-TURN = st.fixed_dictionaries({}, optional={"role": st.sampled_from(["user", "system"]) | JSON,
-                                           "content": st.text(max_size=80) | JSON})
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=5,
+)
+TURN = st.fixed_dictionaries(
+    {}, optional={"role": st.sampled_from(["user", "system"]) | JSON, "content": st.text(max_size=80) | JSON}
+)
 PROMPT = st.text(max_size=80) | st.sampled_from(["", "   ", "\n", "1+1=", "x" * 200]) | JSON
-RECORD = st.fixed_dictionaries({}, optional={
-    "question": PROMPT, "messages": st.lists(TURN, max_size=3) | JSON,
-    "answer": st.text(max_size=8) | st.integers() | JSON, "id": st.text(max_size=8) | st.integers() | JSON,
-    "extra": JSON,
-})
+RECORD = st.fixed_dictionaries(
+    {},
+    optional={
+        "question": PROMPT,
+        "messages": st.lists(TURN, max_size=3) | JSON,
+        "answer": st.text(max_size=8) | st.integers() | JSON,
+        "id": st.text(max_size=8) | st.integers() | JSON,
+        "extra": JSON,
+    },
+)
 
 
 def teardown_module() -> None:
@@ -88,21 +96,25 @@ def test_random_rows_load_or_name_the_first_bad_row(records, prompt_key):
         assert not any(ok) and str(e) == f"{path}: no valid rows"
     else:
         assert [r["id"] for r in kept] == [
-            (r.get("id") if r.get("id") is not None else i) for i, r in enumerate(records) if ok[i]]
+            (r.get("id") if r.get("id") is not None else i) for i, r in enumerate(records) if ok[i]
+        ]
 
 
-@pytest.mark.parametrize(("line", "needle"), [
-    ('{"question": "", "answer": "1"}', "row 1 (id=1): the prompt is empty"),
-    ('{"question": "   ", "answer": "1", "id": "blank"}', "row 1 (id='blank'): the prompt is empty"),
-    ('{"question": "' + "9+" * 60 + '", "answer": "1"}', f"tokens > data.max_prompt_len={MAX_LEN}"),
-    ('{"question": "1+1="}', "row 1 (id=1): missing answer field 'answer'"),
-    ('{"question": "1+1=", "answer": [2]}', "row 1 (id=1): 'answer' must be a string or number, got list"),
-    ('{"question": 7, "answer": "1"}', "row 1 (id=1): 'question' must be a string or a list of chat turns"),
-    ('{"question": "1+1=", "answer": "2", "id": [1]}', "row 1 (id=[1]): 'id' must be a string or an integer"),
-    ('{"question": [{"role": "user"}], "answer": "2"}', "'question' must be a non-empty list of {role, content}"),
-    ('[1, 2]', "row 1: expected an object, got list"),
-    ('{"question": "1+1=", "answer": ', "line 2 is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ('{"question": "", "answer": "1"}', "row 1 (id=1): the prompt is empty"),
+        ('{"question": "   ", "answer": "1", "id": "blank"}', "row 1 (id='blank'): the prompt is empty"),
+        ('{"question": "' + "9+" * 60 + '", "answer": "1"}', f"tokens > data.max_prompt_len={MAX_LEN}"),
+        ('{"question": "1+1="}', "row 1 (id=1): missing answer field 'answer'"),
+        ('{"question": "1+1=", "answer": [2]}', "row 1 (id=1): 'answer' must be a string or number, got list"),
+        ('{"question": 7, "answer": "1"}', "row 1 (id=1): 'question' must be a string or a list of chat turns"),
+        ('{"question": "1+1=", "answer": "2", "id": [1]}', "row 1 (id=[1]): 'id' must be a string or an integer"),
+        ('{"question": [{"role": "user"}], "answer": "2"}', "'question' must be a non-empty list of {role, content}"),
+        ("[1, 2]", "row 1: expected an object, got list"),
+        ('{"question": "1+1=", "answer": ', "line 2 is not valid JSON"),
+    ],
+)
 def test_each_kind_of_bad_row_is_named(line, needle):
     path = TMP / "bad.jsonl"
     path.write_text('{"question": "2+2=", "answer": "4"}\n' + line + "\n")
@@ -113,8 +125,11 @@ def test_each_kind_of_bad_row_is_named(line, needle):
 
 def _bad_file(tmp_path: Path) -> Path:
     good = [{"question": f"{i}+1=", "answer": str(i + 1), "id": f"good-{i}"} for i in range(12)]
-    bad = [{"question": "", "answer": "0", "id": "empty"}, {"question": "1+1=", "id": "no-answer"},
-           {"question": "9+" * 60, "answer": "1", "id": "too-long"}]
+    bad = [
+        {"question": "", "answer": "0", "id": "empty"},
+        {"question": "1+1=", "id": "no-answer"},
+        {"question": "9+" * 60, "answer": "1", "id": "too-long"},
+    ]
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [*good[:5], *bad, *good[5:]]))
     return path
@@ -131,8 +146,19 @@ def test_relayrl_train_names_the_bad_row_in_one_line(tmp_path):
 
 def test_training_with_skip_invalid_rows_uses_only_good_rows(tmp_path):
     path = _bad_file(tmp_path)
-    cfg = load_config(RunConfig, None, [f"run_dir={tmp_path / 'run'}", *FAST, "data.task=file", f"data.train_path={path}",
-                                        f"data.max_prompt_len={MAX_LEN}", "data.skip_invalid_rows=true", "total_steps=4"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            *FAST,
+            "data.task=file",
+            f"data.train_path={path}",
+            f"data.max_prompt_len={MAX_LEN}",
+            "data.skip_invalid_rows=true",
+            "total_steps=4",
+        ],
+    )
     train(cfg)
     trained = [i for r in metrics_rows(cfg.run_dir) for i in r["prompt_ids"]]
     assert len(trained) == 8 and all(i.startswith("good-") for i in trained)

@@ -30,31 +30,78 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list
 # Integers stay small or absurd: a valid request must not ask for thousands of tokens.
 INT = st.integers(-3, 24) | st.sampled_from([2**31, -(2**63), 10**30, 5000])
 LEAF = st.none() | st.booleans() | INT | st.floats() | st.text(max_size=12)
-JSON = st.recursive(LEAF, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                    max_leaves=8)
+JSON = st.recursive(
+    LEAF,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
 TOKENS = st.lists(st.integers(8, 70), min_size=1, max_size=6)
 TEXT = st.text(alphabet="0123456789+-*= abc", min_size=1, max_size=10)
 TEMP = st.floats(0.0, 2.0)
-SAMPLING = st.fixed_dictionaries({"max_new_tokens": st.integers(1, 8)}, optional={
-    "temperature": TEMP, "top_p": st.floats(0.05, 1.0), "top_k": st.integers(-1, 20), "stop": TEXT | st.lists(TEXT, max_size=2),
-    "stop_token_ids": st.lists(st.integers(0, 100), max_size=2), "ignore_eos": st.booleans(), "min_new_tokens": st.just(0)})
-SPECIAL_PATHS = ["/", "/etc", "..", "/tmp/../etc", "\x00", "~", "/proc/self", "x" * 5000, "ROOT", "ROOT/../..",
-                 "ROOT/" + "x" * 5000, "ROOT/\x00", "ROOT/a/../../etc", "ROOT/%2e%2e/etc"]  # ROOT: the allowed root
+SAMPLING = st.fixed_dictionaries(
+    {"max_new_tokens": st.integers(1, 8)},
+    optional={
+        "temperature": TEMP,
+        "top_p": st.floats(0.05, 1.0),
+        "top_k": st.integers(-1, 20),
+        "stop": TEXT | st.lists(TEXT, max_size=2),
+        "stop_token_ids": st.lists(st.integers(0, 100), max_size=2),
+        "ignore_eos": st.booleans(),
+        "min_new_tokens": st.just(0),
+    },
+)
+SPECIAL_PATHS = [
+    "/",
+    "/etc",
+    "..",
+    "/tmp/../etc",
+    "\x00",
+    "~",
+    "/proc/self",
+    "x" * 5000,
+    "ROOT",
+    "ROOT/../..",
+    "ROOT/" + "x" * 5000,
+    "ROOT/\x00",
+    "ROOT/a/../../etc",
+    "ROOT/%2e%2e/etc",
+]  # ROOT: the allowed root
 VALID = {  # endpoint -> strategy of bodies it must accept (200)
-    "/generate": st.fixed_dictionaries({"input_ids": TOKENS, "sampling_params": SAMPLING},
-                                       optional={"return_logprob": st.booleans(), "rid": TEXT}),
-    "/v1/completions": st.fixed_dictionaries({"prompt": TEXT | TOKENS, "max_tokens": st.integers(1, 8)}, optional={
-        "temperature": TEMP, "n": st.integers(1, 3), "logprobs": st.integers(0, 5), "stop": TEXT, "top_k": st.integers(-1, 9)}),
-    "/v1/chat/completions": st.fixed_dictionaries({
-        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": TEXT}),
-                             min_size=1, max_size=2).map(lambda m: [*m, {"role": "user", "content": "1+1="}]),
-        "max_tokens": st.integers(1, 8)}, optional={"temperature": TEMP, "n": st.integers(1, 2), "logprobs": st.booleans()}),
+    "/generate": st.fixed_dictionaries(
+        {"input_ids": TOKENS, "sampling_params": SAMPLING}, optional={"return_logprob": st.booleans(), "rid": TEXT}
+    ),
+    "/v1/completions": st.fixed_dictionaries(
+        {"prompt": TEXT | TOKENS, "max_tokens": st.integers(1, 8)},
+        optional={
+            "temperature": TEMP,
+            "n": st.integers(1, 3),
+            "logprobs": st.integers(0, 5),
+            "stop": TEXT,
+            "top_k": st.integers(-1, 9),
+        },
+    ),
+    "/v1/chat/completions": st.fixed_dictionaries(
+        {
+            "messages": st.lists(
+                st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": TEXT}),
+                min_size=1,
+                max_size=2,
+            ).map(lambda m: [*m, {"role": "user", "content": "1+1="}]),
+            "max_tokens": st.integers(1, 8),
+        },
+        optional={"temperature": TEMP, "n": st.integers(1, 2), "logprobs": st.booleans()},
+    ),
     "/pause_generation": st.fixed_dictionaries({}, optional={"mode": st.sampled_from(["in_place", "retract"])}),
     "/continue_generation": st.builds(dict),
     # paths that must all be refused: outside the root, traversal, NUL, nothing there
-    "/update_weights_from_disk": st.fixed_dictionaries({"model_path": st.sampled_from(
-        SPECIAL_PATHS) | st.text(max_size=30) | st.text(max_size=30).map(lambda t: "ROOT/" + t)},
-        optional={"weight_version": st.integers(-5, 5), "flush_cache": st.booleans()}),
+    "/update_weights_from_disk": st.fixed_dictionaries(
+        {
+            "model_path": st.sampled_from(SPECIAL_PATHS)
+            | st.text(max_size=30)
+            | st.text(max_size=30).map(lambda t: "ROOT/" + t)
+        },
+        optional={"weight_version": st.integers(-5, 5), "flush_cache": st.booleans()},
+    ),
     "/update_weights_from_tensor": st.binary(max_size=64),
 }
 
@@ -88,8 +135,11 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(root):
     # a fuzzed /init_weights_update_group waits for a trainer that never comes: at most 3 s
-    group = launch_servers(1, admin_token=TOKEN, overrides=[f"allowed_weight_roots=['{root}']", "max_upload_mb=8",
-                                                           "inference.request_timeout=3"])
+    group = launch_servers(
+        1,
+        admin_token=TOKEN,
+        overrides=[f"allowed_weight_roots=['{root}']", "max_upload_mb=8", "inference.request_timeout=3"],
+    )
     url = f"http://{group.addresses[0]}"
     yield url
     group.shutdown()
@@ -161,9 +211,16 @@ def test_openapi_schema_with_schemathesis(server):
     """Positive and negative cases for every operation of /openapi.json (schemathesis)."""
     schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/generate", "/v1/completions", "/v1/chat/completions",
-                                              "/update_weights_from_disk", "/pause_generation", "/health",
-                                              "/init_weights_update_group", "/update_weights_from_distributed"}
+    assert {op.path for op in operations} >= {
+        "/generate",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/update_weights_from_disk",
+        "/pause_generation",
+        "/health",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+    }
     for op in operations:
         strategy = op.as_strategy(GenerationMode.POSITIVE) | op.as_strategy(GenerationMode.NEGATIVE)
 
@@ -173,8 +230,14 @@ def test_openapi_schema_with_schemathesis(server):
             _bound_generation(case.body)
             response = case.call(base_url=server, headers=AUTH, timeout=120)
             case.validate_response(response, checks=[not_a_server_error, negative_data_rejection])
-            _check(server, httpx.Response(response.status_code, content=response.content,
-                                          request=httpx.Request(case.method, server + case.path)))
+            _check(
+                server,
+                httpx.Response(
+                    response.status_code,
+                    content=response.content,
+                    request=httpx.Request(case.method, server + case.path),
+                ),
+            )
 
         run()
     _alive_and_unchanged(server)

@@ -35,8 +35,11 @@ def ppo_poisoned(**kw):
 
 
 def _cfg(tmp_path, *extra: str) -> RunConfig:
-    return load_config(RunConfig, None, [f"run_dir={tmp_path / 'run'}", *FAST, "actor.loss=ppo_poisoned",
-                                         "rollout.max_staleness=0", *extra])
+    return load_config(
+        RunConfig,
+        None,
+        [f"run_dir={tmp_path / 'run'}", *FAST, "actor.loss=ppo_poisoned", "rollout.max_staleness=0", *extra],
+    )
 
 
 def _actor(run_dir: str, step: int) -> dict[str, torch.Tensor]:
@@ -70,18 +73,26 @@ def test_repeated_nonfinite_losses_stop_the_run_with_a_clear_message(tmp_path):
     CALLS[0] = 0
     POISON.clear()
     POISON.update({k: math.nan for k in range(3, 100)})
-    with pytest.raises(NonFiniteError, match=r"^training stopped in step 6: 4 consecutive steps had a non-finite "
-                                             r"loss \(nan\).*train.max_nan_skips=3$"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^training stopped in step 6: 4 consecutive steps had a non-finite "
+        r"loss \(nan\).*train.max_nan_skips=3$",
+    ):
         train(_cfg(tmp_path, "total_steps=20"))
     assert [r["actor/skipped_steps"] for r in metrics_rows(tmp_path / "run")] == [0, 0, 1, 1, 1]
 
 
 def test_nan_rewards_fail_episodes_and_stop_the_run_with_a_clear_message(tmp_path):
-    cfg = load_config(RunConfig, None, [f"run_dir={tmp_path / 'run'}", *FAST, "total_steps=4", "rollout.failure_window=8"])
+    cfg = load_config(
+        RunConfig, None, [f"run_dir={tmp_path / 'run'}", *FAST, "total_steps=4", "rollout.failure_window=8"]
+    )
     trainer = Trainer(cfg, reward_fn=nan_reward)
     try:
-        with pytest.raises(RuntimeError, match=r"rollout stopped: 8 of the last 8 episodes failed.*reward fn "
-                                               r"'nan_reward' returned nan for row 'arithmetic/train/\d+'"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"rollout stopped: 8 of the last 8 episodes failed.*reward fn "
+            r"'nan_reward' returned nan for row 'arithmetic/train/\d+'",
+        ):
             trainer.fit()
         assert trainer.step == 0  # nothing was trained on a NaN reward
     finally:

@@ -72,10 +72,19 @@ def test_pool_survives_raising_hanging_and_dying_reward_fns():
 
 def test_training_with_faulty_rewards_completes_on_healthy_prompts(tmp_path):
     steps, faults = 6, (RAISE, HANG, DIE, NAN)
-    cfg = load_config(RunConfig, None, [
-        f"run_dir={tmp_path / 'run'}", *FAST, f"total_steps={steps}", "rollout.max_staleness=0",
-        "rollout.reward_workers=2", "rollout.reward_timeout=1.5", "rollout.max_failure_rate=0.9",
-    ])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            *FAST,
+            f"total_steps={steps}",
+            "rollout.max_staleness=0",
+            "rollout.reward_workers=2",
+            "rollout.reward_timeout=1.5",
+            "rollout.max_failure_rate=0.9",
+        ],
+    )
     trainer = Trainer(cfg, reward_fn=faulty_reward)
     pool = trainer.workflow.reward_pool
     try:

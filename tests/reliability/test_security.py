@@ -23,8 +23,15 @@ from relayrl.inference.server import LISTEN_PREFIX
 
 TOKEN = "s3cret-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-BAD_AUTH = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}, {"Authorization": TOKEN},
-            {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": "Bearer"}, {"X-Admin-Token": TOKEN}]
+BAD_AUTH = [
+    {},
+    {"Authorization": "Bearer wrong"},
+    {"Authorization": f"Basic {TOKEN}"},
+    {"Authorization": TOKEN},
+    {"Authorization": f"Bearer {TOKEN}x"},
+    {"Authorization": "Bearer"},
+    {"X-Admin-Token": TOKEN},
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +67,39 @@ def test_admin_routes_refuse_requests_without_the_token(server, dirs):
     root, _, _ = dirs
     good = str(root / "good")
     upload = safetensors.torch.save({k: v.clone() for k, v in build_tiny_model("tiny", seed=4).state_dict().items()})
-    routes = [("/update_weights_from_disk", {"json": {"model_path": good, "weight_version": 7}}),
-              ("/update_weights_from_tensor?weight_version=8", {"content": upload}),
-              ("/pause_generation", {"json": {}}), ("/continue_generation", {})]
+    routes = [
+        ("/update_weights_from_disk", {"json": {"model_path": good, "weight_version": 7}}),
+        ("/update_weights_from_tensor?weight_version=8", {"content": upload}),
+        ("/pause_generation", {"json": {}}),
+        ("/continue_generation", {}),
+    ]
     for path, kw in routes:
         for headers in BAD_AUTH:
-            r = httpx.post(server + path + (f"&token={TOKEN}" if "?" in path else f"?token={TOKEN}"),
-                           headers=headers, timeout=60, **kw)
+            r = httpx.post(
+                server + path + (f"&token={TOKEN}" if "?" in path else f"?token={TOKEN}"),
+                headers=headers,
+                timeout=60,
+                **kw,
+            )
             assert r.status_code in (401, 403), (path, headers, r.status_code, r.text)
             assert "admin endpoint" in r.json()["error"]["message"]
             assert r.status_code == 403 or r.headers.get("www-authenticate") == "Bearer"
         assert _version(server) == 0 and not _paused(server), f"{path} had an effect without the token"
     # generation needs no token
-    r = httpx.post(server + "/generate", json={"input_ids": [3, 9, 4], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    r = httpx.post(
+        server + "/generate", json={"input_ids": [3, 9, 4], "sampling_params": {"max_new_tokens": 2}}, timeout=60
+    )
     assert r.status_code == 200
     # and every refused request works with it
-    assert httpx.post(server + "/pause_generation", headers=AUTH, json={}, timeout=60).status_code == 200 and _paused(server)
-    assert httpx.post(server + "/continue_generation", headers=AUTH, timeout=60).status_code == 200 and not _paused(server)
-    r = httpx.post(server + "/update_weights_from_disk", headers=AUTH, json={"model_path": good, "weight_version": 7}, timeout=120)
+    assert httpx.post(server + "/pause_generation", headers=AUTH, json={}, timeout=60).status_code == 200 and _paused(
+        server
+    )
+    assert httpx.post(server + "/continue_generation", headers=AUTH, timeout=60).status_code == 200 and not _paused(
+        server
+    )
+    r = httpx.post(
+        server + "/update_weights_from_disk", headers=AUTH, json={"model_path": good, "weight_version": 7}, timeout=120
+    )
     assert r.status_code == 200 and _version(server) == 7
     r = httpx.post(server + "/update_weights_from_tensor?weight_version=8", headers=AUTH, content=upload, timeout=120)
     assert r.status_code == 200 and _version(server) == 8
@@ -94,7 +116,10 @@ def test_weight_paths_outside_the_allowed_roots_are_refused(server, dirs, tmp_pa
         str(root / "escape" / "."): 403,
         str(sibling): 403,  # /x/root_evil is not inside /x/root
         os.path.relpath(outside): 403,  # relative to the server's working directory
-        "/etc": 403, "/": 403, "~": 403, "/proc/self/cwd": 403,
+        "/etc": 403,
+        "/": 403,
+        "~": 403,
+        "/proc/self/cwd": 403,
         str(root / "good") + "\x00/../../outside": 400,  # NUL byte
         str(root / "good/..%2F..%2Foutside"): 400,  # encoded traversal is just a (missing) name
         str(root / ("x" * 5000)): 400,  # a name too long for the OS
@@ -110,17 +135,25 @@ def test_weight_paths_outside_the_allowed_roots_are_refused(server, dirs, tmp_pa
 def _serve(*args: str) -> tuple[subprocess.Popen[str], str]:
     """``relayrl serve --port 0 ARGS`` as a process; returns it and its announced host:port."""
     env = dict(os.environ, RELAYRL_ADMIN_TOKEN="")
-    proc = subprocess.Popen([sys.executable, "-m", "relayrl.cli", "serve", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith(LISTEN_PREFIX), (line, proc.stderr.read() if proc.poll() is not None else "")
-    return proc, line[len(LISTEN_PREFIX):].strip().removeprefix("http://")
+    return proc, line[len(LISTEN_PREFIX) :].strip().removeprefix("http://")
 
 
 def _listening_on(pid: int, port: int) -> set[str]:
-    return {c.laddr.ip for c in psutil.Process(pid).net_connections("inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return {
+        c.laddr.ip
+        for c in psutil.Process(pid).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
 
 
 def _outward_ip() -> str | None:
@@ -160,7 +193,9 @@ def test_remote_engine_without_the_token_cannot_push_weights(server):
     from relayrl.inference.remote import RemoteEngine
 
     os.environ.pop("RELAYRL_ADMIN_TOKEN", None)
-    eng = RemoteEngine(InferenceConfig(backend="remote", weight_sync="http"), addresses=[server.removeprefix("http://")])
+    eng = RemoteEngine(
+        InferenceConfig(backend="remote", weight_sync="http"), addresses=[server.removeprefix("http://")]
+    )
     eng.initialize()
     try:
         v0 = _version(server)

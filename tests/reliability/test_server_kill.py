@@ -34,8 +34,10 @@ def servers():
 def test_a_health_probe_racing_a_weight_update_never_rolls_the_version_back(servers):
     """Found by the soak: a probe that read the version just before an update and wrote it back
     just after made the next ``update_weights`` fail ("no server confirmed weight version")."""
-    eng = RemoteEngine(InferenceConfig(backend="remote", admin_token=TOKEN, health_interval=0.3, weight_sync="http"),
-                       addresses=servers.addresses[:1])
+    eng = RemoteEngine(
+        InferenceConfig(backend="remote", admin_token=TOKEN, health_interval=0.3, weight_sync="http"),
+        addresses=servers.addresses[:1],
+    )
     eng.initialize()
     read, release = threading.Event(), threading.Event()
     parse = eng.backend.parse_version

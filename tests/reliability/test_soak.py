@@ -56,9 +56,16 @@ class Chaos(threading.Thread):
 @pytest.mark.timeout(SECONDS + 600)
 def test_soak_async_training_survives_random_server_restarts(tmp_path):
     group = launch_servers(2, admin_token=TOKEN)
-    cfg = remote_cfg(tmp_path / "run", group.addresses, "total_steps=1000000000", f"rollout.max_staleness={ETA}",
-                     "actor.loss=decoupled_ppo", "data.n_train=2000", "checkpoint.every_n_steps=25",
-                     "checkpoint.save_final=false")
+    cfg = remote_cfg(
+        tmp_path / "run",
+        group.addresses,
+        "total_steps=1000000000",
+        f"rollout.max_staleness={ETA}",
+        "actor.loss=decoupled_ppo",
+        "data.n_train=2000",
+        "checkpoint.every_n_steps=25",
+        "checkpoint.save_final=false",
+    )
     trainer = Trainer(cfg)
     chaos = Chaos(group, trainer.engine, seed=int(os.environ.get("RELAYRL_SOAK_SEED", "0")))
     t0 = time.monotonic()
@@ -73,7 +80,11 @@ def test_soak_async_training_survives_random_server_restarts(tmp_path):
         while trainer.executor.stats()["running_prompts"]:
             time.sleep(0.05)
         state = {"dataloader": trainer.dataloader.state_dict(), "executor": trainer.executor.state_dict()}
-        live, episodes, engine = len(trainer.engine.live_servers()), trainer.executor.stats(), dict(trainer.engine.stats)
+        live, episodes, engine = (
+            len(trainer.engine.live_servers()),
+            trainer.executor.stats(),
+            dict(trainer.engine.stats),
+        )
     finally:
         chaos.stop.set()
         trainer.close()
@@ -83,12 +94,19 @@ def test_soak_async_training_survives_random_server_restarts(tmp_path):
     rows = metrics_rows(cfg.run_dir)
     last = rows[-1]
     figures = {
-        "seconds": round(seconds), "steps": len(rows), "samples": int(last["perf/samples"]),
-        "restarts_survived": chaos.restarts, "evictions": engine["evictions"], "readmissions": engine["readmissions"],
-        "requests_reissued": engine["reissued"], "requests_retried": engine["retried"],
-        "episodes_completed": int(episodes["completed"]), "episodes_failed": int(episodes["failed"]),
+        "seconds": round(seconds),
+        "steps": len(rows),
+        "samples": int(last["perf/samples"]),
+        "restarts_survived": chaos.restarts,
+        "evictions": engine["evictions"],
+        "readmissions": engine["readmissions"],
+        "requests_reissued": engine["reissued"],
+        "requests_retried": engine["retried"],
+        "episodes_completed": int(episodes["completed"]),
+        "episodes_failed": int(episodes["failed"]),
         "episodes_expired": int(episodes["expired"]),
-        "max_staleness": int(max(r["rollout/staleness_max"] for r in rows)), "eta": ETA,
+        "max_staleness": int(max(r["rollout/staleness_max"] for r in rows)),
+        "eta": ETA,
         "steps_per_minute": round(60 * len(rows) / seconds, 1),
     }
     print("soak:", json.dumps(figures))

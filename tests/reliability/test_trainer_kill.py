@@ -22,7 +22,13 @@ T = 8
 COMMON = [*FAST, f"total_steps={T}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3"]
 SYNC = [*COMMON, "rollout.max_staleness=0"]
 # Long completions: episodes are still generating when checkpoints are written.
-ASYNC = [*COMMON, "rollout.max_staleness=1", "actor.loss=decoupled_ppo", "gconfig.max_new_tokens=24", "gconfig.min_new_tokens=24"]
+ASYNC = [
+    *COMMON,
+    "rollout.max_staleness=1",
+    "actor.loss=decoupled_ppo",
+    "gconfig.max_new_tokens=24",
+    "gconfig.min_new_tokens=24",
+]
 
 
 def _log(run_dir: Path) -> Path:

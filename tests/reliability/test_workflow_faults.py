@@ -35,8 +35,17 @@ class Flaky(RLVRWorkflow):
 
 def test_ten_percent_failing_episodes_are_counted_and_batches_fill(tmp_path):
     steps, group = 16, 2
-    cfg = load_config(RunConfig, None, [f"run_dir={tmp_path / 'run'}", *FAST, f"total_steps={steps}",
-                                        "rollout.max_staleness=1", "actor.loss=decoupled_ppo"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            *FAST,
+            f"total_steps={steps}",
+            "rollout.max_staleness=1",
+            "actor.loss=decoupled_ppo",
+        ],
+    )
     wf = Flaky(load_tokenizer(cfg.model), cfg.gconfig)
     trainer = Trainer(cfg, workflow=wf)
     try:

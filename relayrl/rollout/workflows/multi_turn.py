@@ -63,9 +63,16 @@ class MultiTurnWorkflow(RolloutWorkflow):
     """
 
     def __init__(
-        self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object, max_turns: int = 2,
-        turn_discount: float = 0.9, feedback: str = "Your answer is wrong. Try again.",
-        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None, prompt_format: str = "chat",
+        self,
+        reward_fn: RewardFn,
+        gconfig: GenerationConfig,
+        tokenizer: object,
+        max_turns: int = 2,
+        turn_discount: float = 0.9,
+        feedback: str = "Your answer is wrong. Try again.",
+        reward_pool: AsyncRewardPool | None = None,
+        reward_timeout: float | None = None,
+        prompt_format: str = "chat",
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -99,8 +106,16 @@ class MultiTurnWorkflow(RolloutWorkflow):
         for turn in range(self.max_turns):
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=self.gconfig))
             buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
-            raw = await compute_reward(self.reward_fn, engine, self.tokenizer, resp, data, self.reward_pool,
-                                       self.reward_timeout, prompt_ids=prompt)
+            raw = await compute_reward(
+                self.reward_fn,
+                engine,
+                self.tokenizer,
+                resp,
+                data,
+                self.reward_pool,
+                self.reward_timeout,
+                prompt_ids=prompt,
+            )
             reward = raw * self.turn_discount**turn
             if raw > 0 or turn == self.max_turns - 1:
                 break
@@ -110,6 +125,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         if not any(buf.mask):
             return None
         return buf.trajectory(
-            reward, num_turns=torch.tensor([turn + 1], dtype=torch.int64),
+            reward,
+            num_turns=torch.tensor([turn + 1], dtype=torch.int64),
             raw_rewards=torch.tensor([raw], dtype=torch.float32),
         )

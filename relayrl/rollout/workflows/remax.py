@@ -24,8 +24,13 @@ class ReMaxWorkflow(RolloutWorkflow):
     """One sampled row with ``rewards`` (sampled) and ``baseline_rewards`` (greedy)."""
 
     def __init__(
-        self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object,
-        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None, prompt_format: str = "chat",
+        self,
+        reward_fn: RewardFn,
+        gconfig: GenerationConfig,
+        tokenizer: object,
+        reward_pool: AsyncRewardPool | None = None,
+        reward_timeout: float | None = None,
+        prompt_format: str = "chat",
     ) -> None:
         self.prompt_format = prompt_format
         self.reward_fn = reward_fn
@@ -43,12 +48,15 @@ class ReMaxWorkflow(RolloutWorkflow):
         )
         if resp.output_len == 0:
             return None
-        reward, baseline = await asyncio.gather(*(
-            compute_reward(self.reward_fn, engine, self.tokenizer, r, data, self.reward_pool, self.reward_timeout)
-            for r in (resp, greedy)
-        ))
+        reward, baseline = await asyncio.gather(
+            *(
+                compute_reward(self.reward_fn, engine, self.tokenizer, r, data, self.reward_pool, self.reward_timeout)
+                for r in (resp, greedy)
+            )
+        )
         return trajectory_from_response(
-            resp, reward,
+            resp,
+            reward,
             baseline_rewards=torch.tensor([baseline], dtype=torch.float32),
             truncated=torch.tensor([resp.stop_reason == "length"], dtype=torch.bool),
         )

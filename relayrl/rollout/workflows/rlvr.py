@@ -46,8 +46,10 @@ def prompt_ids_of(tokenizer: object, data: DataItem, prompt_format: str = "chat"
 
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise KeyError(f"data row {data.get('id', '?')!r} needs 'messages' (a non-empty list of chat turns); "
-                       f"it has keys {sorted(data)}")
+        raise KeyError(
+            f"data row {data.get('id', '?')!r} needs 'messages' (a non-empty list of chat turns); "
+            f"it has keys {sorted(data)}"
+        )
     return prompt_ids(tokenizer, messages, prompt_format)  # type: ignore[arg-type]
 
 
@@ -109,9 +111,15 @@ async def _in_thread(fn: RewardFn, kwargs: dict[str, object], timeout: float) ->
 
 
 async def compute_reward(
-    reward_fn: RewardFn, engine: InferenceEngine, tokenizer: object, resp: ModelResponse, data: DataItem,
-    reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None,
-    prompt_ids: list[int] | None = None, completion_ids: list[int] | None = None,
+    reward_fn: RewardFn,
+    engine: InferenceEngine,
+    tokenizer: object,
+    resp: ModelResponse,
+    data: DataItem,
+    reward_pool: AsyncRewardPool | None = None,
+    reward_timeout: float | None = None,
+    prompt_ids: list[int] | None = None,
+    completion_ids: list[int] | None = None,
 ) -> float:
     """Score one completion with a contract-2 reward fn (see module doc for where it runs)."""
     p_ids = list(resp.input_tokens if prompt_ids is None else prompt_ids)
@@ -120,7 +128,8 @@ async def compute_reward(
     kwargs.update(
         prompt=tokenizer.decode(p_ids, skip_special_tokens=True),  # type: ignore[attr-defined]
         completions=tokenizer.decode(c_ids, skip_special_tokens=False),  # type: ignore[attr-defined]
-        prompt_ids=p_ids, completion_ids=c_ids,
+        prompt_ids=p_ids,
+        completion_ids=c_ids,
     )
     if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__):
         value = await reward_fn(engine, **kwargs)
@@ -131,8 +140,10 @@ async def compute_reward(
     else:
         value = reward_fn(**kwargs)
     if not math.isfinite(float(value)):  # the episode fails (counted), the batch fills from others
-        raise ValueError(f"reward fn {getattr(reward_fn, '__name__', 'reward_fn')!r} returned {float(value)} for row "
-                         f"{data.get('id', '?')!r}; rewards must be finite")
+        raise ValueError(
+            f"reward fn {getattr(reward_fn, '__name__', 'reward_fn')!r} returned {float(value)} for row "
+            f"{data.get('id', '?')!r}; rewards must be finite"
+        )
     return float(value)
 
 
@@ -141,8 +152,13 @@ class RLVRWorkflow(RolloutWorkflow):
     (True when the completion hit ``max_new_tokens``)."""
 
     def __init__(
-        self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object,
-        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None, prompt_format: str = "chat",
+        self,
+        reward_fn: RewardFn,
+        gconfig: GenerationConfig,
+        tokenizer: object,
+        reward_pool: AsyncRewardPool | None = None,
+        reward_timeout: float | None = None,
+        prompt_format: str = "chat",
     ) -> None:
         self.reward_fn = reward_fn
         self.gconfig = gconfig
@@ -156,7 +172,8 @@ class RLVRWorkflow(RolloutWorkflow):
         resp = await engine.agenerate(ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig))
         if resp.output_len == 0:
             return None  # nothing to train on
-        reward = await compute_reward(self.reward_fn, engine, self.tokenizer, resp, data,
-                                      self.reward_pool, self.reward_timeout)
+        reward = await compute_reward(
+            self.reward_fn, engine, self.tokenizer, resp, data, self.reward_pool, self.reward_timeout
+        )
         truncated = torch.tensor([resp.stop_reason == "length"], dtype=torch.bool)
         return trajectory_from_response(resp, reward, truncated=truncated)

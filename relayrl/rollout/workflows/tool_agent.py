@@ -45,10 +45,19 @@ class ToolAgentWorkflow(RolloutWorkflow):
     """
 
     def __init__(
-        self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: object, tool: Tool | None = None,
-        max_tool_calls: int = 3, call_start: str = "<|call|>", call_end: str = "\n",
-        result_prefix: str = "<|result|>", result_suffix: str = "\n",
-        reward_pool: AsyncRewardPool | None = None, reward_timeout: float | None = None, prompt_format: str = "chat",
+        self,
+        reward_fn: RewardFn,
+        gconfig: GenerationConfig,
+        tokenizer: object,
+        tool: Tool | None = None,
+        max_tool_calls: int = 3,
+        call_start: str = "<|call|>",
+        call_end: str = "\n",
+        result_prefix: str = "<|result|>",
+        result_suffix: str = "\n",
+        reward_pool: AsyncRewardPool | None = None,
+        reward_timeout: float | None = None,
+        prompt_format: str = "chat",
     ) -> None:
         self.reward_fn = reward_fn
         self.gconfig = gconfig
@@ -100,15 +109,22 @@ class ToolAgentWorkflow(RolloutWorkflow):
             stops, stop_texts = list(self.gconfig.stop_token_ids), list(self.gconfig.stop)
             if calls < self.max_tool_calls:
                 stops.append(self.call_end_id) if self.call_end_id is not None else stop_texts.append(self.call_end)
-            g = self.gconfig.new(max_new_tokens=budget, min_new_tokens=min(self.gconfig.min_new_tokens, budget),
-                                 stop_token_ids=stops, stop=stop_texts)
+            g = self.gconfig.new(
+                max_new_tokens=budget,
+                min_new_tokens=min(self.gconfig.min_new_tokens, budget),
+                stop_token_ids=stops,
+                stop=stop_texts,
+            )
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=g))
             out = resp.output_tokens
             buf.add_generated(out, resp.output_logprobs, resp.output_versions)
             generated += len(out)
             last += out  # generated since the last tool result
-            at_end, expr = (self._call_text(out) if resp.stop_reason == "stop" and out and out[-1] not in user_stops
-                             else (False, None))
+            at_end, expr = (
+                self._call_text(out)
+                if resp.stop_reason == "stop" and out and out[-1] not in user_stops
+                else (False, None)
+            )
             if not at_end:
                 truncated = resp.stop_reason == "length"
                 break
@@ -118,9 +134,19 @@ class ToolAgentWorkflow(RolloutWorkflow):
                 last = []
         if not any(buf.mask):
             return None
-        reward = await compute_reward(self.reward_fn, engine, self.tokenizer, resp, data, self.reward_pool,
-                                      self.reward_timeout, prompt_ids=prompt, completion_ids=last)
+        reward = await compute_reward(
+            self.reward_fn,
+            engine,
+            self.tokenizer,
+            resp,
+            data,
+            self.reward_pool,
+            self.reward_timeout,
+            prompt_ids=prompt,
+            completion_ids=last,
+        )
         return buf.trajectory(
-            reward, num_tool_calls=torch.tensor([calls], dtype=torch.int64),
+            reward,
+            num_tool_calls=torch.tensor([calls], dtype=torch.int64),
             truncated=torch.tensor([truncated], dtype=torch.bool),
         )
