@@ -23,10 +23,10 @@ from tests.test_train_engine import LENGTHS, n_loss_tokens, pg_loss
 RANK = 8
 
 
-def lora_engine(model, rank=RANK, targets=(), budget=64, **opt) -> TorchTrainEngine:
+def lora_engine(model, rank=RANK, targets=(), budget=64, dropout=0.0, **opt) -> TorchTrainEngine:
     opt.setdefault("lr", 1e-2)
     cfg = TrainEngineConfig(mb_max_tokens=budget, optimizer=OptimizerConfig(**opt), total_steps=10)
-    lora = LoraConfig(rank=rank, alpha=16.0, target_modules=list(targets))
+    lora = LoraConfig(rank=rank, alpha=16.0, dropout=dropout, target_modules=list(targets))
     eng = TorchTrainEngine(cfg, ModelConfig(lora=lora), model=copy.deepcopy(model), seed=0)
     eng.initialize()
     return eng
@@ -128,6 +128,16 @@ def test_checkpoint_is_a_peft_adapter_and_resumes_exactly(tiny_model, tmp_path):
     merged = load_model(ModelConfig(path="tiny", lora=LoraConfig(adapter_path=str(ckpt))), seed=0)
     assert type(merged) is type(tiny_model)
     assert (model_logp(merged, b1) - c.forward(b1)).abs().max() <= 1e-4
+
+
+def test_dropout_acts_on_the_adapters_in_training_mode_only(tiny_model):
+    eng = lora_engine(tiny_model, dropout=0.5)
+    eng.train_batch(make_batch(LENGTHS, seed=2), pg_loss, n_loss_tokens)  # B != 0 from here on
+    batch = make_batch(LENGTHS[:2], seed=3)
+    eng.train(True)
+    assert not torch.equal(eng.forward(batch), eng.forward(batch))  # dropout on the adapters' input
+    eng.eval()
+    assert torch.equal(eng.forward(batch), eng.forward(batch))
 
 
 def test_target_modules_are_checked_at_start_up(tiny_model):
