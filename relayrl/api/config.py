@@ -101,6 +101,11 @@ class InferenceConfig:
     device: str = f(
         "auto", help="LocalEngine / `relayrl serve`: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
     )
+    cuda_graphs: bool = f(
+        True,
+        help="LocalEngine on CUDA: capture the lean decode step as CUDA graphs at bucketed batch sizes (ignored on "
+        "CPU and for models without the lean step).",
+    )
     kv_cache_fraction: float = f(
         0.5,
         help="LocalEngine on CUDA: KV cache budget as a fraction of the free GPU memory after the "
