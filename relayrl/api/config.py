@@ -326,6 +326,18 @@ class ActorConfig:
     baseline: bool = f(True, help="reinforce: subtract the batch-mean reward as a baseline.")
     value_clip: float = f(0.2, help="Critic: value clipping range.", gt=0.0)
     critic_lr: float = f(1e-5, help="Critic learning rate (PPO with critic).", gt=0.0)
+    replay_routing: bool = f(
+        True,
+        help="MoE models: the trainer's forward uses the experts the generator chose for each token (the batch's "
+        "routed_experts) instead of its own top-k; gate weights still come from the trainer's router. No effect on "
+        "dense models or batches without routed_experts.",
+    )
+    moe_aux_loss_coef: float = f(
+        0.0,
+        help="MoE models: coefficient of the load-balancing auxiliary loss added to the policy loss (logged as "
+        "moe_aux_loss whatever the coefficient).",
+        ge=0.0,
+    )
 
     def validate(self) -> None:
         """Cross-field rules (``ValueError`` naming the fields; field prefix added by the loader)."""

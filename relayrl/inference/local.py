@@ -47,6 +47,7 @@ from relayrl.inference.sampling import RowParams, sample
 from relayrl.inference.seq import Seq, load_hf_state_dict, resolver, validate_request
 from relayrl.inference.slab import SlabBatch
 from relayrl.utils.batching import length_groups
+from relayrl.utils.moe import RoutingRecorder, routing_shape
 
 
 class LocalEngine(SlabBatch, InferenceEngine):
@@ -105,6 +106,9 @@ class LocalEngine(SlabBatch, InferenceEngine):
         self._mask_bool = torch.zeros(0, 0, dtype=torch.bool)
         self._fast: FastDecoder | None = None
         self.static_steps = static_steps
+        self._router: RoutingRecorder | None = None  # MoE models: records the experts of every token run
+        self._router_shape = (0, 0)
+        self._route: torch.Tensor | None = None  # experts of each row's newest token (from the last decode)
         self._static: StaticDecoder | None = None
         self._static_stale = True  # the batch changed since the static buffers were loaded
 
@@ -144,6 +148,9 @@ class LocalEngine(SlabBatch, InferenceEngine):
         self._mask_dict = (
             self._fast is None and self._full_attention_only and accepts_mask_dict(self.model, self.device)
         )
+        shape = routing_shape(self.model)
+        if shape is not None and self._router is None:
+            self._router, self._router_shape = RoutingRecorder(self.model), shape
         self._keep_arg = {"logits_to_keep": 1} if takes_logits_to_keep(self.model) else {}
         self.kv_capacity, self.kv_capacity_by = kv_capacity(
             self.model, self.device, self.config.kv_cache_fraction, self.config.max_tokens_in_flight
@@ -429,10 +436,17 @@ class LocalEngine(SlabBatch, InferenceEngine):
         self._params.counters += 1  # the next token of every row uses the next uniform
         self.stats["steps"] += 1
         now = time.perf_counter()
-        host = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the one device -> host copy per step
-        for i, (seq, tok, lp) in enumerate(zip(self._rows, host[0].long().tolist(), host[1].tolist(), strict=True)):
+        n, route, self._route = len(self._rows), self._route, None
+        parts = [tokens.double(), logprobs.double()] + ([] if route is None else [route.double().flatten()])
+        host = torch.cat(parts).cpu()  # the one device -> host copy per step
+        routes = None if route is None else host[2 * n :].view(route.shape).to(torch.int32)
+        for i, (seq, tok, lp) in enumerate(
+            zip(self._rows, host[:n].long().tolist(), host[n : 2 * n].tolist(), strict=True)
+        ):
             if not self._alive[i]:
                 continue
+            if routes is not None and i < routes.shape[0]:  # rows merged this step were just prefilled
+                seq.routes.append(routes[i : i + 1])
             if not seq.first_token_at:
                 seq.first_token_at = now
             seq.out.append(tok)

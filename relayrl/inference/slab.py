@@ -17,6 +17,7 @@ from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.graphs import StaticDecoder
 from relayrl.inference.sampling import RowParams
 from relayrl.inference.seq import Prefilled, Seq
+from relayrl.utils.moe import RoutingRecorder
 
 
 class SlabBatch:
@@ -40,11 +41,15 @@ class SlabBatch:
     _static: StaticDecoder | None
     _static_stale: bool
     _mask_dict: bool
+    _router: RoutingRecorder | None
+    _router_shape: tuple[int, int]
+    _route: torch.Tensor | None
     _keep_arg: dict[str, int]
 
     def _reset_batch(self) -> None:
         self._rows, self._alive, self._cache, self._params = [], [], None, None
         self._static_stale = True
+        self._route = None
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self._mask_bool = self._mask.bool()
         self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -103,6 +108,10 @@ class SlabBatch:
         first: dict[tuple[int, ...], int] = {}
         rows = [first.setdefault(tuple(s.prompt + s.out), len(first)) for s in seqs]
         kv, mask, logits = self._prefill_unique([list(x) for x in first])
+        if self._router is not None:  # MoE: the experts of every token run, prompt (and earlier output) included
+            ids = self._router.take().view(len(first), mask.shape[1], *self._router_shape).cpu()
+            for s, r in zip(seqs, rows, strict=True):
+                s.routes = [ids[r, mask.shape[1] - len(s.prompt) - len(s.out) :]]
         self.stats["prefills"] += 1
         self.stats["prefill_rows"] += len(seqs)
         self.stats["prefill_unique"] += len(first)
@@ -174,3 +183,5 @@ class SlabBatch:
             ).logits[:, -1]
         self._pos = self._pos + 1
         self._logits = logits.float()
+        if self._router is not None:  # the experts of each row's newest token, copied with the next sampled ids
+            self._route = self._router.take()
