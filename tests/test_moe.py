@@ -261,3 +261,51 @@ def test_fsdp2_two_ranks_equal_one_process_with_replay(tmp_path):
             assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, a[k], b[k])
     for k, v in single.state_dict().items():
         assert (got["state"][k] - v).abs().max() <= 1e-5, k
+
+
+# ---------------------------------------------------------------------------- relayrl serve
+
+
+def test_serve_returns_routed_experts_in_sglangs_format(tmp_path):
+    """`relayrl serve` on a Qwen3-MoE checkpoint: ``return_routed_experts`` gives base64 int32
+    ``[prompt + output - 1, layers, top_k]`` (single and batch form, per item), equal to the
+    experts a plain forward of the checkpoint picks."""
+    import subprocess
+    import sys
+
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.data.families import save_tiny_family
+    from relayrl.utils.moe import decode_routed_experts
+    from tests.test_local_engine_memory import _wait_listening
+
+    path = save_tiny_family("qwen3_moe", tmp_path / "moe", seed=1)
+    cmd = [sys.executable, "-m", "relayrl.cli", "serve", "--model", str(path), "--device", "cpu", "--port", "0"]
+    proc = subprocess.Popen(
+        [*cmd, "model.tokenizer_path=tiny"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    try:
+        url = _wait_listening(proc)
+        one = httpx.post(
+            url + "/generate",
+            json={"input_ids": PROMPTS[0], "sampling_params": sp, "return_routed_experts": True},
+            timeout=60,
+        ).json()
+        many = httpx.post(
+            url + "/generate",
+            json={"input_ids": PROMPTS[1:3], "sampling_params": sp, "return_routed_experts": [False, True]},
+            timeout=60,
+        ).json()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert "routed_experts" not in many[0]["meta_info"]
+    for prompt, reply in ((PROMPTS[0], one), (PROMPTS[2], many[1])):
+        meta = reply["meta_info"]
+        seq = prompt + reply["output_ids"]
+        assert meta["routed_experts_shape"] == [len(seq) - 1, 2, 2]
+        ids = decode_routed_experts(meta["routed_experts"], meta["routed_experts_shape"])
+        assert torch.equal(ids.long().sort(-1).values, hf_experts(model, seq[:-1]))

@@ -108,6 +108,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         self.static_steps = static_steps
         self._router: RoutingRecorder | None = None  # MoE models: records the experts of every token run
         self._router_shape = (0, 0)
+        self.routing_shape: tuple[int, int] | None = None  # (n_moe_layers, top_k) of an MoE model
         self._route: torch.Tensor | None = None  # experts of each row's newest token (from the last decode)
         self._static: StaticDecoder | None = None
         self._static_stale = True  # the batch changed since the static buffers were loaded
@@ -148,7 +149,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         self._mask_dict = (
             self._fast is None and self._full_attention_only and accepts_mask_dict(self.model, self.device)
         )
-        shape = routing_shape(self.model)
+        shape = self.routing_shape = routing_shape(self.model)
         if shape is not None and self._router is None:
             self._router, self._router_shape = RoutingRecorder(self.model), shape
         self._keep_arg = {"logits_to_keep": 1} if takes_logits_to_keep(self.model) else {}

@@ -154,3 +154,25 @@ class RoutingReplay:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def encode_routed_experts(ids: torch.Tensor) -> str:
+    """SGLang's wire form of routed experts: base64 of the int32 ids, little-endian, row-major."""
+    import base64
+
+    return base64.b64encode(ids.to(torch.int32).contiguous().numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(data: str, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """The int32 tensor of ``shape`` that ``encode_routed_experts`` (or SGLang) sent as ``data``."""
+    import base64
+
+    import numpy as np
+
+    flat = np.frombuffer(base64.b64decode(data), dtype="<i4")
+    n = 1
+    for d in shape:
+        n *= int(d)
+    if flat.size != n:
+        raise ValueError(f"routed_experts holds {flat.size} ids, shape {list(shape)} needs {n}")
+    return torch.from_numpy(flat.astype(np.int32)).view(*[int(d) for d in shape])
