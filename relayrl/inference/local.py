@@ -447,7 +447,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
             if not self._alive[i]:
                 continue
             if routes is not None and i < routes.shape[0]:  # rows merged this step were just prefilled
-                seq.routes.append(routes[i : i + 1])
+                seq.routes.append(routes[i : i + 1].clone())  # not a view: it would keep the whole step alive
             if not seq.first_token_at:
                 seq.first_token_at = now
             seq.out.append(tok)

@@ -111,7 +111,7 @@ class SlabBatch:
         if self._router is not None:  # MoE: the experts of every token run, prompt (and earlier output) included
             ids = self._router.take().view(len(first), mask.shape[1], *self._router_shape).cpu()
             for s, r in zip(seqs, rows, strict=True):
-                s.routes = [ids[r, mask.shape[1] - len(s.prompt) - len(s.out) :]]
+                s.routes = [ids[r, mask.shape[1] - len(s.prompt) - len(s.out) :].clone()]
         self.stats["prefills"] += 1
         self.stats["prefill_rows"] += len(seqs)
         self.stats["prefill_unique"] += len(first)
