@@ -298,6 +298,7 @@ def test_serve_returns_routed_experts_in_sglangs_format(tmp_path):
             json={"input_ids": PROMPTS[1:3], "sampling_params": sp, "return_routed_experts": [False, True]},
             timeout=60,
         ).json()
+        remote = remote_generate(url.removeprefix("http://"))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -309,3 +310,26 @@ def test_serve_returns_routed_experts_in_sglangs_format(tmp_path):
         assert meta["routed_experts_shape"] == [len(seq) - 1, 2, 2]
         ids = decode_routed_experts(meta["routed_experts"], meta["routed_experts_shape"])
         assert torch.equal(ids.long().sort(-1).values, hf_experts(model, seq[:-1]))
+    for r in remote:  # RemoteEngine with inference.return_routed_experts: the same in ModelResponse
+        seq = r.input_tokens + r.output_tokens
+        assert r.routed_experts.shape == (len(seq) - 1, 2, 2)
+        assert torch.equal(r.routed_experts.long().sort(-1).values, hf_experts(model, seq[:-1]))
+
+
+def remote_generate(address: str) -> list[ModelResponse]:
+    """All PROMPTS through a RemoteEngine asking for routed experts (one batched HTTP call)."""
+    from relayrl.inference.remote import RemoteEngine
+
+    eng = RemoteEngine(
+        InferenceConfig(backend="remote", request_timeout=60, return_routed_experts=True), addresses=[address]
+    )
+    eng.initialize()
+    g = GenerationConfig(max_new_tokens=5, temperature=1.0, ignore_eos=True)
+
+    async def go():
+        return await asyncio.gather(*[eng.agenerate(ModelRequest(f"m{i}", p, g)) for i, p in enumerate(PROMPTS)])
+
+    try:
+        return asyncio.run(go())
+    finally:
+        eng.destroy()

@@ -121,6 +121,12 @@ class InferenceConfig:
         le=1000.0,
     )
     protocol: str = f("relayrl", help="Remote server protocol.", choices=["relayrl", "sglang", "vllm"])
+    return_routed_experts: bool = f(
+        False,
+        help="RemoteEngine (relayrl / sglang protocol), MoE models: ask each /generate for the routed experts so "
+        "trajectories carry them for actor.replay_routing (SGLang needs --enable-return-routed-experts; a relayrl "
+        "server refuses it for a dense model). LocalEngine records them for MoE models always.",
+    )
     addresses: list[str] = f([], help="Remote servers as host:port; empty with n_servers > 0 launches local servers.")
     n_servers: int = f(0, help="Servers to launch for backend=remote when no addresses are given (see launch).", ge=0)
     launch: str = f(
