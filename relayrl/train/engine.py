@@ -108,7 +108,8 @@ class TorchTrainEngine(TrainEngine):
                 torch.distributed.broadcast(p.data, src=0)
         self.model = model
         self.model.train(self.trainable)
-        self._moe = RoutingReplay(model) if routing_shape(model) is not None else None
+        # the policy's MoE routers replay the generator's experts (a value/reward head routes on its own)
+        self._moe = RoutingReplay(model) if self.head == "lm" and routing_shape(model) is not None else None
         if self.trainable:
             opt = self.config.optimizer
             if opt.lr_schedule != "constant" and self.config.total_steps <= 0:
