@@ -84,6 +84,34 @@ def test_generator_records_the_experts_of_every_token_it_runs(family):
     assert all(r.routed_experts is None for r in dense)
 
 
+def test_multi_turn_trajectories_carry_the_latest_turns_routing():
+    """Multi-turn / tool episodes (``TokenBuffer``): the last turn's request ran the whole context,
+    so its routing covers every token before its last one; context appended after it is -1.
+    Replaying it reproduces both turns' logprobs."""
+    from relayrl.rollout.workflows.multi_turn import TokenBuffer
+
+    model = build_tiny_family("qwen3_moe", seed=1)
+    engine = LocalEngine(InferenceConfig(device="cpu", seed=5), model)
+    engine.initialize()
+    g = GenerationConfig(max_new_tokens=6, temperature=1.0, ignore_eos=True)
+    buf = TokenBuffer(PROMPTS[0])
+    try:
+        for turn in range(2):
+            resp = asyncio.run(engine.agenerate(ModelRequest(f"t{turn}", list(buf.ids), g)))
+            buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions, resp.routed_experts)
+            buf.add_context([40, 41, 42])  # feedback / tool output after each turn
+    finally:
+        engine.destroy()
+    traj = buf.trajectory(1.0)
+    n = len(buf.ids)
+    ran = n - 3 - 1  # the last turn ran everything before its own last token
+    assert traj["routed_experts"].shape == (1, n, 2, 2) and (traj["routed_experts"][0, ran:] == -1).all()
+    assert torch.equal(traj["routed_experts"][0, :ran].long().sort(-1).values, hf_experts(model, buf.ids[:ran]))
+    logp = trainer(model).forward(traj)
+    mask = traj["loss_mask"]
+    torch.testing.assert_close(logp[mask], traj["logprobs"][mask], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("family", MOE)
 def test_replay_of_the_generators_routing_reproduces_its_logprobs(family):
     """fp32: the trainer replaying the recorded experts (through concat padding, packing and
