@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -109,12 +110,16 @@ def test_cuda_graphs_default_only_on_cuda(tiny_model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_equal_eager_on_cuda(tiny_model, dtype):
-    """Captured graphs (and flash-attn's kernel in bf16 where installed) sample what the plain step samples."""
+    """Captured graphs (and flash-attn's ``flash_attn_with_kvcache`` in bf16 where installed) sample
+    what the plain step samples: same tokens in fp32, logprobs within bf16 rounding until the first
+    differing token in bf16."""
     model = copy.deepcopy(tiny_model).to(dtype)
     gconfigs = [GenerationConfig(max_new_tokens=n, temperature=0.8, ignore_eos=True) for n in (40, 7, 19, 3, 25)]
     plain, _ = run(model, "cuda", False, gconfigs)
     static, dec = run(model, "cuda", None, gconfigs)
     assert dec is not None and dec.captures >= 1
+    flash = importlib.util.find_spec("flash_attn") is not None and dtype == torch.bfloat16
+    assert dec.attention == ("flash_attn" if flash else "sdpa")  # the KV-cache kernel where installed
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     same = sum(a.output_tokens == b.output_tokens for a, b in zip(plain, static, strict=True))
     assert same == len(PROMPTS) or dtype == torch.bfloat16
