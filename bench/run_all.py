@@ -27,6 +27,7 @@ START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- t
 ORDER = [
     "generation",
     "families",
+    "moe_replay",
     "decode_cost",
     "training",
     "lora",
@@ -149,6 +150,17 @@ def describe(r: dict) -> tuple[str, str, str]:
             "mean \\|Δ logprob\\| ×1e3, LocalEngine vs train engine in bf16, 12 tiny HF families",
             "–",
             f"{r['device']}: {per}",
+        )
+    if n == "moe_replay":
+        per = ", ".join(
+            f"{m}: {v['bfloat16']['no_replay'] * 1e3:.1f} -> {v['bfloat16']['replay'] * 1e3:.1f} "
+            f"(flips {v['bfloat16']['flip_rate']:.1%})"
+            for m, v in r["results"].items()
+        )
+        return (
+            "bf16 mean \\|Δ logprob\\| generator vs trainer, without ÷ with routed-experts replay (tiny MoE)",
+            "> 1",
+            f"×1e3 without -> with replay: {per}",
         )
     if n == "decode_cost":
         models = "; ".join(

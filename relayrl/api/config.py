@@ -119,6 +119,11 @@ class InferenceConfig:
     device: str = f(
         "auto", help="LocalEngine / `relayrl serve`: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
     )
+    cuda_graphs: bool = f(
+        True,
+        help="LocalEngine on CUDA: capture the lean decode step as CUDA graphs at bucketed batch sizes (ignored on "
+        "CPU and for models without the lean step).",
+    )
     kv_cache_fraction: float = f(
         0.5,
         help="LocalEngine on CUDA: KV cache budget as a fraction of the free GPU memory after the "
@@ -134,6 +139,12 @@ class InferenceConfig:
         le=1000.0,
     )
     protocol: str = f("relayrl", help="Remote server protocol.", choices=["relayrl", "sglang", "vllm"])
+    return_routed_experts: bool = f(
+        False,
+        help="RemoteEngine (relayrl / sglang protocol), MoE models: ask each /generate for the routed experts so "
+        "trajectories carry them for actor.replay_routing (SGLang needs --enable-return-routed-experts; a relayrl "
+        "server refuses it for a dense model). LocalEngine records them for MoE models always.",
+    )
     addresses: list[str] = f([], help="Remote servers as host:port; empty with n_servers > 0 launches local servers.")
     n_servers: int = f(0, help="Servers to launch for backend=remote when no addresses are given (see launch).", ge=0)
     launch: str = f(
@@ -339,6 +350,18 @@ class ActorConfig:
     baseline: bool = f(True, help="reinforce: subtract the batch-mean reward as a baseline.")
     value_clip: float = f(0.2, help="Critic: value clipping range.", gt=0.0)
     critic_lr: float = f(1e-5, help="Critic learning rate (PPO with critic).", gt=0.0)
+    replay_routing: bool = f(
+        True,
+        help="MoE models: the trainer's forward uses the experts the generator chose for each token (the batch's "
+        "routed_experts) instead of its own top-k; gate weights still come from the trainer's router. No effect on "
+        "dense models or batches without routed_experts.",
+    )
+    moe_aux_loss_coef: float = f(
+        0.0,
+        help="MoE models: coefficient of the load-balancing auxiliary loss added to the policy loss (logged as "
+        "moe_aux_loss whatever the coefficient).",
+        ge=0.0,
+    )
 
     def validate(self) -> None:
         """Cross-field rules (``ValueError`` naming the fields; field prefix added by the loader)."""

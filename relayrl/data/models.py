@@ -32,7 +32,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-TINY_PRESETS: dict[str, dict[str, int]] = {
+TINY_PRESETS: dict[str, dict[str, int | str]] = {
     # ~5M parameters with the offline vocabulary
     "tiny": {
         "hidden_size": 320,
@@ -48,6 +48,20 @@ TINY_PRESETS: dict[str, dict[str, int]] = {
         "num_hidden_layers": 8,
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
+    },
+    # ~1M parameters: a Qwen3-MoE (8 experts, top-2, every layer sparse) for MoE recipes and tests
+    "tiny-moe": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "moe_intermediate_size": 128,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
     },
 }
 
@@ -71,19 +85,21 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised Qwen2-style causal LM of a preset size (fp32, eager-free)."""
+    """A randomly initialised causal LM of a preset size (Qwen2-style unless the preset names a
+    ``model_type``; fp32)."""
     if preset not in TINY_PRESETS:
         raise ValueError(f"unknown tiny model preset {preset!r}; choose one of {sorted(TINY_PRESETS)}")
     tok_vocab = len(build_tokenizer())
+    preset_kwargs = dict(TINY_PRESETS[preset])
     cfg = AutoConfig.for_model(
-        "qwen2",
+        str(preset_kwargs.pop("model_type", "qwen2")),
         vocab_size=vocab_size or tok_vocab,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=2,
-        **TINY_PRESETS[preset],
+        **preset_kwargs,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -29,7 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from relayrl.api.io import GenerationConfig, StopReason
+from relayrl.utils.moe import decode_routed_experts
 
 JsonDict = dict[str, object]
 
@@ -51,6 +54,7 @@ class Parsed:
     stop_reason: StopReason
     versions: list[int] | None = None  # per-token versions when the server reports them
     weight_version: int | None = None  # the server's version when it answered
+    routed_experts: torch.Tensor | None = None  # MoE: [input + output - 1, layers, top_k] when asked and given
 
 
 @dataclass
@@ -78,6 +82,7 @@ class SGLangBackend:
     name = "sglang"
     supports_upload = False
     streams_items = False  # batched replies come as one list
+    return_routed_experts = False  # ask for the routed experts (inference.return_routed_experts)
 
     def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
         return {
@@ -100,6 +105,8 @@ class SGLangBackend:
             "return_logprob": True,
             "stream": False,
         }
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
         return Call("POST", "/generate", body)
 
     def parse_generate(self, body: object) -> Parsed:
@@ -119,12 +126,19 @@ class SGLangBackend:
         if kind not in ("stop", "length", "abort"):
             raise ProtocolError(f"unknown finish_reason {finish!r}")
         versions = meta.get("output_token_versions")
+        routed = None
+        if isinstance(meta.get("routed_experts"), str) and isinstance(meta.get("routed_experts_shape"), list):
+            try:
+                routed = decode_routed_experts(meta["routed_experts"], meta["routed_experts_shape"])
+            except (ValueError, TypeError) as e:
+                raise ProtocolError(f"/generate reply has malformed routed_experts: {e}") from None
         return Parsed(
             tokens=[int(t) for t in tokens],
             logprobs=[float(t[0]) for t in triples],
             stop_reason=kind,  # type: ignore[arg-type]
             versions=[int(v) for v in versions] if isinstance(versions, list) else None,
             weight_version=_int_or_none(meta.get("weight_version")),
+            routed_experts=routed,
         )
 
     def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
@@ -140,6 +154,8 @@ class SGLangBackend:
             "return_logprob": True,
             "stream": False,
         }
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
         return [(Call("POST", "/generate", body), list(range(len(calls))))]
 
     def split(self, body: object, n: int) -> list[object]:

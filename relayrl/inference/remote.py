@@ -87,6 +87,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
         self.model = model or ModelConfig()
         self.addresses = list(addresses if addresses is not None else config.addresses)
         self.backend = make_backend(config.protocol)
+        self.backend.return_routed_experts = config.return_routed_experts
         self.token = config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
         self.servers: list[_Server] = []
         self._lock = threading.Lock()  # server table and counters (agenerate runs on many threads)
@@ -331,6 +332,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
         tokens: list[int] = []
         logps: list[float] = []
         versions: list[int] = []
+        routed: torch.Tensor | None = None
         ttft, attempt, stop = 0.0, 0, None
         while stop is None:
             remaining = g.max_new_tokens - len(tokens)
@@ -379,6 +381,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
             v = part.weight_version if part.weight_version is not None else sent_version
             tokens += part.tokens
             logps += part.logprobs
+            routed = part.routed_experts  # the last call ran prompt + all output so far: its routing covers them
             versions += part.versions if part.versions is not None else [v] * len(part.tokens)
             if part.stop_reason == "abort":  # interrupted by a weight update: continue under the new weights
                 self.stats["interrupted"] += 1
@@ -393,6 +396,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
             stop_reason=stop,
             latency=time.perf_counter() - t0,
             ttft=ttft,
+            routed_experts=routed,
         )
 
     def _count_failure(self, attempt: int, rid: str, why: str) -> int:

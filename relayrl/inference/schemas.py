@@ -48,6 +48,11 @@ class GenerateRequest(_Body):
     text: str | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = False
+    return_routed_experts: bool = Field(
+        False,
+        description="MoE models: meta_info.routed_experts, base64 of int32 [prompt + output - 1, n_moe_layers, "
+        "top_k] expert ids (SGLang's format; relayrl adds meta_info.routed_experts_shape)",
+    )
     rid: str | None = None
     stream: bool = Field(False, description="streaming is not supported")
 
@@ -59,6 +64,7 @@ class GenerateBatchRequest(_Body):
     text: list[str] | None = Field(None, min_length=1)
     sampling_params: _one_or_many(SamplingParams) = Field(default_factory=SamplingParams)  # type: ignore[valid-type]
     return_logprob: _one_or_many(bool) = False  # type: ignore[valid-type]
+    return_routed_experts: _one_or_many(bool) = False  # type: ignore[valid-type]
     rid: _one_or_many(str) | None = Field(None, description="one per item, or a prefix (item i gets '<rid>-<i>')")  # type: ignore[valid-type]
     stream: bool = Field(False, description="streaming is not supported")
     stream_items: bool = Field(

@@ -33,6 +33,7 @@ class Seq:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()
+    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: expert ids [n, layers, k] of the tokens run
 
     def finished(self, tok: int, tokenizer: object | None) -> StopReason | None:
         """Why this request ends after appending ``tok`` (None: it goes on)."""
@@ -58,6 +59,7 @@ class Seq:
             stop_reason=reason,
             latency=now - self.submitted,
             ttft=(self.first_token_at or now) - self.submitted,
+            routed_experts=torch.cat(self.routes) if self.routes else None,
         )
 
 

@@ -67,6 +67,7 @@ from relayrl.inference.server_common import (
 from relayrl.inference.server_openai import OpenAIRoutes
 from relayrl.inference.server_weights import WeightRoutes
 from relayrl.inference.weight_group import WeightBroadcastGroup
+from relayrl.utils.moe import encode_routed_experts
 
 __all__ = ["LISTEN_PREFIX", "Server", "_dumps", "build_app", "confine_path", "make_server", "run_server"]
 
@@ -74,8 +75,8 @@ LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
 _Job = tuple[
-    str, list[int], GenerationConfig, bool, bool, bool
-]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim
+    str, list[int], GenerationConfig, bool, bool, bool, bool
+]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim, return_routed_experts
 
 
 class Server(WeightRoutes, OpenAIRoutes):
@@ -194,6 +195,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))  # type: ignore[attr-defined]
         self.check_ids(ids, "input_ids")
         g = self.gconfig(req.sampling_params, len(ids))
+        self.check_routed(req.return_routed_experts, "return_routed_experts")
         rid = req.rid or uuid.uuid4().hex
         r = await self.run(rid, ids, g, once=True)
         return self.reply(
@@ -202,7 +204,12 @@ class Server(WeightRoutes, OpenAIRoutes):
             req.return_logprob,
             req.sampling_params.skip_special_tokens,
             [] if req.sampling_params.no_stop_trim else g.stop,
+            req.return_routed_experts,
         )
+
+    def check_routed(self, wanted: bool, field: str) -> None:
+        if wanted and self.engine.routing_shape is None:
+            raise _bad(f"{field}: the served model has no mixture-of-experts layers (no experts are routed)")
 
     def batch_jobs(self, req: GenerateBatchRequest) -> list[_Job]:
         """Every item validated before any is generated (errors name the item index)."""
@@ -214,6 +221,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         n = len(prompts)
         sps: list[SamplingParams] = _per_item(req.sampling_params, n, "sampling_params")
         logprob: list[bool] = _per_item(req.return_logprob, n, "return_logprob")
+        routed: list[bool] = _per_item(req.return_routed_experts, n, "return_routed_experts")
         if isinstance(req.rid, list):
             rids = _per_item(req.rid, n, "rid")
         else:
@@ -223,13 +231,22 @@ class Server(WeightRoutes, OpenAIRoutes):
         for i, ids in enumerate(prompts):
             self.check_ids(ids, f"input_ids[{i}]")
             g = self.gconfig(sps[i], len(ids), field=f"sampling_params[{i}]", prompt=f"input_ids[{i}]")
-            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim))
+            self.check_routed(routed[i], f"return_routed_experts[{i}]")
+            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim, routed[i]))
         return jobs
 
     async def generate_item(
-        self, rid: str, ids: list[int], g: GenerationConfig, logprob: bool, skip: bool, keep_stop: bool = False
+        self,
+        rid: str,
+        ids: list[int],
+        g: GenerationConfig,
+        logprob: bool,
+        skip: bool,
+        keep_stop: bool = False,
+        routed: bool = False,
     ) -> dict[str, object]:
-        return self.reply(rid, await self.run(rid, ids, g, once=True), logprob, skip, [] if keep_stop else g.stop)
+        r = await self.run(rid, ids, g, once=True)
+        return self.reply(rid, r, logprob, skip, [] if keep_stop else g.stop, routed)
 
     async def stream_items(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
         """One NDJSON line per item as soon as it finishes: a batch costs one HTTP call, yet no
@@ -251,7 +268,13 @@ class Server(WeightRoutes, OpenAIRoutes):
                 t.cancel()
 
     def reply(
-        self, rid: str, r: ModelResponse, logprob: bool, skip_special: bool, stops: list[str] | None = None
+        self,
+        rid: str,
+        r: ModelResponse,
+        logprob: bool,
+        skip_special: bool,
+        stops: list[str] | None = None,
+        routed: bool = False,
     ) -> dict[str, object]:
         """One item's SGLang reply (+ relayrl's per-token ``output_token_versions``)."""
         meta: dict[str, object] = {
@@ -268,6 +291,9 @@ class Server(WeightRoutes, OpenAIRoutes):
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)
             ]
+        if routed and r.routed_experts is not None:
+            meta["routed_experts"] = encode_routed_experts(r.routed_experts)
+            meta["routed_experts_shape"] = list(r.routed_experts.shape)
         text = self.decode(r.output_tokens, skip_special)
         if r.stop_reason == "stop" and stops:
             text = trim_stop(text, stops)

@@ -101,13 +101,21 @@ class PPOActor:
     def compute_logp(self, batch: TensorDict) -> torch.Tensor:
         """``[B, L]`` token-aligned logprobs of ``input_ids`` under the current policy at ``temperature``."""
         self.engine.eval()
-        return self.engine.forward(batch, temperature=self.temperature)
+        return self.engine.forward(self._routing(batch), temperature=self.temperature)
 
     def compute_ref_logp(self, batch: TensorDict) -> torch.Tensor:
         """``[B, L]`` logprobs under the frozen reference engine."""
         if self.ref_engine is None:
             raise ValueError("actor.kl_coef > 0 needs a reference engine: PPOActor(config, engine, ref_engine=...)")
-        return self.ref_engine.forward(batch, temperature=self.temperature)
+        return self.ref_engine.forward(self._routing(batch, replay=False), temperature=self.temperature)
+
+    def _routing(self, batch: TensorDict, replay: bool | None = None) -> TensorDict:
+        """The batch as the train engine should see it: without ``routed_experts`` unless routing is
+        replayed (``actor.replay_routing``; the reference policy always picks its own experts)."""
+        replay = self.config.replay_routing if replay is None else replay
+        if replay or "routed_experts" not in batch:
+            return batch
+        return {k: v for k, v in batch.items() if k != "routed_experts"}
 
     def prepare(self, batch: TensorDict, critic: Critic | None = None) -> TensorDict:
         """Fill in every trainer-side key the configured algorithm needs, then the advantages."""
@@ -239,6 +247,10 @@ class PPOActor:
                 with torch.no_grad():
                     ent = A.masked_mean(token_entropy(logits.detach(), packed, self.temperature), mask)
             stats["entropy"] = ent.detach()
+            if "moe_aux_loss" in packed:  # MoE models: the engine's load-balancing loss of this forward
+                stats["moe_aux_loss"] = packed["moe_aux_loss"].detach()
+                if cfg.moe_aux_loss_coef > 0:
+                    loss = loss + cfg.moe_aux_loss_coef * packed["moe_aux_loss"]
             sink.add(stats, self.loss_weight(packed))
             return loss
 
@@ -307,7 +319,7 @@ class PPOActor:
                     all_stats.append({**common, "epoch": float(epoch), "skipped": 1.0, "empty_minibatch": 1.0})
                     continue
                 sink = _StatsSink()
-                stats = self.engine.train_batch(mb, self._loss_fn(sink), self.loss_weight)
+                stats = self.engine.train_batch(self._routing(mb), self._loss_fn(sink), self.loss_weight)
                 all_stats.append({**common, **sink.result(), **stats, "epoch": float(epoch)})
         return all_stats
 

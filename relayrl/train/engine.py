@@ -28,6 +28,7 @@ from relayrl.train import lora as L
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
 from relayrl.train.packing import model_inputs, pack, resolve_attn_impl, split_by_token_budget, token_logprobs, unpack
 from relayrl.utils import dist as dist_utils
+from relayrl.utils.moe import RoutingReplay, routing_shape
 
 HEADS = ("lm", "value", "reward")
 TRAIN_STATE = "train_state.pt"
@@ -84,6 +85,7 @@ class TorchTrainEngine(TrainEngine):
         self._steps = 0  # optimizer steps taken (skipped ones excluded)
         self._nan_skips = 0  # consecutive skipped steps
         self.lora = head == "lm" and trainable and model_config.lora.rank > 0
+        self._moe: RoutingReplay | None = None  # MoE models: routed-experts replay and the router statistics
 
     # ---------------------------------------------------------------- setup
 
@@ -111,6 +113,8 @@ class TorchTrainEngine(TrainEngine):
                 torch.distributed.broadcast(p.data, src=0)
         self.model = model
         self.model.train(self.trainable)
+        # the policy's MoE routers replay the generator's experts (a value/reward head routes on its own)
+        self._moe = RoutingReplay(model) if self.head == "lm" and routing_shape(model) is not None else None
         if self.trainable:
             opt = self.config.optimizer
             if opt.lr_schedule != "constant" and self.config.total_steps <= 0:
@@ -183,10 +187,19 @@ class TorchTrainEngine(TrainEngine):
         return contextlib.nullcontext()
 
     def _logits(self, packed: TensorDict) -> torch.Tensor:
-        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch."""
-        packed = {k: v.to(self.device) for k, v in packed.items()}
+        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch.
+
+        MoE models: the routers use the micro-batch's ``routed_experts`` when it has them
+        (replay; the ids stay set until the next micro-batch, so activation checkpointing
+        recomputes the same routing), and ``packed["moe_aux_loss"]`` receives the 0-d,
+        differentiable load-balancing loss of this forward."""
+        moved = {k: v.to(self.device) for k, v in packed.items()}
+        if self._moe is not None:
+            self._moe.ids = moved.get("routed_experts")
         with self._autocast():
-            out = self._require()(**model_inputs(packed))
+            out = self._require()(**model_inputs(moved))
+        if self._moe is not None:
+            packed["moe_aux_loss"] = self._moe.aux_loss()
         return out.logits[0]
 
     def _to_device(self, packed: TensorDict) -> TensorDict:

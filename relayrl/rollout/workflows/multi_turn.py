@@ -17,7 +17,7 @@ import torch
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
-from relayrl.api.workflow import RolloutWorkflow, Trajectory
+from relayrl.api.workflow import RolloutWorkflow, Trajectory, routed_experts_row
 from relayrl.rollout.workflows.rlvr import AsyncRewardPool, RewardFn, compute_reward, prompt_ids_of
 
 
@@ -29,12 +29,19 @@ class TokenBuffer:
         self.mask = [0] * len(prompt)
         self.logprobs = [0.0] * len(prompt)
         self.versions = [-1] * len(prompt)
+        self.routed: torch.Tensor | None = None  # MoE: the latest response's routed experts
 
-    def add_generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def add_generated(
+        self, ids: list[int], logprobs: list[float], versions: list[int], routed: torch.Tensor | None = None
+    ) -> None:
+        """Append a response to the whole buffer; its ``routed`` experts (MoE) cover every token
+        before its last one, earlier turns included, so the latest replaces the ones before."""
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += logprobs
         self.versions += versions
+        if routed is not None:
+            self.routed = routed
 
     def add_context(self, ids: list[int]) -> None:
         """Tokens the policy did not generate (feedback, tool output): never trained on."""
@@ -45,6 +52,8 @@ class TokenBuffer:
 
     def trajectory(self, reward: float, **extras: torch.Tensor) -> Trajectory:
         n = len(self.ids)
+        if self.routed is not None:  # tokens after the latest response (context) were never run: -1
+            extras = {"routed_experts": routed_experts_row(self.routed, n), **extras}
         return {
             "input_ids": torch.tensor([self.ids], dtype=torch.int64),
             "attention_mask": torch.ones(1, n, dtype=torch.bool),
@@ -105,7 +114,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         turn = 0
         for turn in range(self.max_turns):
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=self.gconfig))
-            buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
+            buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions, resp.routed_experts)
             raw = await compute_reward(
                 self.reward_fn,
                 engine,

@@ -117,7 +117,7 @@ class ToolAgentWorkflow(RolloutWorkflow):
             )
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=g))
             out = resp.output_tokens
-            buf.add_generated(out, resp.output_logprobs, resp.output_versions)
+            buf.add_generated(out, resp.output_logprobs, resp.output_versions, resp.routed_experts)
             generated += len(out)
             last += out  # generated since the last tool result
             at_end, expr = (
