@@ -211,6 +211,11 @@ def _eval(argv: list[str]) -> int:
     from relayrl.data.models import load_tokenizer
     from relayrl.evaluation import evaluate
 
+    try:
+        wiring.resolve_extensions(cfg)
+    except ConfigError as e:
+        print(f"relayrl eval: {e}", file=sys.stderr)
+        return 2
     tokenizer = load_tokenizer(cfg.model)
     _, rows = wiring.load_rows(cfg, tokenizer)
     if not rows:

@@ -36,6 +36,7 @@ from relayrl.data.models import chat_ids, load_tokenizer
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import token_logprobs
 from relayrl.utils.logging import MetricLogger, get_logger
+from relayrl.utils.resolve import import_modules
 
 Row = dict[str, object]
 Example = tuple[list[int], list[int]]  # (input_ids, loss_mask)
@@ -211,6 +212,7 @@ def run_sft(
     t0 = time.monotonic()
     torch.set_num_threads(cfg.torch_threads)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
+    import_modules(cfg.imports)  # user tasks registered with @register_task
     if train_rows is None:
         train_rows, default_eval = sft_rows(cfg.data, cfg.seed)
         eval_rows = default_eval if eval_rows is None else eval_rows

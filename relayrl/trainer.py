@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,12 +28,12 @@ import torch
 from relayrl.api.config import RunConfig, save_config, validate_config
 from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
 from relayrl.api.io import SaveLoadMeta
-from relayrl.api.workflow import RolloutWorkflow
+from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.models import load_model, load_tokenizer
 from relayrl.evaluation import evaluate
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.train import distributed as D
-from relayrl.train.actor import Critic, PPOActor, check_actor_config
+from relayrl.train.actor import Critic, PPOActor, needs_critic, needs_reference
 from relayrl.train.engine import NonFiniteError, TorchTrainEngine
 from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats
@@ -44,7 +43,6 @@ from relayrl.utils.progress import Progress
 from relayrl.utils.seeding import rng_state, seed_everything, set_rng_state
 
 logger = get_logger("relayrl.trainer")
-RewardFn = Callable[..., float]
 
 
 class Trainer:
@@ -70,7 +68,9 @@ class Trainer:
         if cfg.actor.overlong_buffer and not cfg.actor.overlong_max_len:
             cfg.actor.overlong_max_len = cfg.gconfig.max_new_tokens  # DAPO's penalty ramps up to the limit
         validate_config(cfg)  # a config built or changed in code gets the load-time checks too
-        check_actor_config(cfg.actor)  # a mistyped loss / estimator fails now, not after models load
+        # imports, then every extension point (workflow, reward_fn, data.task, loss, estimator): fails now, not after
+        # models load (a workflow passed in code is not resolved from the config)
+        wiring.resolve_extensions(cfg, workflow_given=workflow is not None, reward_fn_given=reward_fn is not None)
         if cfg.train.optimizer.lr_schedule != "constant" and not cfg.train.total_steps:
             cfg.train.total_steps = cfg.total_steps * cfg.actor.ppo_epochs * cfg.actor.n_minibatches
         self.cfg = cfg
@@ -98,19 +98,20 @@ class Trainer:
         self.actor_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
         self.actor_engine.initialize()
         ref_engine = None
-        if cfg.actor.kl_coef > 0:
+        if needs_reference(cfg.actor):
             ref_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), trainable=False)
             ref_engine.initialize()
         self.actor = PPOActor(cfg.actor, self.actor_engine, ref_engine=ref_engine, seed=cfg.seed)
-        if cfg.rollout.max_staleness > 0 and cfg.actor.loss == "decoupled_ppo" and self.actor.logp_from_update:
+        if cfg.rollout.max_staleness > 0 and self.actor.loss.needs_prox_logp and self.actor.logp_from_update:
             logger.warning(
-                "actor.loss=decoupled_ppo with one optimizer step per batch: its clip is around the proximal policy, "
-                "which is the current one at the only step, so nothing bounds how far a stale batch moves the policy "
+                "actor.loss=%s (needs_prox_logp, as decoupled_ppo) with one optimizer step per batch: its clip is "
+                "around the proximal policy, which is the current one at the only step, so nothing bounds how far a stale batch moves the policy "
                 "(on the count benchmark eta=2 collapses). Use actor.n_minibatches > 1, or loss=ppo, which clips "
-                "against the behaviour policy (docs/benchmarks.md)"
+                "against the behaviour policy (docs/benchmarks.md)",
+                cfg.actor.loss,
             )
         self.critic: Critic | None = None
-        if cfg.actor.adv_estimator == "gae":
+        if needs_critic(cfg.actor):
             critic_engine = wiring.make_critic_engine(cfg)
             critic_engine.initialize()
             self.critic = Critic(cfg.actor, critic_engine)

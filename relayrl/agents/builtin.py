@@ -19,6 +19,7 @@ from relayrl.agents.client import OpenAIClient
 from relayrl.agents.workflow import OpenAIAgentWorkflow
 from relayrl.api.engine import DataItem
 from relayrl.api.io import GenerationConfig
+from relayrl.api.workflow import RewardFn
 from relayrl.data.chat import encode
 
 CALC_TOOL = {
@@ -30,7 +31,6 @@ CALC_TOOL = {
     },
 }
 Tool = Callable[[str], Awaitable[str]]
-RewardFn = Callable[..., float]
 
 
 def tool_agent_workflow(

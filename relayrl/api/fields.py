@@ -78,12 +78,23 @@ def f(default: T, help: str = "", **rules: object) -> T:
     """A dataclass field with help text and validation rules.
 
     Rules: ``ge``, ``gt``, ``le``, ``lt`` (numeric bounds), ``choices`` (allowed values).
-    List and dataclass defaults are copied per instance.
+    List, dict and dataclass defaults are copied per instance.
     """
     meta = {"help": help, **rules}
-    if isinstance(default, list) or dataclasses.is_dataclass(default):
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)  # type: ignore[return-value]
     return field(default=default, metadata=meta)  # type: ignore[no-any-return]
+
+
+def _plain(value: YamlValue) -> YamlValue:
+    """A loaded YAML value with its bool / null words resolved as YAML reads them (``yes`` -> True)."""
+    if isinstance(value, YamlWord):
+        return value.value
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
 
 
 def _type_name(tp: object) -> str:
@@ -121,6 +132,10 @@ def _coerce(value: YamlValue, tp: object, name: str) -> object:
         if not isinstance(value, list):
             raise ConfigError(f"{name}: expected a list, got {value!r}")
         return [_coerce(v, get_args(tp)[0], f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # free-form arguments (workflow_kwargs, reward_kwargs): YAML values as loaded
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        return {str(k): _plain(v) for k, v in value.items()}
     if origin is Literal:
         if value not in get_args(tp):
             raise ConfigError(f"{name}: {value!r} is not one of {list(get_args(tp))}")

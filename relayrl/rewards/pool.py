@@ -24,11 +24,12 @@ import multiprocessing as mp
 import queue
 import threading
 import traceback
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
-RewardFn = Callable[..., float]
+if TYPE_CHECKING:
+    from relayrl.api.workflow import RewardFn
 
 
 class RewardError(RuntimeError):

@@ -27,9 +27,8 @@ import torch
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
-from relayrl.api.workflow import RolloutWorkflow, Trajectory, trajectory_from_response
+from relayrl.api.workflow import RewardFn, RolloutWorkflow, Trajectory, trajectory_from_response
 
-RewardFn = Callable[..., float]
 _NAMED = ("prompt", "completions", "prompt_ids", "completion_ids")
 
 
