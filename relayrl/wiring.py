@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from transformers import PreTrainedTokenizerBase
 
@@ -60,7 +60,7 @@ def resolve_extensions(cfg: RunConfig, workflow_given: bool = False, reward_fn_g
 
     check_actor_config(cfg.actor)
     if not workflow_given:
-        workflow_factory(cfg.workflow)
+        _check_workflow_kwargs(cfg, workflow_factory(cfg.workflow))
     if cfg.data.task != "file":
         task_fn(cfg.data.task)
     if not reward_fn_given:
@@ -134,19 +134,25 @@ def make_workflow(
         "max_tool_calls": lambda: r.max_tool_calls,
         "tool": lambda: _subprocess_tool(r.tool),
     }
-    params = inspect.signature(factory).parameters
-    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    for key in cfg.workflow_kwargs:
-        if key not in params and not open_kwargs:
-            raise ConfigError(
-                f"workflow_kwargs.{key}: workflow={cfg.workflow!r} takes no argument {key!r} "
-                f"(it takes {[p for p in params if p not in offered]})"
-            )
+    params = _check_workflow_kwargs(cfg, factory)
     kwargs = {k: make() for k, make in offered.items() if k in params and k not in cfg.workflow_kwargs}
     workflow = factory(**kwargs, **cfg.workflow_kwargs)
     if not hasattr(workflow, "arun_episode"):
         raise ConfigError(f"workflow={cfg.workflow!r} returned a {type(workflow).__name__}, expected a RolloutWorkflow")
     return workflow
+
+
+def _check_workflow_kwargs(cfg: RunConfig, factory: Callable[..., object]) -> Mapping[str, inspect.Parameter]:
+    """The factory's parameters; ConfigError naming ``workflow_kwargs.KEY`` for an argument it does not take."""
+    params = inspect.signature(factory).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        for key in cfg.workflow_kwargs:
+            if key not in params:
+                raise ConfigError(
+                    f"workflow_kwargs.{key}: workflow={cfg.workflow!r} takes no argument {key!r} "
+                    f"(its arguments: {list(params)})"
+                )
+    return params
 
 
 def _subprocess_tool(name: str) -> object:

@@ -65,7 +65,7 @@ def resolve(
     obj = load_path(field, value)
     entry = check(obj)
     if entry is None:
-        raise ConfigError(f"{field}={value!r} is a {type(obj).__name__}, expected {expected}")
+        raise ConfigError(f"{field}={value!r} is of type {type(obj).__name__}, expected {expected}")
     return entry
 
 
