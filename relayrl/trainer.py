@@ -33,7 +33,7 @@ from relayrl.data.models import load_model, load_tokenizer
 from relayrl.evaluation import evaluate
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.train import distributed as D
-from relayrl.train.actor import Critic, PPOActor, needs_critic, needs_reference
+from relayrl.train.actor import Critic, PPOActor, needs_critic, needs_reference, report_steps
 from relayrl.train.engine import NonFiniteError, TorchTrainEngine
 from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats
@@ -141,6 +141,7 @@ class Trainer:
         # Generators start from the trainer's weights and version.
         self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]  # a collective; rank 0 pushes
         self._samples = 0
+        self._critic_stats: list[dict[str, float]] = []
         self._t_start = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
@@ -178,7 +179,7 @@ class Trainer:
                 with stats.record_timing("ppo_update"), stats.scope("actor"):
                     actor_stats = self.actor.ppo_update(batch)
                     if self.critic is not None:
-                        self.critic.update(batch)
+                        self._critic_stats = self.critic.update(batch)
                 with stats.record_timing("update_weights"):
                     if self.driver:
                         self.executor.pause()  # no new episodes until this step's bookkeeping is done
@@ -227,36 +228,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ bookkeeping
     def _after_step(self, batch: TensorDict, seconds: float, actor_stats: list[dict[str, float]]) -> dict[str, float]:
-        cfg = self.cfg
+        """Every part reports this step's metrics through ``utils.stats`` (a key reported twice is an
+        error, never a silent overwrite), then one export (a collective under torchrun)."""
         n = int(batch["rewards"].shape[0])
         self._samples += n
-        loss_tokens = batch["loss_mask"].bool()
-        lag = (self.step - 1) - batch["versions"][loss_tokens]
+        if self.driver:
+            self._report_step(batch, n, seconds, actor_stats)
         metrics = stats.export()  # a collective under torchrun
         if not self.driver:
             if dist_utils.broadcast_object(None):  # the driver's checkpoint decision
                 self.save()
             return metrics
-        metrics.update(
-            {
-                "rollout/reward": float(batch["rewards"].float().mean()),
-                "rollout/completion_len": float(loss_tokens.sum(1).float().mean()),
-                "rollout/staleness_mean": float(lag.float().mean()) if lag.numel() else 0.0,
-                "rollout/staleness_max": float(lag.max()) if lag.numel() else 0.0,
-                "perf/step_seconds": seconds,
-                "perf/samples_per_s": n / max(seconds, 1e-9),
-                "perf/samples": float(self._samples),
-                "version": float(self.step),
-            }
-        )
-        metrics.update({f"rollout/{k}": float(v) for k, v in self.executor.stats().items()})
-        for key, value in batch.items():  # workflows' per-episode counters (num_turns, malformed_tool_calls, ...)
-            if key not in ("rewards", "prompt_index", "group_id") and value.dim() == 1 and value.shape[0] == n:
-                metrics.setdefault(f"rollout/{key}", float(value.float().mean()))  # never shadows the executor's counts
-        metrics.update(self._actor_metrics(actor_stats))
-        metrics.update(self._health_metrics())
-        if cfg.eval.every_n_steps and self.step % cfg.eval.every_n_steps == 0 and self.eval_rows:
-            metrics.update(self.evaluate())
         # metrics.jsonl also lists the row ids this step trained on (audits: nothing lost or repeated)
         self.metrics.log({**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}, step=self.step)
         self._save_rollouts(batch)
@@ -264,36 +246,52 @@ class Trainer:
             self.save()
         return metrics
 
-    def _actor_metrics(self, steps: list[dict[str, float]]) -> dict[str, float]:
-        """Means over this step's optimizer steps; a step skipped for a NaN/inf loss is counted and logged."""
-        done = [s for s in steps if not s.get("skipped")]
-        out = {"actor/optimizer_steps": float(len(steps)), "actor/skipped_steps": float(len(steps) - len(done))}
-        for key in done[0] if done else {}:
-            if "/" not in key and key not in ("epoch", "skipped"):
-                out[f"actor/{key}"] = sum(s[key] for s in done if key in s) / len(done)
-        bad = [s for s in steps if s.get("skipped") and not s.get("empty_minibatch")]
+    def _report_step(self, batch: TensorDict, n: int, seconds: float, actor_stats: list[dict[str, float]]) -> None:
+        """The driver's gauges: the batch, speed, executor, actor, critic, generators, reward pool, eval."""
+        loss_tokens = batch["loss_mask"].bool()
+        lag = (self.step - 1) - batch["versions"][loss_tokens]
+        with stats.scope("rollout"):
+            stats.gauge(
+                reward=float(batch["rewards"].float().mean()),
+                completion_len=float(loss_tokens.sum(1).float().mean()),
+                staleness_mean=float(lag.float().mean()) if lag.numel() else 0.0,
+                staleness_max=float(lag.max()) if lag.numel() else 0.0,
+            )
+            for key, value in batch.items():  # workflows' per-episode counters (num_turns, malformed_tool_calls, ...)
+                if key not in ("rewards", "prompt_index", "group_id") and value.dim() == 1 and value.shape[0] == n:
+                    stats.gauge(**{key: float(value.float().mean())})
+        with stats.scope("perf"):
+            stats.gauge(step_seconds=seconds, samples_per_s=n / max(seconds, 1e-9), samples=float(self._samples))
+        stats.gauge(version=float(self.step))
+        self.executor.report()
+        bad = report_steps(actor_stats, "actor")
         if bad:
             logger.warning(
                 "step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "
                 "train.max_nan_skips=%d in a row stop the run",
                 self.step,
                 len(bad),
-                len(steps),
+                len(actor_stats),
                 bad[0].get("loss"),
                 bad[0].get("grad_norm"),
                 self.cfg.train.max_nan_skips,
             )
-        return out
+        if self._critic_stats:
+            report_steps([{k.removeprefix("critic/"): v for k, v in s.items()} for s in self._critic_stats], "critic")
+        self._report_health()
+        if self.cfg.eval.every_n_steps and self.step % self.cfg.eval.every_n_steps == 0 and self.eval_rows:
+            stats.gauge(**self.evaluate())
 
-    def _health_metrics(self) -> dict[str, float]:
+    def _report_health(self) -> None:
         """Generator and reward-pool health: live servers, evictions, re-admissions, reward timeouts ..."""
-        out = {f"inference/{k}": float(v) for k, v in getattr(self.engine, "stats", {}).items()}
-        live = getattr(self.engine, "live_servers", None)
-        if callable(live):
-            out["inference/live_servers"] = float(len(live()))
+        with stats.scope("inference"):
+            stats.gauge(**{k: float(v) for k, v in getattr(self.engine, "stats", {}).items()})
+            live = getattr(self.engine, "live_servers", None)
+            if callable(live):
+                stats.gauge(live_servers=float(len(live())))
         pool = getattr(self.workflow, "reward_pool", None)
-        out.update({f"reward/{k}": float(v) for k, v in getattr(pool, "stats", {}).items()})
-        return out
+        with stats.scope("reward"):
+            stats.gauge(**{k: float(v) for k, v in getattr(pool, "stats", {}).items()})
 
     def evaluate(self) -> dict[str, float]:
         """Score the held-out rows with the eval generation config (executor paused; it resumes

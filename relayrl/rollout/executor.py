@@ -42,6 +42,7 @@ from relayrl.api.workflow import (
     validate_trajectory,
 )
 from relayrl.rollout.staleness import default_max_concurrent, is_expired, rollout_capacity
+from relayrl.utils import stats
 
 logger = logging.getLogger("relayrl.rollout")
 
@@ -536,10 +537,17 @@ class WorkflowExecutor:
                 tail_prompts=float(len(self._tail)),
                 consumed_prompts=float(self._consumed),
                 discarded_prompts=float(self._discarded),
-                staleness_mean=sum(self.last_staleness) / max(1, len(self.last_staleness)),
-                staleness_max=float(max(self.last_staleness, default=0)),
+                # per group: trainer version - the oldest version it was generated with (the trainer's own
+                # rollout/staleness_* are per token)
+                group_staleness_mean=sum(self.last_staleness) / max(1, len(self.last_staleness)),
+                group_staleness_max=float(max(self.last_staleness, default=0)),
             )
             return out
+
+    def report(self) -> None:
+        """``stats()`` through the stats tracker, as ``rollout/*`` gauges (once per step)."""
+        with stats.scope("rollout"):
+            stats.gauge(**self.stats())
 
     def state_dict(self) -> dict[str, object]:
         """What was taken from the dataloader and not yet trained on, to be re-run on resume.

@@ -24,6 +24,7 @@ from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.train import algorithms as A
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import segment_ids, token_entropy, token_logprobs
+from relayrl.utils import stats as tracker
 
 
 def minibatches(batch: TensorDict, n: int, generator: torch.Generator) -> Iterator[TensorDict]:
@@ -340,6 +341,20 @@ class PPOActor:
         return all_stats
 
 
+def report_steps(steps: list[dict[str, float]], scope: str) -> list[dict[str, float]]:
+    """Report the means of per-optimizer-step stats over the steps not skipped, as ``scope/*``
+    gauges (keys with a ``/`` and the bookkeeping ones stay out), plus the step counts; returns
+    the skipped steps that had a non-finite loss or grad norm (the caller warns about them)."""
+    done = [s for s in steps if not s.get("skipped")]
+    means: dict[str, float] = {"optimizer_steps": float(len(steps)), "skipped_steps": float(len(steps) - len(done))}
+    for key in done[0] if done else {}:
+        if "/" not in key and key not in ("epoch", "skipped"):
+            means[key] = sum(s[key] for s in done if key in s) / len(done)
+    with tracker.scope(scope):
+        tracker.gauge(**means)
+    return [s for s in steps if s.get("skipped") and not s.get("empty_minibatch")]
+
+
 class Critic:
     """A value model on a ``TrainEngine`` with a value head (``TorchTrainEngine(head="value")``)."""
 
@@ -382,8 +397,8 @@ class Critic:
                     sink.add(stats, weight(packed))
                     return loss
 
-                stats = self.engine.train_batch(mb, loss_fn, weight)
-                out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **stats}.items()}})
+                step = self.engine.train_batch(mb, loss_fn, weight)
+                out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **step}.items()}})
         return out
 
 
