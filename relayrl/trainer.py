@@ -24,13 +24,15 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import RunConfig, save_config, validate_config
-from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
+from relayrl.api.engine import DataItem, TensorDict
 from relayrl.api.io import SaveLoadMeta
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
+from relayrl.data.datasets import RLDataLoader
 from relayrl.data.models import load_model, load_tokenizer
-from relayrl.evaluation import evaluate
+from relayrl.driver import Driver
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.train import distributed as D
 from relayrl.train.actor import Critic, PPOActor, needs_critic, needs_reference, report_steps
@@ -77,22 +79,21 @@ class Trainer:
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
         D.maybe_init_process_group()  # under torchrun; a no-op in one process
-        self.driver = dist_utils.is_main()  # generates, evaluates, logs and writes the run directory
+        main = dist_utils.is_main()  # rank 0 is the driver: generates, evaluates, logs, writes the run directory
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint)
         resume_from = self._resume_point()
-        if self.driver:
+        if main:  # the driver's data side first: bad rows fail before any model loads
             if cfg.recover != "off":  # steps after the checkpoint (all, without one) are re-done: drop their old rows
-                done = 0 if resume_from is None else int(CheckpointManager.load_state(resume_from)["step"])  # type: ignore[call-overload]
+                done = 0 if resume_from is None else int(str(CheckpointManager.load_state(resume_from)["step"]))
                 _drop_rows_after(self.run_dir / "metrics.jsonl", done)
             save_config(cfg, self.run_dir)
-            self.metrics = MetricLogger.from_config(cfg.logging, self.run_dir, cfg)
-            self.tokenizer = load_tokenizer(cfg.model)
+            metrics = MetricLogger.from_config(cfg.logging, self.run_dir, cfg)
+            tokenizer = load_tokenizer(cfg.model)
             if train_rows is None:
-                train_rows, eval_rows = wiring.load_rows(cfg, self.tokenizer)
-            self.eval_rows = (eval_rows or [])[: cfg.eval.max_prompts or None]
-            self.reward_fn = reward_fn or wiring.reward_fn_for(cfg)
-            self.dataloader = wiring.make_dataloader(cfg, train_rows)
+                train_rows, eval_rows = wiring.load_rows(cfg, tokenizer)
+            reward_fn = reward_fn or wiring.reward_fn_for(cfg)
+            dataloader = wiring.make_dataloader(cfg, train_rows)
 
         # Train side (every rank): the actor, and a critic / reference model when the algorithm needs them.
         self.actor_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
@@ -117,30 +118,36 @@ class Trainer:
             self.critic = Critic(cfg.actor, critic_engine)
 
         # Generation side (the driver).
-        self.engine: InferenceEngine | None = None
-        if self.driver:
-            self.engine = wiring.make_inference_engine(cfg, self.tokenizer)
-            self.engine.initialize()
-            self.executor = WorkflowExecutor(cfg.rollout, self.engine)
-            self.executor.initialize()
-            self.reward_pool = wiring.make_reward_pool(cfg, self.reward_fn)
-            self.workflow = workflow or wiring.make_workflow(
-                cfg, self.tokenizer, self.reward_fn, reward_pool=self.reward_pool
-            )
-            self.eval_workflow = (
-                eval_workflow
+        self.driver: Driver | None = None
+        if main:
+            engine = wiring.make_inference_engine(cfg, tokenizer)
+            engine.initialize()
+            executor = WorkflowExecutor(cfg.rollout, engine)
+            executor.initialize()
+            pool = wiring.make_reward_pool(cfg, reward_fn)
+            self.driver = Driver(
+                cfg=cfg,
+                run_dir=self.run_dir,
+                metrics=metrics,
+                tokenizer=tokenizer,
+                dataloader=dataloader,
+                eval_rows=(eval_rows or [])[: cfg.eval.max_prompts or None],
+                reward_fn=reward_fn,
+                engine=engine,
+                executor=executor,
+                reward_pool=pool,
+                workflow=workflow or wiring.make_workflow(cfg, tokenizer, reward_fn, reward_pool=pool),
+                eval_workflow=eval_workflow
                 or workflow
-                or wiring.make_workflow(
-                    cfg, self.tokenizer, self.reward_fn, cfg.eval.gconfig, reward_pool=self.reward_pool
-                )
+                or wiring.make_workflow(cfg, tokenizer, reward_fn, cfg.eval.gconfig, reward_pool=pool),
             )
+        self.engine = self.driver.engine if self.driver else None  # None on the other ranks
 
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)
         # Generators start from the trainer's weights and version.
         self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]  # a collective; rank 0 pushes
-        self._samples = 0
         self._critic_stats: list[dict[str, float]] = []
         self._t_start = time.monotonic()
 
@@ -148,30 +155,25 @@ class Trainer:
     def _shares_gpu(self) -> bool:
         """Synchronous RL with an in-process engine on a GPU: nothing generates while the trainer
         trains, so the engine's KV cache can give its memory to training."""
-        device = getattr(self.engine, "device", None)
-        return (
-            self.cfg.rollout.max_staleness == 0
-            and hasattr(self.engine, "release_memory")
-            and isinstance(device, torch.device)
-            and device.type == "cuda"
-        )
+        return self.cfg.rollout.max_staleness == 0 and self.engine is not None and self.engine.can_release_memory()
 
     def fit(self) -> dict[str, float]:
         """Train until ``total_steps``; returns the last step's metrics."""
         cfg, last = self.cfg, {}
         progress = Progress(cfg.total_steps, start=self.step, mode=cfg.logging.progress if self.driver else "off")
-        if self.driver and cfg.eval.before_training and self.step == 0 and self.eval_rows:
-            self.metrics.log(self.evaluate(), step=0)
+        d = self.driver
+        if d and cfg.eval.before_training and self.step == 0 and d.eval_rows:
+            d.metrics.log(d.evaluate(), step=0)
         self._reseed_generation()
         try:
             while self.step < cfg.total_steps:
                 t0 = time.monotonic()
                 with stats.record_timing("rollout"):
-                    batch = self.executor.prepare_batch(self.dataloader, self.workflow) if self.driver else None
+                    batch = d.executor.prepare_batch(d.dataloader, d.workflow) if d else None
                     batch = dist_utils.broadcast_object(batch)  # every rank trains on the driver's batch
                 share_gpu = self._shares_gpu()
-                if share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
-                    self.engine.release_memory()  # type: ignore[union-attr]
+                if d and share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
+                    d.engine.release_memory()
                 with stats.record_timing("compute_logp"):
                     self.compute_logp(batch)
                 with stats.record_timing("compute_advantages"):
@@ -181,17 +183,17 @@ class Trainer:
                     if self.critic is not None:
                         self._critic_stats = self.critic.update(batch)
                 with stats.record_timing("update_weights"):
-                    if self.driver:
-                        self.executor.pause()  # no new episodes until this step's bookkeeping is done
+                    if d:
+                        d.executor.pause()  # no new episodes until this step's bookkeeping is done
                     self.step += 1
                     self.actor_engine.set_version(self.step)
                     self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]
-                    if share_gpu:
-                        self.engine.resume_memory()  # type: ignore[union-attr]
+                    if d and share_gpu:
+                        d.engine.resume_memory()
                 last = self._after_step(batch, time.monotonic() - t0, actor_stats)
                 self._reseed_generation()
-                if self.driver:
-                    self.executor.resume()
+                if d:
+                    d.executor.resume()
                 progress.update(self.step, last)
         except KeyboardInterrupt:
             logger.warning("interrupted at step %d", self.step)
@@ -223,110 +225,67 @@ class Trainer:
     def _reseed_generation(self) -> None:
         """Step N's samples come from a stream that depends only on (seed, N), so a resumed
         synchronous run samples exactly what an uninterrupted one would (LocalEngine)."""
-        if self.engine is not None and hasattr(self.engine, "load_state_dict"):
+        if self.engine is not None:
             self.engine.load_state_dict({"next_key": self.step << 20})
 
     # ------------------------------------------------------------------ bookkeeping
     def _after_step(self, batch: TensorDict, seconds: float, actor_stats: list[dict[str, float]]) -> dict[str, float]:
         """Every part reports this step's metrics through ``utils.stats`` (a key reported twice is an
         error, never a silent overwrite), then one export (a collective under torchrun)."""
-        n = int(batch["rewards"].shape[0])
-        self._samples += n
         if self.driver:
-            self._report_step(batch, n, seconds, actor_stats)
+            self.driver.report_step(self.step, batch, seconds)
+            bad = report_steps(actor_stats, "actor")
+            if bad:
+                logger.warning(
+                    "step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "
+                    "train.max_nan_skips=%d in a row stop the run",
+                    self.step,
+                    len(bad),
+                    len(actor_stats),
+                    bad[0].get("loss"),
+                    bad[0].get("grad_norm"),
+                    self.cfg.train.max_nan_skips,
+                )
+            if self._critic_stats:
+                report_steps(
+                    [{k.removeprefix("critic/"): v for k, v in s.items()} for s in self._critic_stats], "critic"
+                )
         metrics = stats.export()  # a collective under torchrun
-        if not self.driver:
-            if dist_utils.broadcast_object(None):  # the driver's checkpoint decision
-                self.save()
-            return metrics
-        # metrics.jsonl also lists the row ids this step trained on (audits: nothing lost or repeated)
-        self.metrics.log({**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}, step=self.step)
-        self._save_rollouts(batch)
-        if dist_utils.broadcast_object(self.ckpt.due(self.step)):  # (wall-clock rules: the driver decides)
+        if self.driver:
+            self.driver.log(self.step, metrics, batch)
+        if dist_utils.broadcast_object(self.ckpt.due(self.step) if self.driver else None):  # (the driver decides)
             self.save()
         return metrics
 
-    def _report_step(self, batch: TensorDict, n: int, seconds: float, actor_stats: list[dict[str, float]]) -> None:
-        """The driver's gauges: the batch, speed, executor, actor, critic, generators, reward pool, eval."""
-        loss_tokens = batch["loss_mask"].bool()
-        lag = (self.step - 1) - batch["versions"][loss_tokens]
-        with stats.scope("rollout"):
-            stats.gauge(
-                reward=float(batch["rewards"].float().mean()),
-                completion_len=float(loss_tokens.sum(1).float().mean()),
-                staleness_mean=float(lag.float().mean()) if lag.numel() else 0.0,
-                staleness_max=float(lag.max()) if lag.numel() else 0.0,
-            )
-            for key, value in batch.items():  # workflows' per-episode counters (num_turns, malformed_tool_calls, ...)
-                if key not in ("rewards", "prompt_index", "group_id") and value.dim() == 1 and value.shape[0] == n:
-                    stats.gauge(**{key: float(value.float().mean())})
-        with stats.scope("perf"):
-            stats.gauge(step_seconds=seconds, samples_per_s=n / max(seconds, 1e-9), samples=float(self._samples))
-        stats.gauge(version=float(self.step))
-        self.executor.report()
-        bad = report_steps(actor_stats, "actor")
-        if bad:
-            logger.warning(
-                "step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "
-                "train.max_nan_skips=%d in a row stop the run",
-                self.step,
-                len(bad),
-                len(actor_stats),
-                bad[0].get("loss"),
-                bad[0].get("grad_norm"),
-                self.cfg.train.max_nan_skips,
-            )
-        if self._critic_stats:
-            report_steps([{k.removeprefix("critic/"): v for k, v in s.items()} for s in self._critic_stats], "critic")
-        self._report_health()
-        if self.cfg.eval.every_n_steps and self.step % self.cfg.eval.every_n_steps == 0 and self.eval_rows:
-            stats.gauge(**self.evaluate())
-
-    def _report_health(self) -> None:
-        """Generator and reward-pool health: live servers, evictions, re-admissions, reward timeouts ..."""
-        with stats.scope("inference"):
-            stats.gauge(**{k: float(v) for k, v in getattr(self.engine, "stats", {}).items()})
-            live = getattr(self.engine, "live_servers", None)
-            if callable(live):
-                stats.gauge(live_servers=float(len(live())))
-        pool = getattr(self.workflow, "reward_pool", None)
-        with stats.scope("reward"):
-            stats.gauge(**{k: float(v) for k, v in getattr(pool, "stats", {}).items()})
-
     def evaluate(self) -> dict[str, float]:
-        """Score the held-out rows with the eval generation config (executor paused; it resumes
-        only if it was running: between steps the loop resumes it after reseeding generation)."""
-        was_paused = self.executor.paused
-        self.executor.pause()
-        try:
-            return evaluate(self.engine, self.eval_workflow, self.eval_rows, self.cfg.eval.n_samples)
-        finally:
-            if not was_paused:
-                self.executor.resume()
+        """The driver's evaluation (rank 0 only)."""
+        return self._main().evaluate()
 
-    def _save_rollouts(self, batch: TensorDict) -> None:
-        k = min(self.cfg.logging.rollouts_per_step, int(batch["rewards"].shape[0]))
-        if k == 0:
-            return
-        out = self.run_dir / "rollouts" / f"step_{self.step:06d}.jsonl"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w") as fh:
-            for i in range(k):
-                ids, lm = batch["input_ids"][i], batch["loss_mask"][i].bool()
-                attn = batch["attention_mask"][i].bool()
-                first = int(lm.nonzero()[0])
-                versions = batch["versions"][i][lm]
-                fh.write(
-                    json.dumps(
-                        {
-                            "prompt": self.tokenizer.decode(ids[:first]),
-                            "completion": self.tokenizer.decode(ids[first:][attn[first:]]),
-                            "reward": float(batch["rewards"][i]),
-                            "versions": sorted({int(v) for v in versions}),
-                        }
-                    )
-                    + "\n"
-                )
+    def _main(self) -> Driver:
+        if self.driver is None:
+            raise RuntimeError("this part of the run lives on the driver (rank 0) only")
+        return self.driver
+
+    # The driver's parts, on rank 0 (a RuntimeError elsewhere).
+    @property
+    def executor(self) -> WorkflowExecutor:
+        return self._main().executor
+
+    @property
+    def dataloader(self) -> RLDataLoader:
+        return self._main().dataloader
+
+    @property
+    def workflow(self) -> RolloutWorkflow:
+        return self._main().workflow
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._main().tokenizer
+
+    @property
+    def eval_rows(self) -> list[DataItem]:
+        return self._main().eval_rows
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -339,11 +298,7 @@ class Trainer:
         final = tmp.parent / f"step_{self.step:06d}"
         if self.driver:
             torch.save({"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()}, tmp / "rng.pt")
-            state = {
-                "version": self.step,
-                "dataloader": self.dataloader.state_dict(),
-                "executor": self.executor.state_dict(),
-            }
+            state = {"version": self.step, **self.driver.state_dict()}
             final = self.ckpt.commit(self.step, tmp, state)
             logger.info("saved checkpoint %s", final)
         dist_utils.barrier()
@@ -365,8 +320,7 @@ class Trainer:
         self.step = int(state["step"])  # type: ignore[arg-type]
         self.actor_engine.set_version(int(state["version"]))  # type: ignore[arg-type]
         if self.driver:
-            self.dataloader.load_state_dict(state["dataloader"])  # type: ignore[arg-type]
-            self.executor.load_state_dict(state["executor"])  # type: ignore[arg-type]
+            self.driver.load_state_dict(state)
         rngs = torch.load(path / "rng.pt", weights_only=False)
         set_rng_state(rngs["global"])
         self.actor.generator.set_state(rngs["actor_minibatches"])
@@ -375,11 +329,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the executor, generators (and launched servers), reward workers; flush metrics."""
         if self.driver:
-            self.executor.destroy()
-            self.engine.destroy()  # type: ignore[union-attr]
-            if self.reward_pool is not None:
-                self.reward_pool.close()
-            self.metrics.close()
+            self.driver.close()
         self.actor_engine.destroy()
 
 

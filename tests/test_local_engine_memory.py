@@ -55,7 +55,7 @@ def test_full_cache_preempts_and_continues(tiny_model, fast_decode):
         expected = generate(roomy, PROMPTS, g)
     finally:
         roomy.destroy()
-    assert roomy.stats["preemptions"] == 0
+    assert roomy.counters["preemptions"] == 0
     tight = LocalEngine(
         InferenceConfig(device="cpu", seed=5, max_tokens_in_flight=100, fast_decode=fast_decode), tiny_model
     )
@@ -65,8 +65,8 @@ def test_full_cache_preempts_and_continues(tiny_model, fast_decode):
     finally:
         tight.destroy()
     assert tight.kv_capacity == 100
-    assert tight.stats["preemptions"] > 0 and tight.stats["aborts"] == 0
-    assert 0 < tight.stats["kv_peak"] <= 100 < roomy.stats["kv_peak"]
+    assert tight.counters["preemptions"] > 0 and tight.counters["aborts"] == 0
+    assert 0 < tight.counters["kv_peak"] <= 100 < roomy.counters["kv_peak"]
     for p, e, r in zip(PROMPTS, expected, got, strict=True):
         assert r.stop_reason == "length" and len(r.output_tokens) == 30
         assert r.output_tokens == e.output_tokens

@@ -64,7 +64,7 @@ class LocalEngine(InferenceEngine):
         self.model_config = model_config
         # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
         # preemptions: rows set aside (and continued later) because the KV cache was full
-        self.stats = {
+        self.counters = {
             "requests": 0,
             "aborts": 0,
             "tokens": 0,
@@ -173,7 +173,7 @@ class LocalEngine(InferenceEngine):
         loop = asyncio.get_running_loop()
         with self._key_lock:
             key = self.config.seed * 1_000_003 + next(self._keys)
-        self.stats["requests"] += 1
+        self.counters["requests"] += 1
         start = time.perf_counter()
         seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
         ttft = 0.0
@@ -260,6 +260,12 @@ class LocalEngine(InferenceEngine):
         done.wait()
         if errors:
             raise errors[0]
+
+    def stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.counters.items()}
+
+    def can_release_memory(self) -> bool:
+        return self.device.type == "cuda"
 
     def state_dict(self) -> dict[str, int]:
         """The sampling stream's position (requests draw keys in arrival order). The trainer
@@ -369,7 +375,7 @@ class LocalEngine(InferenceEngine):
 
     def _abort_running(self) -> None:
         rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive] + list(self._preempted)
-        self.stats["aborts"] += len(rows)
+        self.counters["aborts"] += len(rows)
         self._reset_batch()
         self._preempted.clear()
         for seq in rows:
@@ -394,7 +400,7 @@ class LocalEngine(InferenceEngine):
     def _preempt_all(self) -> None:
         """Set every running row aside (continued from prompt + output when admitted again)."""
         rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
-        self.stats["preemptions"] += len(rows)
+        self.counters["preemptions"] += len(rows)
         self._reset_batch()
         self._preempted.extendleft(reversed(rows))
 
@@ -413,7 +419,7 @@ class LocalEngine(InferenceEngine):
         tokens, logprobs = self._sample()
         assert self._params is not None
         self._params.counters += 1  # the next token of every row uses the next uniform
-        self.stats["steps"] += 1
+        self.counters["steps"] += 1
         now = time.perf_counter()
         host = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the one device -> host copy per step
         for i, (seq, tok, lp) in enumerate(zip(self._rows, host[0].long().tolist(), host[1].tolist(), strict=True)):
@@ -424,7 +430,7 @@ class LocalEngine(InferenceEngine):
             seq.out.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
-            self.stats["tokens"] += 1
+            self.counters["tokens"] += 1
             reason = seq.finished(tok, self.tokenizer)
             if reason is not None:  # the future resolves now; the row leaves at the next compaction
                 self._alive[i] = False
@@ -445,7 +451,7 @@ class LocalEngine(InferenceEngine):
         while len(keep) > 1 and len(keep) * max(lengths) > self.kv_capacity:
             self._preempted.appendleft(self._rows[keep.pop()])
             lengths.pop()
-            self.stats["preemptions"] += 1
+            self.counters["preemptions"] += 1
         return keep
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -570,9 +576,9 @@ class LocalEngine(InferenceEngine):
         first: dict[tuple[int, ...], int] = {}
         rows = [first.setdefault(tuple(s.prompt + s.out), len(first)) for s in seqs]
         kv, mask, logits = self._prefill_unique([list(x) for x in first])
-        self.stats["prefills"] += 1
-        self.stats["prefill_rows"] += len(seqs)
-        self.stats["prefill_unique"] += len(first)
+        self.counters["prefills"] += 1
+        self.counters["prefill_rows"] += len(seqs)
+        self.counters["prefill_unique"] += len(first)
         if len(first) == len(seqs):
             return kv, mask, logits
         idx = torch.tensor(rows, device=self.device)
@@ -616,7 +622,7 @@ class LocalEngine(InferenceEngine):
         """One forward step: every running row consumes its newest token."""
         self._mask = F.pad(self._mask, (0, 1), value=1)
         self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
-        self.stats["kv_peak"] = max(self.stats["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
+        self.counters["kv_peak"] = max(self.counters["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
         assert self._cache is not None
         if self._fast is not None:
             logits = self._fast(tokens, self._pos, self._mask_bool, self._cache.layers)  # type: ignore[arg-type]

@@ -112,7 +112,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
         # requests: generation requests sent (continuations and retries included); http_calls: the
         # HTTP calls that carried them (fewer when batched)
         keys = ("evictions", "readmissions", "reissued", "retried", "interrupted", "requests", "http_calls")
-        self.stats = collections.Counter[str]({k: 0 for k in keys})
+        self.counters = collections.Counter[str]({k: 0 for k in keys})
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, wait_timeout: float = 60.0) -> None:
@@ -249,13 +249,16 @@ class RemoteEngine(WeightSync, InferenceEngine):
         with self._lock:
             if srv.alive:
                 srv.alive = False
-                self.stats["evictions"] += 1
+                self.counters["evictions"] += 1
                 if srv.url in self._group_members:  # the weight group lost a member: rebuilt at its next use
                     self._group_stale = True
                 log.warning("server %s evicted: %s", srv.url, why)
 
     def live_servers(self) -> list[str]:
         return [s.url for s in self.servers if s.alive]
+
+    def stats(self) -> dict[str, float]:
+        return {**{k: float(v) for k, v in self.counters.items()}, "live_servers": float(len(self.live_servers()))}
 
     # ------------------------------------------------------------------ HTTP
     def _headers(self) -> dict[str, str]:
@@ -284,14 +287,14 @@ class RemoteEngine(WeightSync, InferenceEngine):
         return client
 
     async def _send(self, url: str, call: Call) -> object:
-        self.stats["http_calls"] += 1
+        self.counters["http_calls"] += 1
         r = await self._client().request(call.method, url + call.path, json=call.json)
         _check_status(url, call, r)
         return r.json()
 
     async def _stream(self, url: str, call: Call) -> AsyncIterator[object]:
         """The JSON lines of an NDJSON reply, as they arrive."""
-        self.stats["http_calls"] += 1
+        self.counters["http_calls"] += 1
         async with self._client().stream(call.method, url + call.path, json=call.json) as r:
             if r.status_code >= 400:
                 await r.aread()
@@ -357,18 +360,18 @@ class RemoteEngine(WeightSync, InferenceEngine):
                 max(0, g.min_new_tokens - len(tokens)),
             )
             sent_version = srv.version  # what produced these tokens when the server reports no version
-            self.stats["requests"] += 1
+            self.counters["requests"] += 1
             try:
                 body = await self._generate_call(srv, call)
             except DEAD_ERRORS as e:
                 self._evict(srv, repr(e))
                 attempt = self._count_failure(attempt, req.rid, repr(e))
-                self.stats["reissued"] += 1
+                self.counters["reissued"] += 1
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             except (httpx.TimeoutException, ServerError) as e:
                 attempt = self._count_failure(attempt, req.rid, repr(e))
-                self.stats["retried"] += 1
+                self.counters["retried"] += 1
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             finally:
@@ -381,7 +384,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
             logps += part.logprobs
             versions += part.versions if part.versions is not None else [v] * len(part.tokens)
             if part.stop_reason == "abort":  # interrupted by a weight update: continue under the new weights
-                self.stats["interrupted"] += 1
+                self.counters["interrupted"] += 1
                 await asyncio.sleep(0.01)
                 continue
             stop = part.stop_reason
@@ -493,5 +496,5 @@ class RemoteEngine(WeightSync, InferenceEngine):
                 return
             with self._lock:
                 srv.alive = True
-                self.stats["readmissions"] += 1
+                self.counters["readmissions"] += 1
             log.warning("server %s re-admitted at weight version %d", srv.url, srv.version)

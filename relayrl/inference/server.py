@@ -390,8 +390,8 @@ def build_app(srv: Server) -> FastAPI:
             "paused": srv.paused,
             "requests_served": srv.n_served,
             "generate_calls": srv.n_calls,
-            "tokens_generated": srv.engine.stats["tokens"],
-            "aborts": srv.engine.stats["aborts"],
+            "tokens_generated": srv.engine.counters["tokens"],
+            "aborts": srv.engine.counters["aborts"],
         }
 
     @app.get("/v1/models")
