@@ -171,7 +171,7 @@ def bench_generation(args: argparse.Namespace) -> dict:
             engine_tok_s=common.spread(eng_tps),
             ratio=common.spread(ratios),
             kv_capacity=engine.kv_capacity,
-            preemptions=engine.stats["preemptions"],
+            preemptions=engine.counters["preemptions"],
             fast_decode=engine._fast is not None,
         )
         out["batch1"] = batch1_decode(engine, model, args.max_new)

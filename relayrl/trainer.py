@@ -34,7 +34,6 @@ from relayrl.data.datasets import RLDataLoader
 from relayrl.data.models import load_model, load_tokenizer
 from relayrl.driver import Driver
 from relayrl.rollout.executor import WorkflowExecutor
-from relayrl.train import distributed as D
 from relayrl.train.actor import Critic, PPOActor, needs_critic, needs_reference, report_steps
 from relayrl.train.engine import NonFiniteError, TorchTrainEngine
 from relayrl.utils import dist as dist_utils
@@ -78,7 +77,7 @@ class Trainer:
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
-        D.maybe_init_process_group()  # under torchrun; a no-op in one process
+        dist_utils.maybe_init_process_group()  # under torchrun; a no-op in one process
         main = dist_utils.is_main()  # rank 0 is the driver: generates, evaluates, logs, writes the run directory
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint)

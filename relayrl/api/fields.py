@@ -313,10 +313,55 @@ def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overri
                 raise ConfigError(f"override {text!r}: {part!r} is not a section")
             node = child
         node[keys[-1]] = value
+    values = _interpolate(values, cls)
     inherit = getattr(cls, "inherit", None)  # a config's own defaults drawn from other sections
     if inherit is not None:
         inherit(values)
     return _build(cls, values)
+
+
+def _interpolate(values: dict[str, YamlValue], cls: type) -> dict[str, YamlValue]:
+    """Resolve ``${section.field}`` references (OmegaConf's interpolation, against the file and
+    overrides laid over ``cls``'s defaults), e.g. ``actor.loss_norm_len: ${gconfig.max_new_tokens}``.
+
+    OmegaConf is used for this one thing it does better than hand-written code (nested and
+    relative references, ``${oc.env:VAR}`` resolvers, cycle detection); loading, types and
+    validation stay here, and leaves without ``${`` keep their YAML 1.1 words as typed."""
+    paths = [p for p, v in _leaves(values) if isinstance(v, str) and "${" in v]
+    if not paths:
+        return values
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    base = to_plain_dict(cls()) if dataclasses.is_dataclass(cls) else {}
+    conf = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(_plain(values)))
+    for path in paths:
+        try:
+            resolved = OmegaConf.select(conf, ".".join(path), throw_on_missing=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(
+                f"{'.'.join(path)}: cannot resolve {_get(values, path)!r}: {str(e).splitlines()[0]}"
+            ) from None
+        node = values
+        for key in path[:-1]:
+            node = typing.cast(dict[str, YamlValue], node[key])
+        node[path[-1]] = typing.cast(
+            YamlValue, OmegaConf.to_container(resolved) if OmegaConf.is_config(resolved) else resolved
+        )
+    return values
+
+
+def _leaves(value: YamlValue, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], YamlValue]]:
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(v, (*path, str(k)))]
+    return [(path, value)]
+
+
+def _get(values: dict[str, YamlValue], path: tuple[str, ...]) -> YamlValue:
+    node: YamlValue = values
+    for key in path:
+        node = typing.cast(dict[str, YamlValue], node)[key]
+    return node
 
 
 def config_to_yaml(cfg: object) -> str:

@@ -23,7 +23,6 @@ from transformers import PreTrainedModel
 from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
-from relayrl.train import distributed as D
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
 from relayrl.train.packing import model_inputs, pack, resolve_attn_impl, split_by_token_budget, token_logprobs, unpack
 from relayrl.utils import dist as dist_utils
@@ -85,8 +84,8 @@ class TorchTrainEngine(TrainEngine):
     # ---------------------------------------------------------------- setup
 
     def initialize(self) -> None:
-        D.maybe_init_process_group()
-        self.device = D.device_for_rank()
+        dist_utils.maybe_init_process_group()
+        self.device = dist_utils.device_for_rank()
         torch.manual_seed(self.seed)
         model = self._build_model()
         model.config.use_cache = False
@@ -99,9 +98,9 @@ class TorchTrainEngine(TrainEngine):
         model.to(self.device)
         if not self.trainable:
             model.requires_grad_(False)
-        if D.is_distributed() and self.config.fsdp:
-            D.apply_fsdp2(model)
-        elif D.is_distributed():  # replicated: start from rank 0's weights
+        if dist_utils.is_distributed() and self.config.fsdp:
+            dist_utils.apply_fsdp2(model)
+        elif dist_utils.is_distributed():  # replicated: start from rank 0's weights
             for p in model.parameters():
                 torch.distributed.broadcast(p.data, src=0)
         self.model = model
@@ -209,7 +208,7 @@ class TorchTrainEngine(TrainEngine):
             values = post(self._logits(packed), packed)
             if not dummy:
                 out += unpack(values.float().cpu(), {k: v.cpu() for k, v in packed.items()}, bsz, seqlen)
-        return D.all_reduce_tensor_(out.to(self.device)).cpu() if D.is_distributed() else out
+        return dist_utils.all_reduce_tensor_(out.to(self.device)).cpu() if dist_utils.is_distributed() else out
 
     @torch.no_grad()
     def score(self, batch: TensorDict) -> torch.Tensor:
@@ -241,10 +240,10 @@ class TorchTrainEngine(TrainEngine):
                 w = float(loss_weight_fn(packed))
                 total += float(loss) * w
                 weight += w
-        weight = D.all_reduce_sum(weight)
+        weight = dist_utils.all_reduce_sum(weight)
         if weight <= 0:
             raise ValueError("eval_batch: loss_weight_fn gave a total weight of 0 (no loss tokens?)")
-        return D.all_reduce_sum(total) / weight
+        return dist_utils.all_reduce_sum(total) / weight
 
     # ---------------------------------------------------------------- training
 
@@ -255,10 +254,10 @@ class TorchTrainEngine(TrainEngine):
             raise RuntimeError("train_batch on a frozen engine (trainable=False)")
         mbs = [(self._to_device(p), dummy) for p, dummy in self._micro_batches(batch)]
         weights = [0.0 if dummy else float(loss_weight_fn(p)) for p, dummy in mbs]
-        total_w = D.all_reduce_sum(sum(weights))
+        total_w = dist_utils.all_reduce_sum(sum(weights))
         if not total_w > 0:
             raise ValueError(f"train_batch: total loss weight is {total_w}; loss_weight_fn must be > 0 on the batch")
-        fsdp = D.is_fsdp(model)
+        fsdp = dist_utils.is_fsdp(model)
         # FSDP2 averages gradients over ranks; we want the sum of the weighted losses.
         scale = dist_utils.world_size() if fsdp else 1.0
         self.optimizer.zero_grad(set_to_none=True)
@@ -272,15 +271,15 @@ class TorchTrainEngine(TrainEngine):
                 loss_sum += float(loss.detach()) * w
                 n_tokens += int(packed["input_ids"].numel())
         params = [p for p in model.parameters() if p.requires_grad]
-        if D.is_distributed() and not fsdp:
+        if dist_utils.is_distributed() and not fsdp:
             for p in params:
                 if p.grad is not None:
-                    D.all_reduce_tensor_(p.grad)
+                    dist_utils.all_reduce_tensor_(p.grad)
         clip = self.config.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        loss_value = D.all_reduce_sum(loss_sum) / total_w
+        loss_value = dist_utils.all_reduce_sum(loss_sum) / total_w
         lr = float(self.optimizer.param_groups[0]["lr"])
         finite = math.isfinite(float(grad_norm)) and math.isfinite(loss_value)
         if finite:
@@ -302,7 +301,7 @@ class TorchTrainEngine(TrainEngine):
             "grad_norm": float(grad_norm),
             "lr": lr,
             "skipped": 0.0 if finite else 1.0,
-            "n_tokens": D.all_reduce_sum(n_tokens),
+            "n_tokens": dist_utils.all_reduce_sum(n_tokens),
             "n_mbs": float(len(mbs)),
         }
 
@@ -319,7 +318,7 @@ class TorchTrainEngine(TrainEngine):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU state dict (a collective under FSDP2: call on every rank)."""
-        return D.full_model_state_dict(self._require())
+        return dist_utils.full_model_state_dict(self._require())
 
     def update_weights(self, target: InferenceEngine) -> None:
         """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0.
@@ -333,7 +332,7 @@ class TorchTrainEngine(TrainEngine):
         model = self._require()
         # unsharded: the tensors stay on the trainer's device (an engine on the same GPU copies them
         # device to device, no trip through host memory); FSDP2 gathers a full CPU copy
-        tensors = self.state_dict() if D.is_fsdp(model) else dict(model.state_dict())
+        tensors = self.state_dict() if dist_utils.is_fsdp(model) else dict(model.state_dict())
         if dist_utils.rank() == 0:
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
             target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
@@ -347,7 +346,7 @@ class TorchTrainEngine(TrainEngine):
         model = self._require()
         os.makedirs(meta.path, exist_ok=True)
         weights = self.state_dict()
-        optim = D.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
+        optim = dist_utils.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
         if dist_utils.rank() == 0:
             model.save_pretrained(meta.path, state_dict=weights)
             if meta.tokenizer_path:
@@ -381,7 +380,7 @@ class TorchTrainEngine(TrainEngine):
         state: dict[str, torch.Tensor] = {}
         for fname in files:
             state.update(load_file(fname))
-        D.load_full_model_state_dict(model, state)
+        dist_utils.load_full_model_state_dict(model, state)
         if not meta.with_optim:
             return
         path = os.path.join(meta.path, TRAIN_STATE)
@@ -389,7 +388,7 @@ class TorchTrainEngine(TrainEngine):
             raise FileNotFoundError(f"{path} not found; was the checkpoint saved with with_optim=True?")
         ts = torch.load(path, weights_only=False)
         if self.optimizer is not None and ts["optimizer"] is not None:
-            D.load_full_optim_state_dict(model, self.optimizer, ts["optimizer"])
+            dist_utils.load_full_optim_state_dict(model, self.optimizer, ts["optimizer"])
         if self.scheduler is not None and ts["scheduler"] is not None:
             self.scheduler.load_state_dict(ts["scheduler"])
         self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]
