@@ -84,14 +84,14 @@ class Trainer:
         resume_from = self._resume_point()
         if main:  # the driver's data side first: bad rows fail before any model loads
             if cfg.recover != "off":  # steps after the checkpoint (all, without one) are re-done: drop their old rows
-                done = 0 if resume_from is None else int(str(CheckpointManager.load_state(resume_from)["step"]))
+                done = 0 if resume_from is None else int(CheckpointManager.load_state(resume_from)["step"])
                 _drop_rows_after(self.run_dir / "metrics.jsonl", done)
             save_config(cfg, self.run_dir)
             metrics = MetricLogger.from_config(cfg.logging, self.run_dir, cfg)
             tokenizer = load_tokenizer(cfg.model)
             if train_rows is None:
                 train_rows, eval_rows = wiring.load_rows(cfg, tokenizer)
-            reward_fn = reward_fn or wiring.reward_fn_for(cfg)
+            reward: RewardFn = reward_fn or wiring.reward_fn_for(cfg)
             dataloader = wiring.make_dataloader(cfg, train_rows)
 
         # Train side (every rank): the actor, and a critic / reference model when the algorithm needs them.
@@ -123,7 +123,7 @@ class Trainer:
             engine.initialize()
             executor = WorkflowExecutor(cfg.rollout, engine)
             executor.initialize()
-            pool = wiring.make_reward_pool(cfg, reward_fn)
+            pool = wiring.make_reward_pool(cfg, reward)
             self.driver = Driver(
                 cfg=cfg,
                 run_dir=self.run_dir,
@@ -131,14 +131,14 @@ class Trainer:
                 tokenizer=tokenizer,
                 dataloader=dataloader,
                 eval_rows=(eval_rows or [])[: cfg.eval.max_prompts or None],
-                reward_fn=reward_fn,
+                reward_fn=reward,
                 engine=engine,
                 executor=executor,
                 reward_pool=pool,
-                workflow=workflow or wiring.make_workflow(cfg, tokenizer, reward_fn, reward_pool=pool),
+                workflow=workflow or wiring.make_workflow(cfg, tokenizer, reward, reward_pool=pool),
                 eval_workflow=eval_workflow
                 or workflow
-                or wiring.make_workflow(cfg, tokenizer, reward_fn, cfg.eval.gconfig, reward_pool=pool),
+                or wiring.make_workflow(cfg, tokenizer, reward, cfg.eval.gconfig, reward_pool=pool),
             )
         self.engine = self.driver.engine if self.driver else None  # None on the other ranks
 
@@ -170,6 +170,7 @@ class Trainer:
                 with stats.record_timing("rollout"):
                     batch = d.executor.prepare_batch(d.dataloader, d.workflow) if d else None
                     batch = dist_utils.broadcast_object(batch)  # every rank trains on the driver's batch
+                    assert batch is not None
                 share_gpu = self._shares_gpu()
                 if d and share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
                     d.engine.release_memory()
@@ -316,8 +317,8 @@ class Trainer:
         self.actor_engine.load(SaveLoadMeta(str(path / "actor"), with_optim=True))
         if self.critic is not None:
             self.critic.engine.load(SaveLoadMeta(str(path / "critic"), with_optim=True))
-        self.step = int(state["step"])  # type: ignore[arg-type]
-        self.actor_engine.set_version(int(state["version"]))  # type: ignore[arg-type]
+        self.step = int(state["step"])
+        self.actor_engine.set_version(int(state["version"]))
         if self.driver:
             self.driver.load_state_dict(state)
         rngs = torch.load(path / "rng.pt", weights_only=False)

@@ -29,7 +29,7 @@ def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[
     """Train and eval rows: a synthetic task, or files (``data.task=file``)."""
     d = cfg.data
     if d.task != "file":
-        return make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)  # type: ignore[return-value]
+        return make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)
     if not d.train_path:
         raise ValueError("data.task=file needs data.train_path (a jsonl, json or parquet file)")
 

@@ -311,7 +311,7 @@ class OpenAIClient:
 
     def _ends_with_stop(self, rec: CallRecord) -> bool:
         """Whether the record's last token is a stop token (EOS or one of the config's)."""
-        stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}  # type: ignore[arg-type]
+        stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}
         return bool(rec.output_ids) and rec.output_ids[-1] in stops
 
     async def _complete(self, prompt: str | list[int], params: dict[str, object]) -> Completion:

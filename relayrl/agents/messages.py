@@ -149,6 +149,6 @@ def same_message(a: Message, b: Message) -> bool:
     """Whether two normalized messages are the same turn (content compared without outer whitespace)."""
     if a.get("role") != b.get("role") or str(a.get("content") or "").strip() != str(b.get("content") or "").strip():
         return False
-    calls_a = [(c["function"]["name"], c["function"]["arguments"]) for c in a.get("tool_calls", [])]  # type: ignore[index, union-attr]
-    calls_b = [(c["function"]["name"], c["function"]["arguments"]) for c in b.get("tool_calls", [])]  # type: ignore[index, union-attr]
+    calls_a = [(c["function"]["name"], c["function"]["arguments"]) for c in a.get("tool_calls", [])]
+    calls_b = [(c["function"]["name"], c["function"]["arguments"]) for c in b.get("tool_calls", [])]
     return calls_a == calls_b and a.get("tool_call_id") == b.get("tool_call_id")

@@ -56,7 +56,7 @@ class YamlWord(str):
 def _word_loader(base: type[yaml.SafeLoader]) -> type[yaml.SafeLoader]:
     """``base`` with bools and nulls read as ``YamlWord``; the value is resolved by the field's type."""
 
-    class Loader(base):  # type: ignore[valid-type, misc]
+    class Loader(base):
         pass
 
     def word(loader: yaml.SafeLoader, node: yaml.Node) -> YamlWord:
@@ -82,8 +82,8 @@ def f(default: T, help: str = "", **rules: object) -> T:
     """
     meta = {"help": help, **rules}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)  # type: ignore[return-value]
-    return field(default=default, metadata=meta)  # type: ignore[no-any-return]
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def _plain(value: YamlValue) -> YamlValue:
@@ -395,7 +395,7 @@ def config_reference(classes: tuple[type, ...]) -> str:
             if dataclasses.is_dataclass(tp):
                 nested.append((typing.cast(type, tp), f"{prefix}{fl.name}."))
                 continue
-            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc]
+            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
             rules = []
             if "choices" in fl.metadata:
                 rules.append("one of " + ", ".join(f"`{c}`" for c in fl.metadata["choices"]))

@@ -130,7 +130,7 @@ def continuation_ids(
         eos = tokenizer.eos_token
         if not isinstance(eos, str) or eos not in turn:
             return None  # the template closes assistant turns without a token we can name
-        head, end_text = [int(tokenizer.eos_token_id)], eos  # type: ignore[arg-type]
+        head, end_text = [int(tokenizer.eos_token_id)], eos
     tail = turn[turn.rindex(end_text) + len(end_text) :]  # e.g. the newline after Qwen's <|im_end|>
     return head + encode(tokenizer, tail + full[len(closed) :])
 
@@ -146,14 +146,14 @@ def user_turn_ids(
     """Tokens that follow a generated answer with one more turn (feedback, a tool result) and the
     generation prompt: only the new turn's tokens, never the template's preamble again."""
     eos_id = tokenizer.eos_token_id
-    ended = bool(answer_ids) and eos_id is not None and int(answer_ids[-1]) == int(eos_id)  # type: ignore[arg-type]
+    ended = bool(answer_ids) and eos_id is not None and int(answer_ids[-1]) == int(eos_id)
     if resolve_prompt_format(tokenizer, prompt_format) == "plain":
         return encode(tokenizer, f"\n{content}\n")
     body = list(answer_ids[:-1]) if ended else list(answer_ids)
     assistant = {"role": "assistant", "content": tokenizer.decode(body, skip_special_tokens=True)}
     ids = continuation_ids(
         tokenizer, history, assistant, [{"role": role, "content": content}], int(eos_id) if ended else None
-    )  # type: ignore[arg-type]
+    )
     if ids is None:
         raise ValueError(
             "the chat template is not prefix-stable (rendering a longer conversation changes earlier text), "

@@ -81,7 +81,7 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
         raise DatasetError(
             f"{where}: {prompt_key!r} must be a string or a list of chat turns, got {type(prompt).__name__}"
         )
-    if not any(str(m["content"]).strip() for m in messages):  # type: ignore[index]
+    if not any(str(m["content"]).strip() for m in messages):
         raise DatasetError(f"{where}: the prompt is empty")
     if answer_key not in record:
         raise DatasetError(f"{where}: missing answer field {answer_key!r} (has {sorted(record)})")

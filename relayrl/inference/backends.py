@@ -67,7 +67,7 @@ WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
 
 def _int_or_none(v: object) -> int | None:
     try:
-        return int(v)  # type: ignore[call-overload, no-any-return]
+        return int(v)
     except (TypeError, ValueError):
         return None
 
@@ -122,7 +122,7 @@ class SGLangBackend:
         return Parsed(
             tokens=[int(t) for t in tokens],
             logprobs=[float(t[0]) for t in triples],
-            stop_reason=kind,  # type: ignore[arg-type]
+            stop_reason=kind,
             versions=[int(v) for v in versions] if isinstance(versions, list) else None,
             weight_version=_int_or_none(meta.get("weight_version")),
         )

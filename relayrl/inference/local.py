@@ -530,7 +530,7 @@ class LocalEngine(InferenceEngine):
             assert self._cache is not None
             old_kv = [
                 (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in self._cache.layers
-            ]  # type: ignore[attr-defined]
+            ]
             parts.insert(0, (old_kv, self._mask, self._logits))
         kv, mask, logits = parts[0]
         for p_kv, p_mask, p_logits in parts[1:]:  # stack the left-padded batches by rows
@@ -614,8 +614,7 @@ class LocalEngine(InferenceEngine):
         self._pos = self._pos[idx]
         assert self._cache is not None
         self._cache.layers = [
-            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:])  # type: ignore[attr-defined]
-            for layer in self._cache.layers
+            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:]) for layer in self._cache.layers
         ]
 
     def _decode(self, tokens: torch.Tensor) -> None:

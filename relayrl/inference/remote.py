@@ -126,7 +126,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
             from relayrl.inference.peer_launcher import PeerServerGroup
 
             self._launched = PeerServerGroup(launch, self.config, self.model.path).start()
-            self.addresses = self._launched.addresses  # type: ignore[attr-defined]
+            self.addresses = self._launched.addresses
         if not self.addresses and self.config.n_servers > 0 and launch == "relayrl":
             from relayrl.inference.launcher import launch_servers
 

@@ -53,7 +53,7 @@ class WeightSync:
         elif kind == "disk":
             body = self._admin(srv, self.backend.update_from_disk(str(data), version))
         else:
-            body = self._admin(srv, self.backend.upload(version), content=data)  # type: ignore[arg-type]
+            body = self._admin(srv, self.backend.upload(version), content=data)
         self.backend.parse_update(body)
         self._confirm(srv, version)
 

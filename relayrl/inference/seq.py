@@ -41,7 +41,7 @@ class Seq:
             return "stop"
         if g.stop and n >= g.min_new_tokens:
             longest = max(len(s) for s in g.stop)
-            tail = tokenizer.decode(self.out[-(longest + 8) :])  # type: ignore[attr-defined]
+            tail = tokenizer.decode(self.out[-(longest + 8) :])
             if any(s in tail for s in g.stop):
                 return "stop"
         if n >= g.max_new_tokens:

@@ -175,7 +175,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         return {"type": "stop", "matched": r.output_tokens[-1] if r.output_tokens else None}
 
     # ---------------------------------------------------------------- SGLang native
-    async def generate(self, req: GenerateBody) -> Response:  # type: ignore[valid-type]
+    async def generate(self, req: GenerateBody) -> Response:
         """One prompt -> one reply object; SGLang's batch form -> a list of them, in order (or,
         with ``stream_items``, NDJSON lines in the order the items finish)."""
         self.n_calls += 1
@@ -290,7 +290,7 @@ class _JsonByDefault:
 def build_app(srv: Server) -> FastAPI:
     """The FastAPI app of one Server (routes are thin wrappers over its methods)."""
     app = FastAPI(title="relayrl inference server", version="1")
-    app.add_middleware(_JsonByDefault)  # type: ignore[arg-type]
+    app.add_middleware(_JsonByDefault)
     app.add_exception_handler(RequestValidationError, _validation_error)
 
     @app.exception_handler(HTTPException)

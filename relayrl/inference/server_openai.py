@@ -40,7 +40,7 @@ class OpenAIRoutes:
         if prompt and isinstance(prompt[0], str):
             return [list(self.tok.encode(p)) for p in prompt], True  # type: ignore[attr-defined]
         if prompt and isinstance(prompt[0], list):
-            return [list(p) for p in prompt], True  # type: ignore[arg-type]
+            return [list(p) for p in prompt], True
         return [list(prompt)], False  # type: ignore[arg-type]
 
     async def completions(self, req: CompletionRequest) -> Response:

@@ -152,7 +152,7 @@ class RewardPool:
             self._count("errors")
             raise RewardError(f"reward fn {_name(self.fn)!r} raised {value}")
         self._count("ok")
-        return float(value)  # type: ignore[arg-type]
+        return float(value)
 
     def _take(self) -> _Worker:
         """An idle worker; waits for one (a closed pool raises instead of waiting forever)."""

@@ -587,5 +587,5 @@ class WorkflowExecutor:
             self._restored = [_Prompt(int(d["prompt_index"]), d["data"], None) for d in pending]
             self.status.load_state_dict(state["status"])  # type: ignore[arg-type]
             self._discarded = int(state.get("discarded", 0))  # type: ignore[call-overload]
-            self.staleness_counts = Counter({int(k): int(v) for k, v in state.get("staleness_counts", {}).items()})  # type: ignore[union-attr]
+            self.staleness_counts = Counter({int(k): int(v) for k, v in state.get("staleness_counts", {}).items()})
             self._version0, self._consumed = None, 0

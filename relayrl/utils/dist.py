@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 ReduceOpName = Literal["sum", "min", "max"]
+T = TypeVar("T")
 
 _OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
 
@@ -84,14 +85,14 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> li
     return out
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
+def broadcast_object(obj: T, src: int = 0) -> T:
     """``obj`` of rank ``src`` on every rank (picklable; tensors travel inside the pickle);
     ``obj`` itself without a process group."""
     if not is_dist() or world_size() == 1:
         return obj
-    box = [obj]
+    box: list[object] = [obj]
     dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return cast(T, box[0])
 
 
 def free_port() -> int:

@@ -27,11 +27,11 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DATEFMT = "%H:%M:%S"
 
 
-class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time of the record (a redirection or a test's
     capture made after the first ``get_logger`` call is honoured; a closed one is never kept)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> object:
         return sys.stderr
 
@@ -79,7 +79,7 @@ def _number(value: object) -> float | None:
         return float(value)
     shape = getattr(value, "shape", None)
     if shape is not None and hasattr(value, "item") and math.prod(shape) == 1:  # tensor / ndarray
-        v = value.item()  # type: ignore[attr-defined]
+        v = value.item()
         return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None
     return None
 

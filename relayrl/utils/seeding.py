@@ -30,7 +30,7 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> RngState:
     """The current state of every global RNG (python, numpy, torch, CUDA if present)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: RngState = {
         "python": random.getstate(),
         "numpy": (

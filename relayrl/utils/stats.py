@@ -102,7 +102,7 @@ class StatsTracker:
     def _stack(self) -> list[str]:
         if not hasattr(self._local, "stack"):
             self._local.stack = []
-        return self._local.stack  # type: ignore[no-any-return]
+        return self._local.stack
 
     @contextmanager
     def scope(self, name: str) -> Iterator[None]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
@@ -66,7 +67,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self,
         reward_fn: RewardFn,
         gconfig: GenerationConfig,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         max_turns: int = 2,
         turn_discount: float = 0.9,
         feedback: str = "Your answer is wrong. Try again.",
@@ -120,7 +121,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             if raw > 0 or turn == self.max_turns - 1:
                 break
             buf.add_context(self.feedback_ids(history, resp.output_tokens))
-            answer = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+            answer = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
             history += [{"role": "assistant", "content": answer}, {"role": "user", "content": self.feedback}]
         if not any(buf.mask):
             return None

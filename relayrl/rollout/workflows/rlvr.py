@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
@@ -38,7 +39,7 @@ class AsyncRewardPool(Protocol):
     async def acall(self, **kwargs: object) -> float: ...
 
 
-def prompt_ids_of(tokenizer: object, data: DataItem, prompt_format: str = "chat") -> list[int]:
+def prompt_ids_of(tokenizer: PreTrainedTokenizerBase, data: DataItem, prompt_format: str = "chat") -> list[int]:
     """Prompt ids of a row (contract 1: ``messages`` ends with the user turn): chat-templated, or the
     turns' plain text for base models (``prompt_format="plain"``, also used when the tokenizer has no template)."""
     from relayrl.data.chat import prompt_ids
@@ -112,7 +113,7 @@ async def _in_thread(fn: RewardFn, kwargs: dict[str, object], timeout: float) ->
 async def compute_reward(
     reward_fn: RewardFn,
     engine: InferenceEngine,
-    tokenizer: object,
+    tokenizer: PreTrainedTokenizerBase,
     resp: ModelResponse,
     data: DataItem,
     reward_pool: AsyncRewardPool | None = None,
@@ -125,8 +126,8 @@ async def compute_reward(
     c_ids = list(resp.output_tokens if completion_ids is None else completion_ids)
     kwargs: dict[str, object] = {k: v for k, v in data.items() if k not in _NAMED}
     kwargs.update(
-        prompt=tokenizer.decode(p_ids, skip_special_tokens=True),  # type: ignore[attr-defined]
-        completions=tokenizer.decode(c_ids, skip_special_tokens=False),  # type: ignore[attr-defined]
+        prompt=tokenizer.decode(p_ids, skip_special_tokens=True),
+        completions=tokenizer.decode(c_ids, skip_special_tokens=False),
         prompt_ids=p_ids,
         completion_ids=c_ids,
     )
@@ -154,7 +155,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self,
         reward_fn: RewardFn,
         gconfig: GenerationConfig,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         reward_pool: AsyncRewardPool | None = None,
         reward_timeout: float | None = None,
         prompt_format: str = "chat",
