@@ -123,7 +123,7 @@ def _sft(argv: list[str]) -> int:
 
 
 def _config_args(
-    prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], None] | None = None
+    prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], object] | None = None
 ) -> tuple[argparse.Namespace, str | None, list[str]]:
     """Parse ``[CONFIG.yaml] [key=value ...]`` plus the options ``extra`` adds."""
     p = argparse.ArgumentParser(prog=prog)

@@ -75,7 +75,8 @@ class Driver:
     def log(self, step: int, metrics: dict[str, float], batch: TensorDict) -> None:
         """metrics.jsonl (with the row ids this step trained on: audits see nothing lost or repeated)
         and a few decoded rollouts."""
-        self.metrics.log({**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}, step=step)
+        row: dict[str, object] = {**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}
+        self.metrics.log(row, step=step)
         self.save_rollouts(step, batch)
 
     def evaluate(self) -> dict[str, float]:

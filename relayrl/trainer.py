@@ -210,7 +210,7 @@ class Trainer:
 
     def _latest_step(self) -> int | None:
         latest = self.ckpt.latest() if self.driver else None
-        return dist_utils.broadcast_object(None if latest is None else int(latest.name.removeprefix("step_")))  # type: ignore[return-value]
+        return dist_utils.broadcast_object(None if latest is None else int(latest.name.removeprefix("step_")))
 
     def compute_logp(self, batch: TensorDict) -> None:
         """Recompute logprobs the losses need: proximal/old policy (unless the update's own

@@ -55,7 +55,7 @@ def tool_agent_workflow(
             messages.append(message)
             for call in message.tool_calls:
                 try:
-                    expr = str(json.loads(call.function.arguments).get("expr", ""))
+                    expr = str(json.loads(call.function.arguments).get("expr", ""))  # type: ignore[union-attr]
                 except (json.JSONDecodeError, AttributeError):
                     expr = ""
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})

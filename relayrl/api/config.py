@@ -448,7 +448,7 @@ class RunConfig:
         train_g, ev = values.get("gconfig", {}), values.get("eval", {})
         if not isinstance(train_g, dict) or not isinstance(ev, dict) or not isinstance(ev.get("gconfig", {}), dict):
             return  # a malformed section: building reports it
-        base = to_plain_dict(RunConfig.__dataclass_fields__["gconfig"].default_factory())
+        base = to_plain_dict(GenerationConfig(max_new_tokens=32))  # RunConfig.gconfig's default
         ev_g = typing.cast(dict[str, YamlValue], ev.get("gconfig", {}))
         values["eval"] = {**ev, "gconfig": {**base, **train_g, "greedy": True, **ev_g}}
 

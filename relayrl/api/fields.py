@@ -334,7 +334,7 @@ def _interpolate(values: dict[str, YamlValue], cls: type) -> dict[str, YamlValue
     from omegaconf.errors import OmegaConfBaseException
 
     base = to_plain_dict(cls()) if dataclasses.is_dataclass(cls) else {}
-    conf = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(_plain(values)))
+    conf = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(typing.cast(dict[str, object], _plain(values))))
     for path in paths:
         try:
             resolved = OmegaConf.select(conf, ".".join(path), throw_on_missing=True)
@@ -395,7 +395,7 @@ def config_reference(classes: tuple[type, ...]) -> str:
             if dataclasses.is_dataclass(tp):
                 nested.append((typing.cast(type, tp), f"{prefix}{fl.name}."))
                 continue
-            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
+            default = fl.default if fl.default_factory is dataclasses.MISSING else fl.default_factory()
             rules = []
             if "choices" in fl.metadata:
                 rules.append("one of " + ", ".join(f"`{c}`" for c in fl.metadata["choices"]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
         )
         if not ok:
             raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty list of {{role, content}} strings")
-        messages = prompt
+        messages = typing.cast(list[dict[str, object]], prompt)
     elif isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
@@ -159,7 +160,7 @@ class RLDataLoader:
         return self
 
     def __next__(self) -> list[DataItem]:
-        batch = []
+        batch: list[DataItem] = []
         while len(batch) < self.batch_size:
             if self.position >= len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0

@@ -66,6 +66,8 @@ WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
 
 
 def _int_or_none(v: object) -> int | None:
+    if not isinstance(v, (int, float, str)):
+        return None
     try:
         return int(v)
     except (TypeError, ValueError):

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from relayrl.inference.backends import Backend, Call, ProtocolError
 
 Send = Callable[[str, Call], Awaitable[object]]
-Stream = Callable[[str, Call], AsyncIterator[object]]
+Stream = Callable[[str, Call], AsyncGenerator[object, None]]
 _Item = tuple[Call, "asyncio.Future[object]"]
 
 

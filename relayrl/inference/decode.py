@@ -134,7 +134,7 @@ class FastDecoder:
         ):
             qkv = F.linear(_rms(x, w_in, self.eps), w_qkv, b_qkv)
             heads = qkv[:, : nq + nkv].view(b, self.n_q + self.n_kv, d)
-            if w_qn is not None:  # Qwen3: RMSNorm over each head's q and k before the rotation
+            if w_qn is not None and w_kn is not None:  # Qwen3: RMSNorm over each head's q and k before the rotation
                 heads = torch.cat(
                     [_rms(heads[:, : self.n_q], w_qn, self.eps), _rms(heads[:, self.n_q :], w_kn, self.eps)], 1
                 )

@@ -29,12 +29,14 @@ import queue
 import sys
 import threading
 import time
+import typing
 from collections import deque
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
@@ -53,7 +55,7 @@ class LocalEngine(InferenceEngine):
         self,
         config: InferenceConfig,
         model: PreTrainedModel | None = None,
-        tokenizer: object | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         model_config: ModelConfig | None = None,
     ) -> None:
         if model is None and model_config is None:
@@ -112,7 +114,7 @@ class LocalEngine(InferenceEngine):
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.model_config)
         self.device = resolve_device(self.config.device)
-        self.model.to(self.device)
+        typing.cast(nn.Module, self.model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         self.model.eval()
         cfg = self.model.config
         self.vocab_size = int(cfg.get_text_config().vocab_size)
@@ -253,7 +255,7 @@ class LocalEngine(InferenceEngine):
             with torch.inference_mode():
                 fn()
             return
-        done, errors = threading.Event(), []
+        done, errors = threading.Event(), list[BaseException]()
         with self._wake:
             self._control.put((fn, done, errors))
             self._wake.notify_all()
@@ -305,7 +307,7 @@ class LocalEngine(InferenceEngine):
             self._preempt_all()
             self._released = True
             if weights and self.device.type != "cpu":
-                self.model.to("cpu")  # type: ignore[union-attr]
+                typing.cast(nn.Module, self.model).to("cpu")
                 if self._fast is not None:
                     self._fast.layers = []  # drop the fused copies too
             if self.device.type == "cuda":
@@ -319,7 +321,7 @@ class LocalEngine(InferenceEngine):
         def apply() -> None:
             assert self.model is not None
             if next(self.model.parameters()).device != self.device:
-                self.model.to(self.device)
+                typing.cast(nn.Module, self.model).to(self.device)
                 if self._fast is not None:
                     self._fast.refresh()
             self._released = False
@@ -529,7 +531,7 @@ class LocalEngine(InferenceEngine):
         if n_old:
             assert self._cache is not None
             old_kv = [
-                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in self._cache.layers
+                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in _slabs(self._cache)
             ]
             parts.insert(0, (old_kv, self._mask, self._logits))
         kv, mask, logits = parts[0]
@@ -598,7 +600,7 @@ class LocalEngine(InferenceEngine):
             use_cache=True,
             **self._keep_arg,
         )
-        return [(layer.keys, layer.values) for layer in cache.layers], mask, out.logits[:, -1].float()
+        return [(layer.keys, layer.values) for layer in _slabs(cache)], mask, out.logits[:, -1].float()
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
@@ -614,7 +616,7 @@ class LocalEngine(InferenceEngine):
         self._pos = self._pos[idx]
         assert self._cache is not None
         self._cache.layers = [
-            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:]) for layer in self._cache.layers
+            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:]) for layer in _slabs(self._cache)
         ]
 
     def _decode(self, tokens: torch.Tensor) -> None:
@@ -639,3 +641,8 @@ class LocalEngine(InferenceEngine):
             ).logits[:, -1]
         self._pos = self._pos + 1
         self._logits = logits.float()
+
+
+def _slabs(cache: object) -> list[SlabLayer]:
+    """The engine's caches hold only ``SlabLayer``s (transformers types ``Cache.layers`` more widely)."""
+    return typing.cast(list[SlabLayer], typing.cast(DynamicCache, cache).layers)

@@ -45,7 +45,7 @@ import torch
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import ModelRequest, ModelResponse
+from relayrl.api.io import ModelRequest, ModelResponse, StopReason
 from relayrl.inference.backends import Call, ProtocolError, ServerError, make_backend
 from relayrl.inference.batcher import MicroBatcher
 from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
@@ -334,7 +334,8 @@ class RemoteEngine(WeightSync, InferenceEngine):
         tokens: list[int] = []
         logps: list[float] = []
         versions: list[int] = []
-        ttft, attempt, stop = 0.0, 0, None
+        ttft, attempt = 0.0, 0
+        stop: StopReason | None = None
         while stop is None:
             remaining = g.max_new_tokens - len(tokens)
             if remaining <= 0:

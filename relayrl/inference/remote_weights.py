@@ -19,8 +19,9 @@ import httpx
 import safetensors.torch
 import torch
 
+from relayrl.api.config import InferenceConfig
 from relayrl.api.io import WeightUpdate
-from relayrl.inference.backends import WEIGHT_GROUP, Call
+from relayrl.inference.backends import WEIGHT_GROUP, Backend, Call
 from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 
 if TYPE_CHECKING:
@@ -37,6 +38,19 @@ Weights = tuple[
 class WeightSync:
     """Needs from ``RemoteEngine``: ``config``, ``backend``, ``servers``, ``_admin``, ``_fan_out``,
     ``_evict``, ``_paused``, ``_group*``, ``_update_lock``, ``_version``, ``_last_weights``."""
+
+    # what RemoteEngine provides (declared for the type checker)
+    config: InferenceConfig
+    backend: Backend
+    servers: list[_Server]
+    _paused: bool
+    _update_lock: threading.Lock
+    _group: WeightBroadcastGroup | None
+    _group_members: list[str]
+    _group_stale: bool
+    _admin: Callable[..., object]
+    _fan_out: Callable[..., None]
+    _evict: Callable[..., None]
 
     def _push(self, srv: _Server, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int) -> None:
         kind, data = weights

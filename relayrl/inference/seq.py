@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason
 
@@ -34,14 +35,15 @@ class Seq:
     first_token_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()
 
-    def finished(self, tok: int, tokenizer: object | None) -> StopReason | None:
+    def finished(self, tok: int, tokenizer: PreTrainedTokenizerBase | None) -> StopReason | None:
         """Why this request ends after appending ``tok`` (None: it goes on)."""
         g, n = self.g, len(self.out)
         if n >= g.min_new_tokens and tok in self.stop_ids:
             return "stop"
         if g.stop and n >= g.min_new_tokens:
             longest = max(len(s) for s in g.stop)
-            tail = tokenizer.decode(self.out[-(longest + 8) :])
+            assert tokenizer is not None, "stop strings need a tokenizer"
+            tail = str(tokenizer.decode(self.out[-(longest + 8) :]))
             if any(s in tail for s in g.stop):
                 return "stop"
         if n >= g.max_new_tokens:

@@ -42,6 +42,7 @@ import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
@@ -84,7 +85,7 @@ class Server(WeightRoutes, OpenAIRoutes):
     def __init__(
         self,
         engine: LocalEngine,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         cfg: ServerConfig,
         vocab_size: int,
         max_positions: int,
@@ -161,7 +162,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         return resp
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
-        return str(self.tok.decode(ids, skip_special_tokens=skip_special))  # type: ignore[attr-defined]
+        return str(self.tok.decode(ids, skip_special_tokens=skip_special))
 
     def abort_all(self) -> None:
         """End the running requests now with finish_reason abort (their partial output is returned)."""
@@ -191,7 +192,7 @@ class Server(WeightRoutes, OpenAIRoutes):
             raise _bad("stream: streaming is not supported; send stream=false")
         if (req.input_ids is None) == (req.text is None):
             raise _bad("give exactly one of input_ids or text")
-        ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))  # type: ignore[attr-defined]
+        ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))
         self.check_ids(ids, "input_ids")
         g = self.gconfig(req.sampling_params, len(ids))
         rid = req.rid or uuid.uuid4().hex
@@ -210,7 +211,7 @@ class Server(WeightRoutes, OpenAIRoutes):
             raise _bad("stream: streaming is not supported; send stream=false")
         if (req.input_ids is None) == (req.text is None):
             raise _bad("give exactly one of input_ids or text")
-        prompts = req.input_ids if req.input_ids is not None else [list(self.tok.encode(t)) for t in req.text or []]  # type: ignore[attr-defined]
+        prompts = req.input_ids if req.input_ids is not None else [list(self.tok.encode(t)) for t in req.text or []]
         n = len(prompts)
         sps: list[SamplingParams] = _per_item(req.sampling_params, n, "sampling_params")
         logprob: list[bool] = _per_item(req.return_logprob, n, "return_logprob")

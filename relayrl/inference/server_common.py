@@ -92,6 +92,8 @@ def confine_path(path: str, roots: list[str]) -> Path:
 def _version(v: object) -> int | None:
     if v is None or v == "":
         return None
+    if not isinstance(v, (int, float, str)):
+        raise _bad(f"weight_version must be an integer, got {v!r}")
     try:
         return int(v)
     except (TypeError, ValueError):

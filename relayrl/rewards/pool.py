@@ -188,4 +188,4 @@ class RewardPool:
 
 
 def _name(fn: RewardFn) -> str:
-    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
+    return str(getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn)))

@@ -26,6 +26,7 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import uvloop
@@ -575,17 +576,17 @@ class WorkflowExecutor:
                 "staleness_counts": dict(self.staleness_counts),
             }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore before producing; pending prompts re-run with the next ``prepare_batch``."""
         with self._lock:
             if self._running or self._ready or self._queue:
                 raise RuntimeError("load_state_dict must be called before any rollout (work is already queued)")
-            self._next_index = int(state["next_index"])  # type: ignore[call-overload]
-            self._next_group = int(state["next_group_id"])  # type: ignore[call-overload]
+            self._next_index = int(state["next_index"])
+            self._next_group = int(state["next_group_id"])
             pending = state["pending"]
             assert isinstance(pending, list)
             self._restored = [_Prompt(int(d["prompt_index"]), d["data"], None) for d in pending]
-            self.status.load_state_dict(state["status"])  # type: ignore[arg-type]
-            self._discarded = int(state.get("discarded", 0))  # type: ignore[call-overload]
+            self.status.load_state_dict(state["status"])
+            self._discarded = int(state.get("discarded", 0))
             self.staleness_counts = Counter({int(k): int(v) for k, v in state.get("staleness_counts", {}).items()})
             self._version0, self._consumed = None, 0

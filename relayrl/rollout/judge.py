@@ -64,7 +64,7 @@ class GenerativeJudge:
             raise ValueError("GenerativeJudge has no engine: pass one to the judge or to grade()")
         ids = self.prompt_ids(question, answer, reference)
         resp = await target.agenerate(ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig))
-        self.last_reply = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+        self.last_reply = str(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True))
         return float(self.parse_fn(self.last_reply))
 
     async def __call__(self, engine: InferenceEngine, prompt: str, completions: str, **data: object) -> float:

@@ -224,7 +224,7 @@ class PPOActor:
     def _loss_fn(self, sink: _StatsSink):
         cfg = self.config
         policy_loss = self.loss.fn
-        agg = {"agg_mode": cfg.loss_agg_mode, "norm_len": float(cfg.loss_norm_len)}
+        agg_mode, norm_len = cfg.loss_agg_mode, float(cfg.loss_norm_len)
 
         def loss_fn(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
             logp = token_logprobs(logits, packed, self.temperature)
@@ -250,7 +250,8 @@ class PPOActor:
                 behav_imp_weight_floor=cfg.behav_imp_weight_floor,
                 behav_weight_level=cfg.behav_weight_level,
                 behav_weight_clip=cfg.behav_weight_clip,
-                **agg,
+                agg_mode=agg_mode,
+                norm_len=norm_len,
             )
             stats["policy_loss"] = loss.detach()
             # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
@@ -258,11 +259,11 @@ class PPOActor:
             r = before - packed["logprobs"]
             stats["behav_kl"] = A.masked_mean(r.exp() - 1 - r, mask)
             if cfg.kl_coef > 0 and not cfg.kl_in_reward:
-                kl = A.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, **agg)
+                kl = A.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, agg_mode, norm_len)
                 loss = loss + cfg.kl_coef * kl
                 stats["kl_loss"] = kl.detach()
             if cfg.entropy_coef > 0:
-                ent = A.entropy_bonus(token_entropy(logits, packed, self.temperature), mask, cu, **agg)
+                ent = A.entropy_bonus(token_entropy(logits, packed, self.temperature), mask, cu, agg_mode, norm_len)
                 loss = loss - cfg.entropy_coef * ent
             else:
                 with torch.no_grad():

@@ -310,7 +310,7 @@ def dr_grpo_advantage(rewards: Tensor, loss_mask: Tensor, group_id: Tensor, **_:
 @register_advantage("rloo", needs_groups=True)
 def rloo_advantage(rewards: Tensor, loss_mask: Tensor, group_id: Tensor, **_: object) -> tuple[Tensor, Tensor]:
     """RLOO: ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean)``; a group of one gets 0."""
-    mean, _, count = _group_stats(rewards, group_id)
+    mean, _std, count = _group_stats(rewards, group_id)
     adv = torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1.0), 0.0).to(rewards.dtype)
     out = _broadcast(adv, loss_mask)
     return out, out

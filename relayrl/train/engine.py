@@ -14,10 +14,12 @@ import glob
 import math
 import os
 import random
+import typing
 from collections.abc import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 from transformers import PreTrainedModel
 
 from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
@@ -95,7 +97,7 @@ class TorchTrainEngine(TrainEngine):
                 model.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device)
+        typing.cast(nn.Module, model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         if not self.trainable:
             model.requires_grad_(False)
         if dist_utils.is_distributed() and self.config.fsdp:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+import typing
 from datetime import timedelta
-from typing import Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -189,13 +190,14 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         for target, source in (getattr(model, "_tied_weights_keys", None) or {}).items():
             if target in state and source in state:
                 state[target] = state[source]
-    return state
+    return typing.cast(dict[str, torch.Tensor], state)
 
 
 def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a full state dict (every rank passes the same one); missing keys must be tied weights."""
     if is_fsdp(model):
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        full = typing.cast(dict[str, Any], state)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
         return
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:

@@ -18,6 +18,7 @@ import numbers
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType, TracebackType
 
@@ -127,8 +128,8 @@ class MetricLogger:
         """Build from the ``logging`` section of a RunConfig (``config`` is stored in W&B)."""
         return cls(run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_mode, cfg.wandb_project, config)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Record one step's metrics in every sink."""
+    def log(self, metrics: Mapping[str, object], step: int) -> None:
+        """Record one step's metrics in every sink (non-numbers, e.g. the row ids, go to metrics.jsonl only)."""
         row: dict[str, object] = {"step": int(step), "time": round(time.time(), 3)}
         scalars: dict[str, float] = {}
         for key, value in metrics.items():

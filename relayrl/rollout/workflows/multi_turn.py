@@ -95,7 +95,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         the chat template continues ``history`` + the answer (plain prompts: the feedback on its own line)."""
         from relayrl.data.chat import user_turn_ids
 
-        return user_turn_ids(self.tokenizer, history, answer_ids, self.feedback, self.prompt_format)  # type: ignore[arg-type]
+        return user_turn_ids(self.tokenizer, history, answer_ids, self.feedback, self.prompt_format)
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
         prompt = prompt_ids_of(self.tokenizer, data, self.prompt_format)

@@ -19,8 +19,9 @@ import inspect
 import math
 import queue
 import threading
+import typing
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import torch
@@ -50,7 +51,7 @@ def prompt_ids_of(tokenizer: PreTrainedTokenizerBase, data: DataItem, prompt_for
             f"data row {data.get('id', '?')!r} needs 'messages' (a non-empty list of chat turns); "
             f"it has keys {sorted(data)}"
         )
-    return prompt_ids(tokenizer, messages, prompt_format)  # type: ignore[arg-type]
+    return prompt_ids(tokenizer, messages, prompt_format)
 
 
 class _RewardThreads:
@@ -132,7 +133,7 @@ async def compute_reward(
         completion_ids=c_ids,
     )
     if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__):
-        value = await reward_fn(engine, **kwargs)
+        value = await typing.cast(Callable[..., Awaitable[float]], reward_fn)(engine, **kwargs)
     elif reward_pool is not None:
         value = await reward_pool.acall(**kwargs)
     elif reward_timeout is not None:
