@@ -17,6 +17,7 @@ warning, when the tokenizer has no ``chat_template``.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping, Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -76,8 +77,8 @@ def render(
             "use a template with tool support (Hermes / Qwen2.5, Llama-3.1)"
         )
     text = tokenizer.apply_chat_template(
-        list(messages),
-        tools=list(tools) if tools else None,
+        typing.cast(list[dict[str, str]], list(messages)),
+        tools=[dict(t) for t in tools] if tools else None,
         add_generation_prompt=add_generation_prompt,
         tokenize=False,
     )
@@ -125,7 +126,7 @@ def continuation_ids(
         return None
     turn = closed[len(before) :]  # the template's own text of the assistant turn, end-of-turn marker included
     head: list[int] = []
-    end_text = tokenizer.decode([end_token], skip_special_tokens=False) if end_token is not None else ""
+    end_text = str(tokenizer.decode([end_token], skip_special_tokens=False)) if end_token is not None else ""
     if not end_text or end_text not in turn:
         eos = tokenizer.eos_token
         if not isinstance(eos, str) or eos not in turn:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import string
+import typing
 from pathlib import Path
 
 import torch
@@ -112,7 +113,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
         # Loaded as saved: AutoTokenizer would pick the model type's class (qwen2 -> Qwen2Tokenizer), which
         # rebuilds the pre-tokenizer (byte-level regex) and silently drops the offline tokenizer's spaces.
         return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    return typing.cast(PreTrainedTokenizerFast, AutoTokenizer.from_pretrained(path))  # (fast: tokenizers backend)
 
 
 def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:

@@ -22,6 +22,9 @@ _FAST_TYPES = ("qwen2", "llama", "qwen3", "mistral")
 class SlabLayer(DynamicLayer):
     """One layer's KV in a ``[B, H, capacity, D]`` buffer; ``keys``/``values`` view the used part."""
 
+    keys: torch.Tensor  # always set (DynamicLayer allows None before the first update)
+    values: torch.Tensor
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int = 64) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True

@@ -36,7 +36,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -292,7 +292,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
         _check_status(url, call, r)
         return r.json()
 
-    async def _stream(self, url: str, call: Call) -> AsyncIterator[object]:
+    async def _stream(self, url: str, call: Call) -> AsyncGenerator[object, None]:
         """The JSON lines of an NDJSON reply, as they arrive."""
         self.counters["http_calls"] += 1
         async with self._client().stream(call.method, url + call.path, json=call.json) as r:

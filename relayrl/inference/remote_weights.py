@@ -6,6 +6,7 @@ requests sent to them)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import shutil
@@ -48,6 +49,7 @@ class WeightSync:
     _group: WeightBroadcastGroup | None
     _group_members: list[str]
     _group_stale: bool
+    _last_weights: tuple[str, str | bytes | dict[str, torch.Tensor]] | None
     _admin: Callable[..., object]
     _fan_out: Callable[..., None]
     _evict: Callable[..., None]
@@ -87,7 +89,7 @@ class WeightSync:
                 # trainer): SGLang refuses a second group of the same name
                 for s in servers:
                     try:
-                        self._admin(s, self.backend.destroy_weight_group(), timeout=30)
+                        self._admin(s, self.backend.destroy_weight_group(), timeout=30)  # type: ignore[union-attr]  # (vLLM has none)
                     except (httpx.HTTPError, RuntimeError):
                         pass  # a server that never joined, or one too old for the route (then init fails, named)
                 self._group, self._group_members, self._group_stale = None, [], False
@@ -119,7 +121,7 @@ class WeightSync:
                     abort=b == 0,
                 )
                 replies = [ex.submit(self._admin, s, call) for s in servers]
-                self._settle(servers, replies, lambda bucket=bucket: group.broadcast(bucket), errors)
+                self._settle(servers, replies, functools.partial(group.broadcast, bucket), errors)
                 if errors:
                     break
         finally:
@@ -134,7 +136,7 @@ class WeightSync:
         self,
         servers: list[_Server],
         replies: list[Future[object]],
-        collective: Callable[[], None],
+        collective: Callable[[], object],
         errors: list[BaseException],
     ) -> None:
         """Run this side of a collective (on a thread) while the servers' HTTP calls run theirs.
