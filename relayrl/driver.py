@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -110,13 +111,13 @@ class Driver:
                 }
                 fh.write(json.dumps(row) + "\n")
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         """The driver's part of a checkpoint: data order and what the executor had not trained on."""
         return {"dataloader": self.dataloader.state_dict(), "executor": self.executor.state_dict()}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.dataloader.load_state_dict(state["dataloader"])  # type: ignore[arg-type]
-        self.executor.load_state_dict(state["executor"])  # type: ignore[arg-type]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataloader.load_state_dict(state["dataloader"])
+        self.executor.load_state_dict(state["executor"])
 
     def close(self) -> None:
         """Stop the executor, generators (and launched servers), reward workers; flush metrics."""

@@ -146,7 +146,7 @@ class Trainer:
         if resume_from is not None:
             self._load(resume_from)
         # Generators start from the trainer's weights and version.
-        self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]  # a collective; rank 0 pushes
+        self.actor_engine.update_weights(self.engine)  # a collective; rank 0 pushes
         self._critic_stats: list[dict[str, float]] = []
         self._t_start = time.monotonic()
 
@@ -187,7 +187,7 @@ class Trainer:
                         d.executor.pause()  # no new episodes until this step's bookkeeping is done
                     self.step += 1
                     self.actor_engine.set_version(self.step)
-                    self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]
+                    self.actor_engine.update_weights(self.engine)
                     if d and share_gpu:
                         d.engine.resume_memory()
                 last = self._after_step(batch, time.monotonic() - t0, actor_stats)
@@ -349,9 +349,16 @@ def _drop_rows_after(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def train(cfg: RunConfig, **parts: object) -> dict[str, float]:
-    """Build a Trainer, fit, close. ``parts`` go to ``Trainer`` (workflow, reward_fn, rows)."""
-    trainer = Trainer(cfg, **parts)  # type: ignore[arg-type]
+def train(
+    cfg: RunConfig,
+    workflow: RolloutWorkflow | None = None,
+    reward_fn: RewardFn | None = None,
+    train_rows: list[DataItem] | None = None,
+    eval_rows: list[DataItem] | None = None,
+    eval_workflow: RolloutWorkflow | None = None,
+) -> dict[str, float]:
+    """Build a Trainer (the parts as ``Trainer`` takes them), fit, close."""
+    trainer = Trainer(cfg, workflow, reward_fn, train_rows, eval_rows, eval_workflow)
     try:
         return trainer.fit()
     finally:

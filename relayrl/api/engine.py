@@ -204,8 +204,9 @@ class TrainEngine(abc.ABC):
     def load(self, meta: SaveLoadMeta) -> None: ...
 
     @abc.abstractmethod
-    def update_weights(self, target: InferenceEngine) -> None:
-        """Push current weights to ``target`` (version = this engine's version)."""
+    def update_weights(self, target: InferenceEngine | None) -> None:
+        """Push current weights to ``target`` (version = this engine's version); a collective under
+        torch.distributed, where ranks without generators pass None."""
 
     @abc.abstractmethod
     def get_version(self) -> int: ...

@@ -22,6 +22,9 @@ from dataclasses import field
 from pathlib import Path
 from typing import Literal, TypeVar, Union, get_args, get_origin
 
+if typing.TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 import yaml
 
 T = TypeVar("T")
@@ -207,7 +210,7 @@ def _range_text(meta: typing.Mapping[str, object]) -> str:
 
 def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
-    fields = {fl.name: fl for fl in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {fl.name: fl for fl in dataclasses.fields(typing.cast("type[DataclassInstance]", cls))}
     for key in values:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -237,12 +240,12 @@ def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "
 
 
 def to_plain_dict(obj: object) -> dict[str, YamlValue]:
-    return typing.cast(dict[str, YamlValue], dataclasses.asdict(obj))  # type: ignore[call-overload]
+    return typing.cast(dict[str, YamlValue], dataclasses.asdict(typing.cast("DataclassInstance", obj)))
 
 
 def validate_config(obj: object, prefix: str = "") -> None:
     """Check every field's type-independent rules (ranges, choices) recursively."""
-    for fl in dataclasses.fields(obj):  # type: ignore[arg-type]
+    for fl in dataclasses.fields(typing.cast("DataclassInstance", obj)):
         value = getattr(obj, fl.name)
         name = f"{prefix}{fl.name}"
         if dataclasses.is_dataclass(value):

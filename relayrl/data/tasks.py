@@ -209,7 +209,7 @@ def make_task(
 def _wrong_number(rng: random.Random, row: Row, kinds: tuple[str, ...]) -> str:
     """A plausible wrong answer to an arithmetic row (never the right one, never negative)."""
     answer = int(str(row["answer"]))
-    a, b = (int(x) for x in row["operands"])  # type: ignore[attr-defined]
+    a, b = (int(x) for x in cast(list[int], row["operands"]))
     digits = str(answer)
     for kind in rng.sample(kinds, len(kinds)) + ["off_by"]:
         if kind == "carry":  # digit-wise sum without carries / smaller-from-larger digit
@@ -242,7 +242,7 @@ def _wrong_expression(rng: random.Random, row: Row) -> str:
     """A countdown expression that misses the target: one operator or one number changed."""
     expr, target = str(row["answer"]), int(str(row["target"]))
     ops_at = [i for i, c in enumerate(expr) if c in "+-*"]
-    nums = [int(n) for n in row["numbers"]]  # type: ignore[attr-defined]
+    nums = [int(n) for n in cast(list[int], row["numbers"])]
     for _ in range(50):
         if ops_at and rng.random() < 0.5:
             i = rng.choice(ops_at)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -433,8 +434,8 @@ class ReinforceActor:
 class TorchReinforceActor(TorchTrainEngine):
     """The backend binding: a TorchTrainEngine that also speaks ``train_reinforce``."""
 
-    def __init__(self, *args: object, **kwargs: object):
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self.actor = ReinforceActor(self)
 
     def train_reinforce(self, data: TensorDict) -> dict[str, float]:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
@@ -266,7 +267,7 @@ class TorchTrainEngine(TrainEngine):
         loss_sum, n_tokens = 0.0, 0
         for i, ((packed, dummy), w) in enumerate(zip(mbs, weights, strict=True)):
             if fsdp:
-                model.set_requires_gradient_sync(i == len(mbs) - 1)  # type: ignore[operator]
+                typing.cast(FSDPModule, model).set_requires_gradient_sync(i == len(mbs) - 1)
             loss = loss_fn(self._logits(packed), packed)
             (loss * (0.0 if dummy else w / total_w * scale)).backward()
             if not dummy:
@@ -322,7 +323,7 @@ class TorchTrainEngine(TrainEngine):
         """Full CPU state dict (a collective under FSDP2: call on every rank)."""
         return dist_utils.full_model_state_dict(self._require())
 
-    def update_weights(self, target: InferenceEngine) -> None:
+    def update_weights(self, target: InferenceEngine | None) -> None:
         """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0.
 
         Every rank must call it (the weights are gathered collectively); only rank 0 talks to
@@ -336,6 +337,8 @@ class TorchTrainEngine(TrainEngine):
         # device to device, no trip through host memory); FSDP2 gathers a full CPU copy
         tensors = self.state_dict() if dist_utils.is_fsdp(model) else dict(model.state_dict())
         if dist_utils.rank() == 0:
+            if target is None:
+                raise ValueError("update_weights: rank 0 needs the inference engine to push to (None on other ranks)")
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
             target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
         dist_utils.barrier()

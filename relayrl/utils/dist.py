@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from transformers import PreTrainedModel
 
 ReduceOpName = Literal["sum", "min", "max"]
 T = TypeVar("T")
@@ -186,7 +187,7 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if not is_fsdp(model):
         return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     state = get_model_state_dict(model, options=FULL)
-    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):  # type: ignore[operator, union-attr]
+    if getattr(typing.cast(PreTrainedModel, model).config.get_text_config(), "tie_word_embeddings", False):
         for target, source in (getattr(model, "_tied_weights_keys", None) or {}).items():
             if target in state and source in state:
                 state[target] = state[source]
@@ -209,8 +210,9 @@ def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor])
 
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, object]:
     """Optimizer state keyed by parameter names, unsharded; a collective under FSDP2."""
-    return get_optimizer_state_dict(model, optim, options=FULL)  # type: ignore[return-value]
+    return typing.cast(dict[str, object], get_optimizer_state_dict(model, optim, options=FULL))
 
 
 def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, object]) -> None:
-    set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=True))  # type: ignore[arg-type]
+    full = typing.cast(dict[str, Any], state)
+    set_optimizer_state_dict(model, optim, full, options=StateDictOptions(full_state_dict=True))

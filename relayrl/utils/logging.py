@@ -49,13 +49,12 @@ def get_logger(name: str = "relayrl") -> logging.Logger:
     (default INFO). Records do not propagate to the root logger, so nothing prints twice.
     """
     root = logging.getLogger("relayrl")
-    if not getattr(root, "_relayrl_configured", False):
+    if not any(isinstance(h, StderrHandler) for h in root.handlers):
         handler = StderrHandler()
         handler.setFormatter(logging.Formatter(_FORMAT, _DATEFMT))
         root.addHandler(handler)
         root.setLevel(os.environ.get("RELAYRL_LOG_LEVEL", "INFO").upper())
         root.propagate = False
-        root._relayrl_configured = True  # type: ignore[attr-defined]
     if name == "relayrl" or name.startswith("relayrl."):
         return logging.getLogger(name)
     return logging.getLogger(f"relayrl.{name}")
@@ -116,7 +115,11 @@ class MetricLogger:
             if wandb_mode not in ("online", "offline"):
                 raise ValueError(f"wandb_mode must be 'online', 'offline' or 'disabled', got {wandb_mode!r}")
             wb = _import_wandb()
-            cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config  # type: ignore[arg-type]
+            cfg = (
+                dataclasses.asdict(config)
+                if dataclasses.is_dataclass(config) and not isinstance(config, type)
+                else config
+            )
             self._wandb_run = wb.init(
                 project=project, name=run_name or self.run_dir.name, dir=str(self.run_dir), mode=wandb_mode, config=cfg
             )

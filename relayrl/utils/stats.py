@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import typing
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -272,7 +273,7 @@ def _reduce_across_ranks(accs: dict[str, _Acc], group: dist.ProcessGroup | None)
     specs = {k: (a.kind, a.reduces) for k, a in accs.items()}
     union: dict[str, tuple[Kind, tuple[ReduceType, ...]]] = {}
     for r, theirs in enumerate(dist_utils.all_gather_object(specs, group)):
-        for k, spec in theirs.items():  # type: ignore[attr-defined]
+        for k, spec in typing.cast(dict[str, tuple[Kind, tuple[ReduceType, ...]]], theirs).items():
             if k in union and union[k] != spec:
                 raise ValueError(f"stats key {k!r} is recorded as {union[k]} on one rank and {spec} on rank {r}")
             union[k] = spec
