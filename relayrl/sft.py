@@ -22,6 +22,7 @@ import dataclasses
 import math
 import random
 import time
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig)
             # an agent conversation (tool calls, several assistant turns): every assistant turn is learned
             from relayrl.data.chat import conversation_example
 
-            ids, mask = conversation_example(tokenizer, messages, row.get("tools"))  # type: ignore[arg-type]
+            tools = typing.cast(list[dict[str, object]] | None, row.get("tools"))
+            ids, mask = conversation_example(tokenizer, messages, tools)
             if len(ids) > cfg.max_seq_len:
                 raise ValueError(f"{len(ids)} tokens is longer than data.max_seq_len={cfg.max_seq_len}")
             return ids, mask
@@ -74,7 +76,7 @@ def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig)
             messages, completion = messages[:-1], messages[-1]["content"]
         if not messages:
             raise ValueError(f"{cfg.messages_key!r} has no prompt turns")
-        prompt_ids = chat_ids(tokenizer, messages)  # type: ignore[arg-type]
+        prompt_ids = chat_ids(tokenizer, messages)
     elif cfg.prompt_key in row:
         prompt = row[cfg.prompt_key]
         if not isinstance(prompt, str):

@@ -332,7 +332,7 @@ def test_killed_server_requests_complete_and_server_is_readmitted(group, shared,
         assert [r.output_tokens for r in results] == [r.output_tokens for r in refs]  # no lost or doubled tokens
         assert eng.counters["evictions"] >= 1 and eng.counters["reissued"] >= 1
         # the 40 went out as one call per server; every later call carries a re-issued or retried request
-        st = eng.stats
+        st = eng.counters
         assert st["http_calls"] <= 2 + st["reissued"] + st["retried"] + st["interrupted"] < st["requests"], dict(st)
         assert eng.live_servers() == [f"http://{group.addresses[0]}"]
         # the server comes back (fresh process, version 0): it is re-admitted with the current weights

@@ -11,6 +11,7 @@ tokens: any model whose template renders tools works.
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Awaitable, Callable
 
 from transformers import PreTrainedTokenizerBase
@@ -44,7 +45,7 @@ def tool_agent_workflow(
     """``workflow=tool_agent`` with ``rollout.tool_format=template`` (see module doc)."""
 
     async def agent(client: OpenAIClient, data: DataItem) -> float:
-        messages: list[object] = list(data["messages"])  # type: ignore[call-overload]
+        messages: list[object] = list(typing.cast(list[object], data["messages"]))
         answer = ""
         for _ in range(max_tool_calls + 1):
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL])

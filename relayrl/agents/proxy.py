@@ -260,7 +260,7 @@ async def _chunks(data: dict[str, object], chat: bool) -> AsyncIterator[bytes]:
     """A finished completion as the SDK's stream: role, content, tool calls, then finish_reason and [DONE]."""
     base = {k: data[k] for k in ("id", "created", "model")}
     obj = "chat.completion.chunk" if chat else "text_completion"
-    for choice in data["choices"]:  # type: ignore[attr-defined]
+    for choice in typing.cast(list[dict[str, typing.Any]], data["choices"]):
         i = choice["index"]
         if chat:
             msg = choice["message"]

@@ -115,7 +115,7 @@ def load_rows_from_file(
         try:
             row = to_row(record, i, prompt_key, answer_key)
             if tokenizer is not None and max_prompt_len:
-                n = len(chat_ids(tokenizer, row["messages"]))  # type: ignore[arg-type]
+                n = len(chat_ids(tokenizer, typing.cast(list[dict[str, object]], row["messages"])))
                 if n > max_prompt_len:
                     raise DatasetError(
                         f"row {i} (id={row['id']!r}): prompt has {n} tokens > data.max_prompt_len={max_prompt_len}"

@@ -11,11 +11,19 @@ from __future__ import annotations
 import json
 import string
 import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from relayrl.api.config import ModelConfig
 
@@ -93,7 +101,7 @@ def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: 
     return model
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, object]]) -> list[int]:
     """Token ids of a chat prompt ending with the assistant's generation prompt (plain text, with a
     warning, when the tokenizer has no chat template: see ``relayrl.data.chat``)."""
     from relayrl.data.chat import prompt_ids

@@ -27,7 +27,9 @@ set of sampling parameters and answers one choice per prompt, in prompt order.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Any
 
 from relayrl.api.io import GenerationConfig, StopReason
 
@@ -298,7 +300,8 @@ class VLLMBackend:
             got = len(choices) if isinstance(choices, list) else "no"
             raise ProtocolError(f"batched /v1/completions of {n} prompts answered {got} choices")
         order = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
-        return [{**body, "choices": [c]} for c in order]  # type: ignore[dict-item]
+        assert isinstance(body, dict)
+        return [{**body, "choices": [c]} for c in order]
 
     def parse_generate(self, body: object) -> Parsed:
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
@@ -318,7 +321,7 @@ class VLLMBackend:
         kind = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(finish))
         if kind is None:
             raise ProtocolError(f"unknown finish_reason {finish!r}")
-        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], kind)  # type: ignore[arg-type]
+        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], typing.cast(StopReason, kind))
 
     def update_from_disk(self, path: str, version: int) -> Call:
         return Call("POST", "/collective_rpc", {"method": self.reload_method, "kwargs": {"weights_path": path}})
@@ -359,7 +362,7 @@ class VLLMBackend:
     @staticmethod
     def top_logprob(body: object) -> float:
         try:
-            top = body["choices"][0]["logprobs"]["top_logprobs"][0]  # type: ignore[index]
+            top = typing.cast(dict[str, Any], body)["choices"][0]["logprobs"]["top_logprobs"][0]
             return max(float(v) for v in top.values())
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise ProtocolError(f"/v1/completions reply has no top_logprobs: {str(body)[:200]}") from e

@@ -109,8 +109,9 @@ class MicroBatcher:
                             f"{url}{call.path} streamed an item with no pending index: {str(line)[:200]}"
                         )
                     _, fut = pending.pop(i)
-                    if "error" in line:  # type: ignore[operator]
-                        _settle(fut, error=ValueError(f"{url}{call.path} refused item {i}: {line['error']}"))  # type: ignore[index]
+                    assert isinstance(line, dict)  # (it has an index)
+                    if "error" in line:
+                        _settle(fut, error=ValueError(f"{url}{call.path} refused item {i}: {line['error']}"))
                     else:
                         _settle(fut, value=line)
             if pending:

@@ -415,13 +415,13 @@ class RemoteEngine(WeightSync, InferenceEngine):
             raise RuntimeError(f"{srv.url}{call.path} answered {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else {}
 
-    def _fan_out(self, fn: object, servers: list[_Server]) -> None:
+    def _fan_out(self, fn: Callable[[_Server], object], servers: list[_Server]) -> None:
         """Run ``fn(server)`` on all servers at once; dead ones are evicted, other errors raised."""
         errors: list[BaseException] = []
 
         def one(s: _Server) -> None:
             try:
-                fn(s)  # type: ignore[operator]
+                fn(s)
             except DEAD_ERRORS as e:
                 self._evict(s, repr(e))
             except BaseException as e:  # noqa: BLE001 - re-raised below after all servers ran

@@ -55,7 +55,7 @@ class OpenAIRoutes:
             return [list(self.tok.encode(p)) for p in prompt], True
         if prompt and isinstance(prompt[0], list):
             return [list(p) for p in prompt], True
-        return [list(prompt)], False  # type: ignore[arg-type]
+        return [list(typing.cast(list[int], prompt))], False
 
     async def completions(self, req: CompletionRequest) -> Response:
         """Choice ``p * n + j`` is sample ``j`` of prompt ``p`` (vLLM's order)."""

@@ -24,6 +24,7 @@ import multiprocessing as mp
 import queue
 import threading
 import traceback
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -58,7 +59,8 @@ def _serve(conn: Connection, fn: RewardFn) -> None:
 class _Worker:
     def __init__(self, ctx: mp.context.BaseContext, fn: RewardFn) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, fn), name="relayrl-reward", daemon=True)  # type: ignore[attr-defined]
+        process = typing.cast(mp.context.SpawnContext, ctx).Process  # (BaseContext's stub has no Process)
+        self.proc = process(target=_serve, args=(child, fn), name="relayrl-reward", daemon=True)
         self.proc.start()
         child.close()
 

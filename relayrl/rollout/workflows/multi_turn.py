@@ -11,6 +11,7 @@ reward of the turn that ends the episode is discounted by ``turn_discount ** tur
 
 from __future__ import annotations
 
+import typing
 import uuid
 
 import torch
@@ -100,7 +101,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
         prompt = prompt_ids_of(self.tokenizer, data, self.prompt_format)
         buf = TokenBuffer(prompt)
-        history = list(data["messages"])  # type: ignore[call-overload]
+        history = list(typing.cast(list[dict[str, object]], data["messages"]))
         rid = uuid.uuid4().hex
         reward = raw = 0.0
         turn = 0
