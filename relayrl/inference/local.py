@@ -358,7 +358,7 @@ class LocalEngine(InferenceEngine):
                 except Exception as e:  # a model error fails the running requests, not the engine
                     for seq, alive in zip(self._rows, self._alive, strict=True):
                         if alive:
-                            seq.on_done(e)  # type: ignore[arg-type]  # the future raises it
+                            seq.on_done(e)  # the future raises it
                     self._reset_batch()
             self._abort_running()
             while not self._waiting.empty():
@@ -390,7 +390,7 @@ class LocalEngine(InferenceEngine):
         held = len(self._rows) * self._mask.shape[1]
         if not rows or held * 9 // 10 < 16:
             for seq in rows:
-                seq.on_done(RuntimeError(f"out of memory on {self.device} with {held} KV tokens held: {error}"))  # type: ignore[arg-type]
+                seq.on_done(RuntimeError(f"out of memory on {self.device} with {held} KV tokens held: {error}"))
             self._reset_batch()
             return
         self.kv_capacity = min(self.kv_capacity, held * 9 // 10)
@@ -563,7 +563,7 @@ class LocalEngine(InferenceEngine):
             oom = isinstance(e, torch.OutOfMemoryError)
             what = "ran out of memory" if oom else f"failed ({type(e).__name__}: {e})"
             seqs[0].on_done(
-                RuntimeError(  # type: ignore[arg-type]  # the future raises it
+                RuntimeError(  # the future raises it
                     f"prefill of {n} tokens on {self.device} {what}; KV cache capacity {self.kv_capacity} tokens "
                     f"({self.kv_capacity_by}){': ' + str(e) if oom else ''}"
                 )

@@ -39,6 +39,7 @@ import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import torch
@@ -46,11 +47,15 @@ import torch
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, StopReason
-from relayrl.inference.backends import Call, ProtocolError, ServerError, make_backend
+from relayrl.inference.backends import Call, ProtocolError, ServerError, VLLMBackend, make_backend
 from relayrl.inference.batcher import MicroBatcher
 from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
 from relayrl.inference.remote_weights import DEAD_ERRORS, WeightSync
 from relayrl.inference.weight_group import WeightBroadcastGroup
+
+if TYPE_CHECKING:
+    from relayrl.inference.launcher import ServerGroup
+    from relayrl.inference.peer_launcher import PeerServerGroup
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +109,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
         self._group_stale = False  # a member died: the group is rebuilt at its next use
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
-        self._launched: object | None = None
+        self._launched: PeerServerGroup | ServerGroup | None = None
         self._rr = 0
         self._wire_ids = itertools.count()
         self._paused = False
@@ -185,22 +190,26 @@ class RemoteEngine(WeightSync, InferenceEngine):
         if mode != "auto" or self.config.weight_sync_dir:
             mode = self._sync_mode()
             for srv in self.servers:
-                require_routes(srv.info, srv.url, mode)  # type: ignore[arg-type]
-        if self.backend.name == "vllm":
+                assert srv.info is not None  # (read at connect)
+                require_routes(srv.info, srv.url, mode)
+        if isinstance(self.backend, VLLMBackend):
             names = {s.info.model for s in self.servers if s.info is not None}
             if len(names) != 1:
                 raise UnsupportedServer(f"the vLLM servers serve different models: {sorted(names)}")
-            self.backend.model = names.pop()  # type: ignore[union-attr]
-            if self.servers[0].info.server != "relayrl":  # type: ignore[union-attr]  # relayrl's follow the temperature
+            self.backend.model = names.pop()
+            first = self.servers[0].info
+            if first is not None and first.server != "relayrl":  # relayrl's follow the temperature
                 self._check_logprobs_mode(self.servers[0])
 
     def _check_logprobs_mode(self, srv: _Server) -> None:
         """vLLM reports the raw model's logprobs unless run with ``--logprobs-mode processed_logprobs``:
         the top logprob of one token at two temperatures tells them apart."""
+        backend = self.backend
+        assert isinstance(backend, VLLMBackend)
         tops = []
         for t in (1.0, 0.5):
-            body = self._admin(srv, self.backend.logprob_probe(t), timeout=60)  # type: ignore[union-attr]
-            tops.append(self.backend.top_logprob(body))  # type: ignore[union-attr]
+            body = self._admin(srv, backend.logprob_probe(t), timeout=60)
+            tops.append(backend.top_logprob(body))
         if abs(tops[0] - tops[1]) < 1e-6 and tops[0] < -1e-4:
             raise UnsupportedServer(
                 f"{srv.url} returns logprobs that ignore the sampling temperature (vLLM's default raw_logprobs): "
@@ -218,7 +227,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
                 asyncio.run_coroutine_threadsafe(client.aclose(), loop)
         self._clients.clear()
         if self._launched is not None:
-            self._launched.shutdown()  # type: ignore[attr-defined]
+            self._launched.shutdown()
             self._launched = None
 
     # ------------------------------------------------------------------ routing

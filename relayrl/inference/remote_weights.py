@@ -11,6 +11,7 @@ import itertools
 import os
 import shutil
 import threading
+import typing
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -57,7 +58,8 @@ class WeightSync:
     def _push(self, srv: _Server, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int) -> None:
         kind, data = weights
         if kind == "broadcast":  # a server (re)joining: the group is rebuilt with it in
-            self._broadcast(data, version, [s for s in self.servers if s.alive or s is srv])  # type: ignore[arg-type]
+            tensors = typing.cast(dict[str, torch.Tensor], data)
+            self._broadcast(tensors, version, [s for s in self.servers if s.alive or s is srv])
             return
         if kind == "disk" and self.backend.name == "vllm" and not self._paused:
             # in-flight requests end as "abort" (their tokens are the old version's) and are continued after
@@ -205,12 +207,12 @@ class WeightSync:
             self._fan_out(lambda s: self._push(s, weights, version), live)
             return
         try:
-            self._broadcast(weights[1], version, live)  # type: ignore[arg-type]
+            self._broadcast(typing.cast(dict[str, torch.Tensor], weights[1]), version, live)
         except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
             live = [s for s in self.servers if s.alive]
             if not live:
                 raise
-            self._broadcast(weights[1], version, live)  # type: ignore[arg-type]
+            self._broadcast(typing.cast(dict[str, torch.Tensor], weights[1]), version, live)
 
     def _sync_mode(self) -> str:
         mode = self.config.weight_sync

@@ -27,7 +27,7 @@ class Seq:
     prompt: list[int]
     g: GenerationConfig
     key: int
-    on_done: Callable[[ModelResponse], None]
+    on_done: Callable[[ModelResponse | BaseException], None]  # an exception: the request's future raises it
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -76,7 +76,9 @@ def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]) -> Callable[[ModelResponse], None]:
+def resolver(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]
+) -> Callable[[ModelResponse | BaseException], None]:
     """A callback, safe from any thread, that resolves ``fut`` (or fails it with an exception)."""
 
     def settle(result: ModelResponse | BaseException) -> None:
