@@ -84,11 +84,28 @@ def test_yaml_route_examples_run(doc: str, tmp_path: Path, monkeypatch: pytest.M
     assert commands, f"{doc} shows no relayrl train command"
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
+    _forget_my_pkg()  # another test's my_pkg
+    try:
+        for cmd in commands:
+            args = [a for a in cmd[2:] if not a.startswith("total_steps=")]
+            assert main(["train", *args, *TINY, f"run_dir={tmp_path / 'run'}"]) == 0, cmd
+            rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+            cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+            assert rows[-1]["step"] == 1 and PROOF[doc](rows[-1], cfg), (rows[-1], cfg)
+    finally:
+        _forget_my_pkg()
+
+
+def _forget_my_pkg() -> None:
+    """Unload the user package ``my_pkg`` and unregister what it registered (tests write their own)."""
+    from relayrl.data.tasks import TASKS
+    from relayrl.rewards.registry import REWARDS
+    from relayrl.rollout.workflows import WORKFLOWS
+    from relayrl.train.registry import ADVANTAGES, LOSSES
+
     for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:
-        monkeypatch.delitem(sys.modules, name)  # another test's my_pkg
-    for cmd in commands:
-        args = [a for a in cmd[2:] if not a.startswith("total_steps=")]
-        assert main(["train", *args, *TINY, f"run_dir={tmp_path / 'run'}"]) == 0, cmd
-        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-        cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-        assert rows[-1]["step"] == 1 and PROOF[doc](rows[-1], cfg), (rows[-1], cfg)
+        del sys.modules[name]
+    for registry in (TASKS, REWARDS, WORKFLOWS, ADVANTAGES, LOSSES):
+        for key, entry in list(registry.items()):
+            if str(getattr(getattr(entry, "fn", entry), "__module__", "")).startswith("my_pkg"):
+                del registry[key]

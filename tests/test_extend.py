@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,15 +59,32 @@ def tiny_add(n_train, n_eval, difficulty, seed):
 
 
 @pytest.fixture
-def user_pkg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def user_pkg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A package ``my_pkg`` (agents.py, extras.py) outside the repository, on sys.path."""
     pkg = tmp_path / "user" / "my_pkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "agents.py").write_text(textwrap.dedent(AGENTS))
     (pkg / "extras.py").write_text(textwrap.dedent(EXTRAS))
+    _forget_my_pkg()  # another test's my_pkg (tests/test_docs.py writes its own)
     monkeypatch.syspath_prepend(str(pkg.parent))
-    return pkg.parent
+    yield pkg.parent
+    _forget_my_pkg()
+
+
+def _forget_my_pkg() -> None:
+    """Unload the user package ``my_pkg`` and unregister what it registered (tests write their own)."""
+    from relayrl.data.tasks import TASKS
+    from relayrl.rewards.registry import REWARDS
+    from relayrl.rollout.workflows import WORKFLOWS
+    from relayrl.train.registry import ADVANTAGES, LOSSES
+
+    for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:
+        del sys.modules[name]
+    for registry in (TASKS, REWARDS, WORKFLOWS, ADVANTAGES, LOSSES):
+        for key, entry in list(registry.items()):
+            if str(getattr(getattr(entry, "fn", entry), "__module__", "")).startswith("my_pkg"):
+                del registry[key]
 
 
 def test_relayrl_train_runs_a_user_workflow_reward_and_task_with_no_script(user_pkg: Path, tmp_path: Path):
