@@ -172,7 +172,7 @@ def bench_generation(args: argparse.Namespace) -> dict:
             engine_tok_s=common.spread(eng_tps),
             ratio=common.spread(ratios),
             kv_capacity=engine.kv_capacity,
-            preemptions=engine.stats["preemptions"],
+            preemptions=engine.counters["preemptions"],
             fast_decode=engine._fast is not None,
             cuda_graphs=engine._static is not None,
             attention=engine._static.attention if engine._static is not None else "sdpa",

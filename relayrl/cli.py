@@ -125,7 +125,7 @@ def _sft(argv: list[str]) -> int:
 
 
 def _config_args(
-    prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], None] | None = None
+    prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], object] | None = None
 ) -> tuple[argparse.Namespace, str | None, list[str]]:
     """Parse ``[CONFIG.yaml] [key=value ...]`` plus the options ``extra`` adds."""
     p = argparse.ArgumentParser(prog=prog)
@@ -223,6 +223,11 @@ def _eval(argv: list[str]) -> int:
     from relayrl.data.models import load_tokenizer
     from relayrl.evaluation import evaluate
 
+    try:
+        wiring.resolve_extensions(cfg)
+    except ConfigError as e:
+        print(f"relayrl eval: {e}", file=sys.stderr)
+        return 2
     tokenizer = load_tokenizer(cfg.model)
     _, rows = wiring.load_rows(cfg, tokenizer)
     if not rows:

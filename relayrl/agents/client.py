@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -33,7 +34,12 @@ try:
     from openai.types import Completion, CompletionChoice, CompletionUsage
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("relayrl.agents needs the openai package: pip install 'relayrl[agents]'") from e
-from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionMessage,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageToolCallUnion,
+)
 from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
 from openai.types.chat.chat_completion_message_function_tool_call import Function
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
@@ -216,7 +222,7 @@ class OpenAIClient:
             {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
         )
         end = out[-1] if out and resp.stop_reason == "stop" and out[-1] in stops else None
-        text = self.tokenizer.decode(out[:-1] if end is not None else out, skip_special_tokens=False)
+        text = str(self.tokenizer.decode(out[:-1] if end is not None else out, skip_special_tokens=False))
         if resp.stop_reason == "stop" and end is None and gconfig.stop:
             cut = min((text.find(s) for s in gconfig.stop if s in text), default=-1)
             text = text[:cut] if cut >= 0 else text
@@ -278,8 +284,11 @@ class OpenAIClient:
                 )
                 for c in parsed.tool_calls
             ]
-            message = ChatCompletionMessage(role="assistant", content=parsed.content, tool_calls=calls or None)
-            finish = "tool_calls" if calls else ("length" if resp.stop_reason == "length" else "stop")
+            tool_calls: list[ChatCompletionMessageToolCallUnion] | None = list(calls) or None
+            message = ChatCompletionMessage(role="assistant", content=parsed.content, tool_calls=tool_calls)
+            finish: Literal["tool_calls", "length", "stop"] = (
+                "tool_calls" if calls else ("length" if resp.stop_reason == "length" else "stop")
+            )
             logprobs = ChoiceLogprobs(content=self._token_logprobs(resp)) if want_logprobs else None
             choices.append(Choice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
             self.records.append(
@@ -311,7 +320,7 @@ class OpenAIClient:
 
     def _ends_with_stop(self, rec: CallRecord) -> bool:
         """Whether the record's last token is a stop token (EOS or one of the config's)."""
-        stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}  # type: ignore[arg-type]
+        stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}
         return bool(rec.output_ids) and rec.output_ids[-1] in stops
 
     async def _complete(self, prompt: str | list[int], params: dict[str, object]) -> Completion:
@@ -354,7 +363,7 @@ class OpenAIClient:
             text, _ = self._output_text(resp, gconfig)
             lp = None
             if want_logprobs:
-                toks = [self.tokenizer.decode([t], skip_special_tokens=False) for t in resp.output_tokens]
+                toks = [str(self.tokenizer.decode([t], skip_special_tokens=False)) for t in resp.output_tokens]
                 lp = Logprobs(
                     tokens=toks,
                     token_logprobs=list(resp.output_logprobs),
@@ -392,7 +401,7 @@ class OpenAIClient:
     def _token_logprobs(self, resp: ModelResponse) -> list[ChatCompletionTokenLogprob]:
         out = []
         for tok, lp in zip(resp.output_tokens, resp.output_logprobs, strict=True):
-            text = self.tokenizer.decode([tok], skip_special_tokens=False)
+            text = str(self.tokenizer.decode([tok], skip_special_tokens=False))
             out.append(
                 ChatCompletionTokenLogprob(token=text, bytes=list(text.encode()), logprob=float(lp), top_logprobs=[])
             )

@@ -23,12 +23,15 @@ import math
 import socket
 import threading
 import time
+import typing
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
@@ -37,6 +40,8 @@ from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RolloutWorkflow, Trajectory
 from relayrl.utils.logging import get_logger
+
+_Kwargs = dict[str, typing.Any]  # a request body's remaining fields, passed through to the SDK call
 
 logger = get_logger("agents")
 SESSION_HEADER = "x-relayrl-session"
@@ -188,12 +193,14 @@ class AgentProxy:
                     messages = body.pop("messages", None)
                     if messages is None:
                         raise RequestError("messages is required", "messages")
-                    out = await session.client.chat.completions.create(messages=messages, **body)  # type: ignore[arg-type]
+                    out: ChatCompletion | Completion = await session.client.chat.completions.create(
+                        messages=typing.cast(list[ChatCompletionMessageParam], messages), **typing.cast(_Kwargs, body)
+                    )
                 else:
                     prompt = body.pop("prompt", None)
                     if prompt is None:
                         raise RequestError("prompt is required", "prompt")
-                    out = await session.client.completions.create(prompt=prompt, **body)  # type: ignore[arg-type]
+                    out = await session.client.completions.create(prompt=str(prompt), **typing.cast(_Kwargs, body))
             except RequestError as e:
                 return JSONResponse({"error": e.body}, status_code=400)
             data = out.model_dump(exclude_none=True)
@@ -253,11 +260,11 @@ async def _chunks(data: dict[str, object], chat: bool) -> AsyncIterator[bytes]:
     """A finished completion as the SDK's stream: role, content, tool calls, then finish_reason and [DONE]."""
     base = {k: data[k] for k in ("id", "created", "model")}
     obj = "chat.completion.chunk" if chat else "text_completion"
-    for choice in data["choices"]:  # type: ignore[attr-defined]
+    for choice in typing.cast(list[dict[str, typing.Any]], data["choices"]):
         i = choice["index"]
         if chat:
             msg = choice["message"]
-            parts = [{"role": "assistant", "content": ""}]
+            parts: list[dict[str, object]] = [{"role": "assistant", "content": ""}]
             if msg.get("content"):
                 parts.append({"content": msg["content"]})
             for j, call in enumerate(msg.get("tool_calls") or []):

@@ -263,11 +263,11 @@ class RolloutConfig:
 class ActorConfig:
     adv_estimator: str = f(
         "grpo",
-        help="Advantage estimator, a name registered with @register_advantage: grpo, dr_grpo, rloo, reinforce, reinforce_pp, remax, gae, or your own (checked against the registry when the trainer or actor is built, before any model loads).",
+        help="Advantage estimator, a name registered with @register_advantage: grpo, dr_grpo, rloo, reinforce, reinforce_pp, remax, gae, or your own, or 'package.module:function' (checked when the trainer or actor is built, before any model loads).",
     )
     loss: str = f(
         "ppo",
-        help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own (checked against the registry when the trainer or actor is built, before any model loads).",
+        help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own, or 'package.module:function' (checked when the trainer or actor is built, before any model loads).",
     )
     eps_clip: float = f(
         0.2, help="PPO clip range (lower side, and upper unless eps_clip_higher is set).", gt=0.0, lt=1.0
@@ -380,8 +380,8 @@ class ActorConfig:
 class DataConfig:
     task: str = f(
         "arithmetic",
-        help="A synthetic task name, or 'file' to read train_path/eval_path.",
-        choices=["arithmetic", "countdown", "count", "file"],
+        help="'file' to read train_path/eval_path; a synthetic task: arithmetic, countdown, count, a name registered "
+        "with @register_task, or 'package.module:function' returning (train_rows, eval_rows).",
     )
     train_path: str = f("", help="jsonl / parquet / json file of training rows (task=file).")
     eval_path: str = f("", help="Held-out rows (task=file).")
@@ -450,7 +450,23 @@ class RunConfig:
         help="off; auto (resume if a checkpoint exists); resume (must resume).",
         choices=["off", "auto", "resume"],
     )
-    workflow: str = f("rlvr", help="Rollout workflow.", choices=["rlvr", "multi_turn", "remax", "tool_agent"])
+    imports: list[str] = f(
+        [], help="Modules imported first, so their @register_* decorators add user workflows, rewards, tasks, losses."
+    )
+    workflow: str = f(
+        "rlvr",
+        help="Rollout workflow: rlvr, multi_turn, remax, tool_agent, a name registered with @register_workflow, or "
+        "'package.module:attr' (a RolloutWorkflow subclass or a function returning one; docs/extend.md).",
+    )
+    workflow_kwargs: dict[str, YamlValue] = f(
+        {}, help="Keyword arguments for the workflow (after the standard ones its signature names)."
+    )
+    reward_fn: str = f(
+        "",
+        help="Reward function: empty = the task's verifier (math-verify gsm8k for data.task=file); a registered name "
+        "(arithmetic, countdown, count, gsm8k, or @register_reward) or 'package.module:function'.",
+    )
+    reward_kwargs: dict[str, YamlValue] = f({}, help="Keyword arguments bound to the reward function.")
     model: ModelConfig = f(ModelConfig(), help="Policy model.")
     train: TrainEngineConfig = f(TrainEngineConfig(), help="Train engine.")
     actor: ActorConfig = f(ActorConfig(), help="Algorithm.")
@@ -473,7 +489,7 @@ class RunConfig:
         train_g, ev = values.get("gconfig", {}), values.get("eval", {})
         if not isinstance(train_g, dict) or not isinstance(ev, dict) or not isinstance(ev.get("gconfig", {}), dict):
             return  # a malformed section: building reports it
-        base = to_plain_dict(RunConfig.__dataclass_fields__["gconfig"].default_factory())  # type: ignore[misc]
+        base = to_plain_dict(GenerationConfig(max_new_tokens=32))  # RunConfig.gconfig's default
         ev_g = typing.cast(dict[str, YamlValue], ev.get("gconfig", {}))
         values["eval"] = {**ev, "gconfig": {**base, **train_g, "greedy": True, **ev_g}}
 
@@ -521,8 +537,8 @@ class ServerConfig:
 class SFTDataConfig:
     task: str = f(
         "arithmetic",
-        help="'file': read train_path/eval_path; a synthetic task name: its demonstrations.",
-        choices=["arithmetic", "countdown", "count", "file"],
+        help="'file': read train_path/eval_path; a task (a registered name or 'package.module:function', as the run "
+        "config's data.task): its rows as demonstrations.",
     )
     train_path: str = f("", help="jsonl / json / parquet rows: prompt + completion, or messages (+ answer).")
     eval_path: str = f("", help="Held-out rows in the same format (empty = no eval loss).")
@@ -545,6 +561,7 @@ class SFTConfig:
     """Supervised fine-tuning (``relayrl sft``): loss on completion tokens only."""
 
     run_dir: str = f("runs/sft", help="Directory for config, metrics.jsonl and the final checkpoint.")
+    imports: list[str] = f([], help="Modules imported first (user tasks registered with @register_task).")
     seed: int = f(1, help="Seed of data order and model init.")
     torch_threads: int = f(1, help="torch threads (1 is fastest on small shared CPUs).", ge=1)
     epochs: int = f(1, help="Passes over the training rows (ignored when total_steps > 0).", ge=1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from relayrl.api.engine import InferenceEngine
 
 Trajectory = TensorDict
+# A reward function: ``(prompt, completions, prompt_ids, completion_ids, **row) -> float`` (the row's
+# other fields, e.g. ``answer``, as keywords); declared here once, used by workflows, pools and wiring.
+RewardFn = Callable[..., float]
 
 REQUIRED_KEYS: dict[str, tuple[str, tuple[torch.dtype, ...]]] = {
     # key: (level, allowed dtypes)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 VOCAB = 128
 _COMMON = {"vocab_size": VOCAB, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
@@ -72,7 +72,7 @@ FAMILIES: dict[str, dict[str, object]] = {
 }
 
 
-def tiny_family_config(name: str, **overrides: object) -> AutoConfig:
+def tiny_family_config(name: str, **overrides: object) -> PretrainedConfig:
     """A tiny config of family ``name`` (a key of ``FAMILIES``), with ``overrides`` applied."""
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; choose one of {sorted(FAMILIES)}")

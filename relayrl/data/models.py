@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import json
 import string
+import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from relayrl.api.config import ModelConfig
 
@@ -108,7 +117,7 @@ def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: 
     return model
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, object]]) -> list[int]:
     """Token ids of a chat prompt ending with the assistant's generation prompt (plain text, with a
     warning, when the tokenizer has no chat template: see ``relayrl.data.chat``)."""
     from relayrl.data.chat import prompt_ids
@@ -128,7 +137,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
         # Loaded as saved: AutoTokenizer would pick the model type's class (qwen2 -> Qwen2Tokenizer), which
         # rebuilds the pre-tokenizer (byte-level regex) and silently drops the offline tokenizer's spaces.
         return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    return typing.cast(PreTrainedTokenizerFast, AutoTokenizer.from_pretrained(path))  # (fast: tokenizers backend)
 
 
 def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:

@@ -27,7 +27,9 @@ set of sampling parameters and answers one choice per prompt, in prompt order.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,8 +72,10 @@ WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
 
 
 def _int_or_none(v: object) -> int | None:
+    if not isinstance(v, (int, float, str)):
+        return None
     try:
-        return int(v)  # type: ignore[call-overload, no-any-return]
+        return int(v)
     except (TypeError, ValueError):
         return None
 
@@ -135,7 +139,7 @@ class SGLangBackend:
         return Parsed(
             tokens=[int(t) for t in tokens],
             logprobs=[float(t[0]) for t in triples],
-            stop_reason=kind,  # type: ignore[arg-type]
+            stop_reason=kind,
             versions=[int(v) for v in versions] if isinstance(versions, list) else None,
             weight_version=_int_or_none(meta.get("weight_version")),
             routed_experts=routed,
@@ -312,7 +316,8 @@ class VLLMBackend:
             got = len(choices) if isinstance(choices, list) else "no"
             raise ProtocolError(f"batched /v1/completions of {n} prompts answered {got} choices")
         order = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
-        return [{**body, "choices": [c]} for c in order]  # type: ignore[dict-item]
+        assert isinstance(body, dict)
+        return [{**body, "choices": [c]} for c in order]
 
     def parse_generate(self, body: object) -> Parsed:
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
@@ -332,7 +337,7 @@ class VLLMBackend:
         kind = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(finish))
         if kind is None:
             raise ProtocolError(f"unknown finish_reason {finish!r}")
-        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], kind)  # type: ignore[arg-type]
+        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], typing.cast(StopReason, kind))
 
     def update_from_disk(self, path: str, version: int) -> Call:
         return Call("POST", "/collective_rpc", {"method": self.reload_method, "kwargs": {"weights_path": path}})
@@ -373,7 +378,7 @@ class VLLMBackend:
     @staticmethod
     def top_logprob(body: object) -> float:
         try:
-            top = body["choices"][0]["logprobs"]["top_logprobs"][0]  # type: ignore[index]
+            top = typing.cast(dict[str, Any], body)["choices"][0]["logprobs"]["top_logprobs"][0]
             return max(float(v) for v in top.values())
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise ProtocolError(f"/v1/completions reply has no top_logprobs: {str(body)[:200]}") from e

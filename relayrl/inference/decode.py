@@ -25,6 +25,9 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class SlabLayer(DynamicLayer):
     """One layer's KV in a ``[B, H, capacity, D]`` buffer; ``keys``/``values`` view the used part."""
 
+    keys: torch.Tensor  # always set (DynamicLayer allows None before the first update)
+    values: torch.Tensor
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int = 64) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
@@ -161,7 +164,7 @@ class FastDecoder:
         for i, (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d, w_qn, w_kn) in enumerate(self.layers):
             qkv = F.linear(_rms(x, w_in, self.eps), w_qkv, b_qkv)
             heads = qkv[:, : nq + nkv].view(b, self.n_q + self.n_kv, d)
-            if w_qn is not None:  # Qwen3: RMSNorm over each head's q and k before the rotation
+            if w_qn is not None and w_kn is not None:  # Qwen3: RMSNorm over each head's q and k before the rotation
                 heads = torch.cat(
                     [_rms(heads[:, : self.n_q], w_qn, self.eps), _rms(heads[:, self.n_q :], w_kn, self.eps)], 1
                 )

@@ -31,11 +31,13 @@ import queue
 import sys
 import threading
 import time
+import typing
 from collections import deque
 from collections.abc import Callable
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
@@ -57,7 +59,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         self,
         config: InferenceConfig,
         model: PreTrainedModel | None = None,
-        tokenizer: object | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         model_config: ModelConfig | None = None,
         static_steps: bool | None = None,
     ) -> None:
@@ -71,7 +73,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         self.model_config = model_config
         # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
         # preemptions: rows set aside (and continued later) because the KV cache was full
-        self.stats = {
+        self.counters = {
             "requests": 0,
             "aborts": 0,
             "tokens": 0,
@@ -126,7 +128,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.model_config)
         self.device = resolve_device(self.config.device)
-        self.model.to(self.device)
+        typing.cast(nn.Module, self.model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         self.model.eval()
         cfg = self.model.config
         self.vocab_size = int(cfg.get_text_config().vocab_size)
@@ -196,7 +198,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         loop = asyncio.get_running_loop()
         with self._key_lock:
             key = self.config.seed * 1_000_003 + next(self._keys)
-        self.stats["requests"] += 1
+        self.counters["requests"] += 1
         start = time.perf_counter()
         seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
         ttft = 0.0
@@ -279,13 +281,19 @@ class LocalEngine(SlabBatch, InferenceEngine):
             with torch.inference_mode():
                 fn()
             return
-        done, errors = threading.Event(), []
+        done, errors = threading.Event(), list[BaseException]()
         with self._wake:
             self._control.put((fn, done, errors))
             self._wake.notify_all()
         done.wait()
         if errors:
             raise errors[0]
+
+    def stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.counters.items()}
+
+    def can_release_memory(self) -> bool:
+        return self.device.type == "cuda"
 
     def state_dict(self) -> dict[str, int]:
         """The sampling stream's position (requests draw keys in arrival order). The trainer
@@ -327,7 +335,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
             if self._static is not None:
                 self._static.reset()
             if weights and self.device.type != "cpu":
-                self.model.to("cpu")  # type: ignore[union-attr]
+                typing.cast(nn.Module, self.model).to("cpu")
                 if self._fast is not None:
                     self._fast.layers = []  # drop the fused copies too
             if self.device.type == "cuda":
@@ -341,7 +349,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         def apply() -> None:
             assert self.model is not None
             if next(self.model.parameters()).device != self.device:
-                self.model.to(self.device)
+                typing.cast(nn.Module, self.model).to(self.device)
                 if self._fast is not None:
                     self._fast.refresh()
             self._released = False
@@ -378,7 +386,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
                 except Exception as e:  # a model error fails the running requests, not the engine
                     for seq, alive in zip(self._rows, self._alive, strict=True):
                         if alive:
-                            seq.on_done(e)  # type: ignore[arg-type]  # the future raises it
+                            seq.on_done(e)  # the future raises it
                     self._reset_batch()
             self._abort_running()
             while not self._waiting.empty():
@@ -397,7 +405,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
 
     def _abort_running(self) -> None:
         rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive] + list(self._preempted)
-        self.stats["aborts"] += len(rows)
+        self.counters["aborts"] += len(rows)
         self._reset_batch()
         self._preempted.clear()
         for seq in rows:
@@ -410,7 +418,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         held = len(self._rows) * self._mask.shape[1]
         if not rows or held * 9 // 10 < 16:
             for seq in rows:
-                seq.on_done(RuntimeError(f"out of memory on {self.device} with {held} KV tokens held: {error}"))  # type: ignore[arg-type]
+                seq.on_done(RuntimeError(f"out of memory on {self.device} with {held} KV tokens held: {error}"))
             self._reset_batch()
             return
         self.kv_capacity = min(self.kv_capacity, held * 9 // 10)
@@ -422,7 +430,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
     def _preempt_all(self) -> None:
         """Set every running row aside (continued from prompt + output when admitted again)."""
         rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
-        self.stats["preemptions"] += len(rows)
+        self.counters["preemptions"] += len(rows)
         self._reset_batch()
         self._preempted.extendleft(reversed(rows))
 
@@ -435,7 +443,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         tokens, logprobs = self._sample()
         assert self._params is not None
         self._params.counters += 1  # the next token of every row uses the next uniform
-        self.stats["steps"] += 1
+        self.counters["steps"] += 1
         now = time.perf_counter()
         n, route, self._route = len(self._rows), self._route, None
         parts = [tokens.double(), logprobs.double()] + ([] if route is None else [route.double().flatten()])
@@ -453,7 +461,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
             seq.out.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
-            self.stats["tokens"] += 1
+            self.counters["tokens"] += 1
             reason = seq.finished(tok, self.tokenizer)
             if reason is not None:  # the future resolves now; the row leaves at the next compaction
                 self._alive[i] = False
@@ -474,7 +482,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         while len(keep) > 1 and len(keep) * max(lengths) > self.kv_capacity:
             self._preempted.appendleft(self._rows[keep.pop()])
             lengths.pop()
-            self.stats["preemptions"] += 1
+            self.counters["preemptions"] += 1
         return keep
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,10 +6,12 @@ requests sent to them)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import shutil
 import threading
+import typing
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -19,8 +21,9 @@ import httpx
 import safetensors.torch
 import torch
 
+from relayrl.api.config import InferenceConfig
 from relayrl.api.io import WeightUpdate
-from relayrl.inference.backends import WEIGHT_GROUP, Call
+from relayrl.inference.backends import WEIGHT_GROUP, Backend, Call
 from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 
 if TYPE_CHECKING:
@@ -38,10 +41,25 @@ class WeightSync:
     """Needs from ``RemoteEngine``: ``config``, ``backend``, ``servers``, ``_admin``, ``_fan_out``,
     ``_evict``, ``_paused``, ``_group*``, ``_update_lock``, ``_version``, ``_last_weights``."""
 
+    # what RemoteEngine provides (declared for the type checker)
+    config: InferenceConfig
+    backend: Backend
+    servers: list[_Server]
+    _paused: bool
+    _update_lock: threading.Lock
+    _group: WeightBroadcastGroup | None
+    _group_members: list[str]
+    _group_stale: bool
+    _last_weights: tuple[str, str | bytes | dict[str, torch.Tensor]] | None
+    _admin: Callable[..., object]
+    _fan_out: Callable[..., None]
+    _evict: Callable[..., None]
+
     def _push(self, srv: _Server, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int) -> None:
         kind, data = weights
         if kind == "broadcast":  # a server (re)joining: the group is rebuilt with it in
-            self._broadcast(data, version, [s for s in self.servers if s.alive or s is srv])  # type: ignore[arg-type]
+            tensors = typing.cast(dict[str, torch.Tensor], data)
+            self._broadcast(tensors, version, [s for s in self.servers if s.alive or s is srv])
             return
         if kind == "disk" and self.backend.name == "vllm" and not self._paused:
             # in-flight requests end as "abort" (their tokens are the old version's) and are continued after
@@ -53,7 +71,7 @@ class WeightSync:
         elif kind == "disk":
             body = self._admin(srv, self.backend.update_from_disk(str(data), version))
         else:
-            body = self._admin(srv, self.backend.upload(version), content=data)  # type: ignore[arg-type]
+            body = self._admin(srv, self.backend.upload(version), content=data)
         self.backend.parse_update(body)
         self._confirm(srv, version)
 
@@ -73,7 +91,7 @@ class WeightSync:
                 # trainer): SGLang refuses a second group of the same name
                 for s in servers:
                     try:
-                        self._admin(s, self.backend.destroy_weight_group(), timeout=30)
+                        self._admin(s, self.backend.destroy_weight_group(), timeout=30)  # type: ignore[union-attr]  # (vLLM has none)
                     except (httpx.HTTPError, RuntimeError):
                         pass  # a server that never joined, or one too old for the route (then init fails, named)
                 self._group, self._group_members, self._group_stale = None, [], False
@@ -105,7 +123,7 @@ class WeightSync:
                     abort=b == 0,
                 )
                 replies = [ex.submit(self._admin, s, call) for s in servers]
-                self._settle(servers, replies, lambda bucket=bucket: group.broadcast(bucket), errors)
+                self._settle(servers, replies, functools.partial(group.broadcast, bucket), errors)
                 if errors:
                     break
         finally:
@@ -120,7 +138,7 @@ class WeightSync:
         self,
         servers: list[_Server],
         replies: list[Future[object]],
-        collective: Callable[[], None],
+        collective: Callable[[], object],
         errors: list[BaseException],
     ) -> None:
         """Run this side of a collective (on a thread) while the servers' HTTP calls run theirs.
@@ -189,12 +207,12 @@ class WeightSync:
             self._fan_out(lambda s: self._push(s, weights, version), live)
             return
         try:
-            self._broadcast(weights[1], version, live)  # type: ignore[arg-type]
+            self._broadcast(typing.cast(dict[str, torch.Tensor], weights[1]), version, live)
         except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
             live = [s for s in self.servers if s.alive]
             if not live:
                 raise
-            self._broadcast(weights[1], version, live)  # type: ignore[arg-type]
+            self._broadcast(typing.cast(dict[str, torch.Tensor], weights[1]), version, live)
 
     def _sync_mode(self) -> str:
         mode = self.config.weight_sync

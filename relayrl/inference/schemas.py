@@ -37,7 +37,7 @@ class SamplingParams(_Body):
 
 def _one_or_many(t: type) -> object:
     """``t`` or a list of ``t`` (SGLang batch fields: one value for all items, or one per item)."""
-    return Annotated[  # type: ignore[valid-type]
+    return Annotated[
         Annotated[t, Tag("<one>")] | Annotated[list[t], Tag("<many>")],  # type: ignore[valid-type]
         Discriminator(lambda v: "<many>" if isinstance(v, list) else "<one>"),
     ]

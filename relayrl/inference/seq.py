@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason
 
@@ -26,7 +27,7 @@ class Seq:
     prompt: list[int]
     g: GenerationConfig
     key: int
-    on_done: Callable[[ModelResponse], None]
+    on_done: Callable[[ModelResponse | BaseException], None]  # an exception: the request's future raises it
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -35,14 +36,15 @@ class Seq:
     stop_ids: frozenset[int] = frozenset()
     routes: list[torch.Tensor] = field(default_factory=list)  # MoE: expert ids [n, layers, k] of the tokens run
 
-    def finished(self, tok: int, tokenizer: object | None) -> StopReason | None:
+    def finished(self, tok: int, tokenizer: PreTrainedTokenizerBase | None) -> StopReason | None:
         """Why this request ends after appending ``tok`` (None: it goes on)."""
         g, n = self.g, len(self.out)
         if n >= g.min_new_tokens and tok in self.stop_ids:
             return "stop"
         if g.stop and n >= g.min_new_tokens:
             longest = max(len(s) for s in g.stop)
-            tail = tokenizer.decode(self.out[-(longest + 8) :])  # type: ignore[attr-defined]
+            assert tokenizer is not None, "stop strings need a tokenizer"
+            tail = str(tokenizer.decode(self.out[-(longest + 8) :]))
             if any(s in tail for s in g.stop):
                 return "stop"
         if n >= g.max_new_tokens:
@@ -76,7 +78,9 @@ def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]) -> Callable[[ModelResponse], None]:
+def resolver(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]
+) -> Callable[[ModelResponse | BaseException], None]:
     """A callback, safe from any thread, that resolves ``fut`` (or fails it with an exception)."""
 
     def settle(result: ModelResponse | BaseException) -> None:

@@ -42,6 +42,7 @@ import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
@@ -85,7 +86,7 @@ class Server(WeightRoutes, OpenAIRoutes):
     def __init__(
         self,
         engine: LocalEngine,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         cfg: ServerConfig,
         vocab_size: int,
         max_positions: int,
@@ -162,7 +163,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         return resp
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
-        return str(self.tok.decode(ids, skip_special_tokens=skip_special))  # type: ignore[attr-defined]
+        return str(self.tok.decode(ids, skip_special_tokens=skip_special))
 
     def abort_all(self) -> None:
         """End the running requests now with finish_reason abort (their partial output is returned)."""
@@ -176,7 +177,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         return {"type": "stop", "matched": r.output_tokens[-1] if r.output_tokens else None}
 
     # ---------------------------------------------------------------- SGLang native
-    async def generate(self, req: GenerateBody) -> Response:  # type: ignore[valid-type]
+    async def generate(self, req: GenerateBody) -> Response:
         """One prompt -> one reply object; SGLang's batch form -> a list of them, in order (or,
         with ``stream_items``, NDJSON lines in the order the items finish)."""
         self.n_calls += 1
@@ -192,7 +193,7 @@ class Server(WeightRoutes, OpenAIRoutes):
             raise _bad("stream: streaming is not supported; send stream=false")
         if (req.input_ids is None) == (req.text is None):
             raise _bad("give exactly one of input_ids or text")
-        ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))  # type: ignore[attr-defined]
+        ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))
         self.check_ids(ids, "input_ids")
         g = self.gconfig(req.sampling_params, len(ids))
         self.check_routed(req.return_routed_experts, "return_routed_experts")
@@ -217,7 +218,7 @@ class Server(WeightRoutes, OpenAIRoutes):
             raise _bad("stream: streaming is not supported; send stream=false")
         if (req.input_ids is None) == (req.text is None):
             raise _bad("give exactly one of input_ids or text")
-        prompts = req.input_ids if req.input_ids is not None else [list(self.tok.encode(t)) for t in req.text or []]  # type: ignore[attr-defined]
+        prompts = req.input_ids if req.input_ids is not None else [list(self.tok.encode(t)) for t in req.text or []]
         n = len(prompts)
         sps: list[SamplingParams] = _per_item(req.sampling_params, n, "sampling_params")
         logprob: list[bool] = _per_item(req.return_logprob, n, "return_logprob")
@@ -316,7 +317,7 @@ class _JsonByDefault:
 def build_app(srv: Server) -> FastAPI:
     """The FastAPI app of one Server (routes are thin wrappers over its methods)."""
     app = FastAPI(title="relayrl inference server", version="1")
-    app.add_middleware(_JsonByDefault)  # type: ignore[arg-type]
+    app.add_middleware(_JsonByDefault)
     app.add_exception_handler(RequestValidationError, _validation_error)
 
     @app.exception_handler(HTTPException)
@@ -416,8 +417,8 @@ def build_app(srv: Server) -> FastAPI:
             "paused": srv.paused,
             "requests_served": srv.n_served,
             "generate_calls": srv.n_calls,
-            "tokens_generated": srv.engine.stats["tokens"],
-            "aborts": srv.engine.stats["aborts"],
+            "tokens_generated": srv.engine.counters["tokens"],
+            "aborts": srv.engine.counters["aborts"],
         }
 
     @app.get("/v1/models")

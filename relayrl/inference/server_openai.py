@@ -4,17 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import time
+import typing
 import uuid
+from collections.abc import Awaitable, Callable
 
 from fastapi.responses import Response
+from transformers import PreTrainedTokenizerBase
 
-from relayrl.api.io import GenerationConfig
+from relayrl.api.config import ServerConfig
+from relayrl.api.io import GenerationConfig, ModelResponse
 from relayrl.inference.schemas import ChatRequest, CompletionRequest, SamplingParams
 from relayrl.inference.server_common import _bad, _json, _usage, trim_stop
 
 
 class OpenAIRoutes:
     """Mixed into ``Server`` (which provides ``tok``, ``cfg``, ``gconfig``, ``check_ids``, ``run``, ``decode``)."""
+
+    # what Server provides (declared for the type checker)
+    tok: PreTrainedTokenizerBase
+    cfg: ServerConfig
+    max_positions: int
+    n_calls: int
+    gconfig: Callable[..., GenerationConfig]
+    check_ids: Callable[[list[int], str], None]
+    run: Callable[..., Awaitable[ModelResponse]]
+    decode: Callable[..., str]
 
     def openai_gconfig(
         self, req: CompletionRequest | ChatRequest, prompt_len: int, prompt: str = "prompt"
@@ -36,12 +50,12 @@ class OpenAIRoutes:
     def completion_prompts(self, prompt: str | list[int] | list[list[int]] | list[str]) -> tuple[list[list[int]], bool]:
         """(token ids of each prompt, whether a list of prompts was sent)."""
         if isinstance(prompt, str):
-            return [list(self.tok.encode(prompt))], False  # type: ignore[attr-defined]
+            return [list(self.tok.encode(prompt))], False
         if prompt and isinstance(prompt[0], str):
-            return [list(self.tok.encode(p)) for p in prompt], True  # type: ignore[attr-defined]
+            return [list(self.tok.encode(p)) for p in prompt], True
         if prompt and isinstance(prompt[0], list):
-            return [list(p) for p in prompt], True  # type: ignore[arg-type]
-        return [list(prompt)], False  # type: ignore[arg-type]
+            return [list(p) for p in prompt], True
+        return [list(typing.cast(list[int], prompt))], False
 
     async def completions(self, req: CompletionRequest) -> Response:
         """Choice ``p * n + j`` is sample ``j`` of prompt ``p`` (vLLM's order)."""
@@ -107,8 +121,11 @@ class OpenAIRoutes:
         try:
             ids = [
                 int(i)
-                for i in self.tok.apply_chat_template(  # type: ignore[attr-defined]
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                for i in typing.cast(
+                    list[int],
+                    self.tok.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                    ),
                 )
             ]
         except Exception as e:  # a template may reject a role order
@@ -120,11 +137,11 @@ class OpenAIRoutes:
         for i, r in enumerate(outs):
             lp = None
             if req.logprobs:
-                content = []
+                per_token = []
                 for t, x in zip(r.output_tokens, r.output_logprobs, strict=True):
                     s = self.decode([t], False)
-                    content.append({"token": s, "logprob": x, "bytes": list(s.encode()), "top_logprobs": []})
-                lp = {"content": content}
+                    per_token.append({"token": s, "logprob": x, "bytes": list(s.encode()), "top_logprobs": []})
+                lp = {"content": per_token}
             content = (
                 trim_stop(self.decode(r.output_tokens), g.stop)
                 if r.stop_reason == "stop"

@@ -112,9 +112,9 @@ class SlabBatch:
             ids = self._router.take().view(len(first), mask.shape[1], *self._router_shape).cpu()
             for s, r in zip(seqs, rows, strict=True):
                 s.routes = [ids[r, mask.shape[1] - len(s.prompt) - len(s.out) :].clone()]
-        self.stats["prefills"] += 1
-        self.stats["prefill_rows"] += len(seqs)
-        self.stats["prefill_unique"] += len(first)
+        self.counters["prefills"] += 1
+        self.counters["prefill_rows"] += len(seqs)
+        self.counters["prefill_unique"] += len(first)
         if len(first) == len(seqs):
             return kv, mask, logits
         idx = torch.tensor(rows, device=self.device)
@@ -163,7 +163,7 @@ class SlabBatch:
             self._static_stale = False
         self._mask = F.pad(self._mask, (0, 1), value=1)
         self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
-        self.stats["kv_peak"] = max(self.stats["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
+        self.counters["kv_peak"] = max(self.counters["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
         assert self._cache is not None
         if self._static is not None:
             logits = self._static.step(tokens, self._pos, self._cache.layers)  # type: ignore[arg-type]

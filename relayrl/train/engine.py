@@ -14,16 +14,18 @@ import glob
 import math
 import os
 import random
+import typing
 from collections.abc import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
-from relayrl.train import distributed as D
 from relayrl.train import lora as L
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
 from relayrl.train.packing import model_inputs, pack, resolve_attn_impl, split_by_token_budget, token_logprobs, unpack
@@ -90,8 +92,8 @@ class TorchTrainEngine(TrainEngine):
     # ---------------------------------------------------------------- setup
 
     def initialize(self) -> None:
-        D.maybe_init_process_group()
-        self.device = D.device_for_rank()
+        dist_utils.maybe_init_process_group()
+        self.device = dist_utils.device_for_rank()
         torch.manual_seed(self.seed)
         model = self._build_model()
         model.config.use_cache = False
@@ -103,12 +105,12 @@ class TorchTrainEngine(TrainEngine):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
             model = L.apply_lora(model, self.model_config.lora)
-        model.to(self.device)
+        typing.cast(nn.Module, model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         if not self.trainable:
             model.requires_grad_(False)
-        if D.is_distributed() and self.config.fsdp:
-            D.apply_fsdp2(model)
-        elif D.is_distributed():  # replicated: start from rank 0's weights
+        if dist_utils.is_distributed() and self.config.fsdp:
+            dist_utils.apply_fsdp2(model)
+        elif dist_utils.is_distributed():  # replicated: start from rank 0's weights
             for p in model.parameters():
                 torch.distributed.broadcast(p.data, src=0)
         self.model = model
@@ -227,7 +229,7 @@ class TorchTrainEngine(TrainEngine):
             values = post(self._logits(packed), packed)
             if not dummy:
                 out += unpack(values.float().cpu(), {k: v.cpu() for k, v in packed.items()}, bsz, seqlen)
-        return D.all_reduce_tensor_(out.to(self.device)).cpu() if D.is_distributed() else out
+        return dist_utils.all_reduce_tensor_(out.to(self.device)).cpu() if dist_utils.is_distributed() else out
 
     @torch.no_grad()
     def score(self, batch: TensorDict) -> torch.Tensor:
@@ -259,10 +261,10 @@ class TorchTrainEngine(TrainEngine):
                 w = float(loss_weight_fn(packed))
                 total += float(loss) * w
                 weight += w
-        weight = D.all_reduce_sum(weight)
+        weight = dist_utils.all_reduce_sum(weight)
         if weight <= 0:
             raise ValueError("eval_batch: loss_weight_fn gave a total weight of 0 (no loss tokens?)")
-        return D.all_reduce_sum(total) / weight
+        return dist_utils.all_reduce_sum(total) / weight
 
     # ---------------------------------------------------------------- training
 
@@ -273,32 +275,32 @@ class TorchTrainEngine(TrainEngine):
             raise RuntimeError("train_batch on a frozen engine (trainable=False)")
         mbs = [(self._to_device(p), dummy) for p, dummy in self._micro_batches(batch)]
         weights = [0.0 if dummy else float(loss_weight_fn(p)) for p, dummy in mbs]
-        total_w = D.all_reduce_sum(sum(weights))
+        total_w = dist_utils.all_reduce_sum(sum(weights))
         if not total_w > 0:
             raise ValueError(f"train_batch: total loss weight is {total_w}; loss_weight_fn must be > 0 on the batch")
-        fsdp = D.is_fsdp(model)
+        fsdp = dist_utils.is_fsdp(model)
         # FSDP2 averages gradients over ranks; we want the sum of the weighted losses.
         scale = dist_utils.world_size() if fsdp else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, n_tokens = 0.0, 0
         for i, ((packed, dummy), w) in enumerate(zip(mbs, weights, strict=True)):
             if fsdp:
-                model.set_requires_gradient_sync(i == len(mbs) - 1)  # type: ignore[operator]
+                typing.cast(FSDPModule, model).set_requires_gradient_sync(i == len(mbs) - 1)
             loss = loss_fn(self._logits(packed), packed)
             (loss * (0.0 if dummy else w / total_w * scale)).backward()
             if not dummy:
                 loss_sum += float(loss.detach()) * w
                 n_tokens += int(packed["input_ids"].numel())
         params = [p for p in model.parameters() if p.requires_grad]
-        if D.is_distributed() and not fsdp:
+        if dist_utils.is_distributed() and not fsdp:
             for p in params:
                 if p.grad is not None:
-                    D.all_reduce_tensor_(p.grad)
+                    dist_utils.all_reduce_tensor_(p.grad)
         clip = self.config.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        loss_value = D.all_reduce_sum(loss_sum) / total_w
+        loss_value = dist_utils.all_reduce_sum(loss_sum) / total_w
         lr = float(self.optimizer.param_groups[0]["lr"])
         finite = math.isfinite(float(grad_norm)) and math.isfinite(loss_value)
         if finite:
@@ -320,7 +322,7 @@ class TorchTrainEngine(TrainEngine):
             "grad_norm": float(grad_norm),
             "lr": lr,
             "skipped": 0.0 if finite else 1.0,
-            "n_tokens": D.all_reduce_sum(n_tokens),
+            "n_tokens": dist_utils.all_reduce_sum(n_tokens),
             "n_mbs": float(len(mbs)),
         }
 
@@ -337,9 +339,9 @@ class TorchTrainEngine(TrainEngine):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU state dict (a collective under FSDP2: call on every rank)."""
-        return D.full_model_state_dict(self._require())
+        return dist_utils.full_model_state_dict(self._require())
 
-    def update_weights(self, target: InferenceEngine) -> None:
+    def update_weights(self, target: InferenceEngine | None) -> None:
         """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0
         (with LoRA: the base weights with the adapters merged in, under the base model's names).
 
@@ -352,8 +354,10 @@ class TorchTrainEngine(TrainEngine):
         model = self._require()
         # unsharded: the tensors stay on the trainer's device (an engine on the same GPU copies them
         # device to device, no trip through host memory); FSDP2 gathers a full CPU copy
-        tensors = self.state_dict() if D.is_fsdp(model) else dict(model.state_dict())
+        tensors = self.state_dict() if dist_utils.is_fsdp(model) else dict(model.state_dict())
         if dist_utils.rank() == 0:
+            if target is None:
+                raise ValueError("update_weights: rank 0 needs the inference engine to push to (None on other ranks)")
             if self.lora:  # merged into new tensors: the base weights are never touched
                 tensors = L.merged_state_dict(tensors, L.lora_layers(model))
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
@@ -369,7 +373,7 @@ class TorchTrainEngine(TrainEngine):
         model = self._require()
         os.makedirs(meta.path, exist_ok=True)
         weights = self.state_dict()
-        optim = D.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
+        optim = dist_utils.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
         if dist_utils.rank() == 0:
             if self.lora:  # the base model's path goes into adapter_config.json, as peft records it
                 model.peft_config[L.ADAPTER].base_model_name_or_path = self.model_config.path  # type: ignore[union-attr, index]
@@ -402,7 +406,9 @@ class TorchTrainEngine(TrainEngine):
         training state as well."""
         model = self._require()
         if self.lora:
-            D.load_full_model_state_dict(model, L.read_adapter(meta.path, list(model.state_dict())), partial=True)
+            dist_utils.load_full_model_state_dict(
+                model, L.read_adapter(meta.path, list(model.state_dict())), partial=True
+            )
         else:
             files = sorted(glob.glob(os.path.join(meta.path, "*.safetensors")))
             if not files:
@@ -410,7 +416,7 @@ class TorchTrainEngine(TrainEngine):
             state: dict[str, torch.Tensor] = {}
             for fname in files:
                 state.update(load_file(fname))
-            D.load_full_model_state_dict(model, state)
+            dist_utils.load_full_model_state_dict(model, state)
         if not meta.with_optim:
             return
         path = os.path.join(meta.path, TRAIN_STATE)
@@ -418,7 +424,7 @@ class TorchTrainEngine(TrainEngine):
             raise FileNotFoundError(f"{path} not found; was the checkpoint saved with with_optim=True?")
         ts = torch.load(path, weights_only=False)
         if self.optimizer is not None and ts["optimizer"] is not None:
-            D.load_full_optim_state_dict(model, self.optimizer, ts["optimizer"])
+            dist_utils.load_full_optim_state_dict(model, self.optimizer, ts["optimizer"])
         if self.scheduler is not None and ts["scheduler"] is not None:
             self.scheduler.load_state_dict(ts["scheduler"])
         self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]

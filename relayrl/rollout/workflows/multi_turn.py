@@ -11,9 +11,11 @@ reward of the turn that ends the episode is discounted by ``turn_discount ** tur
 
 from __future__ import annotations
 
+import typing
 import uuid
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
@@ -75,7 +77,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self,
         reward_fn: RewardFn,
         gconfig: GenerationConfig,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         max_turns: int = 2,
         turn_discount: float = 0.9,
         feedback: str = "Your answer is wrong. Try again.",
@@ -103,12 +105,12 @@ class MultiTurnWorkflow(RolloutWorkflow):
         the chat template continues ``history`` + the answer (plain prompts: the feedback on its own line)."""
         from relayrl.data.chat import user_turn_ids
 
-        return user_turn_ids(self.tokenizer, history, answer_ids, self.feedback, self.prompt_format)  # type: ignore[arg-type]
+        return user_turn_ids(self.tokenizer, history, answer_ids, self.feedback, self.prompt_format)
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
         prompt = prompt_ids_of(self.tokenizer, data, self.prompt_format)
         buf = TokenBuffer(prompt)
-        history = list(data["messages"])  # type: ignore[call-overload]
+        history = list(typing.cast(list[dict[str, object]], data["messages"]))
         rid = uuid.uuid4().hex
         reward = raw = 0.0
         turn = 0
@@ -129,7 +131,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             if raw > 0 or turn == self.max_turns - 1:
                 break
             buf.add_context(self.feedback_ids(history, resp.output_tokens))
-            answer = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+            answer = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
             history += [{"role": "assistant", "content": answer}, {"role": "user", "content": self.feedback}]
         if not any(buf.mask):
             return None
