@@ -263,6 +263,7 @@ class VLLMBackend:
     streams_items = False
     health_path = "/health"
     reload_method = "reload_weights"
+    return_routed_experts = False  # vLLM's replies carry no routed experts; RemoteEngine refuses the option
 
     def __init__(self, model: str = "default") -> None:
         self.model = model

@@ -19,11 +19,15 @@ Attention is SDPA over the masked bucket, or flash-attn's KV-cache kernel
 from __future__ import annotations
 
 import importlib.util
+import typing
 
 import torch
 import torch.nn.functional as F
 
 from relayrl.inference.decode import FastDecoder, SlabLayer
+
+if typing.TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 COL_STEP = 128
@@ -64,7 +68,7 @@ class StaticDecoder:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # graphs captured so far (a count for tests and benches)
         self.loads = 0  # times the batch was laid out in the buffers again
-        self._pool: object | None = None
+        self._pool: _POOL_HANDLE | None = None
         self.reset()
 
     def reset(self) -> None:

@@ -92,6 +92,8 @@ class RemoteEngine(WeightSync, InferenceEngine):
         self.model = model or ModelConfig()
         self.addresses = list(addresses if addresses is not None else config.addresses)
         self.backend = make_backend(config.protocol)
+        if config.return_routed_experts and isinstance(self.backend, VLLMBackend):
+            raise ValueError("inference.return_routed_experts: vLLM returns no routed experts (use sglang or relayrl)")
         self.backend.return_routed_experts = config.return_routed_experts
         self.token = config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
         self.servers: list[_Server] = []

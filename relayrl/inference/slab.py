@@ -8,6 +8,8 @@ holds its tokens at the right end of the cache; ``_mask`` marks real columns and
 
 from __future__ import annotations
 
+import typing
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
@@ -28,7 +30,7 @@ class SlabBatch:
     device: torch.device
     kv_capacity: int
     kv_capacity_by: str
-    stats: dict[str, int]
+    counters: dict[str, int]
     _rows: list[Seq]
     _alive: list[bool]
     _params: RowParams | None
@@ -60,8 +62,8 @@ class SlabBatch:
         if n_old:
             assert self._cache is not None
             old_kv = [
-                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in self._cache.layers
-            ]  # type: ignore[attr-defined]
+                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in _slabs(self._cache)
+            ]
             parts.insert(0, (old_kv, self._mask, self._logits))
         kv, mask, logits = parts[0]
         for p_kv, p_mask, p_logits in parts[1:]:  # stack the left-padded batches by rows
@@ -93,7 +95,7 @@ class SlabBatch:
             oom = isinstance(e, torch.OutOfMemoryError)
             what = "ran out of memory" if oom else f"failed ({type(e).__name__}: {e})"
             seqs[0].on_done(
-                RuntimeError(  # type: ignore[arg-type]  # the future raises it
+                RuntimeError(
                     f"prefill of {n} tokens on {self.device} {what}; KV cache capacity {self.kv_capacity} tokens "
                     f"({self.kv_capacity_by}){': ' + str(e) if oom else ''}"
                 )
@@ -134,7 +136,7 @@ class SlabBatch:
             use_cache=True,
             **self._keep_arg,
         )
-        return [(layer.keys, layer.values) for layer in cache.layers], mask, out.logits[:, -1].float()
+        return [(layer.keys, layer.values) for layer in _slabs(cache)], mask, out.logits[:, -1].float()
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
@@ -150,8 +152,7 @@ class SlabBatch:
         self._pos = self._pos[idx]
         assert self._cache is not None
         self._cache.layers = [
-            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:])  # type: ignore[attr-defined]
-            for layer in self._cache.layers
+            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:]) for layer in _slabs(self._cache)
         ]
         self._static_stale = True
 
@@ -159,16 +160,16 @@ class SlabBatch:
         """One forward step: every running row consumes its newest token."""
         assert self._cache is not None
         if self._static is not None and (self._static_stale or not self._static.has_room(len(self._rows))):
-            self._cache.layers = self._static.load(self._cache.layers, self._mask_bool, self._pos)  # type: ignore[assignment]
+            self._cache.layers = self._static.load(_slabs(self._cache), self._mask_bool, self._pos)  # type: ignore[assignment]
             self._static_stale = False
         self._mask = F.pad(self._mask, (0, 1), value=1)
         self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
         self.counters["kv_peak"] = max(self.counters["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
         assert self._cache is not None
         if self._static is not None:
-            logits = self._static.step(tokens, self._pos, self._cache.layers)  # type: ignore[arg-type]
+            logits = self._static.step(tokens, self._pos, _slabs(self._cache))
         elif self._fast is not None:
-            logits = self._fast(tokens, self._pos, self._mask_bool, self._cache.layers)  # type: ignore[arg-type]
+            logits = self._fast(tokens, self._pos, self._mask_bool, _slabs(self._cache))
         else:
             attn: torch.Tensor | dict[str, torch.Tensor] = self._mask
             if self._mask_dict:  # a ready 4D mask skips transformers' per-step mask building
@@ -185,3 +186,8 @@ class SlabBatch:
         self._logits = logits.float()
         if self._router is not None:  # the experts of each row's newest token, copied with the next sampled ids
             self._route = self._router.take()
+
+
+def _slabs(cache: DynamicCache) -> list[SlabLayer]:
+    """The engine's caches hold only ``SlabLayer``s (transformers types ``Cache.layers`` more widely)."""
+    return typing.cast(list[SlabLayer], cache.layers)

@@ -104,7 +104,7 @@ class TorchTrainEngine(TrainEngine):
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
-            model = L.apply_lora(model, self.model_config.lora)
+            model = typing.cast(PreTrainedModel, L.apply_lora(model, self.model_config.lora))
         typing.cast(nn.Module, model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         if not self.trainable:
             model.requires_grad_(False)
@@ -376,7 +376,7 @@ class TorchTrainEngine(TrainEngine):
         optim = dist_utils.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
         if dist_utils.rank() == 0:
             if self.lora:  # the base model's path goes into adapter_config.json, as peft records it
-                model.peft_config[L.ADAPTER].base_model_name_or_path = self.model_config.path  # type: ignore[union-attr, index]
+                model.peft_config[L.ADAPTER].base_model_name_or_path = self.model_config.path
                 weights = L.adapter_state_dict(weights)
             model.save_pretrained(meta.path, state_dict=weights)
             if meta.tokenizer_path:

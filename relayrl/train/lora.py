@@ -19,6 +19,7 @@ import types
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from relayrl.api.config import LoraConfig
 
@@ -43,7 +44,7 @@ def _is_linear(module: nn.Module) -> bool:
 
 def linear_modules(model: nn.Module) -> list[str]:
     """Qualified names of the linear modules LoRA could adapt (the output head excluded)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     return [name for name, m in model.named_modules() if _is_linear(m) and m is not head]
 
 

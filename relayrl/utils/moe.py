@@ -18,12 +18,14 @@ router then picks its own experts for that token).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,14 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     return routers
 
 
+def _top_k(router: nn.Module) -> int:
+    return int(typing.cast(int, router.top_k))
+
+
 def routing_shape(model: nn.Module) -> tuple[int, int] | None:
     """``(n_moe_layers, top_k)`` of an MoE model, None for a dense one."""
     routers = moe_routers(model)
-    return (len(routers), int(routers[0].top_k)) if routers else None
+    return (len(routers), _top_k(routers[0])) if routers else None
 
 
 class RoutingRecorder:
@@ -104,9 +110,11 @@ class RoutingReplay:
     def __init__(self, model: nn.Module) -> None:
         self.routers = moe_routers(model)
         family = _family(model)
-        self.renormalize = bool(family and family.renormalize(model.config.get_text_config()))  # type: ignore[union-attr]
+        self.renormalize = bool(
+            family and family.renormalize(typing.cast(PretrainedConfig, model.config).get_text_config())
+        )
         self.num_experts = int(getattr(self.routers[0], "num_experts", 0)) if self.routers else 0
-        self.top_k = int(self.routers[0].top_k) if self.routers else 0
+        self.top_k = _top_k(self.routers[0]) if self.routers else 0
         self.ids: torch.Tensor | None = None
         self.logits: list[torch.Tensor] = []  # router logits of the latest forward, per layer
         self.chosen: list[torch.Tensor] = []  # expert ids actually used, per layer
@@ -146,10 +154,10 @@ class RoutingReplay:
         if not self.logits:
             raise RuntimeError("RoutingReplay.aux_loss: no MoE forward ran")
         e = self.num_experts
-        counts = sum(torch.nn.functional.one_hot(c, e).sum((0, 1)).float() for c in self.chosen)
-        probs = sum(torch.softmax(lg.float(), -1).sum(0) for lg in self.logits)
+        counts = torch.stack([torch.nn.functional.one_hot(c, e).sum((0, 1)).float() for c in self.chosen]).sum(0)
+        probs = torch.stack([torch.softmax(lg.float(), -1).sum(0) for lg in self.logits]).sum(0)
         rows = float(sum(lg.shape[0] for lg in self.logits))
-        return e * torch.sum((counts / rows) * (probs / rows))  # type: ignore[operator]
+        return e * torch.sum((counts / rows) * (probs / rows))
 
     def remove(self) -> None:
         for h in self._handles:
