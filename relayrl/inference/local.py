@@ -39,10 +39,12 @@ from transformers import DynamicCache, PreTrainedModel
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
+from relayrl.data.vision import is_vision_config, load_image_processor
 from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
 from relayrl.inference.sampling import RowParams, sample
 from relayrl.inference.seq import Prefilled, Seq, load_hf_state_dict, resolver, validate_request
+from relayrl.inference.vision import image_key, request_vision, vision_prefill
 from relayrl.utils.batching import length_groups
 
 
@@ -55,6 +57,7 @@ class LocalEngine(InferenceEngine):
         model: PreTrainedModel | None = None,
         tokenizer: object | None = None,
         model_config: ModelConfig | None = None,
+        image_processor: object | None = None,
     ) -> None:
         if model is None and model_config is None:
             raise ValueError("LocalEngine needs a `model` or a `model_config` to load one from")
@@ -62,6 +65,7 @@ class LocalEngine(InferenceEngine):
         self.model = model
         self.tokenizer = tokenizer
         self.model_config = model_config
+        self.image_processor = image_processor  # vision models: turns a request's image_data into pixels
         # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
         # preemptions: rows set aside (and continued later) because the KV cache was full
         self.stats = {
@@ -111,11 +115,14 @@ class LocalEngine(InferenceEngine):
             self.model = load_model(self.model_config, seed=self.config.seed)
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.model_config)
+            if self.image_processor is None and is_vision_config(self.model.config):
+                self.image_processor = load_image_processor(self.model_config.path)
         self.device = resolve_device(self.config.device)
         self.model.to(self.device)
         self.model.eval()
         cfg = self.model.config
         self.vocab_size = int(cfg.get_text_config().vocab_size)
+        self.image_token_id = int(cfg.image_token_id) if is_vision_config(cfg) else -1
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = cfg.eos_token_id
@@ -175,7 +182,9 @@ class LocalEngine(InferenceEngine):
             key = self.config.seed * 1_000_003 + next(self._keys)
         self.stats["requests"] += 1
         start = time.perf_counter()
-        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
+        vision = request_vision(req, self.image_processor if self.image_token_id >= 0 else None, self.image_token_id)
+        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None, vision=vision)
+        seq.vision_key = image_key(req.image_data)
         ttft = 0.0
         while True:
             fut: asyncio.Future[ModelResponse] = loop.create_future()
@@ -194,6 +203,8 @@ class LocalEngine(InferenceEngine):
                 out=resp.output_tokens,
                 logprobs=resp.output_logprobs,
                 versions=resp.output_versions,
+                vision=seq.vision,
+                vision_key=seq.vision_key,
             )
         resp.latency = time.perf_counter() - start
         resp.ttft = ttft or resp.latency
@@ -538,7 +549,8 @@ class LocalEngine(InferenceEngine):
         self._cache.layers = [SlabLayer(k, v) for k, v in kv]
         self._rows, self._mask, self._logits = self._rows + new, mask, logits
         self._alive, self._params = self._alive + [True] * len(new), None
-        self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1)])
+        deltas = torch.tensor([s.rope_delta for s in new], device=self.device)  # M-RoPE shift (0 for text)
+        self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1) + deltas])
         self._mask_bool = self._mask.bool()
 
     def _prefill_or_fail(self, seqs: list[Seq]) -> list[tuple[Prefilled, list[Seq]]]:
@@ -567,9 +579,22 @@ class LocalEngine(InferenceEngine):
 
         Identical inputs (the samples of one GRPO group share their prompt) are computed once
         and their rows copied, which divides the prefill work by the group size."""
-        first: dict[tuple[int, ...], int] = {}
-        rows = [first.setdefault(tuple(s.prompt + s.out), len(first)) for s in seqs]
-        kv, mask, logits = self._prefill_unique([list(x) for x in first])
+        first: dict[tuple[object, ...], int] = {}  # the same tokens with other images are other inputs
+        reps: list[Seq] = []
+        rows = []
+        for s in seqs:
+            key = (s.vision_key, *s.prompt, *s.out)
+            if key not in first:
+                first[key] = len(reps)
+                reps.append(s)
+            rows.append(first[key])
+        if any(s.vision is not None for s in reps):
+            inputs, visions = [r.prompt + r.out for r in reps], [r.vision for r in reps]
+            kv, mask, logits, deltas = vision_prefill(self.model, inputs, visions, self.device, self._keep_arg)  # type: ignore[arg-type]
+            for s, row in zip(seqs, rows, strict=True):
+                s.rope_delta = deltas[row]
+        else:
+            kv, mask, logits = self._prefill_unique([r.prompt + r.out for r in reps])
         self.stats["prefills"] += 1
         self.stats["prefill_rows"] += len(seqs)
         self.stats["prefill_unique"] += len(first)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason
+from relayrl.data.vision import VisionInputs
 
 # one prefill's result: per-layer (keys, values), padding mask [n, L], last logits [n, V]
 Prefilled = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]
@@ -33,6 +34,9 @@ class Seq:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()
+    vision: VisionInputs | None = None  # the prompt's images, processed (see inference/vision.py)
+    vision_key: str = ""  # digest of the request's images: equal prompts share a prefill only with equal images
+    rope_delta: int = 0  # M-RoPE: decode position = tokens so far + rope_delta (0 without images)
 
     def finished(self, tok: int, tokenizer: object | None) -> StopReason | None:
         """Why this request ends after appending ``tok`` (None: it goes on)."""
