@@ -25,7 +25,16 @@ from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, Te
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.train import distributed as D
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
-from relayrl.train.packing import model_inputs, pack, resolve_attn_impl, split_by_token_budget, token_logprobs, unpack
+from relayrl.train.packing import (
+    model_inputs,
+    pack,
+    resolve_attn_impl,
+    split_by_token_budget,
+    token_logprobs,
+    unpack,
+    vision_tokens,
+)
+from relayrl.train.vision import vision_model_inputs
 from relayrl.utils import dist as dist_utils
 
 HEADS = ("lm", "value", "reward")
@@ -153,7 +162,10 @@ class TorchTrainEngine(TrainEngine):
         """Rows of each of this rank's micro-batches (possibly empty lists: dummy micro-batches)."""
         if "attention_mask" not in batch or "input_ids" not in batch:
             raise ValueError(f"batch needs 'input_ids' and 'attention_mask', got keys {sorted(batch)}")
-        lengths = batch["attention_mask"].bool().sum(1).tolist()
+        # the vision tower's patches count too: a row with images costs its tokens plus its patches
+        lengths = [
+            n + v for n, v in zip(batch["attention_mask"].bool().sum(1).tolist(), vision_tokens(batch), strict=True)
+        ]
         budget = self.config.mb_max_tokens
         world = dist_utils.world_size()
         if world == 1:
@@ -180,8 +192,11 @@ class TorchTrainEngine(TrainEngine):
     def _logits(self, packed: TensorDict) -> torch.Tensor:
         """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch."""
         packed = {k: v.to(self.device) for k, v in packed.items()}
+        model, inputs = self._require(), model_inputs(packed)
         with self._autocast():
-            out = self._require()(**model_inputs(packed))
+            if "image_grid_thw" in packed:
+                inputs.update(vision_model_inputs(model, packed))
+            out = model(**inputs)
         return out.logits[0]
 
     def _to_device(self, packed: TensorDict) -> TensorDict:
