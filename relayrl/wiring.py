@@ -18,6 +18,7 @@ from relayrl.api.workflow import RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader, load_rows_from_file
 from relayrl.data.models import load_model
 from relayrl.data.tasks import make_task
+from relayrl.data.vision import attach_vision, vision_processor
 from relayrl.rewards.math import gsm8k_reward_fn
 from relayrl.rewards.pool import RewardPool
 from relayrl.rewards.tasks import task_reward_fn
@@ -29,8 +30,15 @@ RewardFn = Callable[..., float]
 def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[DataItem], list[DataItem]]:
     """Train and eval rows: a synthetic task, or files (``data.task=file``)."""
     d = cfg.data
+    image_processor = vision_processor(cfg.model)
     if d.task != "file":
-        return make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)  # type: ignore[return-value]
+        train, evals = make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)
+        if image_processor is None:
+            return train, evals  # type: ignore[return-value]
+        return tuple(  # type: ignore[return-value]
+            attach_vision(rows, tokenizer, image_processor, d.skip_invalid_rows, f"task {d.task}") if rows else rows  # type: ignore[arg-type]
+            for rows in (train, evals)
+        )
     if not d.train_path:
         raise ValueError("data.task=file needs data.train_path (a jsonl, json or parquet file)")
 
@@ -42,6 +50,7 @@ def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[
             tokenizer=tokenizer,
             max_prompt_len=d.max_prompt_len,
             skip_invalid=d.skip_invalid_rows,
+            image_processor=image_processor,
         )
 
     return load(d.train_path), (load(d.eval_path) if d.eval_path else [])

@@ -343,7 +343,7 @@ class DataConfig:
     task: str = f(
         "arithmetic",
         help="A synthetic task name, or 'file' to read train_path/eval_path.",
-        choices=["arithmetic", "countdown", "count", "file"],
+        choices=["arithmetic", "countdown", "count", "count_squares", "file"],
     )
     train_path: str = f("", help="jsonl / parquet / json file of training rows (task=file).")
     eval_path: str = f("", help="Held-out rows (task=file).")

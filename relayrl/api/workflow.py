@@ -159,16 +159,22 @@ def concat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory:
     """
     if not trajs:
         raise ValueError("concat_trajectories needs at least one trajectory")
-    keys = set(trajs[0])
+    keys = set(trajs[0]) - set(VISION_KEYS)
     for i, t in enumerate(trajs):
-        if set(t) != keys:
+        if set(t) - set(VISION_KEYS) != keys:
             raise TrajectoryError(f"trajectory {i} has keys {sorted(t)}, expected {sorted(keys)}")
     seqlen = max(t["input_ids"].shape[1] for t in trajs)
     out: Trajectory = {}
+    for key in VISION_KEYS:  # episodes without images get none (a text-only episode among image ones)
+        have = [t[key] for t in trajs if key in t]
+        if have:
+            width = max(v.shape[1] for v in have)
+            parts = [
+                t[key] if key in t else have[0].new_zeros(t["input_ids"].shape[0], 0, *have[0].shape[2:]) for t in trajs
+            ]
+            out[key] = torch.cat([F.pad(v, (0, 0, 0, width - v.shape[1])) for v in parts])
     for key in trajs[0]:
         if key in VISION_KEYS:
-            width = max(t[key].shape[1] for t in trajs)
-            out[key] = torch.cat([F.pad(t[key], (0, 0, 0, width - t[key].shape[1])) for t in trajs])
             continue
         parts = []
         for t in trajs:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedModel, PreTrainedTokenizerFast
 
+from relayrl.api.config import ModelConfig
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 VL_PRESETS = {"tiny-vl": "qwen2_vl", "tiny-vl2.5": "qwen2_5_vl"}
@@ -110,6 +112,18 @@ def load_image_processor(path: str) -> object:
     return AutoImageProcessor.from_pretrained(path, backend="pil")
 
 
+def vision_processor(model: ModelConfig) -> object | None:
+    """The image processor of ``model`` when it takes images (a tiny VL preset, or a checkpoint whose
+    config has a vision tower), else None."""
+    from relayrl.data.models import TINY_PRESETS
+
+    if model.path in VL_PRESETS:
+        return build_image_processor()
+    if model.path in TINY_PRESETS or not os.path.isdir(model.path):
+        return None
+    return load_image_processor(model.path) if is_vision_config(AutoConfig.from_pretrained(model.path)) else None
+
+
 def load_image(image: object) -> object:
     """An RGB PIL image from a PIL image, encoded bytes, a file path, a ``data:`` URL or base64 text.
 
@@ -141,6 +155,21 @@ def load_image(image: object) -> object:
     except (UnidentifiedImageError, OSError) as e:
         raise ValueError(f"unreadable image ({len(image)} bytes): {e}") from None
     return img.convert("RGB")
+
+
+_COLOURS = ((220, 40, 40), (40, 170, 60), (40, 70, 220))
+
+
+def squares_image(cells: tuple[int, ...], colours: tuple[int, ...], offsets: tuple[tuple[int, int], ...]) -> object:
+    """A white 56x56 image with a 20x20 square of ``_COLOURS[c]`` in each quadrant of ``cells`` (0-3,
+    row-major), shifted by ``offsets`` inside the quadrant: the ``count_squares`` task's pictures."""
+    from PIL import Image
+
+    img = Image.new("RGB", (56, 56), (255, 255, 255))
+    for cell, c, (dx, dy) in zip(cells, colours, offsets, strict=True):
+        x, y = 28 * (cell % 2) + dx, 28 * (cell // 2) + dy
+        img.paste(_COLOURS[c], (x, y, x + 20, y + 20))
+    return img
 
 
 def png_bytes(image: object) -> bytes:
@@ -267,3 +296,47 @@ def encode_prompt(
     image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")  # type: ignore[attr-defined]
     ids = expand_image_tokens(ids, vision.image_grid_thw, image_token_id, merge_size(image_processor))
     return VisionPrompt(ids, [png_bytes(img) for img in decoded], vision)
+
+
+def has_images(row: dict[str, object]) -> bool:
+    """A row with an ``images`` column or image content parts in ``messages``."""
+    messages = row.get("messages")
+    return bool(row.get("images")) or bool(image_parts(messages if isinstance(messages, list) else []))
+
+
+def with_vision(row: dict[str, object], tokenizer: object, image_processor: object) -> dict[str, object]:
+    """``row`` with ``vision`` (its ``VisionPrompt``) instead of its ``images`` column (kept as PNG in
+    the prompt); ``ValueError`` with the reason when an image is unreadable or rejected."""
+    images = row.get("images")
+    images = [] if images is None else images if isinstance(images, list) else [images]
+    vp = encode_prompt(tokenizer, image_processor, row["messages"], images)  # type: ignore[arg-type]
+    return {**{k: v for k, v in row.items() if k != "images"}, "vision": vp}
+
+
+def attach_vision(
+    rows: list[dict[str, object]],
+    tokenizer: object,
+    image_processor: object,
+    skip_invalid: bool = False,
+    source: str = "dataset",
+) -> list[dict[str, object]]:
+    """``with_vision`` over in-memory rows (an ``images`` column: paths, bytes or PIL images, and/or
+    image content parts). A bad image raises ``DatasetError`` naming the row, its id and the reason,
+    or the row is skipped (and counted in a warning) with ``skip_invalid`` (``data.skip_invalid_rows``).
+    Rows without images pass unchanged."""
+    from relayrl.data.datasets import DatasetError, logger
+
+    out, skipped = [], []
+    for i, row in enumerate(rows):
+        try:
+            out.append(with_vision(row, tokenizer, image_processor) if has_images(row) else row)
+        except (ValueError, KeyError) as e:
+            msg = f"{source}: row {i} (id={row.get('id', i)!r}): {e}"
+            if not skip_invalid:
+                raise DatasetError(msg) from None
+            skipped.append(msg)
+    if skipped:
+        logger.warning("%s: skipped %d rows with bad images (first: %s)", source, len(skipped), skipped[0])
+    if not out:
+        raise DatasetError(f"{source}: no valid rows")
+    return out

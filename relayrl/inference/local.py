@@ -115,8 +115,8 @@ class LocalEngine(InferenceEngine):
             self.model = load_model(self.model_config, seed=self.config.seed)
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.model_config)
-            if self.image_processor is None and is_vision_config(self.model.config):
-                self.image_processor = load_image_processor(self.model_config.path)
+        if self.image_processor is None and self.model_config is not None and is_vision_config(self.model.config):
+            self.image_processor = load_image_processor(self.model_config.path)
         self.device = resolve_device(self.config.device)
         self.model.to(self.device)
         self.model.eval()
