@@ -145,3 +145,21 @@ def test_train_batch_updates_vision_tower(episodes):
     changed = {k for k, v in eng.model.named_parameters() if not torch.equal(v.detach(), before[k])}
     assert any(k.startswith("model.visual.") for k in changed)  # gradients flow into the vision tower
     assert any("language_model" in k for k in changed)
+
+
+def test_a_generated_image_pad_token_is_an_ordinary_token(episodes):
+    """A policy may sample the image pad id; it is a plain token (only the prompt's pads take image features)."""
+    vps, comps = episodes
+    model = build_tiny_vl_model("tiny-vl", seed=4).eval()
+    pad = model.config.image_token_id
+    j = 3
+    completion = comps[0][:j] + [pad] + comps[0][j:]
+    eng = TorchTrainEngine(TrainEngineConfig(), ModelConfig(path="tiny-vl"), model=copy.deepcopy(model))
+    eng.initialize()
+    both = eng.forward(concat_trajectories([episode(vps[0], completion), episode(vps[1], comps[1])]))
+    alone = eng.forward(episode(vps[0], completion))
+    n = len(vps[0].input_ids) + len(completion)
+    assert torch.allclose(both[0, :n], alone[0], atol=1e-5)
+    # before the generated pad token, Hugging Face's forward (which cannot take it) agrees
+    ref = reference_logprobs(model, vps[0], completion[:j])
+    assert torch.allclose(alone[0, : ref.shape[0]], ref, atol=1e-4)

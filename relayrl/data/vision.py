@@ -340,3 +340,25 @@ def attach_vision(
     if not out:
         raise DatasetError(f"{source}: no valid rows")
     return out
+
+
+def image_embeds(
+    model: PreTrainedModel, ids: torch.Tensor, image_mask: torch.Tensor, pixel_values: torch.Tensor, grid: torch.Tensor
+) -> torch.Tensor:
+    """Input embeddings of ``ids`` with the vision tower's outputs at ``image_mask`` (the prompts'
+    image pad tokens, in order). Passing embeddings instead of ids keeps a *generated* image pad
+    token (a model may sample any id) a plain token, where the model's own placement would
+    count it as an image slot and fail."""
+    features = model.model.get_image_features(pixel_values, grid, return_dict=True).pooler_output  # type: ignore[operator, union-attr]
+    embeds = model.get_input_embeddings()(ids)
+    feats = torch.cat(list(features)).to(embeds.dtype)
+    if int(image_mask.sum()) != feats.shape[0]:
+        raise ValueError(f"{int(image_mask.sum())} image pad tokens but {feats.shape[0]} image features")
+    return embeds.masked_scatter(image_mask[..., None].to(embeds.device), feats)
+
+
+def prompt_image_mask(ids: torch.Tensor, image_token_id: int, n_image_tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, L]``: the first ``n_image_tokens[b]`` image pad tokens of each row (its prompt's; any later
+    one was generated and is an ordinary token)."""
+    is_image = ids == image_token_id
+    return is_image & (is_image.long().cumsum(-1) <= n_image_tokens.to(ids.device)[:, None])

@@ -18,7 +18,15 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from relayrl.api.io import ModelRequest
-from relayrl.data.vision import VisionInputs, count_image_tokens, load_image, merge_size, process_images
+from relayrl.data.vision import (
+    VisionInputs,
+    count_image_tokens,
+    image_embeds,
+    load_image,
+    merge_size,
+    process_images,
+    prompt_image_mask,
+)
 
 
 def image_key(image_data: list[str | bytes]) -> str:
@@ -75,18 +83,20 @@ def vision_prefill(
     length = max(len(x) for x in inputs)
     ids = torch.tensor([[0] * (length - len(x)) + x for x in inputs], device=device)
     mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in inputs], device=device)
-    types = (ids == cfg.image_token_id).int()
     given = [v for v in visions if v is not None]
     grid = torch.cat([v.image_grid_thw for v in given]).to(device)
     pixels = torch.cat([v.pixel_values for v in given]).to(device)
-    pos, deltas = model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask)
+    merge = int(cfg.vision_config.spatial_merge_size) ** 2
+    n_tokens = torch.tensor([0 if v is None else int(v.image_grid_thw.prod(-1).sum()) // merge for v in visions])
+    image_mask = prompt_image_mask(ids, cfg.image_token_id, n_tokens)
+    pos, deltas = model.model.get_rope_index(
+        ids, mm_token_type_ids=image_mask.int(), image_grid_thw=grid, attention_mask=mask
+    )
     cache = DynamicCache()
     out = model(  # type: ignore[operator]
-        input_ids=ids,
+        inputs_embeds=image_embeds(model, ids, image_mask, pixels, grid),
         attention_mask=mask,
         position_ids=pos,
-        pixel_values=pixels,
-        image_grid_thw=grid,
         past_key_values=cache,
         use_cache=True,
         **extra,

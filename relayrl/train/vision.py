@@ -2,8 +2,8 @@
 
 A packed micro-batch (``packing.pack``) carries its rows' images end to end. The vision tower
 runs on them on its own (so the text's varlen attention arguments never reach it; its
-attention is per image, non-causal), and the model scatters its outputs into the image pad
-tokens. Positions are the 3D M-RoPE positions of each document, from the model's own
+attention is per image, non-causal), and its outputs replace the embeddings of each
+document's prompt image pad tokens (a generated pad token stays a token). Positions are the 3D M-RoPE positions of each document, from the model's own
 ``get_rope_index``; documents without images get their 1D positions on all three axes.
 """
 
@@ -13,31 +13,28 @@ import torch
 from transformers import PreTrainedModel
 
 from relayrl.api.engine import TensorDict
+from relayrl.data.vision import image_embeds, prompt_image_mask
 
 
 def vision_model_inputs(model: PreTrainedModel, packed: TensorDict) -> dict[str, object]:
-    """Extra ``model(**...)`` arguments for a packed micro-batch with images (see module doc)."""
-    inner = model.model
+    """``model(**...)`` arguments for a packed micro-batch with images (see module doc): input
+    embeddings with the vision features in place, and ``[3, 1, T]`` M-RoPE positions."""
+    ids = packed["input_ids"]
     grid = packed["image_grid_thw"]
-    features = inner.get_image_features(packed["pixel_values"], grid, return_dict=True)
-    return {"mm_encoder_outputs": {"image": features}, "position_ids": mrope_positions(model, packed)[:, None, :]}
-
-
-def mrope_positions(model: PreTrainedModel, packed: TensorDict) -> torch.Tensor:
-    """``[3, T]`` M-RoPE positions of the packed documents (each restarts at 0)."""
-    ids, text = packed["input_ids"], packed["position_ids"]
-    pos = text[None].repeat(3, 1)
+    merge = int(model.config.vision_config.spatial_merge_size) ** 2
     cu = packed["cu_seqlens"].tolist()
     counts = packed["image_rows"].tolist()
-    grid, first = packed["image_grid_thw"], 0
-    image_token_id = model.config.image_token_id
+    image_mask = torch.zeros_like(ids, dtype=torch.bool)
+    pos = packed["position_ids"][None].repeat(3, 1)  # documents without images: 1D positions on all axes
+    first = 0
     for d, n in enumerate(counts):
         if not n:
             continue
-        doc = ids[cu[d] : cu[d + 1]][None]
-        p, _ = model.model.get_rope_index(
-            doc, mm_token_type_ids=(doc == image_token_id).int(), image_grid_thw=grid[first : first + n]
-        )
+        doc, doc_grid = ids[cu[d] : cu[d + 1]][None], grid[first : first + n]
+        mask = prompt_image_mask(doc, model.config.image_token_id, doc_grid.prod(-1).sum()[None] // merge)
+        image_mask[cu[d] : cu[d + 1]] = mask[0]
+        p, _ = model.model.get_rope_index(doc, mm_token_type_ids=mask.int(), image_grid_thw=doc_grid)
         pos[:, cu[d] : cu[d + 1]] = p[:, 0]
         first += n
-    return pos
+    embeds = image_embeds(model, ids[None], image_mask[None], packed["pixel_values"], grid)
+    return {"input_ids": None, "inputs_embeds": embeds, "position_ids": pos[:, None, :]}
