@@ -76,21 +76,24 @@ def hf_generate(model, vp, n):
 
 
 def teacher_forced_logprobs(model, vp, completion, temperature=1.0):
+    """Log-probs of ``completion`` after the image prompt ``vp``, by one Hugging Face forward. A sampled
+    image pad id in the completion is an ordinary token, which the model's own placement cannot take:
+    then the embeddings are built from its public pieces (vision features at the prompt's pads only)."""
     ids = torch.tensor([vp.input_ids + completion])
-    with torch.no_grad():
-        logits = (
-            model(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                pixel_values=vp.vision.pixel_values,
-                image_grid_thw=vp.vision.image_grid_thw,
-                mm_token_type_ids=(ids == model.config.image_token_id).int(),
-            )
-            .logits[0]
-            .float()
-        )
     n = len(vp.input_ids)
-    logp = F.log_softmax(logits[n - 1 : -1] / temperature, -1)
+    types = (ids == model.config.image_token_id).int()
+    types[0, n:] = 0
+    with torch.no_grad():
+        if model.config.image_token_id not in completion:
+            kwargs = {"input_ids": ids, "pixel_values": vp.vision.pixel_values, "mm_token_type_ids": types}
+        else:
+            feats = model.model.get_image_features(vp.vision.pixel_values, vp.vision.image_grid_thw).pooler_output
+            embeds = model.get_input_embeddings()(ids)
+            embeds[types.bool()] = torch.cat(list(feats))
+            pos, _ = model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=vp.vision.image_grid_thw)
+            kwargs = {"inputs_embeds": embeds, "position_ids": pos}
+        out = model(attention_mask=torch.ones_like(ids), image_grid_thw=vp.vision.image_grid_thw, **kwargs)
+    logp = F.log_softmax(out.logits[0].float()[n - 1 : -1] / temperature, -1)
     return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 

@@ -74,8 +74,8 @@ LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
 _Job = tuple[
-    str, list[int], GenerationConfig, bool, bool, bool
-]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim
+    str, list[int], GenerationConfig, bool, bool, bool, list[str | bytes]
+]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim, image_data
 
 
 class Server(WeightRoutes, OpenAIRoutes):
@@ -149,10 +149,13 @@ class Server(WeightRoutes, OpenAIRoutes):
             )
         return g
 
-    async def run(self, rid: str, ids: list[int], g: GenerationConfig, once: bool = False) -> ModelResponse:
+    async def run(
+        self, rid: str, ids: list[int], g: GenerationConfig, once: bool = False, images: list[str | bytes] | None = None
+    ) -> ModelResponse:
         """``once``: SGLang's /generate, where an interrupted request ends as ``abort`` (the client
-        continues it); the OpenAI routes continue it here, transparently."""
-        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g)
+        continues it); the OpenAI routes continue it here, transparently. ``images``: the prompt's
+        (``ModelRequest.image_data``)."""
+        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g, image_data=list(images or []))
         try:
             resp = await (self.engine.agenerate_once(req) if once else self.engine.agenerate(req))
         except ValueError as e:
@@ -195,7 +198,8 @@ class Server(WeightRoutes, OpenAIRoutes):
         self.check_ids(ids, "input_ids")
         g = self.gconfig(req.sampling_params, len(ids))
         rid = req.rid or uuid.uuid4().hex
-        r = await self.run(rid, ids, g, once=True)
+        images = [req.image_data] if isinstance(req.image_data, str) else list(req.image_data or [])
+        r = await self.run(rid, ids, g, once=True, images=images)
         return self.reply(
             rid,
             r,
@@ -219,17 +223,27 @@ class Server(WeightRoutes, OpenAIRoutes):
         else:
             prefix = req.rid or uuid.uuid4().hex
             rids = [f"{prefix}-{i}" for i in range(n)]
+        images = _per_item(req.image_data, n, "image_data") if req.image_data is not None else [None] * n
         jobs = []
         for i, ids in enumerate(prompts):
             self.check_ids(ids, f"input_ids[{i}]")
             g = self.gconfig(sps[i], len(ids), field=f"sampling_params[{i}]", prompt=f"input_ids[{i}]")
-            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim))
+            item = [images[i]] if isinstance(images[i], str) else list(images[i] or [])
+            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim, item))
         return jobs
 
     async def generate_item(
-        self, rid: str, ids: list[int], g: GenerationConfig, logprob: bool, skip: bool, keep_stop: bool = False
+        self,
+        rid: str,
+        ids: list[int],
+        g: GenerationConfig,
+        logprob: bool,
+        skip: bool,
+        keep_stop: bool = False,
+        images: list[str | bytes] | None = None,
     ) -> dict[str, object]:
-        return self.reply(rid, await self.run(rid, ids, g, once=True), logprob, skip, [] if keep_stop else g.stop)
+        r = await self.run(rid, ids, g, once=True, images=images)
+        return self.reply(rid, r, logprob, skip, [] if keep_stop else g.stop)
 
     async def stream_items(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
         """One NDJSON line per item as soon as it finishes: a batch costs one HTTP call, yet no
@@ -415,8 +429,8 @@ def make_server(cfg: ServerConfig) -> Server:
         engine,
         tok,
         cfg,
-        int(model.config.vocab_size),
-        int(getattr(model.config, "max_position_embeddings", 2048)),
+        int(model.config.get_text_config().vocab_size),
+        int(getattr(model.config.get_text_config(), "max_position_embeddings", 2048)),
         reference,
     )
 
