@@ -34,7 +34,7 @@ from relayrl.train.packing import (
     unpack,
     vision_tokens,
 )
-from relayrl.train.vision import vision_model_inputs
+from relayrl.train.vision import vision_forward
 from relayrl.utils import dist as dist_utils
 
 HEADS = ("lm", "value", "reward")
@@ -193,10 +193,9 @@ class TorchTrainEngine(TrainEngine):
         """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch."""
         packed = {k: v.to(self.device) for k, v in packed.items()}
         model, inputs = self._require(), model_inputs(packed)
-        with self._autocast():
-            if "image_grid_thw" in packed:
-                inputs.update(vision_model_inputs(model, packed))
-            out = model(**inputs)
+        images = vision_forward(model, packed) if "image_grid_thw" in packed else contextlib.nullcontext({})
+        with self._autocast(), images as extra:
+            out = model(**{**inputs, **extra})
         return out.logits[0]
 
     def _to_device(self, packed: TensorDict) -> TensorDict:
