@@ -76,7 +76,9 @@ class OptimizerConfig:
 @dataclass
 class TrainEngineConfig:
     optimizer: OptimizerConfig = f(OptimizerConfig(), help="Optimizer and schedule.")
-    mb_max_tokens: int = f(8192, help="Token budget of one packed micro-batch.", ge=16)
+    mb_max_tokens: int = f(
+        8192, help="Token budget of one packed micro-batch (an image's vision patches count as tokens).", ge=16
+    )
     bf16: bool = f(False, help="bf16 autocast (GPU only; ignored on CPU).")
     fsdp: bool = f(True, help="Shard with FSDP2 when torch.distributed runs with more than one rank.")
     max_nan_skips: int = f(3, help="Consecutive non-finite steps skipped before the run stops.", ge=0)
