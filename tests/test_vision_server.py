@@ -113,3 +113,30 @@ def test_remote_engine_sends_image_data(served, local, protocol):
 def test_vllm_backend_refuses_images_with_reason():
     with pytest.raises(ValueError, match="vLLM's /v1/completions takes no images with a token-id prompt"):
         VLLMBackend().generate("r", [1, 2], GenerationConfig(), 4, 0, ["data:image/png;base64,AAAA"])
+
+
+def test_remote_engine_to_the_sglang_stand_in_with_images(local):
+    """The SGLang stand-in (tests/peers, GenerateReqInput.image_data) behind RemoteEngine(protocol=sglang)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from peers import start
+
+    tok, proc, model = local
+    peer = start("sglang", "--model-path", "tiny-vl")
+    eng = RemoteEngine(InferenceConfig(backend="remote", protocol="sglang"), addresses=[peer.address])
+    eng.initialize()
+    try:
+        vps = [encode_prompt(tok, proc, [{"role": "user", "content": "n?"}], [squares(k, seed=k)]) for k in (1, 3)]
+        g = GenerationConfig(max_new_tokens=5, temperature=1.0, ignore_eos=True)
+
+        async def go():
+            reqs = [ModelRequest(f"s{i}", vp.input_ids, g, image_data=vp.image_data) for i, vp in enumerate(vps)]
+            return await asyncio.gather(*(eng.agenerate(r) for r in reqs))
+
+        for vp, resp in zip(vps, asyncio.run(go()), strict=True):
+            check(model, vp, resp.output_tokens, resp.output_logprobs)
+    finally:
+        eng.destroy()
+        peer.stop()

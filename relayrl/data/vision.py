@@ -48,7 +48,7 @@ def is_vision_config(config: object) -> bool:
 
 
 def build_tiny_vl_model(preset: str = "tiny-vl", seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised ~0.3M-parameter Qwen2-VL (``tiny-vl``) or Qwen2.5-VL (``tiny-vl2.5``), fp32."""
+    """A randomly initialised ~0.16M-parameter Qwen2-VL (``tiny-vl``) or Qwen2.5-VL (``tiny-vl2.5``), fp32."""
     if preset not in VL_PRESETS:
         raise ValueError(f"unknown tiny vision model preset {preset!r}; choose one of {sorted(VL_PRESETS)}")
     tok = build_vl_tokenizer()
