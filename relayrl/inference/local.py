@@ -182,7 +182,10 @@ class LocalEngine(InferenceEngine):
             key = self.config.seed * 1_000_003 + next(self._keys)
         self.stats["requests"] += 1
         start = time.perf_counter()
-        vision = request_vision(req, self.image_processor if self.image_token_id >= 0 else None, self.image_token_id)
+        vision = None
+        if req.image_data or self.image_token_id >= 0:  # decoding and processing images: off the caller's loop
+            processor = self.image_processor if self.image_token_id >= 0 else None
+            vision = await asyncio.to_thread(request_vision, req, processor, self.image_token_id)
         seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None, vision=vision)
         seq.vision_key = image_key(req.image_data)
         ttft = 0.0
