@@ -1,7 +1,7 @@
 """recipes/vlm_grpo.py: GRPO on the count-the-squares pictures raises the sampled reward (CPU, tiny Qwen2-VL).
 
-Starts from the shipped warm start (``tests/data/vlm_count_warm``: what the recipe's own warm
-start reaches with seed 0 and warm_target=0.5, 160 supervised steps, 0.65 MB); the warm start
+Starts from the shipped warm start (``tests/data/vlm_count_warm``: made by the recipe's own
+``warm_start(dir, target=0.5, seed=0)``, 160 supervised steps, 0.65 MB); the warm start
 itself is exercised by ``test_warm_start_stops_at_its_target``.
 """
 
