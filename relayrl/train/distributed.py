@@ -68,8 +68,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp2(model: nn.Module) -> nn.Module:
-    """Shard every decoder layer, then the vision tower (each block, then the tower: it runs on its
-    own before the text model), then the root (embeddings, norm and tied head stay together)."""
+    """Shard every decoder layer, then a vision tower's blocks and the tower (gathered only while it
+    runs), then the root (embeddings, norm and tied head stay together)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
