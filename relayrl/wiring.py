@@ -18,7 +18,7 @@ from relayrl.api.workflow import RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader, load_rows_from_file
 from relayrl.data.models import load_model
 from relayrl.data.tasks import make_task
-from relayrl.data.vision import attach_vision, vision_processor
+from relayrl.data.vision import attach_vision, has_images, vision_processor
 from relayrl.rewards.math import gsm8k_reward_fn
 from relayrl.rewards.pool import RewardPool
 from relayrl.rewards.tasks import task_reward_fn
@@ -34,6 +34,11 @@ def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[
     if d.task != "file":
         train, evals = make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)
         if image_processor is None:
+            if any(has_images(r) for r in train[:1]):
+                raise ValueError(
+                    f"data.task={d.task!r} has images but model.path={cfg.model.path!r} takes none "
+                    "(use a vision-language model, e.g. model.path=tiny-vl)"
+                )
             return train, evals  # type: ignore[return-value]
         return tuple(  # type: ignore[return-value]
             attach_vision(rows, tokenizer, image_processor, d.skip_invalid_rows, f"task {d.task}") if rows else rows  # type: ignore[arg-type]

@@ -133,3 +133,18 @@ def test_rlvr_episode_carries_vision_inputs(tp):
     assert torch.equal(traj["pixel_values"][0], vp.vision.pixel_values)
     assert torch.equal(traj["image_grid_thw"][0], vp.vision.image_grid_thw)
     assert "vision" not in seen and seen["prompt_ids"] == vp.input_ids  # reward fns get no tensors
+
+
+def test_a_picture_task_needs_a_vision_model():
+    from relayrl.api.config import RunConfig, load_config
+    from relayrl.data.models import load_tokenizer
+    from relayrl.wiring import load_rows
+
+    cfg = load_config(RunConfig, None, ["data.task=count_squares", "data.n_train=8", "data.n_eval=2"])
+    with pytest.raises(ValueError, match="data.task='count_squares' has images but model.path='tiny' takes none"):
+        load_rows(cfg, load_tokenizer(cfg.model))
+    cfg.model.path = "tiny-vl"
+    train, evals = load_rows(cfg, load_tokenizer(cfg.model))
+    assert len(train) == 8 and len(evals) == 2 and all("vision" in r for r in train + evals)
+    counts = {r["answer"] for r in train + evals}
+    assert counts <= {"1", "2", "3"}
