@@ -3,7 +3,8 @@
     python recipes/vlm_grpo.py [warm_start=DIR] [warm_target=0.5] [key=value ...]   # RunConfig overrides
 
 Each prompt is "How many squares?" about a 56x56 image with 1-3 squares, one per quadrant
-(``data.task=count_squares``); the policy is the tiny Qwen2-VL (``model.path=tiny-vl``).
+(``data.task=count_squares``); the policy is the tiny Qwen2-VL (``model.path=tiny-vl``, the
+default here; ``tiny-vl2.5`` for Qwen2.5-VL).
 
 1. Warm start: a few hundred supervised steps on correct answers, stopped as soon as the
    model's mean probability of the right count on held-out pictures reaches ``warm_target``
@@ -29,7 +30,7 @@ from relayrl.api.config import ModelConfig, OptimizerConfig, RunConfig, TrainEng
 from relayrl.api.workflow import concat_trajectories
 from relayrl.data.models import load_model, load_tokenizer
 from relayrl.data.tasks import make_task
-from relayrl.data.vision import attach_vision, build_image_processor
+from relayrl.data.vision import VL_PRESETS, attach_vision, build_image_processor
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import token_logprobs
 from relayrl.trainer import train
@@ -103,7 +104,9 @@ def main(argv: list[str]) -> dict[str, float]:
     cfg = load_config(RunConfig, None, [*DEFAULTS, *overrides])
     torch.set_num_threads(cfg.torch_threads)
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = opts["warm_start"] or str(warm_start(Path(tmp) / "warm", float(opts["warm_target"]), cfg.seed))
+        preset = cfg.model.path if cfg.model.path in VL_PRESETS else "tiny-vl"  # model.path=tiny-vl2.5: Qwen2.5-VL
+        target = float(opts["warm_target"])
+        checkpoint = opts["warm_start"] or str(warm_start(Path(tmp) / "warm", target, cfg.seed, preset=preset))
         cfg.model = ModelConfig(path=checkpoint, tokenizer_path="tiny-vl", dtype=cfg.model.dtype)
         return train(cfg)
 
