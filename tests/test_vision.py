@@ -194,3 +194,27 @@ def test_bad_images_fail_the_request_with_reason(vl):
         assert ok.output_len == 2
     finally:
         engine.destroy()
+
+
+@pytest.mark.gpu
+def test_generation_on_cuda_matches_the_cpu_references(vl):
+    """The same engine code on a GPU: greedy tokens and logprobs against the CPU references."""
+    import copy
+
+    tok, proc, models = vl
+    model = models["tiny-vl"]
+    torch.backends.cudnn.allow_tf32 = False  # the patch embedding is a convolution: keep it fp32
+    vps = prompts(tok, proc)
+    engine = LocalEngine(InferenceConfig(seed=0, device="cuda"), copy.deepcopy(model), tok, image_processor=proc)
+    engine.initialize()
+    try:
+        g = GenerationConfig(max_new_tokens=12, greedy=True, ignore_eos=True)
+        outs = run_all(
+            engine, [ModelRequest(f"r{i}", vp.input_ids, g, image_data=vp.image_data) for i, vp in enumerate(vps)]
+        )
+        for vp, resp in zip(vps, outs, strict=True):
+            assert resp.output_tokens == hf_generate(model, vp, 12)
+            tf = teacher_forced_logprobs(model, vp, resp.output_tokens)
+            assert torch.allclose(torch.tensor(resp.output_logprobs), tf, atol=1e-4)
+    finally:
+        engine.destroy()
