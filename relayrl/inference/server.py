@@ -10,6 +10,9 @@ OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the 
 serves RemoteEngine (any of its protocols) and agents written against the OpenAI SDK.
 The OpenAPI schema is at ``/openapi.json``.
 
+A vision-language model takes images as SGLang's ``image_data`` on ``/generate`` and as OpenAI
+``image_url`` content parts on ``/v1/chat/completions`` (see docs/vision.md).
+
 ``/generate`` also takes SGLang's batch form (``input_ids`` a list of prompts; ``rid``,
 ``sampling_params`` and ``return_logprob`` one per item or one for all) and answers a list of
 per-item replies; ``/v1/completions`` takes a list of prompts (one choice per prompt and sample).
