@@ -19,6 +19,7 @@ from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader, load_rows_from_file
 from relayrl.data.models import load_model
 from relayrl.data.tasks import make_task, task_fn
+from relayrl.data.vision import attach_vision, has_images, vision_processor
 from relayrl.rewards.pool import RewardPool
 from relayrl.rewards.registry import resolve_reward_fn
 from relayrl.train.engine import TorchTrainEngine
@@ -28,8 +29,21 @@ from relayrl.utils.resolve import import_modules
 def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[DataItem], list[DataItem]]:
     """Train and eval rows: a synthetic task, or files (``data.task=file``)."""
     d = cfg.data
+    image_processor = vision_processor(cfg.model)
     if d.task != "file":
-        return make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)
+        train, evals = make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)
+        if image_processor is None:
+            if any(has_images(r) for r in train[:1]):
+                raise ValueError(
+                    f"data.task={d.task!r} has images but model.path={cfg.model.path!r} takes none "
+                    "(use a vision-language model, e.g. model.path=tiny-vl)"
+                )
+            return train, evals
+        where = f"task {d.task}"
+        return (
+            attach_vision(train, tokenizer, image_processor, d.skip_invalid_rows, where),
+            attach_vision(evals, tokenizer, image_processor, d.skip_invalid_rows, where) if evals else evals,
+        )
     if not d.train_path:
         raise ValueError("data.task=file needs data.train_path (a jsonl, json or parquet file)")
 
@@ -41,6 +55,7 @@ def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[
             tokenizer=tokenizer,
             max_prompt_len=d.max_prompt_len,
             skip_invalid=d.skip_invalid_rows,
+            image_processor=image_processor,
         )
 
     return load(d.train_path), (load(d.eval_path) if d.eval_path else [])

@@ -60,7 +60,10 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = f("tiny", help="HF model directory, or 'tiny' / 'tiny-30m' for a model built from a config in code.")
+    path: str = f(
+        "tiny",
+        help="HF model directory, or 'tiny' / 'tiny-30m' (a text model) or 'tiny-vl' / 'tiny-vl2.5' (Qwen2-VL / Qwen2.5-VL, takes images) built from a config in code.",
+    )
     tokenizer_path: str = f(
         "", help="Tokenizer directory; empty means the model path (or the offline tokenizer for tiny models)."
     )
@@ -91,7 +94,9 @@ class OptimizerConfig:
 @dataclass
 class TrainEngineConfig:
     optimizer: OptimizerConfig = f(OptimizerConfig(), help="Optimizer and schedule.")
-    mb_max_tokens: int = f(8192, help="Token budget of one packed micro-batch.", ge=16)
+    mb_max_tokens: int = f(
+        8192, help="Token budget of one packed micro-batch (an image's vision patches count as tokens).", ge=16
+    )
     bf16: bool = f(False, help="bf16 autocast (GPU only; ignored on CPU).")
     fsdp: bool = f(True, help="Shard with FSDP2 when torch.distributed runs with more than one rank.")
     max_nan_skips: int = f(3, help="Consecutive non-finite steps skipped before the run stops.", ge=0)
@@ -380,8 +385,9 @@ class ActorConfig:
 class DataConfig:
     task: str = f(
         "arithmetic",
-        help="'file' to read train_path/eval_path; a synthetic task: arithmetic, countdown, count, a name registered "
-        "with @register_task, or 'package.module:function' returning (train_rows, eval_rows).",
+        help="'file' to read train_path/eval_path; a synthetic task: arithmetic, countdown, count, count_squares "
+        "(images: needs a vision-language model), a name registered with @register_task, or "
+        "'package.module:function' returning (train_rows, eval_rows).",
     )
     train_path: str = f("", help="jsonl / parquet / json file of training rows (task=file).")
     eval_path: str = f("", help="Held-out rows (task=file).")

@@ -76,12 +76,18 @@ class GenerationConfig:
 @dataclass
 class ModelRequest:
     """One generation request. ``rid`` identifies the episode; engines may use it for
-    session affinity (all turns of a multi-turn episode go to the same server)."""
+    session affinity (all turns of a multi-turn episode go to the same server).
+
+    ``image_data`` (SGLang's name) holds the prompt's images for vision-language models, in the
+    order of their blocks in ``input_ids``: encoded image bytes, a file path, a ``data:`` URL or
+    base64 text. ``input_ids`` then already hold each image's pad tokens expanded by the model's
+    processor (``relayrl.data.vision.encode_prompt``)."""
 
     rid: str
     input_ids: list[int]
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     metadata: dict[str, str | int | float | bool] = field(default_factory=dict)
+    image_data: list[str | bytes] = field(default_factory=list)
 
 
 @dataclass

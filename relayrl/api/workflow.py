@@ -16,6 +16,18 @@ rewards           [B]        float32     one scalar reward per sequence
 Every other key is carried through untouched (token-level extras must be ``[B, L]``,
 sequence-level extras ``[B]``). The trainer adds ``old_logp``, ``ref_logp``, ``values``,
 ``advantages`` and ``returns``.
+
+Episodes with images carry the processor's outputs (Hugging Face names), right-padded with
+zeros per row like the token keys but along their own length:
+
+================  ===========  =======  =============================================
+pixel_values      [B, P, D]    float    the patches of the row's images, then zeros
+image_grid_thw    [B, N, 3]    int64    (t, h, w) patches of each image, then (0, 0, 0)
+================  ===========  =======  =============================================
+
+A row's images are its grid rows with ``t*h*w > 0``; its patches are the first
+``sum(t*h*w)`` rows of ``pixel_values``; its prompt holds ``t*h*w / merge**2`` image pad
+tokens per image (never in the loss: they are prompt tokens).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from relayrl.api.engine import DataItem, TensorDict
 from relayrl.api.io import ModelResponse
@@ -48,6 +61,8 @@ REQUIRED_KEYS: dict[str, tuple[str, tuple[torch.dtype, ...]]] = {
     "versions": ("token", (torch.int64, torch.int32)),
     "rewards": ("seq", (torch.float32, torch.float64)),
 }
+# Per-episode vision inputs: [B, N, ...] right-padded with zeros to the batch's largest N.
+VISION_KEYS = ("pixel_values", "image_grid_thw")
 # Keys the trainer adds; validated for shape when present.
 TOKEN_KEYS = ("old_logp", "ref_logp", "values", "advantages", "returns", "prox_logp")
 
@@ -109,6 +124,21 @@ def validate_trajectory(traj: Trajectory) -> None:
         raise TrajectoryError("trajectory['versions'] must be >= 0 on generated tokens")
     if not bool(torch.isfinite(traj["rewards"]).all()):
         raise TrajectoryError("trajectory['rewards'] contains NaN or inf")
+    if ("pixel_values" in traj) != ("image_grid_thw" in traj):
+        raise TrajectoryError("trajectory needs both 'pixel_values' and 'image_grid_thw' (or neither)")
+    if "image_grid_thw" in traj:
+        grid, pixels = traj["image_grid_thw"], traj["pixel_values"]
+        if grid.dim() != 3 or grid.shape[2] != 3 or pixels.dim() != 3:
+            raise TrajectoryError(
+                f"trajectory['image_grid_thw'] must be [B, N, 3] and 'pixel_values' [B, P, D], got "
+                f"{list(grid.shape)} and {list(pixels.shape)}"
+            )
+        need = grid.prod(-1).sum(1)
+        if bool((need > pixels.shape[1]).any()):
+            row = int((need > pixels.shape[1]).nonzero()[0])
+            raise TrajectoryError(
+                f"trajectory row {row}: image_grid_thw needs {int(need[row])} patches, pixel_values has {pixels.shape[1]}"
+            )
 
 
 def trajectory_from_response(resp: ModelResponse, reward: float, **extras: torch.Tensor) -> Trajectory:
@@ -144,13 +174,23 @@ def concat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory:
     """
     if not trajs:
         raise ValueError("concat_trajectories needs at least one trajectory")
-    keys = set(trajs[0])
+    keys = set(trajs[0]) - set(VISION_KEYS)
     for i, t in enumerate(trajs):
-        if set(t) != keys:
+        if set(t) - set(VISION_KEYS) != keys:
             raise TrajectoryError(f"trajectory {i} has keys {sorted(t)}, expected {sorted(keys)}")
     seqlen = max(t["input_ids"].shape[1] for t in trajs)
     out: Trajectory = {}
+    for key in VISION_KEYS:  # episodes without images get none (a text-only episode among image ones)
+        have = [t[key] for t in trajs if key in t]
+        if have:
+            width = max(v.shape[1] for v in have)
+            parts = [
+                t[key] if key in t else have[0].new_zeros(t["input_ids"].shape[0], 0, *have[0].shape[2:]) for t in trajs
+            ]
+            out[key] = torch.cat([F.pad(v, (0, 0, 0, width - v.shape[1])) for v in parts])
     for key in trajs[0]:
+        if key in VISION_KEYS:
+            continue
         parts = []
         for t in trajs:
             v = t[key]

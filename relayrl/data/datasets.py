@@ -56,6 +56,11 @@ def gsm8k_answer(text: str) -> str:
     return text.split("####")[-1].strip().replace(",", "") if "####" in text else text.strip()
 
 
+def _is_parts(content: object) -> bool:
+    """Chat content as a list of typed parts (text and images: ``relayrl.data.vision``)."""
+    return isinstance(content, list) and bool(content) and all(isinstance(p, dict) and "type" in p for p in content)
+
+
 def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: str) -> DataItem:
     """One validated contract-1 row; DatasetError names the row and the field otherwise."""
     if not isinstance(record, dict):
@@ -69,12 +74,17 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
             isinstance(prompt, list)
             and prompt
             and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and (isinstance(m.get("content"), str) or _is_parts(m.get("content")))
                 for m in prompt
             )
         )
         if not ok:
-            raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty list of {{role, content}} strings")
+            raise DatasetError(
+                f"{where}: {prompt_key!r} must be a non-empty list of {{role, content}} with string content "
+                "(or a list of text / image parts)"
+            )
         messages = typing.cast(list[dict[str, object]], prompt)
     elif isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
@@ -82,7 +92,7 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
         raise DatasetError(
             f"{where}: {prompt_key!r} must be a string or a list of chat turns, got {type(prompt).__name__}"
         )
-    if not any(str(m["content"]).strip() for m in messages):
+    if not any(_is_parts(m["content"]) or str(m["content"]).strip() for m in messages):
         raise DatasetError(f"{where}: the prompt is empty")
     if answer_key not in record:
         raise DatasetError(f"{where}: missing answer field {answer_key!r} (has {sorted(record)})")
@@ -104,18 +114,31 @@ def load_rows_from_file(
     tokenizer: PreTrainedTokenizerBase | None = None,
     max_prompt_len: int = 0,
     skip_invalid: bool = False,
+    image_processor: object | None = None,
 ) -> list[DataItem]:
     """Validated rows of a file. Bad rows raise DatasetError, or are skipped (and counted in
     a warning) with ``skip_invalid``. With a tokenizer, prompts over ``max_prompt_len``
-    tokens are bad rows too."""
+    tokens are bad rows too. Rows with images (``images`` column, image content parts) need
+    the model's ``image_processor`` and get their ``vision`` prompt (``relayrl.data.vision``);
+    an unreadable or rejected image makes a bad row."""
     from relayrl.data.models import chat_ids
+    from relayrl.data.vision import has_images, with_vision
 
     rows, skipped = [], []
     for i, record in enumerate(read_records(path)):
         try:
             row = to_row(record, i, prompt_key, answer_key)
+            if has_images(row):
+                if image_processor is None or tokenizer is None:
+                    raise DatasetError(f"row {i} (id={row['id']!r}) has images but the model takes none")
+                try:
+                    row = with_vision(row, tokenizer, image_processor)
+                except (ValueError, KeyError) as e:
+                    raise DatasetError(f"row {i} (id={row['id']!r}): {e}") from None
             if tokenizer is not None and max_prompt_len:
-                n = len(chat_ids(tokenizer, typing.cast(list[dict[str, object]], row["messages"])))
+                vp = row.get("vision")
+                messages = typing.cast(list[dict[str, object]], row["messages"])
+                n = len(vp.input_ids) if vp is not None else len(chat_ids(tokenizer, messages))  # type: ignore[attr-defined]
                 if n > max_prompt_len:
                     raise DatasetError(
                         f"row {i} (id={row['id']!r}): prompt has {n} tokens > data.max_prompt_len={max_prompt_len}"

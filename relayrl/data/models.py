@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -26,6 +27,7 @@ from transformers import (
 )
 
 from relayrl.api.config import ModelConfig
+from relayrl.data.vision import VL_PRESETS, build_tiny_vl_model, build_vl_tokenizer, is_vision_config
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|user|>", "<|assistant|>", "<|tool|>", "<|call|>", "<|result|>"]
 CHARS = string.digits + string.ascii_letters + " +-*/=()?.,:;!'\"<>[]{}_#%&^|~@$\\\n"
@@ -132,6 +134,8 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     path = cfg.tokenizer_path or cfg.path
     if path in TINY_PRESETS:
         return build_tokenizer()
+    if path in VL_PRESETS:
+        return build_vl_tokenizer()
     saved = Path(path) / "tokenizer_config.json"
     if saved.is_file() and json.loads(saved.read_text()).get("tokenizer_class") in _PLAIN_TOKENIZERS:
         # Loaded as saved: AutoTokenizer would pick the model type's class (qwen2 -> Qwen2Tokenizer), which
@@ -145,6 +149,10 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     dtype = getattr(torch, cfg.dtype)
     if cfg.path in TINY_PRESETS:
         model = build_tiny_model(cfg.path, vocab_size=cfg.vocab_size or None, seed=seed).to(dtype)
+    elif cfg.path in VL_PRESETS:
+        model = build_tiny_vl_model(cfg.path, seed=seed).to(dtype)
+    elif is_vision_config(AutoConfig.from_pretrained(cfg.path)):  # Qwen2-VL style: text + vision tower
+        model = AutoModelForImageTextToText.from_pretrained(cfg.path, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
     return merge_adapter(model, cfg.lora.adapter_path) if cfg.lora.adapter_path else model

@@ -173,8 +173,38 @@ def count_task(
     return _split("count", problem, n_train, n_eval, difficulty, seed, 899 * longest)
 
 
+def count_squares_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0) -> tuple[list[Row], list[Row]]:
+    """A visual task: "How many squares?" about a 56x56 image (``images`` column) holding 1 to
+    ``difficulty + 1`` coloured squares, one per 28x28 quadrant (one vision token each on Qwen2-VL)."""
+    from relayrl.data.vision import squares_image
+
+    if not 1 <= difficulty <= 3:
+        raise ValueError(f"count_squares difficulty (largest count - 1) must be in [1, 3], got {difficulty}")
+
+    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+        k = rng.randint(1, difficulty + 1)
+        cells = tuple(sorted(rng.sample(range(4), k)))
+        colours = tuple(rng.randrange(3) for _ in cells)
+        offsets = tuple((rng.randint(0, 8), rng.randint(0, 8)) for _ in cells)
+        image = squares_image(cells, colours, offsets)
+        row: Row = {
+            "messages": _user("How many squares?"),
+            "images": [image],
+            "answer": str(k),
+            "task": "count_squares",
+        }
+        return (cells, colours, offsets), row
+
+    return _split("count_squares", problem, n_train, n_eval, difficulty, seed, 20_000)
+
+
 TaskFn = Callable[..., tuple[list[Row], list[Row]]]
-TASKS: dict[str, TaskFn] = {"arithmetic": arithmetic_task, "countdown": countdown_task, "count": count_task}
+TASKS: dict[str, TaskFn] = {
+    "arithmetic": arithmetic_task,
+    "countdown": countdown_task,
+    "count": count_task,
+    "count_squares": count_squares_task,
+}
 _register = registrar(TASKS, "task")
 
 

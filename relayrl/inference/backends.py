@@ -27,6 +27,7 @@ set of sampling parameters and answers one choice per prompt, in prompt order.
 
 from __future__ import annotations
 
+import base64
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,16 @@ class Call:
 WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
 
 
+def wire_image(image: str | bytes) -> str:
+    """An image of ``ModelRequest.image_data`` as JSON text: encoded bytes become a base64 ``data:`` URL
+    (SGLang, vLLM and relayrl all read those); text (a data: URL, base64, a server-side path) is sent as is."""
+    if isinstance(image, str):
+        return image
+    kind = "png" if image[:4] == b"\x89PNG" else "jpeg" if image[:2] == b"\xff\xd8" else "octet-stream"
+    mime = f"image/{kind}" if kind != "octet-stream" else "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(bytes(image)).decode()}"
+
+
 def _int_or_none(v: object) -> int | None:
     if not isinstance(v, (int, float, str)):
         return None
@@ -101,7 +112,15 @@ class SGLangBackend:
             "skip_special_tokens": False,
         }
 
-    def generate(self, rid: str, input_ids: list[int], g: GenerationConfig, max_new: int, min_new: int) -> Call:
+    def generate(
+        self,
+        rid: str,
+        input_ids: list[int],
+        g: GenerationConfig,
+        max_new: int,
+        min_new: int,
+        images: list[str] | None = None,
+    ) -> Call:
         body: JsonDict = {
             "rid": rid,
             "input_ids": list(input_ids),
@@ -111,6 +130,8 @@ class SGLangBackend:
         }
         if self.return_routed_experts:
             body["return_routed_experts"] = True
+        if images:  # SGLang's image_data: the prompt's images in order (data: URLs), pad tokens already expanded
+            body["image_data"] = list(images)
         return Call("POST", "/generate", body)
 
     def parse_generate(self, body: object) -> Parsed:
@@ -160,6 +181,8 @@ class SGLangBackend:
         }
         if self.return_routed_experts:
             body["return_routed_experts"] = True
+        if any("image_data" in b for b in bodies):  # one list of images per item ([] for a text-only one)
+            body["image_data"] = [b.get("image_data", []) for b in bodies]
         return [(Call("POST", "/generate", body), list(range(len(calls))))]
 
     def split(self, body: object, n: int) -> list[object]:
@@ -268,7 +291,20 @@ class VLLMBackend:
     def __init__(self, model: str = "default") -> None:
         self.model = model
 
-    def generate(self, rid: str, input_ids: list[int], g: GenerationConfig, max_new: int, min_new: int) -> Call:
+    def generate(
+        self,
+        rid: str,
+        input_ids: list[int],
+        g: GenerationConfig,
+        max_new: int,
+        min_new: int,
+        images: list[str] | None = None,
+    ) -> Call:
+        if images:
+            raise ValueError(
+                f"request {rid!r}: vLLM's /v1/completions takes no images with a token-id prompt (its images come "
+                "through chat messages, re-rendered by the server); use inference.protocol=sglang or relayrl"
+            )
         body: JsonDict = {
             "model": self.model,
             "prompt": list(input_ids),

@@ -11,11 +11,12 @@ sliding window take it too; other architectures use the generic forward.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 _FAST_TYPES = ("qwen2", "llama", "qwen3", "mistral")
@@ -176,3 +177,9 @@ class FastDecoder:
             gate, up = F.linear(_rms(x, w_post, self.eps), w_gu, b_gu).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w_d, b_d)
         return self.model.lm_head(_rms(x, m.norm.weight, self.eps))
+
+
+def slab_layers(cache: DynamicCache) -> list[SlabLayer]:
+    """The layers of a cache LocalEngine built: only ``SlabLayer``s (transformers types
+    ``Cache.layers`` more widely)."""
+    return typing.cast(list[SlabLayer], cache.layers)

@@ -42,12 +42,14 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
+from relayrl.data.vision import is_vision_config, load_image_processor
 from relayrl.inference.decode import FastDecoder
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
 from relayrl.inference.graphs import StaticDecoder, choose_attention
 from relayrl.inference.sampling import RowParams, sample
 from relayrl.inference.seq import Seq, load_hf_state_dict, resolver, validate_request
 from relayrl.inference.slab import SlabBatch
+from relayrl.inference.vision import image_key, request_vision
 from relayrl.utils.batching import length_groups
 from relayrl.utils.moe import RoutingRecorder, routing_shape
 
@@ -62,6 +64,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         tokenizer: PreTrainedTokenizerBase | None = None,
         model_config: ModelConfig | None = None,
         static_steps: bool | None = None,
+        image_processor: object | None = None,
     ) -> None:
         """``static_steps``: decode over ``StaticDecoder``'s bucketed buffers (None: on CUDA with
         ``inference.cuda_graphs``; True on CPU runs the same step eagerly, as tests do)."""
@@ -71,6 +74,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         self.model = model
         self.tokenizer = tokenizer
         self.model_config = model_config
+        self.image_processor = image_processor  # vision models: turns a request's image_data into pixels
         # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
         # preemptions: rows set aside (and continued later) because the KV cache was full
         self.counters = {
@@ -127,11 +131,14 @@ class LocalEngine(SlabBatch, InferenceEngine):
             self.model = load_model(self.model_config, seed=self.config.seed)
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.model_config)
+        if self.image_processor is None and self.model_config is not None and is_vision_config(self.model.config):
+            self.image_processor = load_image_processor(self.model_config.path)
         self.device = resolve_device(self.config.device)
         typing.cast(nn.Module, self.model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         self.model.eval()
         cfg = self.model.config
         self.vocab_size = int(cfg.get_text_config().vocab_size)
+        self.image_token_id = int(cfg.image_token_id) if is_vision_config(cfg) else -1
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = cfg.eos_token_id
@@ -200,7 +207,12 @@ class LocalEngine(SlabBatch, InferenceEngine):
             key = self.config.seed * 1_000_003 + next(self._keys)
         self.counters["requests"] += 1
         start = time.perf_counter()
-        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
+        vision = None
+        if req.image_data or self.image_token_id >= 0:  # decoding and processing images: off the caller's loop
+            processor = self.image_processor if self.image_token_id >= 0 else None
+            vision = await asyncio.to_thread(request_vision, req, processor, self.image_token_id)
+        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None, vision=vision)
+        seq.vision_key = image_key(req.image_data)
         ttft = 0.0
         while True:
             fut: asyncio.Future[ModelResponse] = loop.create_future()
@@ -219,6 +231,8 @@ class LocalEngine(SlabBatch, InferenceEngine):
                 out=resp.output_tokens,
                 logprobs=resp.output_logprobs,
                 versions=resp.output_versions,
+                vision=seq.vision,
+                vision_key=seq.vision_key,
             )
         resp.latency = time.perf_counter() - start
         resp.ttft = ttft or resp.latency

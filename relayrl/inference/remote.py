@@ -47,7 +47,7 @@ import torch
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, StopReason
-from relayrl.inference.backends import Call, ProtocolError, ServerError, VLLMBackend, make_backend
+from relayrl.inference.backends import Call, ProtocolError, ServerError, VLLMBackend, make_backend, wire_image
 from relayrl.inference.batcher import MicroBatcher
 from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
 from relayrl.inference.remote_weights import DEAD_ERRORS, WeightSync
@@ -342,6 +342,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         g = req.gconfig
         g.validate()
+        images = [wire_image(x) for x in req.image_data]
         t0 = time.perf_counter()
         tokens: list[int] = []
         logps: list[float] = []
@@ -372,6 +373,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
                 g,
                 remaining,
                 max(0, g.min_new_tokens - len(tokens)),
+                images,
             )
             sent_version = srv.version  # what produced these tokens when the server reports no version
             self.counters["requests"] += 1

@@ -43,9 +43,15 @@ def _one_or_many(t: type) -> object:
     ]
 
 
+ImageData = str  # SGLang's image item: base64 text, a data: URL or a file path on the server
+
+
 class GenerateRequest(_Body):
     input_ids: list[TokenId] | None = None
     text: str | None = None
+    image_data: ImageData | list[ImageData] | None = Field(
+        None, description="SGLang: the prompt's images in order (input_ids hold their expanded pad tokens)"
+    )
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = False
     return_routed_experts: bool = Field(
@@ -62,6 +68,7 @@ class GenerateBatchRequest(_Body):
 
     input_ids: list[list[TokenId]] | None = Field(None, min_length=1)
     text: list[str] | None = Field(None, min_length=1)
+    image_data: list[ImageData | list[ImageData] | None] | None = Field(None, description="one entry per item")
     sampling_params: _one_or_many(SamplingParams) = Field(default_factory=SamplingParams)  # type: ignore[valid-type]
     return_logprob: _one_or_many(bool) = False  # type: ignore[valid-type]
     return_routed_experts: _one_or_many(bool) = False  # type: ignore[valid-type]
@@ -192,9 +199,27 @@ class CompletionRequest(_Body):
     request_id: str | None = None
 
 
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Body):
+    url: str = Field(description="a data: URL (base64 image) or a file path on the server; no network fetches")
+    detail: str | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[ContentPart]
     name: str | None = None
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason
+from relayrl.data.vision import VisionInputs
 
 # one prefill's result: per-layer (keys, values), padding mask [n, L], last logits [n, V]
 Prefilled = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]
@@ -35,6 +36,9 @@ class Seq:
     first_token_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()
     routes: list[torch.Tensor] = field(default_factory=list)  # MoE: expert ids [n, layers, k] of the tokens run
+    vision: VisionInputs | None = None  # the prompt's images, processed (see inference/vision.py)
+    vision_key: str = ""  # digest of the request's images: equal prompts share a prefill only with equal images
+    rope_delta: int = 0  # M-RoPE: decode position = tokens so far + rope_delta (0 without images)
 
     def finished(self, tok: int, tokenizer: PreTrainedTokenizerBase | None) -> StopReason | None:
         """Why this request ends after appending ``tok`` (None: it goes on)."""

@@ -10,6 +10,9 @@ OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the 
 serves RemoteEngine (any of its protocols) and agents written against the OpenAI SDK.
 The OpenAPI schema is at ``/openapi.json``.
 
+A vision-language model takes images as SGLang's ``image_data`` on ``/generate`` and as OpenAI
+``image_url`` content parts on ``/v1/chat/completions`` (see docs/vision.md).
+
 ``/generate`` also takes SGLang's batch form (``input_ids`` a list of prompts; ``rid``,
 ``sampling_params`` and ``return_logprob`` one per item or one for all) and answers a list of
 per-item replies; ``/v1/completions`` takes a list of prompts (one choice per prompt and sample).
@@ -76,8 +79,8 @@ LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
 _Job = tuple[
-    str, list[int], GenerationConfig, bool, bool, bool, bool
-]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim, return_routed_experts
+    str, list[int], GenerationConfig, bool, bool, bool, bool, list[str | bytes]
+]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim, return_routed_experts, image_data
 
 
 class Server(WeightRoutes, OpenAIRoutes):
@@ -151,10 +154,13 @@ class Server(WeightRoutes, OpenAIRoutes):
             )
         return g
 
-    async def run(self, rid: str, ids: list[int], g: GenerationConfig, once: bool = False) -> ModelResponse:
+    async def run(
+        self, rid: str, ids: list[int], g: GenerationConfig, once: bool = False, images: list[str | bytes] | None = None
+    ) -> ModelResponse:
         """``once``: SGLang's /generate, where an interrupted request ends as ``abort`` (the client
-        continues it); the OpenAI routes continue it here, transparently."""
-        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g)
+        continues it); the OpenAI routes continue it here, transparently. ``images``: the prompt's
+        (``ModelRequest.image_data``)."""
+        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g, image_data=list(images or []))
         try:
             resp = await (self.engine.agenerate_once(req) if once else self.engine.agenerate(req))
         except ValueError as e:
@@ -198,7 +204,8 @@ class Server(WeightRoutes, OpenAIRoutes):
         g = self.gconfig(req.sampling_params, len(ids))
         self.check_routed(req.return_routed_experts, "return_routed_experts")
         rid = req.rid or uuid.uuid4().hex
-        r = await self.run(rid, ids, g, once=True)
+        images: list[str | bytes] = [req.image_data] if isinstance(req.image_data, str) else list(req.image_data or [])
+        r = await self.run(rid, ids, g, once=True, images=images)
         return self.reply(
             rid,
             r,
@@ -228,12 +235,15 @@ class Server(WeightRoutes, OpenAIRoutes):
         else:
             prefix = req.rid or uuid.uuid4().hex
             rids = [f"{prefix}-{i}" for i in range(n)]
-        jobs = []
+        images = _per_item(req.image_data, n, "image_data") if req.image_data is not None else [None] * n
+        jobs: list[_Job] = []
         for i, ids in enumerate(prompts):
             self.check_ids(ids, f"input_ids[{i}]")
             g = self.gconfig(sps[i], len(ids), field=f"sampling_params[{i}]", prompt=f"input_ids[{i}]")
             self.check_routed(routed[i], f"return_routed_experts[{i}]")
-            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim, routed[i]))
+            image = images[i]
+            item: list[str | bytes] = [image] if isinstance(image, str) else list(image or [])
+            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim, routed[i], item))
         return jobs
 
     async def generate_item(
@@ -245,8 +255,9 @@ class Server(WeightRoutes, OpenAIRoutes):
         skip: bool,
         keep_stop: bool = False,
         routed: bool = False,
+        images: list[str | bytes] | None = None,
     ) -> dict[str, object]:
-        r = await self.run(rid, ids, g, once=True)
+        r = await self.run(rid, ids, g, once=True, images=images)
         return self.reply(rid, r, logprob, skip, [] if keep_stop else g.stop, routed)
 
     async def stream_items(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
@@ -442,8 +453,8 @@ def make_server(cfg: ServerConfig) -> Server:
         engine,
         tok,
         cfg,
-        int(model.config.vocab_size),
-        int(getattr(model.config, "max_position_embeddings", 2048)),
+        int(model.config.get_text_config().vocab_size),
+        int(getattr(model.config.get_text_config(), "max_position_embeddings", 2048)),
         reference,
     )
 

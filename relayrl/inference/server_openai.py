@@ -114,25 +114,43 @@ class OpenAIRoutes:
             }
         )
 
+    def vision_prompt(self, messages: list[dict[str, object]]) -> tuple[list[int], list[str | bytes]]:
+        """Prompt ids (image pad tokens expanded by the model's processor) and images of chat turns
+        with content parts; 400 naming the reason when the model takes no images or one is bad."""
+        from relayrl.data.vision import encode_prompt
+
+        processor = self.engine.image_processor  # type: ignore[attr-defined]
+        if processor is None:
+            raise _bad("messages: image content parts need a vision-language model; this server's takes text only")
+        try:
+            vp = encode_prompt(self.tok, processor, messages, [])
+        except ValueError as e:
+            raise _bad(f"messages: {e}") from None
+        return vp.input_ids, list(vp.image_data)
+
     async def chat(self, req: ChatRequest) -> dict[str, object]:
         if req.stream:
             raise _bad("stream: streaming is not supported")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            ids = [
-                int(i)
-                for i in typing.cast(
-                    list[int],
-                    self.tok.apply_chat_template(
-                        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                    ),
-                )
-            ]
-        except Exception as e:  # a template may reject a role order
-            raise _bad(f"messages: chat template failed: {e}") from None
+        images: list[str | bytes] = []
+        if any(isinstance(m["content"], list) for m in messages):  # OpenAI content parts: text and image_url
+            ids, images = self.vision_prompt(messages)
+        else:
+            try:
+                ids = [
+                    int(i)
+                    for i in typing.cast(
+                        list[int],
+                        self.tok.apply_chat_template(
+                            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                        ),
+                    )
+                ]
+            except Exception as e:  # a template may reject a role order
+                raise _bad(f"messages: chat template failed: {e}") from None
         g = self.openai_gconfig(req, len(ids))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
-        outs = await asyncio.gather(*(self.run(f"{cid}-{i}", ids, g) for i in range(req.n)))
+        outs = await asyncio.gather(*(self.run(f"{cid}-{i}", ids, g, images=images) for i in range(req.n)))
         choices = []
         for i, r in enumerate(outs):
             lp = None

@@ -8,17 +8,16 @@ holds its tokens at the right end of the cache; ``_mask`` marks real columns and
 
 from __future__ import annotations
 
-import typing
-
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from relayrl.api.config import InferenceConfig
-from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
+from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded, slab_layers
 from relayrl.inference.graphs import StaticDecoder
 from relayrl.inference.sampling import RowParams
 from relayrl.inference.seq import Prefilled, Seq
+from relayrl.inference.vision import vision_prefill
 from relayrl.utils.moe import RoutingRecorder
 
 
@@ -62,7 +61,8 @@ class SlabBatch:
         if n_old:
             assert self._cache is not None
             old_kv = [
-                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in _slabs(self._cache)
+                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length])
+                for layer in slab_layers(self._cache)
             ]
             parts.insert(0, (old_kv, self._mask, self._logits))
         kv, mask, logits = parts[0]
@@ -77,7 +77,8 @@ class SlabBatch:
         self._cache.layers = [SlabLayer(k, v) for k, v in kv]
         self._rows, self._mask, self._logits = self._rows + new, mask, logits
         self._alive, self._params = self._alive + [True] * len(new), None
-        self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1)])
+        deltas = torch.tensor([s.rope_delta for s in new], device=self.device)  # M-RoPE shift (0 for text)
+        self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1) + deltas])
         self._mask_bool = self._mask.bool()
         self._static_stale = True
 
@@ -107,9 +108,23 @@ class SlabBatch:
 
         Identical inputs (the samples of one GRPO group share their prompt) are computed once
         and their rows copied, which divides the prefill work by the group size."""
-        first: dict[tuple[int, ...], int] = {}
-        rows = [first.setdefault(tuple(s.prompt + s.out), len(first)) for s in seqs]
-        kv, mask, logits = self._prefill_unique([list(x) for x in first])
+        first: dict[tuple[object, ...], int] = {}  # the same tokens with other images are other inputs
+        reps: list[Seq] = []
+        rows = []
+        for s in seqs:
+            key = (s.vision_key, *s.prompt, *s.out)
+            if key not in first:
+                first[key] = len(reps)
+                reps.append(s)
+            rows.append(first[key])
+        if any(s.vision is not None for s in reps):  # vision-language: M-RoPE positions, image features
+            inputs, visions = [r.prompt + r.out for r in reps], [r.vision for r in reps]
+            assert self.model is not None
+            kv, mask, logits, deltas = vision_prefill(self.model, inputs, visions, self.device, self._keep_arg)
+            for s, row in zip(seqs, rows, strict=True):
+                s.rope_delta = deltas[row]
+        else:
+            kv, mask, logits = self._prefill_unique([r.prompt + r.out for r in reps])
         if self._router is not None:  # MoE: the experts of every token run, prompt (and earlier output) included
             ids = self._router.take().view(len(first), mask.shape[1], *self._router_shape).cpu()
             for s, r in zip(seqs, rows, strict=True):
@@ -136,7 +151,7 @@ class SlabBatch:
             use_cache=True,
             **self._keep_arg,
         )
-        return [(layer.keys, layer.values) for layer in _slabs(cache)], mask, out.logits[:, -1].float()
+        return [(layer.keys, layer.values) for layer in slab_layers(cache)], mask, out.logits[:, -1].float()
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
@@ -152,7 +167,7 @@ class SlabBatch:
         self._pos = self._pos[idx]
         assert self._cache is not None
         self._cache.layers = [
-            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:]) for layer in _slabs(self._cache)
+            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:]) for layer in slab_layers(self._cache)
         ]
         self._static_stale = True
 
@@ -160,16 +175,16 @@ class SlabBatch:
         """One forward step: every running row consumes its newest token."""
         assert self._cache is not None
         if self._static is not None and (self._static_stale or not self._static.has_room(len(self._rows))):
-            self._cache.layers = self._static.load(_slabs(self._cache), self._mask_bool, self._pos)  # type: ignore[assignment]
+            self._cache.layers = self._static.load(slab_layers(self._cache), self._mask_bool, self._pos)  # type: ignore[assignment]
             self._static_stale = False
         self._mask = F.pad(self._mask, (0, 1), value=1)
         self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
         self.counters["kv_peak"] = max(self.counters["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
         assert self._cache is not None
         if self._static is not None:
-            logits = self._static.step(tokens, self._pos, _slabs(self._cache))
+            logits = self._static.step(tokens, self._pos, slab_layers(self._cache))
         elif self._fast is not None:
-            logits = self._fast(tokens, self._pos, self._mask_bool, _slabs(self._cache))
+            logits = self._fast(tokens, self._pos, self._mask_bool, slab_layers(self._cache))
         else:
             attn: torch.Tensor | dict[str, torch.Tensor] = self._mask
             if self._mask_dict:  # a ready 4D mask skips transformers' per-step mask building
@@ -186,8 +201,3 @@ class SlabBatch:
         self._logits = logits.float()
         if self._router is not None:  # the experts of each row's newest token, copied with the next sampled ids
             self._route = self._router.take()
-
-
-def _slabs(cache: DynamicCache) -> list[SlabLayer]:
-    """The engine's caches hold only ``SlabLayer``s (transformers types ``Cache.layers`` more widely)."""
-    return typing.cast(list[SlabLayer], cache.layers)

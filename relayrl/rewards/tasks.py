@@ -116,6 +116,7 @@ TASK_REWARDS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_reward_fn,
     "countdown": countdown_reward_fn,
     "count": count_reward_fn,
+    "count_squares": arithmetic_reward_fn,  # the answer is an integer
 }
 
 

@@ -28,7 +28,16 @@ from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, Te
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.train import lora as L
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
-from relayrl.train.packing import model_inputs, pack, resolve_attn_impl, split_by_token_budget, token_logprobs, unpack
+from relayrl.train.packing import (
+    model_inputs,
+    pack,
+    resolve_attn_impl,
+    split_by_token_budget,
+    token_logprobs,
+    unpack,
+    vision_tokens,
+)
+from relayrl.train.vision import vision_forward
 from relayrl.utils import dist as dist_utils
 from relayrl.utils.moe import RoutingReplay, routing_shape
 
@@ -164,7 +173,10 @@ class TorchTrainEngine(TrainEngine):
         """Rows of each of this rank's micro-batches (possibly empty lists: dummy micro-batches)."""
         if "attention_mask" not in batch or "input_ids" not in batch:
             raise ValueError(f"batch needs 'input_ids' and 'attention_mask', got keys {sorted(batch)}")
-        lengths = batch["attention_mask"].bool().sum(1).tolist()
+        # the vision tower's patches count too: a row with images costs its tokens plus its patches
+        lengths = [
+            n + v for n, v in zip(batch["attention_mask"].bool().sum(1).tolist(), vision_tokens(batch), strict=True)
+        ]
         budget = self.config.mb_max_tokens
         world = dist_utils.world_size()
         if world == 1:
@@ -194,12 +206,17 @@ class TorchTrainEngine(TrainEngine):
         MoE models: the routers use the micro-batch's ``routed_experts`` when it has them
         (replay; the ids stay set until the next micro-batch, so activation checkpointing
         recomputes the same routing), and ``packed["moe_aux_loss"]`` receives the 0-d,
-        differentiable load-balancing loss of this forward."""
+        differentiable load-balancing loss of this forward. Vision-language models: the
+        vision tower runs on the micro-batch's images (``image_grid_thw``)."""
         moved = {k: v.to(self.device) for k, v in packed.items()}
         if self._moe is not None:
             self._moe.ids = moved.get("routed_experts")
-        with self._autocast():
-            out = self._require()(**model_inputs(moved))
+        model, inputs = self._require(), model_inputs(moved)
+        images: contextlib.AbstractContextManager[dict[str, object]] = (
+            vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
+        )
+        with self._autocast(), images as extra:
+            out = model(**{**inputs, **extra})
         if self._moe is not None:
             packed["moe_aux_loss"] = self._moe.aux_loss()
         return out.logits[0]

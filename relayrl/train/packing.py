@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from relayrl.api.engine import TensorDict
+from relayrl.api.workflow import VISION_KEYS
 from relayrl.utils.batching import length_groups
 
 VARLEN_ATTN = "relayrl_varlen"
@@ -54,7 +55,7 @@ def pack(batch: TensorDict, rows: Sequence[int] | None = None) -> TensorDict:
     sel = batch["attention_mask"].bool()[idx.to(ids.device)]  # [n, L] real tokens of the rows
     out: TensorDict = {}
     for key, value in batch.items():
-        if key == "attention_mask" or not isinstance(value, torch.Tensor):
+        if key == "attention_mask" or key in VISION_KEYS or not isinstance(value, torch.Tensor):
             continue
         if _is_token_level(value, shape):
             out[key] = value[idx.to(value.device)][sel.to(value.device)]
@@ -71,7 +72,30 @@ def pack(batch: TensorDict, rows: Sequence[int] | None = None) -> TensorDict:
     out["cu_seqlens"] = cu.to(ids.device)
     out["max_seqlen"] = lengths.max().to(torch.int64)
     out["row_index"] = idx.to(ids.device)
+    if "image_grid_thw" in batch:
+        out.update(pack_vision(batch["pixel_values"], batch["image_grid_thw"], idx))
     return out
+
+
+def pack_vision(pixel_values: torch.Tensor, grid: torch.Tensor, idx: torch.Tensor) -> TensorDict:
+    """The images of rows ``idx`` laid end to end, as the model takes them: ``pixel_values [P, D]``,
+    ``image_grid_thw [n_images, 3]`` (row order), and ``image_rows [n]``, the images of each row."""
+    grid = grid[idx.to(grid.device)]
+    counts = grid.prod(-1)  # [n, N] patches per image, 0 on padding
+    per_row = counts.sum(1).tolist()
+    pixels = pixel_values[idx.to(pixel_values.device)]
+    return {
+        "pixel_values": torch.cat([pixels[i, :n] for i, n in enumerate(per_row)]),
+        "image_grid_thw": grid[counts > 0],
+        "image_rows": (counts > 0).sum(1),
+    }
+
+
+def vision_tokens(batch: TensorDict) -> list[int]:
+    """Patches the vision tower runs per row (0 without images): a row's share of a micro-batch's work."""
+    if "image_grid_thw" not in batch:
+        return [0] * batch["input_ids"].shape[0]
+    return batch["image_grid_thw"].prod(-1).sum(1).tolist()
 
 
 def unpack(values: torch.Tensor, packed: TensorDict, batch_size: int, seqlen: int, fill: float = 0.0) -> torch.Tensor:
@@ -232,6 +256,9 @@ def varlen_attention_forward(
         raise ValueError("relayrl_varlen attention expects packed input ([1, T]) without an attention mask")
     gqa = query.shape[1] != key.shape[1]
     drop = dropout if module.training else 0.0
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):  # e.g. a vision tower: one image, no mask
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=drop, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

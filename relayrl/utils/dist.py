@@ -164,11 +164,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp2(model: nn.Module) -> nn.Module:
-    """Shard every decoder layer, then the root (embeddings, norm and tied head stay together)."""
+    """Shard every decoder layer, then a vision tower's blocks and the tower (gathered only while it
+    runs), then the root (embeddings, norm and tied head stay together)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
         fully_shard(layer)
+    vision = getattr(getattr(model, "model", None), "visual", None)  # Qwen2-VL / Qwen2.5-VL vision tower
+    if vision is not None:
+        for block in vision.blocks:
+            fully_shard(block)
+        fully_shard(vision)
     fully_shard(model)
     return model
 

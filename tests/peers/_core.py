@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 from relayrl.api.config import InferenceConfig  # noqa: E402
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse  # noqa: E402
 from relayrl.data.models import build_tiny_model  # noqa: E402
+from relayrl.data.vision import VL_PRESETS, build_image_processor, build_tiny_vl_model  # noqa: E402
 from relayrl.inference.local import LocalEngine  # noqa: E402
 from relayrl.inference.seq import load_hf_state_dict  # noqa: E402
 
@@ -25,18 +26,25 @@ class TinyPeer:
     """The model behind a stand-in: generation, weights (a full CPU copy, so a bucket of some
     tensors can be loaded on its own, as SGLang's ``load_weights`` does), abort of running requests."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, model: str = "tiny") -> None:
         torch.set_num_threads(1)
-        self.model = build_tiny_model("tiny", seed=seed).eval()
+        processor = None
+        if model in VL_PRESETS:  # a vision-language model: requests may carry images
+            self.model, processor = build_tiny_vl_model(model, seed=seed).eval(), build_image_processor()
+        else:
+            self.model = build_tiny_model(model, seed=seed).eval()
         self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self.engine = LocalEngine(InferenceConfig(), model=self.model)
+        self.engine = LocalEngine(InferenceConfig(), model=self.model, image_processor=processor)
         self.engine.initialize()
-        self.vocab = int(self.model.config.vocab_size)
+        self.vocab = int(self.model.config.get_text_config().vocab_size)
         self.lock = asyncio.Lock()  # held while weights load (SGLang: the model-update writer lock)
 
-    async def generate(self, rid: str, ids: list[int], g: GenerationConfig) -> ModelResponse:
+    async def generate(
+        self, rid: str, ids: list[int], g: GenerationConfig, images: list[str] | None = None
+    ) -> ModelResponse:
         """One pass: an interrupted request ends as ``abort`` with its partial output, as the peers answer."""
-        return await self.engine.agenerate_once(ModelRequest(rid=rid, input_ids=ids, gconfig=g))
+        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g, image_data=list(images or []))
+        return await self.engine.agenerate_once(req)
 
     def abort_running(self) -> int:
         before = self.engine.counters["aborts"]

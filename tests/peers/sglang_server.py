@@ -24,7 +24,9 @@ while generation is paused or a weight update holds the model lock, and answer 5
 ``rank_offset + tp_rank`` for every TP rank (ranks > 0 in their own processes, as SGLang's
 schedulers are) and each ``/update_weights_from_distributed`` call loads its bucket at once.
 
-Run: ``python tests/peers/sglang_server.py [--port 0] [--version 0.5.2] [--tp-size 1] [--load-delay 0]``.
+Run: ``python tests/peers/sglang_server.py [--port 0] [--version 0.5.2] [--tp-size 1] [--load-delay 0]
+[--model-path tiny | tiny-vl]`` (a vision model takes ``GenerateReqInput.image_data``: one image or a list
+per request, one entry per item in a batch).
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class GenerateReqInput:  # the fields RemoteEngine uses (others are accepted and
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
     stream: bool = False
+    # SGLang: one image (URL, path, base64 or data: URL) or a list per request; in a batch, one entry per item
+    image_data: str | list[str] | list[list[str]] | None = None
 
 
 @dataclass
@@ -140,10 +144,10 @@ class PauseGenerationReqInput:
 
 
 class SGLangStandIn:
-    def __init__(self, version: str, tp_size: int, load_delay: float) -> None:
+    def __init__(self, version: str, tp_size: int, load_delay: float, model: str = "tiny") -> None:
         self.version, self.tp_size, self.load_delay = version, tp_size, load_delay
         self.new_layout = tuple(int(x) for x in version.split(".")[:3]) >= (0, 5, 10)
-        self.peer = TinyPeer()
+        self.peer = TinyPeer(model=model)
         self.weight_version = "default"
         self.int_version = 0
         self.paused = False
@@ -189,8 +193,8 @@ class SGLangStandIn:
             ignore_eos=bool(sp.get("ignore_eos", False)),
         )
 
-    async def one(self, rid: str, ids: list[int], sp: dict, logprob: bool) -> dict:  # type: ignore[type-arg]
-        r = await self.peer.generate(rid, ids, self.gconfig(sp))
+    async def one(self, rid: str, ids: list[int], sp: dict, logprob: bool, images: list[str]) -> dict:  # type: ignore[type-arg]
+        r = await self.peer.generate(rid, ids, self.gconfig(sp), images)
         text = ""
         finish: dict[str, object] = {"type": r.stop_reason}
         if r.stop_reason == "length":
@@ -231,6 +235,8 @@ class SGLangStandIn:
         )
         sps = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params or {}] * n
         lps = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob] * n
+        imgs = obj.image_data if batch and isinstance(obj.image_data, list) else [obj.image_data] * n
+        imgs = [[x] if isinstance(x, str) else list(x or []) for x in imgs]
         for rid in rids:
             if rid in self.in_flight:
                 return _err(f"Duplicate request ID detected: {rid}")
@@ -239,7 +245,7 @@ class SGLangStandIn:
             while self.paused:  # SGLang holds new requests while generation is paused
                 await asyncio.sleep(0.01)
             outs = await asyncio.gather(
-                *(self.one(r, p, s, lp) for r, p, s, lp in zip(rids, prompts, sps, lps, strict=True))
+                *(self.one(r, p, s, lp, im) for r, p, s, lp, im in zip(rids, prompts, sps, lps, imgs, strict=True))
             )  # type: ignore[arg-type]
         except ValueError as e:
             return _err(str(e))
@@ -448,10 +454,10 @@ def main() -> None:
     ap.add_argument("--version", default="0.5.2", help="the SGLang version to reproduce (its route layout)")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--load-delay", type=float, default=0.0, help="extra seconds each weight load holds the model lock")
+    ap.add_argument("--model-path", default="tiny", help="tiny, or tiny-vl / tiny-vl2.5 (takes image_data)")
     args, _ = ap.parse_known_args()
-    listen(
-        build_app(SGLangStandIn(args.version, args.tp_size, args.load_delay)), "sglang stand-in", args.host, args.port
-    )
+    stand_in = SGLangStandIn(args.version, args.tp_size, args.load_delay, args.model_path)
+    listen(build_app(stand_in), "sglang stand-in", args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
 from relayrl.api.workflow import RewardFn, RolloutWorkflow, Trajectory, trajectory_from_response
 
 _NAMED = ("prompt", "completions", "prompt_ids", "completion_ids")
+_NOT_FOR_REWARDS = ("vision",)  # a row's processed images (tensors) stay out of reward fns
 
 
 class AsyncRewardPool(Protocol):
@@ -125,7 +126,7 @@ async def compute_reward(
     """Score one completion with a contract-2 reward fn (see module doc for where it runs)."""
     p_ids = list(resp.input_tokens if prompt_ids is None else prompt_ids)
     c_ids = list(resp.output_tokens if completion_ids is None else completion_ids)
-    kwargs: dict[str, object] = {k: v for k, v in data.items() if k not in _NAMED}
+    kwargs: dict[str, object] = {k: v for k, v in data.items() if k not in _NAMED and k not in _NOT_FOR_REWARDS}
     kwargs.update(
         prompt=tokenizer.decode(p_ids, skip_special_tokens=True),
         completions=tokenizer.decode(c_ids, skip_special_tokens=False),
@@ -169,12 +170,17 @@ class RLVRWorkflow(RolloutWorkflow):
         self.prompt_format = prompt_format
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        ids = prompt_ids_of(self.tokenizer, data, self.prompt_format)
-        resp = await engine.agenerate(ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig))
+        vp = data.get("vision")  # a row with images (relayrl.data.vision.attach_vision)
+        ids = vp.input_ids if vp is not None else prompt_ids_of(self.tokenizer, data, self.prompt_format)  # type: ignore[attr-defined]
+        images = vp.image_data if vp is not None else []  # type: ignore[attr-defined]
+        req = ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig, image_data=images)
+        resp = await engine.agenerate(req)
         if resp.output_len == 0:
             return None  # nothing to train on
         reward = await compute_reward(
             self.reward_fn, engine, self.tokenizer, resp, data, self.reward_pool, self.reward_timeout
         )
-        truncated = torch.tensor([resp.stop_reason == "length"], dtype=torch.bool)
-        return trajectory_from_response(resp, reward, truncated=truncated)
+        extras = {"truncated": torch.tensor([resp.stop_reason == "length"], dtype=torch.bool)}
+        if vp is not None:  # the trainer's vision inputs travel with the episode
+            extras.update(pixel_values=vp.vision.pixel_values[None], image_grid_thw=vp.vision.image_grid_thw[None])  # type: ignore[attr-defined]
+        return trajectory_from_response(resp, reward, **extras)

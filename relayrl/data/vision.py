@@ -1,0 +1,364 @@
+"""Images in prompts: tiny Qwen2-VL / Qwen2.5-VL models, their image processor, and dataset rows.
+
+A vision prompt is text with one ``<|vision_start|><|image_pad|><|vision_end|>`` block per
+image; the image processor turns each image into patches (``pixel_values [P, C*T*p*p]``) and
+a grid (``image_grid_thw [n_images, 3]``), and each block's single ``<|image_pad|>`` expands
+to ``t*h*w / merge_size**2`` pad tokens, which the model replaces by the vision tower's
+outputs. ``encode_prompt`` does exactly that (our own few lines instead of the HF processor,
+whose video half needs torchvision). The generator gets the raw images (``image_data``, PNG
+bytes: SGLang's field); the trainer gets the processor outputs (``pixel_values``,
+``image_grid_thw``, Hugging Face's names).
+
+Nothing here downloads: ``tiny-vl`` (Qwen2-VL) and ``tiny-vl2.5`` (Qwen2.5-VL) are built from
+configs, with the offline character tokenizer plus the vision special tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedModel, PreTrainedTokenizerFast
+
+from relayrl.api.config import ModelConfig
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+VL_PRESETS = {"tiny-vl": "qwen2_vl", "tiny-vl2.5": "qwen2_5_vl"}
+# small images keep the tiny models fast: at most 4x4 merged patches (16 vision tokens) per image
+MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
+
+
+def build_vl_tokenizer() -> PreTrainedTokenizerFast:
+    """The offline character tokenizer plus the Qwen2-VL vision special tokens."""
+    from relayrl.data.models import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.add_tokens(VISION_TOKENS, special_tokens=True)
+    return tok
+
+
+def is_vision_config(config: object) -> bool:
+    """A model config with a vision tower (Qwen2-VL style: image tokens replaced by vision features)."""
+    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
+def build_tiny_vl_model(preset: str = "tiny-vl", seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised ~0.16M-parameter Qwen2-VL (``tiny-vl``) or Qwen2.5-VL (``tiny-vl2.5``), fp32."""
+    if preset not in VL_PRESETS:
+        raise ValueError(f"unknown tiny vision model preset {preset!r}; choose one of {sorted(VL_PRESETS)}")
+    tok = build_vl_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = {
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim / 2
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+    }
+    vision: dict[str, object] = {"depth": 2, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2}
+    if preset == "tiny-vl":
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+    else:  # Qwen2.5-VL: windowed attention blocks with full attention in some
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=56)
+        vision["fullatt_block_indexes"] = [1]
+    cfg = AutoConfig.for_model(
+        VL_PRESETS[preset],
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 1
+    return model
+
+
+def build_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> object:
+    """Qwen2-VL's image processor (PIL backend: no torchvision) with small pixel bounds."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, patch_size=14, merge_size=2
+    )
+
+
+def load_image_processor(path: str) -> object:
+    """The image processor of a model path (a tiny preset's, or a checkpoint's, PIL backend)."""
+    if path in VL_PRESETS:
+        return build_image_processor()
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path, backend="pil")
+
+
+def vision_processor(model: ModelConfig) -> object | None:
+    """The image processor of ``model`` when it takes images (a tiny VL preset, or a checkpoint whose
+    config has a vision tower), else None."""
+    from relayrl.data.models import TINY_PRESETS
+
+    if model.path in VL_PRESETS:
+        return build_image_processor()
+    if model.path in TINY_PRESETS or not os.path.isdir(model.path):
+        return None
+    return load_image_processor(model.path) if is_vision_config(AutoConfig.from_pretrained(model.path)) else None
+
+
+def load_image(image: object) -> object:
+    """An RGB PIL image from a PIL image, encoded bytes, a file path, a ``data:`` URL or base64 text.
+
+    Raises ``ValueError`` with the reason when it cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, dict) and isinstance(image.get("bytes"), bytes):  # HF datasets' Image feature
+        image = image["bytes"]
+    if isinstance(image, str):
+        if image.startswith("data:"):
+            image = image.split(",", 1)[-1]
+        elif os.path.exists(image):
+            with open(image, "rb") as f:
+                image = f.read()
+        elif image.startswith(("http://", "https://")):
+            raise ValueError(f"image URLs are not fetched (no network); pass a path or bytes: {image[:80]!r}")
+        if isinstance(image, str):
+            try:
+                image = base64.b64decode(image, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError(f"not an existing file, a data URL or base64 image data: {image[:80]!r}") from None
+    if not isinstance(image, (bytes, bytearray)):
+        raise ValueError(f"an image must be a PIL image, bytes, a path or base64 text, got {type(image).__name__}")
+    try:
+        img = Image.open(io.BytesIO(image))
+        img.load()
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"unreadable image ({len(image)} bytes): {e}") from None
+    return img.convert("RGB")
+
+
+_COLOURS = ((220, 40, 40), (40, 170, 60), (40, 70, 220))
+
+
+def squares_image(cells: tuple[int, ...], colours: tuple[int, ...], offsets: tuple[tuple[int, int], ...]) -> object:
+    """A white 56x56 image with a 20x20 square of ``_COLOURS[c]`` in each quadrant of ``cells`` (0-3,
+    row-major), shifted by ``offsets`` inside the quadrant: the ``count_squares`` task's pictures."""
+    from PIL import Image
+
+    img = Image.new("RGB", (56, 56), (255, 255, 255))
+    for cell, c, (dx, dy) in zip(cells, colours, offsets, strict=True):
+        x, y = 28 * (cell % 2) + dx, 28 * (cell // 2) + dy
+        img.paste(_COLOURS[c], (x, y, x + 20, y + 20))
+    return img
+
+
+def png_bytes(image: object) -> bytes:
+    """A PIL image encoded as PNG (what requests carry: lossless, SGLang and vLLM decode it)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")  # type: ignore[attr-defined]
+    return buf.getvalue()
+
+
+@dataclass
+class VisionInputs:
+    """The processor's outputs for the images of one prompt."""
+
+    pixel_values: torch.Tensor  # [P, C*T*p*p] patches of all images, in order
+    image_grid_thw: torch.Tensor  # [n_images, 3] int64
+
+    @property
+    def n_patches(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
+def process_images(image_processor: object, images: list[object]) -> VisionInputs:
+    """Run the image processor over decoded images (``ValueError`` with its reason if it rejects them)."""
+    try:
+        out = image_processor(images=images, return_tensors="pt")  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001 - any processor failure is a bad input
+        raise ValueError(f"the image processor rejected the image: {type(e).__name__}: {e}") from None
+    return VisionInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
+
+
+def merge_size(image_processor: object) -> int:
+    return int(getattr(image_processor, "merge_size", 2))
+
+
+def expand_image_tokens(ids: list[int], grid: torch.Tensor, image_token_id: int, merge: int) -> list[int]:
+    """Each single image pad token of ``ids`` becomes as many as its image has merged patches.
+
+    ``ValueError`` when the number of image tokens differs from the number of images."""
+    n_blocks = sum(1 for t in ids if t == image_token_id)
+    if n_blocks != grid.shape[0]:
+        raise ValueError(f"the prompt has {n_blocks} image placeholders but {grid.shape[0]} images")
+    counts = iter((grid.prod(-1) // (merge * merge)).tolist())
+    out: list[int] = []
+    for t in ids:
+        out.extend([t] * int(next(counts)) if t == image_token_id else [t])
+    return out
+
+
+def count_image_tokens(ids: list[int], image_token_id: int) -> int:
+    return sum(1 for t in ids if t == image_token_id)
+
+
+def messages_with_image_blocks(messages: list[dict[str, object]], n_images: int) -> list[dict[str, str]]:
+    """Chat turns with plain-string content: image content parts (``{"type": "image"}`` /
+    ``"image_url"``) become ``IMAGE_BLOCK``; with no image parts at all, the blocks of the row's
+    ``n_images`` images go before the first user turn's text."""
+    out, seen = [], 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind in ("image", "image_url", "input_image"):
+                    parts.append(IMAGE_BLOCK)
+                    seen += 1
+                elif kind == "text":
+                    parts.append(str(p.get("text", "")))
+                else:
+                    raise ValueError(f"unknown content part {str(p)[:80]!r} (expected text or image parts)")
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
+        out.append({"role": str(m.get("role")), "content": content})
+    if seen == 0 and n_images:
+        first = next(i for i, m in enumerate(out) if m["role"] == "user")
+        out[first] = {"role": "user", "content": IMAGE_BLOCK * n_images + out[first]["content"]}
+    return out
+
+
+def image_parts(messages: list[dict[str, object]]) -> list[object]:
+    """The images embedded in content parts (``image`` / ``image_url.url``), in order."""
+    found: list[object] = []
+    for m in messages:
+        content = m.get("content")
+        for p in content if isinstance(content, list) else []:
+            if not isinstance(p, dict):
+                continue
+            if p.get("type") == "image" and p.get("image") is not None:
+                found.append(p["image"])
+            elif p.get("type") in ("image_url", "input_image"):
+                url = p.get("image_url")
+                found.append(url.get("url") if isinstance(url, dict) else url)
+    return found
+
+
+@dataclass
+class VisionPrompt:
+    """One prompt with images: expanded token ids, the raw images (PNG) for the generator, the
+    processor outputs for the trainer."""
+
+    input_ids: list[int]
+    image_data: list[bytes]
+    vision: VisionInputs
+
+
+def encode_prompt(
+    tokenizer: object, image_processor: object, messages: list[dict[str, object]], images: list[object]
+) -> VisionPrompt:
+    """A chat prompt with images -> ``VisionPrompt`` (``ValueError`` naming what is wrong)."""
+    from relayrl.data.chat import prompt_ids
+
+    images = list(images) + image_parts(messages)
+    decoded = []
+    for j, img in enumerate(images):
+        try:
+            decoded.append(load_image(img))
+        except ValueError as e:
+            raise ValueError(f"image {j}: {e}") from None
+    if not decoded:
+        raise ValueError("a vision prompt needs at least one image ('images' column or image content parts)")
+    vision = process_images(image_processor, decoded)
+    ids = prompt_ids(tokenizer, messages_with_image_blocks(messages, len(decoded)), "chat")  # type: ignore[arg-type]
+    image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")  # type: ignore[attr-defined]
+    ids = expand_image_tokens(ids, vision.image_grid_thw, image_token_id, merge_size(image_processor))
+    return VisionPrompt(ids, [png_bytes(img) for img in decoded], vision)
+
+
+def has_images(row: dict[str, object]) -> bool:
+    """A row with an ``images`` column or image content parts in ``messages``."""
+    messages = row.get("messages")
+    return bool(row.get("images")) or bool(image_parts(messages if isinstance(messages, list) else []))
+
+
+def with_vision(row: dict[str, object], tokenizer: object, image_processor: object) -> dict[str, object]:
+    """``row`` with ``vision`` (its ``VisionPrompt``) instead of its ``images`` column (kept as PNG in
+    the prompt); ``ValueError`` with the reason when an image is unreadable or rejected."""
+    images = row.get("images")
+    images = [] if images is None else images if isinstance(images, list) else [images]
+    vp = encode_prompt(tokenizer, image_processor, row["messages"], images)  # type: ignore[arg-type]
+    return {**{k: v for k, v in row.items() if k != "images"}, "vision": vp}
+
+
+def attach_vision(
+    rows: list[dict[str, object]],
+    tokenizer: object,
+    image_processor: object,
+    skip_invalid: bool = False,
+    source: str = "dataset",
+) -> list[dict[str, object]]:
+    """``with_vision`` over in-memory rows (an ``images`` column: paths, bytes or PIL images, and/or
+    image content parts). A bad image raises ``DatasetError`` naming the row, its id and the reason,
+    or the row is skipped (and counted in a warning) with ``skip_invalid`` (``data.skip_invalid_rows``).
+    Rows without images pass unchanged."""
+    from relayrl.data.datasets import DatasetError, logger
+
+    out, skipped = [], []
+    for i, row in enumerate(rows):
+        try:
+            out.append(with_vision(row, tokenizer, image_processor) if has_images(row) else row)
+        except (ValueError, KeyError) as e:
+            msg = f"{source}: row {i} (id={row.get('id', i)!r}): {e}"
+            if not skip_invalid:
+                raise DatasetError(msg) from None
+            skipped.append(msg)
+    if skipped:
+        logger.warning("%s: skipped %d rows with bad images (first: %s)", source, len(skipped), skipped[0])
+    if not out:
+        raise DatasetError(f"{source}: no valid rows")
+    return out
+
+
+def image_embeds(
+    model: PreTrainedModel, ids: torch.Tensor, image_mask: torch.Tensor, pixel_values: torch.Tensor, grid: torch.Tensor
+) -> torch.Tensor:
+    """Input embeddings of ``ids`` with the vision tower's outputs at ``image_mask`` (the prompts'
+    image pad tokens, in order). Passing embeddings instead of ids keeps a *generated* image pad
+    token (a model may sample any id) a plain token, where the model's own placement would
+    count it as an image slot and fail."""
+    features = model.model.get_image_features(pixel_values, grid, return_dict=True).pooler_output
+    embeds = model.get_input_embeddings()(ids)
+    feats = torch.cat(list(features)).to(embeds.dtype)
+    if int(image_mask.sum()) != feats.shape[0]:
+        raise ValueError(f"{int(image_mask.sum())} image pad tokens but {feats.shape[0]} image features")
+    return embeds.masked_scatter(image_mask[..., None].to(embeds.device), feats)
+
+
+def prompt_image_mask(ids: torch.Tensor, image_token_id: int, n_image_tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, L]``: the first ``n_image_tokens[b]`` image pad tokens of each row (its prompt's; any later
+    one was generated and is an ordinary token)."""
+    is_image = ids == image_token_id
+    return is_image & (is_image.long().cumsum(-1) <= n_image_tokens.to(ids.device)[:, None])
