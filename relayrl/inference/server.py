@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from relayrl.api.config import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.inference import LISTEN_PREFIX
 from relayrl.inference.local import LocalEngine
 from relayrl.inference.schemas import (
     AbortRequest,
@@ -70,7 +71,6 @@ from relayrl.inference.weight_group import WeightBroadcastGroup
 
 __all__ = ["LISTEN_PREFIX", "Server", "_dumps", "build_app", "confine_path", "make_server", "run_server"]
 
-LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
 _Job = tuple[
