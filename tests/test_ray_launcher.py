@@ -1,0 +1,215 @@
+"""``launcher=ray`` on a real local Ray cluster of two simulated nodes (one CPU each: this machine's two cores).
+
+Trainer ranks and ``relayrl serve`` servers are Ray actors running relayrl's ordinary parts; the
+tests check that two ranks and a server train like one process, that a killed server actor is
+restarted and re-admitted with no prompt lost or trained twice, that a dead trainer rank ends
+the run with its checkpoints intact and ``recover=auto`` resumes, and that bad specs fail fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relayrl.api.config import RunConfig, load_config
+from relayrl.trainer import train
+from tests.reliability.audit import audit_prompts, check_steps, latest_state, metrics_rows, train_rows_of
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from relayrl.launch import RayLaunchError, TrainerRankDied  # noqa: E402
+from relayrl.launch.ray_cluster import RayRun, run_on_ray  # noqa: E402
+
+FAST = [
+    "rollout.batch_size=4",
+    "rollout.group_size=2",
+    "gconfig.max_new_tokens=6",
+    "data.n_train=64",
+    "data.n_eval=4",
+    # A random model earns no reward, so advantages are 0: the entropy bonus keeps gradients non-zero.
+    "train.optimizer.lr=1e-3",
+    "actor.entropy_coef=0.01",
+    "logging.tensorboard=false",
+    "logging.progress=off",
+    "logging.rollouts_per_step=0",
+]
+# half a CPU per actor: two ranks and a server fit on the two one-CPU nodes
+RAY = ["ray.trainer_cpus=0.5", "ray.server_cpus=0.5", "ray.placement_timeout=60"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head and a worker node (separate raylets on this machine), shared by the module's tests."""
+    mem = 80 * 1024 * 1024
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": mem})
+    c.add_node(num_cpus=1, object_store_memory=mem)
+    ray.init(address=c.address, logging_level="ERROR")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _cfg(run_dir: Path, *extra: str) -> RunConfig:
+    return load_config(RunConfig, None, [f"run_dir={run_dir}", *FAST, *extra])
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "actor" / "model.safetensors"))
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wait_for_step(run_dir: Path, step: int, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(json.loads(line)["step"] >= step for line in (run_dir / "metrics.jsonl").read_text().splitlines()):
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{run_dir} never reached step {step}")
+
+
+def test_two_ranks_and_a_server_on_two_nodes_train_like_one_process(cluster, tmp_path):
+    """Sync RL, greedy rollouts (so the server's outputs do not depend on request order): the same
+    prompts in the same steps, the same losses, and the same weights up to fp32 summation order."""
+    args = ["total_steps=3", "gconfig.greedy=true", "inference.backend=remote", "inference.n_servers=1"]
+    train(_cfg(tmp_path / "one", *args))  # one process, the server launched by RemoteEngine
+    run = RayRun(_cfg(tmp_path / "ray", *args, *RAY, "launcher=ray", "ray.trainer_ranks=2", "ray.strategy=SPREAD"))
+    try:
+        run.start()
+        last = run.wait()
+        nodes = run.rank_nodes
+    finally:
+        run.close()
+    assert len(set(nodes)) == 2, "SPREAD put both trainer ranks on one node"
+    a, b = _rows(tmp_path / "one"), _rows(tmp_path / "ray")
+    assert [r["step"] for r in b] == [1, 2, 3] and last["version"] == 3.0
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["prompt_ids"] == rb["prompt_ids"] and ra["rollout/reward"] == rb["rollout/reward"]
+        assert rb["actor/loss"] == pytest.approx(ra["actor/loss"], abs=1e-5)
+        assert rb["inference/live_servers"] == 1.0
+    wa, wb = _weights(tmp_path / "one", 3), _weights(tmp_path / "ray", 3)
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-5
+    assert ray.available_resources().get("CPU") == 2.0  # actors and placement group released
+
+
+def test_killed_server_actor_is_restarted_and_readmitted_with_nothing_lost(cluster, tmp_path):
+    """Async (eta=1) on two server actors: SIGKILL one actor's process mid-run. Ray restarts it on
+    the same port, RemoteEngine re-admits it with the current weights, and the audit holds."""
+    T = 30
+    run_dir = tmp_path / "run"
+    cfg = _cfg(
+        run_dir,
+        f"total_steps={T}",
+        "rollout.batch_size=2",
+        "rollout.max_staleness=1",
+        "gconfig.max_new_tokens=16",
+        "inference.backend=remote",
+        "inference.n_servers=2",
+        "inference.health_interval=0.2",
+        "inference.max_retries=12",
+        "inference.request_timeout=60",
+        *RAY,
+        "launcher=ray",
+    )
+    run = RayRun(cfg)
+    killed: list[int] = []
+
+    def killer() -> None:
+        _wait_for_step(run_dir, 2)
+        actor_pid, server_pid = ray.get(run.servers[1].pids.remote())
+        os.kill(actor_pid, signal.SIGKILL)
+        killed.append(server_pid)
+
+    try:
+        run.start()
+        thread = threading.Thread(target=killer)
+        thread.start()
+        run.wait()
+        thread.join()
+        restarted = ray.get(run.servers[1].pids.remote(), timeout=60)
+    finally:
+        run.close()
+    assert killed and restarted[1] != killed[0], "the server was not restarted"
+    rows = metrics_rows(run_dir)
+    check_steps(rows, T, eta=1, batch_size=2)
+    state = latest_state(run_dir)  # the final checkpoint: dataloader and executor state at the end
+    _, _, dropped = audit_prompts(train_rows_of(run_dir), rows, state, batch_size=2, seed=cfg.seed)
+    assert not dropped, f"prompts lost with the server: {dict(dropped)}"
+    assert rows[-1]["rollout/failed"] == 0  # requests on the dead server were re-issued, not failed
+    assert rows[-1]["inference/evictions"] >= 1 and rows[-1]["inference/readmissions"] >= 1
+    assert rows[-1]["inference/live_servers"] == 2.0
+
+
+def test_a_dead_trainer_rank_ends_the_run_and_recover_auto_resumes(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["total_steps=5", "checkpoint.every_n_steps=1", "checkpoint.keep_last=5", *RAY, "launcher=ray"]
+    run = RayRun(_cfg(run_dir, *args, "ray.trainer_ranks=2"))
+    try:
+        run.start()
+        _wait_for_step(run_dir, 2)
+        os.kill(ray.get(run.ranks[1].pid.remote()), signal.SIGKILL)
+        with pytest.raises(TrainerRankDied, match=r"trainer rank 1 died .* recover=auto to resume"):
+            run.wait()
+    finally:
+        run.close()
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved and all((run_dir / "checkpoints" / s / "trainer_state.json").exists() for s in saved)
+    resumed_from = int(saved[-1].removeprefix("step_"))
+    assert 2 <= resumed_from < 5
+    last = run_on_ray(_cfg(run_dir, *args, "ray.trainer_ranks=2", "recover=auto"))
+    assert last["version"] == 5.0
+    assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3, 4, 5]  # each step once: rows after the checkpoint redone
+
+
+def test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing(cluster, tmp_path):
+    cases = {
+        "ray.trainer_gpus=1": r"needs 1 GPU \(ray.trainer_ranks=1 x ray.trainer_gpus=1 \+ inference.n_servers=1 x "
+        r"ray.server_gpus=0\) but the cluster has 0$",
+        "ray.trainer_cpus=3": r"needs 3.5 CPU \(.*\) but the cluster has 2$",
+        "ray.trainer_cpus=1.5": r"needs \{'CPU': 1.5\} for a trainer rank on one node, and no node has it$",
+        "ray.strategy=STRICT_SPREAD": r"needs 3 nodes \(ray.strategy=STRICT_SPREAD\) but it has 2$",
+    }
+    server = ["launcher=ray", *RAY, "inference.backend=remote", "inference.n_servers=1"]
+    for override, message in cases.items():
+        cfg = _cfg(tmp_path, *server, "ray.trainer_ranks=2" if "SPREAD" in override else "seed=1", override)
+        t0 = time.monotonic()
+        with pytest.raises(RayLaunchError, match=message):
+            run_on_ray(cfg)
+        assert time.monotonic() - t0 < 5
+    # enough CPUs in all and per node, but three bundles of 0.6 CPU do not fit two nodes of one CPU
+    cfg = _cfg(tmp_path, *server, "ray.trainer_ranks=2", "ray.trainer_cpus=0.6", "ray.server_cpus=0.6")
+    cfg.ray.placement_timeout = 2.0
+    with pytest.raises(RayLaunchError, match=r"were not placed within ray.placement_timeout=2s"):
+        run_on_ray(cfg)
+    assert ray.available_resources().get("CPU") == 2.0  # the unplaced group was removed
+
+
+def test_unreachable_ray_address_is_one_line():
+    out = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "train", "launcher=ray", "ray.address=127.0.0.1:9", "total_steps=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert (
+        out.stderr.strip().splitlines() == [out.stderr.strip()]
+        and "relayrl train: ray.address=127.0.0.1:9: no Ray cluster answers there" in out.stderr
+    )
