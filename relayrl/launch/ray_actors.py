@@ -36,13 +36,11 @@ class TrainerRank:
     def __init__(self) -> None:
         import relayrl.trainer  # noqa: F401  # the slow imports, while the servers start
 
-    def where(self) -> tuple[str, int, str]:
-        """(node IP, a free port there, Ray node id): rank 0's are the group's rendezvous."""
+    def where(self) -> tuple[str, int, str, int]:
+        """(node IP, a free port there, Ray node id, process id): rank 0's IP and port are the
+        group's rendezvous. Asked before ``run``, which keeps the actor busy until the end."""
         ip, port = node_port()
-        return ip, port, ray.get_runtime_context().get_node_id()
-
-    def pid(self) -> int:
-        return os.getpid()
+        return ip, port, ray.get_runtime_context().get_node_id(), os.getpid()
 
     def run(self, cfg: RunConfig, rank: int, world: int, master: tuple[str, int], token: str) -> dict[str, float]:
         # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES: the local device is always 0

@@ -116,7 +116,8 @@ class RayRun:
         self.servers: list[ray.actor.ActorHandle] = []
         self.ranks: list[ray.actor.ActorHandle] = []
         self.refs: list[ray.ObjectRef] = []
-        self.rank_nodes: list[str] = []
+        self.rank_nodes: list[str] = []  # Ray node id of each trainer rank
+        self.rank_pids: list[int] = []
         self._owns_connection = False
 
     def _in_bundle(self, i: int) -> PlacementGroupSchedulingStrategy:
@@ -172,7 +173,7 @@ class RayRun:
     def _run_ranks(self) -> None:
         r = self.cfg.ray
         where = ray.get([a.where.remote() for a in self.ranks])
-        self.rank_nodes = [w[2] for w in where]
+        self.rank_nodes, self.rank_pids = [w[2] for w in where], [w[3] for w in where]
         master = where[0][:2]
         log.info("ray: %d trainer ranks, rendezvous at %s:%d", r.trainer_ranks, *master)
         self.refs = [a.run.remote(self.cfg, i, r.trainer_ranks, master, self.token) for i, a in enumerate(self.ranks)]
