@@ -25,6 +25,18 @@ ELSEWHERE = {
     "RolloutConfig.max_failure_rate": "tests/test_executor.py::test_failure_rate_stops_with_clear_error",
     "InferenceConfig.max_retries": "tests/test_remote.py::test_killed_server_requests_complete_and_server_is_readmitted",
     "CheckpointConfig.every_minutes": "tests/test_trainer.py::test_checkpoints_are_due_every_n_steps_or_every_n_minutes",
+    # launcher=ray: read by `relayrl train` (cli.py) and relayrl.launch, which these runs do not go through
+    "RunConfig.launcher": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.address": "tests/test_ray_launcher.py::test_unreachable_ray_address_is_one_line",
+    "RayConfig.num_cpus": "tests/test_ray_launcher.py::test_without_an_address_a_local_instance_starts_with_ray_num_cpus",
+    "RayConfig.trainer_ranks": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.trainer_cpus": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.trainer_gpus": "tests/test_ray_launcher.py::test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing",
+    "RayConfig.server_cpus": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.server_gpus": "tests/test_ray_launcher.py::test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing",
+    "RayConfig.strategy": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.placement_timeout": "tests/test_ray_launcher.py::test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing",
+    "RayConfig.server_max_restarts": "tests/test_ray_launcher.py::test_killed_server_actor_is_restarted_and_readmitted_with_nothing_lost",
 }
 RUNS = {
     # grpo, a decaying LR, timed checkpoints, file data, requeue_after tail batches

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from relayrl.api.config import RunConfig, load_config
+from relayrl.cli import main
 from relayrl.trainer import train
 from tests.reliability.audit import audit_prompts, check_steps, latest_state, metrics_rows, train_rows_of
 
@@ -46,6 +45,31 @@ FAST = [
 ]
 # half a CPU per actor: two ranks and a server fit on the two one-CPU nodes
 RAY = ["ray.trainer_cpus=0.5", "ray.server_cpus=0.5", "ray.placement_timeout=60"]
+
+
+def test_unreachable_ray_address_is_one_line(capsys):
+    """``relayrl train launcher=ray ray.address=...`` with nothing there: one line, exit code 2, at once
+    (Ray itself would retry for minutes). First in the module: no Ray connection exists yet."""
+    assert not ray.is_initialized()
+    t0 = time.monotonic()
+    code = main(["train", "launcher=ray", "ray.address=127.0.0.1:9", "total_steps=1", "logging.tensorboard=false"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and time.monotonic() - t0 < 10
+    assert err.startswith("relayrl train: ray.address=127.0.0.1:9: no Ray cluster answers there (") and "\n" not in err
+
+
+def test_without_an_address_a_local_instance_starts_with_ray_num_cpus(capsys, tmp_path):
+    """No ``ray.address`` (and no RAY_ADDRESS): a Ray instance of ``ray.num_cpus`` CPUs starts here; a
+    spec it cannot hold is one line, and the instance is shut down again."""
+    assert not ray.is_initialized() and "RAY_ADDRESS" not in os.environ
+    argv = ["train", f"run_dir={tmp_path}", "launcher=ray", "ray.num_cpus=1", "ray.trainer_cpus=2", *FAST]
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == (
+        "relayrl train: ray: the cluster cannot hold this run: it needs 2 CPU (ray.trainer_ranks=1 x "
+        "ray.trainer_cpus=2 + inference.n_servers=0 x ray.server_cpus=1) but the cluster has 1"
+    )
+    assert not ray.is_initialized()
 
 
 @pytest.fixture(scope="module")
@@ -203,17 +227,3 @@ def test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing(cl
     with pytest.raises(RayLaunchError, match=r"were not placed within ray.placement_timeout=2s"):
         run_on_ray(cfg)
     _released()  # the unplaced group was removed
-
-
-def test_unreachable_ray_address_is_one_line():
-    out = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "train", "launcher=ray", "ray.address=127.0.0.1:9", "total_steps=1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2
-    assert (
-        out.stderr.strip().splitlines() == [out.stderr.strip()]
-        and "relayrl train: ray.address=127.0.0.1:9: no Ray cluster answers there" in out.stderr
-    )
