@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from relayrl.api.config import RunConfig, load_config
 from relayrl.cli import main
-from relayrl.trainer import train
-from tests.reliability.audit import audit_prompts, check_steps, latest_state, metrics_rows, train_rows_of
+from relayrl.trainer import Trainer, train
+from tests.reliability.audit import TOKEN, audit_prompts, check_steps, metrics_rows
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -158,19 +158,34 @@ def test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_ra
     _released()
 
 
+def _once_back(call, timeout: float = 120.0):
+    """``call()`` once the actor it asks is back: while Ray restarts it, calls fail as unavailable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline, "the actor did not come back"
+            time.sleep(0.2)
+
+
 def test_killed_server_actor_is_restarted_and_readmitted_with_nothing_lost(cluster, tmp_path):
-    """Async (eta=1) on two server actors: SIGKILL one actor's process mid-run. Ray restarts it on
-    the same port, RemoteEngine re-admits it with the current weights, and the audit holds."""
-    T = 30
+    """Asynchronous training (eta=1) on two server actors; one actor's process is SIGKILLed with a
+    request in flight. The run goes on with the other server; Ray restarts the actor on its node and
+    port, RemoteEngine re-admits it with the current weights, and the audit holds (no prompt lost or
+    trained twice). The trainer runs in this process, between server actors on the Ray cluster, so
+    that the test can wait for the re-admission (seconds of imports) between the run's two halves."""
+    T = 8
     run_dir = tmp_path / "run"
     cfg = _cfg(
         run_dir,
-        f"total_steps={T}",
+        f"total_steps={T // 2}",
         "rollout.batch_size=2",
         "rollout.max_staleness=1",
         "gconfig.max_new_tokens=16",
         "inference.backend=remote",
         "inference.n_servers=2",
+        f"inference.admin_token={TOKEN}",
         "inference.health_interval=0.2",
         "inference.max_retries=12",
         "inference.request_timeout=60",
@@ -178,32 +193,52 @@ def test_killed_server_actor_is_restarted_and_readmitted_with_nothing_lost(clust
         "launcher=ray",
     )
     run = RayRun(cfg)
-    killed: list[int] = []
-
-    def killer() -> None:
-        _wait_for_step(run_dir, 2)
-        actor_pid, server_pid = ray.get(run.servers[1].pids.remote())
-        os.kill(actor_pid, signal.SIGKILL)
-        killed.append(server_pid)
-
+    trainer = None
     try:
-        run.start()
+        run.place()
+        run.start_servers()
+        address = run.cfg.inference.addresses[1]
+        actor_pid, server_pid = ray.get(run.servers[1].pids.remote())
+        trainer = Trainer(run.cfg)
+        killed: list[int] = []
+
+        def killer() -> None:  # once step 2 is done, wait for a request in flight on server 1, then kill its actor
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and trainer.step < T // 2:
+                if trainer.step >= 2 and trainer.engine.servers[1].in_flight > 0:
+                    os.kill(actor_pid, signal.SIGKILL)
+                    killed.append(trainer.step)
+                    return
+                time.sleep(0.001)
+
         thread = threading.Thread(target=killer)
         thread.start()
-        run.wait()
+        trainer.fit()
         thread.join()
-        restarted = ray.get(run.servers[1].pids.remote(), timeout=60)
+        assert killed, "server 1 was never seen with a request in flight"
+        new_pids = _once_back(lambda: ray.get(run.servers[1].pids.remote()))  # Ray restarted the actor ...
+        assert new_pids[0] != actor_pid and new_pids[1] != server_pid
+        assert ray.get(run.servers[1].address.remote()) == address  # ... at the address RemoteEngine knows
+        deadline = time.monotonic() + 60
+        while len(trainer.engine.live_servers()) < 2:
+            assert time.monotonic() < deadline, "the restarted server was never re-admitted"
+            time.sleep(0.1)
+        trainer.cfg.total_steps = T  # the second half, on both servers again
+        trainer.fit()
+        state = {"dataloader": trainer.dataloader.state_dict(), "executor": trainer.executor.state_dict()}
+        rows_of_data = trainer.dataloader.rows
     finally:
+        if trainer is not None:
+            trainer.close()
         run.close()
-    assert killed and restarted[1] != killed[0], "the server was not restarted"
     rows = metrics_rows(run_dir)
     check_steps(rows, T, eta=1, batch_size=2)
-    state = latest_state(run_dir)  # the final checkpoint: dataloader and executor state at the end
-    _, _, dropped = audit_prompts(train_rows_of(run_dir), rows, state, batch_size=2, seed=cfg.seed)
+    _, _, dropped = audit_prompts(rows_of_data, rows, state, batch_size=2, seed=cfg.seed)
     assert not dropped, f"prompts lost with the server: {dict(dropped)}"
     assert rows[-1]["rollout/failed"] == 0  # requests on the dead server were re-issued, not failed
     assert rows[-1]["inference/evictions"] >= 1 and rows[-1]["inference/readmissions"] >= 1
     assert rows[-1]["inference/live_servers"] == 2.0
+    _released()
 
 
 def test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing(cluster, tmp_path):

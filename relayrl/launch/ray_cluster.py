@@ -124,6 +124,14 @@ class RayRun:
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
 
     def start(self) -> None:
+        """Place the bundles, start the servers and the trainer ranks (which begin training)."""
+        self.place()
+        self._create_ranks()  # their processes start (and import the trainer) while the servers boot
+        self.start_servers()
+        self._run_ranks()
+
+    def place(self) -> None:
+        """Connect, check the cluster's resources, and place the placement group (or fail, in one line)."""
         r = self.cfg.ray
         self._owns_connection = connect(r)
         check_resources(self.cfg, self.n_servers)
@@ -139,13 +147,12 @@ class RayRun:
                 f"ray: {len(bundles)} bundles {bundles} (ray.strategy={r.strategy}) were not placed within "
                 f"ray.placement_timeout={r.placement_timeout:g}s; free now: {ray.available_resources()}"
             ) from None
-        self._create_ranks()  # their processes start (and import the trainer) while the servers boot
-        if self.n_servers:
-            self._start_servers()
-        self._run_ranks()
 
-    def _start_servers(self) -> None:
+    def start_servers(self) -> None:
+        """The ``n_servers`` server actors, healthy; their addresses become ``cfg.inference.addresses``."""
         r, cfg = self.cfg.ray, self.cfg
+        if not self.n_servers:
+            return
         args = serve_overrides(cfg.inference, cfg.model)
         server = ray.remote(ServerActor)
         for i in range(self.n_servers):
