@@ -77,25 +77,22 @@ def check_resources(cfg: RunConfig, n_servers: int) -> None:
     r = cfg.ray
     total = ray.cluster_resources()
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    missing = []
+    missing, needs = [], {}
     for res, key in (("CPU", "cpus"), ("GPU", "gpus")):
         per_rank, per_server = getattr(r, f"trainer_{key}"), getattr(r, f"server_{key}")
-        need = r.trainer_ranks * per_rank + n_servers * per_server
+        needs[res] = need = r.trainer_ranks * per_rank + n_servers * per_server
         if need > total.get(res, 0.0) + 1e-9:
             missing.append(
                 f"{need:g} {res} (ray.trainer_ranks={r.trainer_ranks} x ray.trainer_{key}={per_rank:g} + "
                 f"inference.n_servers={n_servers} x ray.server_{key}={per_server:g}) but the cluster has "
                 f"{total.get(res, 0.0):g}"
             )
-    if not missing:  # every kind of bundle must fit on some node (and all of them on one for STRICT_PACK)
-        kinds = [("a trainer rank", _bundle(r.trainer_cpus, r.trainer_gpus), r.trainer_ranks)]
-        kinds += [("a server", _bundle(r.server_cpus, r.server_gpus), n_servers)] if n_servers else []
+    if not missing:  # each bundle must fit on one node (all of them on one for STRICT_PACK)
+        kinds = [("a trainer rank", _bundle(r.trainer_cpus, r.trainer_gpus))]
+        kinds += [("a server", _bundle(r.server_cpus, r.server_gpus))] if n_servers else []
         if r.strategy == "STRICT_PACK":
-            whole = {k: r.trainer_ranks * b1 for k, b1 in kinds[0][1].items()}
-            for k, v in (kinds[1][1] if n_servers else {}).items():
-                whole[k] = whole.get(k, 0.0) + n_servers * v
-            kinds = [("the whole run (ray.strategy=STRICT_PACK)", whole, 1)]
-        for what, bundle, _ in kinds:
+            kinds = [("the whole run (ray.strategy=STRICT_PACK)", _bundle(needs["CPU"], needs["GPU"]))]
+        for what, bundle in kinds:
             if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
                 missing.append(f"{bundle} for {what} on one node, and no node has it")
         if r.strategy == "STRICT_SPREAD" and r.trainer_ranks + n_servers > len(nodes):
@@ -110,7 +107,8 @@ class RayRun:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = copy.deepcopy(cfg)
         inf = cfg.inference
-        self.n_servers = inf.n_servers if inf.backend == "remote" and not inf.addresses else 0
+        launches = inf.backend == "remote" and not inf.addresses and inf.launch == "relayrl"
+        self.n_servers = inf.n_servers if launches else 0
         self.token = inf.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "") or secrets.token_hex(16)
         self.pg: PlacementGroup | None = None
         self.servers: list[ray.actor.ActorHandle] = []
