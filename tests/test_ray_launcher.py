@@ -126,6 +126,7 @@ def test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_ra
     summation order."""
     T = 4
     args = [f"total_steps={T}", "gconfig.greedy=true", "inference.backend=remote", "inference.n_servers=1"]
+    args += ["inference.weight_sync=broadcast"]  # weights from rank 0 to the server over a process group (gloo)
     train(_cfg(tmp_path / "one", *args))  # one process, its server launched by RemoteEngine
     run_dir = tmp_path / "ray"
     on_ray = [*args, *RAY, "launcher=ray", "ray.trainer_ranks=2", "ray.strategy=SPREAD", "checkpoint.every_n_steps=1"]
