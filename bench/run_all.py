@@ -29,6 +29,7 @@ ORDER = [
     "families",
     "decode_cost",
     "training",
+    "lora",
     "serving",
     "grpo_vs_trl_count",
     "grpo_vs_trl_count_async",
@@ -47,6 +48,7 @@ OPTIONAL = {
     "grpo_vs_trl_count_seeds3to6",
     "overhead_count",
     "async_vs_sync_count",
+    "lora",
 }  # only with --only: run_all would take past ~15 minutes
 QUICK_ARGS = {
     "generation": ["--repeats", "1", "--models", "tiny"],
@@ -161,6 +163,13 @@ def describe(r: dict) -> tuple[str, str, str]:
             "packed ÷ padded train tokens/s",
             "–",
             f"{r['packed_tokens_per_s']:.0f} vs {r['padded_tokens_per_s']:.0f} tok/s; pad fraction {r['padded_pad_fraction']:.0%}",
+        )
+    if n == "lora":
+        return (
+            "LoRA (rank 16) ÷ full fine-tuning step time, ~30M model (`--only lora`)",
+            "≤ 1.1; RSS ≤ 0.6",
+            f"peak RSS {r['rss_ratio']:.2f}x ({r['lora_peak_rss_mb']:.0f} vs {r['full_peak_rss_mb']:.0f} MB); "
+            f"with gradient checkpointing step {r['ratio_gc']:.2f}x, RSS {r['rss_ratio_gc']:.2f}x",
         )
     if n == "serving":
         return (

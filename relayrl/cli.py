@@ -53,6 +53,7 @@ def _serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="relayrl serve", description="Serve a model over HTTP (ServerConfig).")
     p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as port=0")
     p.add_argument("--model", help="model path or tiny preset (model.path)")
+    p.add_argument("--lora-adapter", help="a peft adapter dir merged into the model (model.lora.adapter_path)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port; 0 picks a free one")
     p.add_argument("--admin-token", help="bearer token for admin endpoints")
@@ -63,6 +64,7 @@ def _serve(argv: list[str]) -> int:
     overrides = [a for a in ns.args if a is not path]
     for key, value in (
         ("model.path", ns.model),
+        ("model.lora.adapter_path", ns.lora_adapter),
         ("host", ns.host),
         ("port", ns.port),
         ("admin_token", ns.admin_token),
@@ -206,7 +208,8 @@ def _eval(argv: list[str]) -> int:
     """``relayrl eval RUN_DIR|CONFIG.yaml [key=value ...]``: held-out evaluation, one JSON line.
 
     A run directory is evaluated with its own config and its latest checkpoint's policy (the
-    model it started from if it has none); a YAML config evaluates its ``model.path``."""
+    model it started from if it has none; a LoRA run's checkpoint is an adapter, merged into its
+    base); a YAML config evaluates its ``model.path`` (plus ``model.lora.adapter_path``)."""
     ns, path, overrides = _config_args("relayrl eval", argv)
     from pathlib import Path
 
@@ -221,7 +224,16 @@ def _eval(argv: list[str]) -> int:
         return 2
     if run_dir is not None:
         latest = CheckpointManager(run_dir, cfg.checkpoint).latest()
-        if latest is not None:  # the tokenizer stays where the run found it
+        if latest is not None and cfg.model.lora.rank > 0:  # a peft adapter on the run's base model
+            if cfg.model.lora.adapter_path:
+                print(
+                    "relayrl eval: a LoRA run that started from model.lora.adapter_path holds adapters on top "
+                    "of that one; evaluate it with a merged base as model.path",
+                    file=sys.stderr,
+                )
+                return 2
+            cfg.model.lora.adapter_path = str(latest / "actor")
+        elif latest is not None:  # the tokenizer stays where the run found it
             cfg.model.tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
             cfg.model.path = str(latest / "actor")
     import json

@@ -35,7 +35,7 @@ from relayrl.evaluation import evaluate
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.train import distributed as D
 from relayrl.train.actor import Critic, PPOActor, check_actor_config
-from relayrl.train.engine import NonFiniteError, TorchTrainEngine
+from relayrl.train.engine import AdapterOffReference, NonFiniteError, TorchTrainEngine
 from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats
 from relayrl.utils.checkpoint import CheckpointManager
@@ -98,8 +98,12 @@ class Trainer:
         self.actor_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
         self.actor_engine.initialize()
         ref_engine = None
-        if cfg.actor.kl_coef > 0:
-            ref_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), trainable=False)
+        if cfg.actor.kl_coef > 0:  # with LoRA the reference is the policy's base: no second model
+            ref_engine = (
+                AdapterOffReference(self.actor_engine)
+                if self.actor_engine.lora
+                else TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), trainable=False)
+            )
             ref_engine.initialize()
         self.actor = PPOActor(cfg.actor, self.actor_engine, ref_engine=ref_engine, seed=cfg.seed)
         if cfg.rollout.max_staleness > 0 and cfg.actor.loss == "decoupled_ppo" and self.actor.logp_from_update:

@@ -42,6 +42,23 @@ def sampling_temperature(g: GenerationConfig) -> float:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = f(0, help="LoRA rank of the policy's adapters (peft); 0 = off (full fine-tuning).", ge=0)
+    alpha: float = f(16.0, help="LoRA alpha: the adapter's update is scaled by alpha / rank.", gt=0.0)
+    dropout: float = f(0.0, help="Dropout on the adapters' input during training.", ge=0.0, lt=1.0)
+    target_modules: list[str] = f(
+        [],
+        help="Module name suffixes (or one regex) that get adapters; empty = every linear projection of the "
+        "decoder layers (attention and MLP).",
+    )
+    adapter_path: str = f(
+        "",
+        help="A peft adapter directory merged into the model at model.path when it loads (eval, serve, or a "
+        "start point for training).",
+    )
+
+
+@dataclass
 class ModelConfig:
     path: str = f("tiny", help="HF model directory, or 'tiny' / 'tiny-30m' for a model built from a config in code.")
     tokenizer_path: str = f(
@@ -55,6 +72,7 @@ class ModelConfig:
     )
     gradient_checkpointing: bool = f(False, help="Recompute activations in backward to save memory.")
     vocab_size: int = f(0, help="Override the vocabulary size of a tiny model (0 = tokenizer's).", ge=0)
+    lora: LoraConfig = f(LoraConfig(), help="LoRA adapters (parameter-efficient training; docs/lora.md).")
 
 
 @dataclass

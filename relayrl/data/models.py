@@ -116,8 +116,19 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
 
 
 def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
-    """The policy model of ``cfg`` in its configured dtype."""
+    """The policy model of ``cfg`` in its configured dtype, with ``model.lora.adapter_path`` merged in."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.path in TINY_PRESETS:
-        return build_tiny_model(cfg.path, vocab_size=cfg.vocab_size or None, seed=seed).to(dtype)
-    return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+        model = build_tiny_model(cfg.path, vocab_size=cfg.vocab_size or None, seed=seed).to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+    return merge_adapter(model, cfg.lora.adapter_path) if cfg.lora.adapter_path else model
+
+
+def merge_adapter(model: PreTrainedModel, path: str) -> PreTrainedModel:
+    """``model`` with the peft adapter at ``path`` merged into its weights (a plain HF model again)."""
+    if not (Path(path) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"model.lora.adapter_path={path!r} holds no adapter_config.json (a peft adapter)")
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, path).merge_and_unload()

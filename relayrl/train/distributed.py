@@ -98,14 +98,17 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state dict (every rank passes the same one); missing keys must be tied weights."""
+def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor], partial: bool = False) -> None:
+    """Load a full state dict (every rank passes the same one); missing keys must be tied weights
+    unless ``partial`` (a LoRA adapter: only the keys given are loaded)."""
     if is_fsdp(model):
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
         return
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:
         raise ValueError(f"checkpoint has keys the model does not: {unexpected[:5]}")
+    if partial:
+        return
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if set(missing) - tied:
         raise ValueError(f"checkpoint lacks model keys: {sorted(set(missing) - tied)[:5]}")

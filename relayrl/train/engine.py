@@ -24,6 +24,7 @@ from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.train import distributed as D
+from relayrl.train import lora as L
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
 from relayrl.train.packing import model_inputs, pack, resolve_attn_impl, split_by_token_budget, token_logprobs, unpack
 from relayrl.utils import dist as dist_utils
@@ -58,7 +59,8 @@ def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
 class TorchTrainEngine(TrainEngine):
     """A TrainEngine over any HF causal LM (``head="lm"``), a critic (``"value"``: one scalar
     per token) or a reward model (``"reward"``: the last token's scalar). ``trainable=False``
-    makes a frozen model (e.g. the reference policy) with no optimizer."""
+    makes a frozen model (e.g. the reference policy) with no optimizer. A trainable policy with
+    ``model.lora.rank > 0`` trains LoRA adapters only (``relayrl.train.lora``)."""
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class TorchTrainEngine(TrainEngine):
         self._version = 0
         self._steps = 0  # optimizer steps taken (skipped ones excluded)
         self._nan_skips = 0  # consecutive skipped steps
+        self.lora = head == "lm" and trainable and model_config.lora.rank > 0
 
     # ---------------------------------------------------------------- setup
 
@@ -96,6 +99,8 @@ class TorchTrainEngine(TrainEngine):
                 model.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
+            model = L.apply_lora(model, self.model_config.lora)
         model.to(self.device)
         if not self.trainable:
             model.requires_grad_(False)
@@ -322,7 +327,8 @@ class TorchTrainEngine(TrainEngine):
         return D.full_model_state_dict(self._require())
 
     def update_weights(self, target: InferenceEngine) -> None:
-        """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0.
+        """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0
+        (with LoRA: the base weights with the adapters merged in, under the base model's names).
 
         Every rank must call it (the weights are gathered collectively); only rank 0 talks to
         the target, which picks the transport (in-process copy; for servers a disk dir, an HTTP
@@ -335,6 +341,8 @@ class TorchTrainEngine(TrainEngine):
         # device to device, no trip through host memory); FSDP2 gathers a full CPU copy
         tensors = self.state_dict() if D.is_fsdp(model) else dict(model.state_dict())
         if dist_utils.rank() == 0:
+            if self.lora:  # merged into new tensors: the base weights are never touched
+                tensors = L.merged_state_dict(tensors, L.lora_layers(model))
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
             target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
         dist_utils.barrier()
@@ -342,13 +350,17 @@ class TorchTrainEngine(TrainEngine):
     # ---------------------------------------------------------------- checkpoints
 
     def save(self, meta: SaveLoadMeta) -> None:
-        """HF weights (safetensors) at ``meta.path``; with ``with_optim`` also ``train_state.pt``
+        """HF weights (safetensors) at ``meta.path`` (with LoRA: the peft adapter, as
+        ``PeftModel.save_pretrained`` writes it); with ``with_optim`` also ``train_state.pt``
         (optimizer, scheduler, step, version, RNG) and ``rng_rank{r}.pt`` for an exact resume."""
         model = self._require()
         os.makedirs(meta.path, exist_ok=True)
         weights = self.state_dict()
         optim = D.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
         if dist_utils.rank() == 0:
+            if self.lora:  # the base model's path goes into adapter_config.json, as peft records it
+                model.peft_config[L.ADAPTER].base_model_name_or_path = self.model_config.path  # type: ignore[union-attr, index]
+                weights = L.adapter_state_dict(weights)
             model.save_pretrained(meta.path, state_dict=weights)
             if meta.tokenizer_path:
                 from transformers import AutoTokenizer
@@ -373,15 +385,19 @@ class TorchTrainEngine(TrainEngine):
         dist_utils.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
-        """Load HF weights from ``meta.path``; with ``with_optim`` the training state as well."""
+        """Load HF weights (with LoRA: the adapter) from ``meta.path``; with ``with_optim`` the
+        training state as well."""
         model = self._require()
-        files = sorted(glob.glob(os.path.join(meta.path, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {meta.path}")
-        state: dict[str, torch.Tensor] = {}
-        for fname in files:
-            state.update(load_file(fname))
-        D.load_full_model_state_dict(model, state)
+        if self.lora:
+            D.load_full_model_state_dict(model, L.read_adapter(meta.path, list(model.state_dict())), partial=True)
+        else:
+            files = sorted(glob.glob(os.path.join(meta.path, "*.safetensors")))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors weights in {meta.path}")
+            state: dict[str, torch.Tensor] = {}
+            for fname in files:
+                state.update(load_file(fname))
+            D.load_full_model_state_dict(model, state)
         if not meta.with_optim:
             return
         path = os.path.join(meta.path, TRAIN_STATE)
@@ -402,4 +418,26 @@ class TorchTrainEngine(TrainEngine):
                 torch.cuda.set_rng_state(rng["cuda"])
 
 
-__all__ = ["NonFiniteError", "TorchTrainEngine", "last_token_scores", "lr_factor"]
+class AdapterOffReference(TorchTrainEngine):
+    """The KL reference of a LoRA policy: the policy's own model with its adapters disabled, so
+    the base weights are in memory once. Frozen; only ``forward`` (and what builds on it) is for use."""
+
+    def __init__(self, policy: TorchTrainEngine):
+        if not policy.lora:
+            raise ValueError("AdapterOffReference needs a policy engine with LoRA (model.lora.rank > 0)")
+        super().__init__(policy.config, policy.model_config, head="lm", trainable=False, seed=policy.seed)
+        self.policy = policy
+
+    def initialize(self) -> None:
+        self.model, self.device = self.policy._require(), self.policy.device
+
+    def train(self, mode: bool = True) -> None:
+        """The shared model's mode is the policy's to set."""
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict, post_fn: PostFn | None = None, temperature: float = 1.0) -> torch.Tensor:
+        with self._require().disable_adapter():  # type: ignore[operator]
+            return super().forward(batch, post_fn, temperature)
+
+
+__all__ = ["AdapterOffReference", "NonFiniteError", "TorchTrainEngine", "last_token_scores", "lr_factor"]
