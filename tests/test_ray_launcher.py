@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relayrl.api.config import RunConfig, load_config
+from relayrl.api.config import ConfigError, RunConfig, load_config
 from relayrl.cli import main
 from relayrl.trainer import Trainer, train
 from tests.reliability.audit import TOKEN, audit_prompts, check_steps, metrics_rows
@@ -56,6 +56,15 @@ def test_unreachable_ray_address_is_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and time.monotonic() - t0 < 10
     assert err.startswith("relayrl train: ray.address=127.0.0.1:9: no Ray cluster answers there (") and "\n" not in err
+
+
+def test_sglang_or_vllm_servers_under_ray_are_refused_at_load_time():
+    with pytest.raises(ConfigError, match=r"launcher=ray starts relayrl serve servers; inference.launch=sglang"):
+        load_config(
+            RunConfig,
+            None,
+            ["launcher=ray", "inference.backend=remote", "inference.n_servers=1", "inference.launch=sglang"],
+        )
 
 
 def test_without_an_address_a_local_instance_starts_with_ray_num_cpus(capsys, tmp_path):
