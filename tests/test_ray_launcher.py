@@ -8,19 +8,24 @@ the run with its checkpoints intact and ``recover=auto`` resumes, and that bad s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from relayrl.api.config import ConfigError, RunConfig, load_config
+from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.cli import main
+from relayrl.inference.remote import RemoteEngine
 from relayrl.trainer import Trainer, train
 from tests.reliability.audit import TOKEN, audit_prompts, check_steps, metrics_rows
 
@@ -58,12 +63,14 @@ def test_unreachable_ray_address_is_one_line(capsys):
     assert err.startswith("relayrl train: ray.address=127.0.0.1:9: no Ray cluster answers there (") and "\n" not in err
 
 
-def test_sglang_or_vllm_servers_under_ray_are_refused_at_load_time():
-    with pytest.raises(ConfigError, match=r"launcher=ray starts relayrl serve servers; inference.launch=sglang"):
+def test_launch_gpus_under_ray_are_refused_at_load_time():
+    with pytest.raises(
+        ConfigError, match=r"Ray hands each server its GPUs \(ray.server_gpus\); leave launch_gpus empty"
+    ):
         load_config(
             RunConfig,
             None,
-            ["launcher=ray", "inference.backend=remote", "inference.n_servers=1", "inference.launch=sglang"],
+            ["launcher=ray", "inference.backend=remote", "inference.n_servers=1", "inference.launch_gpus=[0]"],
         )
 
 
@@ -248,6 +255,42 @@ def test_killed_server_actor_is_restarted_and_readmitted_with_nothing_lost(clust
     assert rows[-1]["rollout/failed"] == 0  # requests on the dead server were re-issued, not failed
     assert rows[-1]["inference/evictions"] >= 1 and rows[-1]["inference/readmissions"] >= 1
     assert rows[-1]["inference/live_servers"] == 2.0
+    _released()
+
+
+def test_sglang_servers_are_ray_actors_on_their_nodes_address(cluster, tmp_path):
+    """``inference.launch=sglang`` under Ray: each server actor runs peer_launcher's SGLang command
+    line (the stand-in of tests/peers) on its node's address; RemoteEngine connects and generates."""
+    peers = Path(__file__).parent / "peers"
+    cfg = _cfg(
+        tmp_path,
+        *RAY,
+        "launcher=ray",
+        "inference.backend=remote",
+        "inference.protocol=sglang",
+        "inference.launch=sglang",
+        "inference.n_servers=1",
+        f"inference.launch_command={sys.executable} {peers / 'sglang_server.py'}",
+        f"inference.launch_log_dir={tmp_path / 'logs'}",
+    )
+    run = RayRun(cfg)
+    try:
+        run.place()
+        run.start_servers()
+        (address,) = run.cfg.inference.addresses
+        host = address.rsplit(":", 1)[0]
+        argv = " ".join(httpx.get(f"http://{address}/stand_in", timeout=10).json()["argv"])
+        assert f"--host {host}" in argv and f"--port {address.rsplit(':', 1)[1]}" in argv
+        assert host == ray.util.get_node_ip_address()  # the node's address, not loopback
+        engine = RemoteEngine(run.cfg.inference, model=run.cfg.model)
+        engine.initialize()
+        try:
+            g = GenerationConfig(max_new_tokens=4, greedy=True, ignore_eos=True)
+            assert asyncio.run(engine.agenerate(ModelRequest("a", [3, 4, 5], g))).output_len == 4
+        finally:
+            engine.destroy()
+    finally:
+        run.close()
     _released()
 
 

@@ -500,10 +500,10 @@ class RunConfig:
                 f"(gconfig.temperature={self.gconfig.temperature}, greedy={self.gconfig.greedy}): the importance ratios "
                 "would compare logprobs of two distributions. Set gconfig.temperature only (actor.temperature follows it)"
             )
-        if self.launcher == "ray" and self.inference.n_servers and self.inference.launch in ("sglang", "vllm"):
+        if self.launcher == "ray" and self.inference.n_servers and self.inference.launch_gpus:
             raise ValueError(
-                f"launcher=ray starts relayrl serve servers; inference.launch={self.inference.launch} under Ray is "
-                "not supported yet: start the servers yourself and list them in inference.addresses"
+                f"inference.launch_gpus={self.inference.launch_gpus} with launcher=ray: Ray hands each server "
+                "its GPUs (ray.server_gpus); leave launch_gpus empty"
             )
         limit = self.actor.overlong_max_len or self.gconfig.max_new_tokens
         if self.actor.overlong_buffer and limit <= self.actor.overlong_buffer:

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 import ray
 
 from relayrl.inference.launcher import ServerGroup
+from relayrl.inference.peer_launcher import PeerServerGroup
 
 if TYPE_CHECKING:  # server actors stay light (the trainer ranks import the trainer when they run)
-    from relayrl.api.config import RunConfig
+    from relayrl.api.config import InferenceConfig, RunConfig
 
 
 def node_port() -> tuple[str, int]:
@@ -59,14 +60,29 @@ class TrainerRank:
 
 
 class ServerActor:
-    """One ``relayrl serve`` on this actor's node at ``port``; the actor exits when the server does."""
+    """One server on this actor's node at ``port``: ``relayrl serve`` (``args`` are its overrides), or
+    SGLang / vLLM when ``peer`` = (kind, InferenceConfig, model) says so (peer_launcher's command
+    line and flags, GPUs from Ray). The actor exits when its server does."""
 
-    def __init__(self, args: list[str], token: str, port: int, startup_timeout: float) -> None:
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        if token:  # in the environment, never on a command line
-            env["RELAYRL_ADMIN_TOKEN"] = token
-        self.group = ServerGroup([*args, f"host={ray.util.get_node_ip_address()}"], env, startup_timeout)
-        self.group.start(1, ports=[port])
+    def __init__(
+        self,
+        args: list[str],
+        token: str,
+        port: int,
+        startup_timeout: float,
+        peer: tuple[str, InferenceConfig, str] | None = None,
+    ) -> None:
+        host = ray.util.get_node_ip_address()
+        self.group: ServerGroup | PeerServerGroup
+        if peer is not None:
+            kind, inf, model = peer
+            self.group = PeerServerGroup(kind, inf, model, host=host).start(ports=[port])
+        else:
+            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+            if token:  # in the environment, never on a command line
+                env["RELAYRL_ADMIN_TOKEN"] = token
+            self.group = ServerGroup([*args, f"host={host}"], env, startup_timeout)
+            self.group.start(1, ports=[port])
         self._stopping = False
         threading.Thread(target=self._watch, daemon=True).start()
 

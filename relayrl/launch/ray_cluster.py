@@ -8,7 +8,8 @@
 2. checks the cluster can hold one bundle per trainer rank and per server, naming what is
    missing, then places them as one placement group (``ray.strategy``), failing after
    ``ray.placement_timeout`` rather than waiting forever;
-3. starts ``inference.n_servers`` server actors, each serving on a port fixed at its first start,
+3. starts ``inference.n_servers`` server actors (``relayrl serve``, or SGLang / vLLM for
+   ``inference.launch=sglang|vllm``), each serving on a port fixed at its first start,
    so that one Ray restarts (``ray.server_max_restarts``) comes back at the same address and
    RemoteEngine's health loop re-admits it; their addresses become ``inference.addresses``;
 4. starts the trainer ranks: rank 0's node and a free port there are the torch.distributed
@@ -28,6 +29,7 @@ import logging
 import os
 import secrets
 import socket
+from dataclasses import replace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -107,7 +109,7 @@ class RayRun:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = copy.deepcopy(cfg)
         inf = cfg.inference
-        launches = inf.backend == "remote" and not inf.addresses and inf.launch == "relayrl"
+        launches = inf.backend == "remote" and not inf.addresses and inf.launch != "none"
         self.n_servers = inf.n_servers if launches else 0
         self.token = inf.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "") or secrets.token_hex(16)
         self.pg: PlacementGroup | None = None
@@ -151,7 +153,13 @@ class RayRun:
         r, cfg = self.cfg.ray, self.cfg
         if not self.n_servers:
             return
-        args = serve_overrides(cfg.inference, cfg.model)
+        inf = cfg.inference
+        args = serve_overrides(inf, cfg.model)
+        # SGLang / vLLM: one server per actor, its GPUs from Ray, load time as configured
+        peer = (
+            None if inf.launch == "relayrl" else (inf.launch, replace(inf, n_servers=1, launch_gpus=[]), cfg.model.path)
+        )
+        timeout = SERVER_STARTUP_TIMEOUT if peer is None else inf.launch_timeout
         server = ray.remote(ServerActor)
         for i in range(self.n_servers):
             where = self._in_bundle(r.trainer_ranks + i)
@@ -159,7 +167,7 @@ class RayRun:
             options = {"num_cpus": r.server_cpus, "num_gpus": r.server_gpus, "max_restarts": r.server_max_restarts}
             self.servers.append(
                 server.options(**options, scheduling_strategy=where).remote(  # type: ignore[arg-type]
-                    args, self.token, port, SERVER_STARTUP_TIMEOUT
+                    args, self.token, port, timeout, peer
                 )
             )
         cfg.inference.addresses = ray.get([s.address.remote() for s in self.servers])
