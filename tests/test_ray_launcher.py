@@ -310,6 +310,19 @@ def test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing(cl
         with pytest.raises(RayLaunchError, match=message):
             run_on_ray(cfg)
         assert time.monotonic() - t0 < 5
+    # a server that cannot start (SGLang not installed where its actor runs): one line, not a Ray traceback
+    missing = tmp_path / "no-sglang"
+    peer = ["inference.protocol=sglang", "inference.launch=sglang", f"inference.launch_command={missing}"]
+    run = RayRun(_cfg(tmp_path, *server, *peer, "ray.server_max_restarts=0"))
+    try:
+        run.place()
+        with pytest.raises(
+            RayLaunchError, match=rf"^ray: a server actor did not start: FileNotFoundError: .*{missing}"
+        ):
+            run.start_servers()
+    finally:
+        run.close()
+    _released()
     # enough CPUs in all and per node, but three bundles of 0.6 CPU do not fit two nodes of one CPU
     cfg = _cfg(tmp_path, *server, "ray.trainer_ranks=2", "ray.trainer_cpus=0.6", "ray.server_cpus=0.6")
     cfg.ray.placement_timeout = 2.0

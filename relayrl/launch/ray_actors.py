@@ -83,13 +83,11 @@ class ServerActor:
                 env["RELAYRL_ADMIN_TOKEN"] = token
             self.group = ServerGroup([*args, f"host={host}"], env, startup_timeout)
             self.group.start(1, ports=[port])
-        self._stopping = False
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
         self.group.procs[0].wait()
-        if not self._stopping:  # the server died: so does the actor, and Ray restarts both
-            os._exit(1)
+        os._exit(1)  # the server died: so does the actor, and Ray restarts both
 
     def address(self) -> str:
         return self.group.addresses[0]
@@ -97,10 +95,3 @@ class ServerActor:
     def pids(self) -> tuple[int, int]:
         """(actor process, server process)."""
         return os.getpid(), self.group.procs[0].pid
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def stop(self) -> None:
-        self._stopping = True
-        self.group.shutdown()

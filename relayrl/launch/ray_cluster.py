@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import secrets
 import socket
 from dataclasses import replace
@@ -170,7 +171,11 @@ class RayRun:
                     args, self.token, port, timeout, peer
                 )
             )
-        cfg.inference.addresses = ray.get([s.address.remote() for s in self.servers])
+        try:
+            cfg.inference.addresses = ray.get([s.address.remote() for s in self.servers])
+        except RayActorError as e:  # its __init__ raised: the error is the last line that names one
+            why = [line for line in str(e).splitlines() if re.match(r"[\w.]*(Error|Exception): ", line)]
+            raise RayLaunchError(f"ray: a server actor did not start: {why[-1] if why else e}") from None
         log.info("ray: servers at %s", cfg.inference.addresses)
 
     def _create_ranks(self) -> None:
