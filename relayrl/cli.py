@@ -8,6 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from relayrl.api.config import RunConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,17 +164,21 @@ def _train(argv: list[str]) -> int:
     import json
 
     from relayrl.data.datasets import DatasetError
+    from relayrl.launch import LaunchError
     from relayrl.train.engine import NonFiniteError
     from relayrl.trainer import train
 
     try:
-        last = train(cfg)
+        last = _run_on_ray(cfg) if cfg.launcher == "ray" else train(cfg)
     except (ConfigError, DatasetError) as e:  # a rule only the built parts can check (registered names, rows)
         print(f"relayrl train: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:  # NaN/inf losses too many steps in a row
         print(f"relayrl train: {e}", file=sys.stderr)
         return 1
+    except LaunchError as e:  # launcher=ray: the cluster cannot run it, or a trainer rank died
+        print(f"relayrl train: {e}", file=sys.stderr)
+        return e.exit_code
     from relayrl.utils import dist as dist_utils
 
     if dist_utils.is_main():  # under torchrun: one summary line, from the driver
@@ -183,6 +191,17 @@ def _train(argv: list[str]) -> int:
             )
         )
     return 0
+
+
+def _run_on_ray(cfg: RunConfig) -> dict[str, float]:
+    """``launcher=ray``: the trainer ranks and servers as Ray actors (relayrl.launch.ray_cluster)."""
+    try:
+        from relayrl.launch.ray_cluster import run_on_ray
+    except ImportError as e:
+        from relayrl.api.config import ConfigError
+
+        raise ConfigError(f"launcher=ray needs Ray ({e}): pip install 'relayrl[ray]'") from None
+    return run_on_ray(cfg)
 
 
 def _eval(argv: list[str]) -> int:

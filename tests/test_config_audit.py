@@ -29,6 +29,18 @@ ELSEWHERE = {
     "LoraConfig.dropout": "tests/test_lora.py::test_dropout_acts_on_the_adapters_in_training_mode_only",
     "LoraConfig.target_modules": "tests/test_lora.py::test_target_modules_are_checked_at_start_up",
     "LoraConfig.adapter_path": "tests/test_lora.py::test_checkpoint_is_a_peft_adapter_and_resumes_exactly",
+    # launcher=ray: read by `relayrl train` (cli.py) and relayrl.launch, which these runs do not go through
+    "RunConfig.launcher": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.address": "tests/test_ray_launcher.py::test_unreachable_ray_address_is_one_line",
+    "RayConfig.num_cpus": "tests/test_ray_launcher.py::test_without_an_address_a_local_instance_starts_with_ray_num_cpus",
+    "RayConfig.trainer_ranks": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.trainer_cpus": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.trainer_gpus": "tests/test_ray_launcher.py::test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing",
+    "RayConfig.server_cpus": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.server_gpus": "tests/test_ray_launcher.py::test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing",
+    "RayConfig.strategy": "tests/test_ray_launcher.py::test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death",
+    "RayConfig.placement_timeout": "tests/test_ray_launcher.py::test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing",
+    "RayConfig.server_max_restarts": "tests/test_ray_launcher.py::test_killed_server_actor_is_restarted_and_readmitted_with_nothing_lost",
 }
 RUNS = {
     # grpo, a decaying LR, timed checkpoints, file data, requeue_after tail batches

@@ -444,6 +444,34 @@ class LoggingConfig:
 
 
 @dataclass
+class RayConfig:
+    """``launcher=ray``: where the trainer ranks and servers run (docs/scale_out.md)."""
+
+    address: str = f(
+        "",
+        help="Ray cluster to join: host:port of its head (GCS), 'auto' (the cluster started on this node), "
+        "or empty: the cluster in RAY_ADDRESS when set (`ray job submit`), else a new one on this machine.",
+    )
+    num_cpus: int = f(0, help="CPUs of a Ray instance started here (address empty; 0 = all of this machine's).", ge=0)
+    trainer_ranks: int = f(1, help="Trainer ranks (Ray actors forming the torch.distributed group).", ge=1)
+    trainer_cpus: float = f(1.0, help="CPUs reserved per trainer rank (fractions allowed).", ge=0.0)
+    trainer_gpus: float = f(0.0, help="GPUs per trainer rank (1 for FSDP2 over NCCL; 0 = gloo on CPU).", ge=0.0)
+    server_cpus: float = f(1.0, help="CPUs reserved per inference server (inference.n_servers of them).", ge=0.0)
+    server_gpus: float = f(0.0, help="GPUs per inference server.", ge=0.0)
+    strategy: str = f(
+        "PACK",
+        help="Placement strategy of the trainer and server bundles (Ray placement group).",
+        choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+    )
+    placement_timeout: float = f(
+        120.0, help="Seconds to wait for the cluster to place every bundle before failing.", gt=0.0
+    )
+    server_max_restarts: int = f(
+        5, help="Times Ray restarts a dead server actor (it is re-admitted on return); -1 = without limit.", ge=-1
+    )
+
+
+@dataclass
 class RunConfig:
     """A whole training run (``relayrl train``)."""
 
@@ -483,6 +511,13 @@ class RunConfig:
     eval: EvalConfig = f(EvalConfig(), help="Evaluation.")
     checkpoint: CheckpointConfig = f(CheckpointConfig(), help="Checkpoints and recovery.")
     logging: LoggingConfig = f(LoggingConfig(), help="Metrics and progress.")
+    launcher: str = f(
+        "local",
+        help="local: this process (or torchrun's ranks) trains and n_servers start here; ray: trainer ranks and "
+        "servers are Ray actors placed by `ray` (`relayrl train` only).",
+        choices=["local", "ray"],
+    )
+    ray: RayConfig = f(RayConfig(), help="launcher=ray: cluster, resources per trainer rank and server, placement.")
 
     def __post_init__(self) -> None:
         if self.actor.temperature is None:  # one source of truth: the sampling temperature
@@ -509,6 +544,11 @@ class RunConfig:
                 f"actor.temperature={self.actor.temperature} differs from the rollouts' sampling temperature "
                 f"(gconfig.temperature={self.gconfig.temperature}, greedy={self.gconfig.greedy}): the importance ratios "
                 "would compare logprobs of two distributions. Set gconfig.temperature only (actor.temperature follows it)"
+            )
+        if self.launcher == "ray" and self.inference.n_servers and self.inference.launch_gpus:
+            raise ValueError(
+                f"inference.launch_gpus={self.inference.launch_gpus} with launcher=ray: Ray hands each server "
+                "its GPUs (ray.server_gpus); leave launch_gpus empty"
             )
         limit = self.actor.overlong_max_len or self.gconfig.max_new_tokens
         if self.actor.overlong_buffer and limit <= self.actor.overlong_buffer:

@@ -20,10 +20,14 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import httpx
 
-from relayrl.inference.server import LISTEN_PREFIX
+from relayrl.inference import LISTEN_PREFIX
+
+if TYPE_CHECKING:  # the launcher stays light: Ray's server actors import it
+    from relayrl.api.config import InferenceConfig, ModelConfig
 
 _PR_SET_PDEATHSIG = 1
 _groups: weakref.WeakSet[ServerGroup] = weakref.WeakSet()
@@ -99,8 +103,9 @@ class ServerGroup:
                 raise RuntimeError(f"server {i} at {self.addresses[i]} is not healthy")
             time.sleep(0.1)
 
-    def start(self, n: int) -> None:
-        self.procs = [self._popen() for _ in range(n)]  # all boot in parallel
+    def start(self, n: int, ports: list[int] | None = None) -> None:
+        """Start ``n`` servers on ``ports`` (default: free ones each picks) and wait until healthy."""
+        self.procs = [self._popen(p) for p in (ports or [0] * n)]  # all boot in parallel
         try:
             self.addresses = [self._await_address(p) for p in self.procs]
             for i in range(n):
@@ -147,6 +152,15 @@ def _drain(proc: subprocess.Popen[str]) -> None:
     assert proc.stdout is not None
     for _ in proc.stdout:
         pass
+
+
+def serve_overrides(inf: InferenceConfig, model: ModelConfig) -> list[str]:
+    """ServerConfig overrides that make a launched server fit the run: the policy's model
+    (vocabulary, dtype, tokenizer) and the weight directory it may read."""
+    roots = [inf.weight_sync_dir] if inf.weight_sync_dir else []
+    out = [f"model.path={model.path}", f"model.vocab_size={model.vocab_size}", f"model.dtype={model.dtype}"]
+    out += [f"model.tokenizer_path={model.tokenizer_path}"] if model.tokenizer_path else []
+    return [*out, f"allowed_weight_roots={roots}", f"torch_threads={inf.server_threads}"]
 
 
 def launch_servers(

@@ -25,11 +25,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
-from relayrl.api.config import InferenceConfig
 from relayrl.inference import launcher
+
+if TYPE_CHECKING:  # light to import: Ray's server actors run it
+    from relayrl.api.config import InferenceConfig
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -38,8 +41,8 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(kind: str, cfg: InferenceConfig, model: str, port: int) -> list[str]:
-    """The command line of one launched server."""
+def server_command(kind: str, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The command line of one launched server (listening on ``host``: a Ray node's address under Ray)."""
     if kind == "sglang":
         prefix = (
             shlex.split(cfg.launch_command) if cfg.launch_command else [sys.executable, "-m", "sglang.launch_server"]
@@ -48,7 +51,7 @@ def server_command(kind: str, cfg: InferenceConfig, model: str, port: int) -> li
             "--model-path",
             model,
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             "--tp-size",
@@ -59,7 +62,7 @@ def server_command(kind: str, cfg: InferenceConfig, model: str, port: int) -> li
         prefix = shlex.split(cfg.launch_command) if cfg.launch_command else ["vllm", "serve"]
         flags = [
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             "--tensor-parallel-size",
@@ -92,22 +95,23 @@ def server_env(kind: str, cfg: InferenceConfig, i: int) -> dict[str, str]:
 class PeerServerGroup:
     """Launched SGLang / vLLM servers: ``addresses``, ``logs``, ``shutdown()``."""
 
-    def __init__(self, kind: str, cfg: InferenceConfig, model: str) -> None:
-        self.kind, self.cfg, self.model = kind, cfg, model
+    def __init__(self, kind: str, cfg: InferenceConfig, model: str, host: str = "127.0.0.1") -> None:
+        self.kind, self.cfg, self.model, self.host = kind, cfg, model, host
         self.log_dir = Path(cfg.launch_log_dir or tempfile.mkdtemp(prefix=f"relayrl-{kind}-"))
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
         self.logs: list[Path] = []
 
-    def start(self) -> PeerServerGroup:
+    def start(self, ports: list[int] | None = None) -> PeerServerGroup:
+        """Start ``cfg.n_servers`` servers (on ``ports``, default free ones) and wait until healthy."""
         launcher._install_handlers()  # noqa: SLF001 - the same teardown as `relayrl serve` children
         launcher._groups.add(self)  # type: ignore[arg-type]  # noqa: SLF001
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             for i in range(self.cfg.n_servers):
-                port = _free_port()
+                port = ports[i] if ports else _free_port(self.host)
                 log = self.log_dir / f"server-{i}.log"
-                cmd = server_command(self.kind, self.cfg, self.model, port)
+                cmd = server_command(self.kind, self.cfg, self.model, port, self.host)
                 env = server_env(self.kind, self.cfg, i)
                 with open(log, "wb") as out:
                     out.write(f"$ {shlex.join(cmd)}\n".encode())
@@ -122,7 +126,7 @@ class PeerServerGroup:
                             preexec_fn=launcher._die_with_parent,
                         ).result()
                     )  # noqa: SLF001
-                self.addresses.append(f"127.0.0.1:{port}")
+                self.addresses.append(f"{self.host}:{port}")
                 self.logs.append(log)
             for i in range(len(self.procs)):
                 self._wait_healthy(i)

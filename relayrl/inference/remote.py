@@ -136,17 +136,13 @@ class RemoteEngine(WeightSync, InferenceEngine):
             self._launched = PeerServerGroup(launch, self.config, self.model.path).start()
             self.addresses = self._launched.addresses
         if not self.addresses and self.config.n_servers > 0 and launch == "relayrl":
-            from relayrl.inference.launcher import launch_servers
+            from relayrl.inference.launcher import launch_servers, serve_overrides
 
-            roots = [self.config.weight_sync_dir] if self.config.weight_sync_dir else []
-            m = self.model
-            model_args = [f"model.vocab_size={m.vocab_size}", f"model.dtype={m.dtype}"]
-            model_args += [f"model.tokenizer_path={m.tokenizer_path}"] if m.tokenizer_path else []
             group = launch_servers(
                 self.config.n_servers,
-                model=m.path,
+                model=self.model.path,
                 threads=self.config.server_threads,
-                overrides=[f"allowed_weight_roots={roots}", *model_args],
+                overrides=serve_overrides(self.config, self.model),
                 admin_token=self.token,
             )
             self._launched = group

@@ -49,6 +49,7 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.inference import LISTEN_PREFIX
 from relayrl.inference.local import LocalEngine
 from relayrl.inference.schemas import (
     AbortRequest,
@@ -75,7 +76,6 @@ from relayrl.utils.moe import encode_routed_experts
 
 __all__ = ["LISTEN_PREFIX", "Server", "_dumps", "build_app", "confine_path", "make_server", "run_server"]
 
-LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
 _Job = tuple[
