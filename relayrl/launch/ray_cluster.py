@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import socket
+import typing
 from dataclasses import replace
 
 import ray
@@ -66,9 +67,9 @@ def connect(rc: RayConfig) -> bool:
             raise RayLaunchError(f"ray.address={address}: no Ray cluster answers there ({e})") from None
     try:
         if address:
-            ray.init(address=address, logging_level="ERROR")
+            ray.init(address=address, logging_level=logging.ERROR)
         else:
-            ray.init(num_cpus=rc.num_cpus or None, include_dashboard=False, logging_level="ERROR")
+            ray.init(num_cpus=rc.num_cpus or None, include_dashboard=False, logging_level=logging.ERROR)
     except ConnectionError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RayLaunchError(f"ray.address={address}: {first}") from None
@@ -122,6 +123,7 @@ class RayRun:
         self._owns_connection = False
 
     def _in_bundle(self, i: int) -> PlacementGroupSchedulingStrategy:
+        assert self.pg is not None, "place() first"
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
 
     def start(self) -> None:
@@ -182,15 +184,21 @@ class RayRun:
         r = self.cfg.ray
         rank = ray.remote(TrainerRank)
         self.ranks = [
-            rank.options(
-                num_cpus=r.trainer_cpus, num_gpus=r.trainer_gpus, max_restarts=0, scheduling_strategy=self._in_bundle(i)
-            ).remote()
+            typing.cast(
+                ray.actor.ActorHandle,
+                rank.options(
+                    num_cpus=r.trainer_cpus,
+                    num_gpus=r.trainer_gpus,
+                    max_restarts=0,
+                    scheduling_strategy=self._in_bundle(i),
+                ).remote(),
+            )
             for i in range(r.trainer_ranks)
         ]
 
     def _run_ranks(self) -> None:
         r = self.cfg.ray
-        where = ray.get([a.where.remote() for a in self.ranks])
+        where: list[tuple[str, int, str, int]] = ray.get([a.where.remote() for a in self.ranks])
         self.rank_nodes, self.rank_pids = [w[2] for w in where], [w[3] for w in where]
         master = where[0][:2]
         log.info("ray: %d trainer ranks, rendezvous at %s:%d", r.trainer_ranks, *master)
@@ -205,7 +213,7 @@ class RayRun:
                 ray.get(done[0])
             except RayError:
                 self._fail()
-        return ray.get(self.refs[0])  # type: ignore[no-any-return]
+        return ray.get(self.refs[0])
 
     def _fail(self) -> None:
         """Report the root cause: a dead rank before the lost-peer errors of the ranks that survived it."""
@@ -219,17 +227,17 @@ class RayRun:
                     errors.append((i, e))
         dead = [(i, e) for i, e in errors if isinstance(e, RayActorError)]
         if dead:
-            i, e = dead[0]
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            i, death = dead[0]
+            reason = str(death).strip().splitlines()[0] if str(death).strip() else type(death).__name__
             ckpts = os.path.join(self.cfg.run_dir, "checkpoints")
             raise TrainerRankDied(
                 f"trainer rank {i} died ({reason}); the run stopped with its checkpoints intact in {ckpts}: "
                 "run the same command with recover=auto to resume"
             )
-        i, e = errors[0]
-        if isinstance(e, RayTaskError) and isinstance(e.cause, Exception):
-            raise e.cause  # the trainer's own error (ConfigError, NonFiniteError, ...), as in one process
-        raise e
+        first = errors[0][1]
+        if isinstance(first, RayTaskError) and isinstance(first.cause, Exception):
+            raise first.cause  # the trainer's own error (ConfigError, NonFiniteError, ...), as in one process
+        raise first
 
     def close(self) -> None:
         """Kill the ranks and servers, free the placement group; disconnect if ``start`` connected."""
