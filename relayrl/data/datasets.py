@@ -19,6 +19,9 @@ from relayrl.utils.logging import get_logger
 
 logger = get_logger("data")
 
+if typing.TYPE_CHECKING:
+    from transformers.image_processing_utils import BaseImageProcessor
+
 
 class DatasetError(ValueError):
     """A dataset row is missing a field, has a wrong type, or an empty / over-long prompt."""
@@ -114,7 +117,7 @@ def load_rows_from_file(
     tokenizer: PreTrainedTokenizerBase | None = None,
     max_prompt_len: int = 0,
     skip_invalid: bool = False,
-    image_processor: object | None = None,
+    image_processor: BaseImageProcessor | None = None,
 ) -> list[DataItem]:
     """Validated rows of a file. Bad rows raise DatasetError, or are skipped (and counted in
     a warning) with ``skip_invalid``. With a tokenizer, prompts over ``max_prompt_len``
@@ -122,7 +125,7 @@ def load_rows_from_file(
     the model's ``image_processor`` and get their ``vision`` prompt (``relayrl.data.vision``);
     an unreadable or rejected image makes a bad row."""
     from relayrl.data.models import chat_ids
-    from relayrl.data.vision import has_images, with_vision
+    from relayrl.data.vision import has_images, row_vision, with_vision
 
     rows, skipped = [], []
     for i, record in enumerate(read_records(path)):
@@ -136,9 +139,9 @@ def load_rows_from_file(
                 except (ValueError, KeyError) as e:
                     raise DatasetError(f"row {i} (id={row['id']!r}): {e}") from None
             if tokenizer is not None and max_prompt_len:
-                vp = row.get("vision")
+                vp = row_vision(row)
                 messages = typing.cast(list[dict[str, object]], row["messages"])
-                n = len(vp.input_ids) if vp is not None else len(chat_ids(tokenizer, messages))  # type: ignore[attr-defined]
+                n = len(vp.input_ids) if vp is not None else len(chat_ids(tokenizer, messages))
                 if n > max_prompt_len:
                     raise DatasetError(
                         f"row {i} (id={row['id']!r}): prompt has {n} tokens > data.max_prompt_len={max_prompt_len}"

@@ -19,10 +19,19 @@ import base64
 import binascii
 import io
 import os
+import typing
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedModel, PreTrainedTokenizerFast
+from PIL import Image
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+from transformers.image_processing_utils import BaseImageProcessor
 
 from relayrl.api.config import ModelConfig
 
@@ -94,7 +103,7 @@ def build_tiny_vl_model(preset: str = "tiny-vl", seed: int = 0) -> PreTrainedMod
     return model
 
 
-def build_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> object:
+def build_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> BaseImageProcessor:
     """Qwen2-VL's image processor (PIL backend: no torchvision) with small pixel bounds."""
     from transformers import Qwen2VLImageProcessorPil
 
@@ -103,7 +112,7 @@ def build_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PI
     )
 
 
-def load_image_processor(path: str) -> object:
+def load_image_processor(path: str) -> BaseImageProcessor:
     """The image processor of a model path (a tiny preset's, or a checkpoint's, PIL backend)."""
     if path in VL_PRESETS:
         return build_image_processor()
@@ -112,7 +121,7 @@ def load_image_processor(path: str) -> object:
     return AutoImageProcessor.from_pretrained(path, backend="pil")
 
 
-def vision_processor(model: ModelConfig) -> object | None:
+def vision_processor(model: ModelConfig) -> BaseImageProcessor | None:
     """The image processor of ``model`` when it takes images (a tiny VL preset, or a checkpoint whose
     config has a vision tower), else None."""
     from relayrl.data.models import TINY_PRESETS
@@ -124,7 +133,7 @@ def vision_processor(model: ModelConfig) -> object | None:
     return load_image_processor(model.path) if is_vision_config(AutoConfig.from_pretrained(model.path)) else None
 
 
-def load_image(image: object) -> object:
+def load_image(image: object) -> Image.Image:
     """An RGB PIL image from a PIL image, encoded bytes, a file path, a ``data:`` URL or base64 text.
 
     Raises ``ValueError`` with the reason when it cannot be read."""
@@ -172,10 +181,10 @@ def squares_image(cells: tuple[int, ...], colours: tuple[int, ...], offsets: tup
     return img
 
 
-def png_bytes(image: object) -> bytes:
+def png_bytes(image: Image.Image) -> bytes:
     """A PIL image encoded as PNG (what requests carry: lossless, SGLang and vLLM decode it)."""
     buf = io.BytesIO()
-    image.save(buf, format="PNG")  # type: ignore[attr-defined]
+    image.save(buf, format="PNG")
     return buf.getvalue()
 
 
@@ -191,16 +200,16 @@ class VisionInputs:
         return int(self.pixel_values.shape[0])
 
 
-def process_images(image_processor: object, images: list[object]) -> VisionInputs:
+def process_images(image_processor: BaseImageProcessor, images: list[Image.Image]) -> VisionInputs:
     """Run the image processor over decoded images (``ValueError`` with its reason if it rejects them)."""
     try:
-        out = image_processor(images=images, return_tensors="pt")  # type: ignore[operator]
+        out = image_processor(images=images, return_tensors="pt")
     except Exception as e:  # noqa: BLE001 - any processor failure is a bad input
         raise ValueError(f"the image processor rejected the image: {type(e).__name__}: {e}") from None
     return VisionInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
 
 
-def merge_size(image_processor: object) -> int:
+def merge_size(image_processor: BaseImageProcessor) -> int:
     return int(getattr(image_processor, "merge_size", 2))
 
 
@@ -277,7 +286,10 @@ class VisionPrompt:
 
 
 def encode_prompt(
-    tokenizer: object, image_processor: object, messages: list[dict[str, object]], images: list[object]
+    tokenizer: PreTrainedTokenizerBase,
+    image_processor: BaseImageProcessor,
+    messages: list[dict[str, object]],
+    images: list[object],
 ) -> VisionPrompt:
     """A chat prompt with images -> ``VisionPrompt`` (``ValueError`` naming what is wrong)."""
     from relayrl.data.chat import prompt_ids
@@ -292,8 +304,8 @@ def encode_prompt(
     if not decoded:
         raise ValueError("a vision prompt needs at least one image ('images' column or image content parts)")
     vision = process_images(image_processor, decoded)
-    ids = prompt_ids(tokenizer, messages_with_image_blocks(messages, len(decoded)), "chat")  # type: ignore[arg-type]
-    image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")  # type: ignore[attr-defined]
+    ids = prompt_ids(tokenizer, messages_with_image_blocks(messages, len(decoded)), "chat")
+    image_token_id = int(typing.cast(int, tokenizer.convert_tokens_to_ids("<|image_pad|>")))
     ids = expand_image_tokens(ids, vision.image_grid_thw, image_token_id, merge_size(image_processor))
     return VisionPrompt(ids, [png_bytes(img) for img in decoded], vision)
 
@@ -304,19 +316,21 @@ def has_images(row: dict[str, object]) -> bool:
     return bool(row.get("images")) or bool(image_parts(messages if isinstance(messages, list) else []))
 
 
-def with_vision(row: dict[str, object], tokenizer: object, image_processor: object) -> dict[str, object]:
+def with_vision(
+    row: dict[str, object], tokenizer: PreTrainedTokenizerBase, image_processor: BaseImageProcessor
+) -> dict[str, object]:
     """``row`` with ``vision`` (its ``VisionPrompt``) instead of its ``images`` column (kept as PNG in
     the prompt); ``ValueError`` with the reason when an image is unreadable or rejected."""
     images = row.get("images")
     images = [] if images is None else images if isinstance(images, list) else [images]
-    vp = encode_prompt(tokenizer, image_processor, row["messages"], images)  # type: ignore[arg-type]
+    vp = encode_prompt(tokenizer, image_processor, typing.cast(list[dict[str, object]], row["messages"]), images)
     return {**{k: v for k, v in row.items() if k != "images"}, "vision": vp}
 
 
 def attach_vision(
     rows: list[dict[str, object]],
-    tokenizer: object,
-    image_processor: object,
+    tokenizer: PreTrainedTokenizerBase,
+    image_processor: BaseImageProcessor,
     skip_invalid: bool = False,
     source: str = "dataset",
 ) -> list[dict[str, object]]:
@@ -362,3 +376,9 @@ def prompt_image_mask(ids: torch.Tensor, image_token_id: int, n_image_tokens: to
     one was generated and is an ordinary token)."""
     is_image = ids == image_token_id
     return is_image & (is_image.long().cumsum(-1) <= n_image_tokens.to(ids.device)[:, None])
+
+
+def row_vision(row: dict[str, object]) -> VisionPrompt | None:
+    """The ``VisionPrompt`` a row carries (``attach_vision``), None for a text-only row."""
+    vp = row.get("vision")
+    return vp if isinstance(vp, VisionPrompt) else None

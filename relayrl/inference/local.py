@@ -53,6 +53,9 @@ from relayrl.inference.vision import image_key, request_vision
 from relayrl.utils.batching import length_groups
 from relayrl.utils.moe import RoutingRecorder, routing_shape
 
+if typing.TYPE_CHECKING:
+    from transformers.image_processing_utils import BaseImageProcessor
+
 
 class LocalEngine(SlabBatch, InferenceEngine):
     """Continuous-batching ``InferenceEngine`` in this process (see module docstring)."""
@@ -64,7 +67,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         tokenizer: PreTrainedTokenizerBase | None = None,
         model_config: ModelConfig | None = None,
         static_steps: bool | None = None,
-        image_processor: object | None = None,
+        image_processor: BaseImageProcessor | None = None,
     ) -> None:
         """``static_steps``: decode over ``StaticDecoder``'s bucketed buffers (None: on CUDA with
         ``inference.cuda_graphs``; True on CPU runs the same step eagerly, as tests do)."""

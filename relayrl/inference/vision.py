@@ -13,6 +13,7 @@ what ``generate`` does with its cached ``rope_deltas``.
 from __future__ import annotations
 
 import hashlib
+import typing
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -29,6 +30,9 @@ from relayrl.data.vision import (
 )
 from relayrl.inference.decode import slab_layers
 
+if typing.TYPE_CHECKING:
+    from transformers.image_processing_utils import BaseImageProcessor
+
 
 def image_key(image_data: list[str | bytes]) -> str:
     """A digest of a request's images ("" without): prompts share a prefill only with equal images."""
@@ -41,7 +45,9 @@ def image_key(image_data: list[str | bytes]) -> str:
     return h.hexdigest()
 
 
-def request_vision(req: ModelRequest, image_processor: object | None, image_token_id: int) -> VisionInputs | None:
+def request_vision(
+    req: ModelRequest, image_processor: BaseImageProcessor | None, image_token_id: int
+) -> VisionInputs | None:
     """The vision inputs of ``req`` (None without images); ``ValueError`` naming the request and
     the image when an image is unreadable, rejected, or does not match the prompt's pad tokens."""
     n_pad = count_image_tokens(req.input_ids, image_token_id) if image_token_id >= 0 else 0

@@ -30,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
 from relayrl.api.workflow import RewardFn, RolloutWorkflow, Trajectory, trajectory_from_response
+from relayrl.data.vision import row_vision
 
 _NAMED = ("prompt", "completions", "prompt_ids", "completion_ids")
 _NOT_FOR_REWARDS = ("vision",)  # a row's processed images (tensors) stay out of reward fns
@@ -170,9 +171,9 @@ class RLVRWorkflow(RolloutWorkflow):
         self.prompt_format = prompt_format
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        vp = data.get("vision")  # a row with images (relayrl.data.vision.attach_vision)
-        ids = vp.input_ids if vp is not None else prompt_ids_of(self.tokenizer, data, self.prompt_format)  # type: ignore[attr-defined]
-        images = vp.image_data if vp is not None else []  # type: ignore[attr-defined]
+        vp = row_vision(data)  # a row with images (relayrl.data.vision.attach_vision)
+        ids = vp.input_ids if vp is not None else prompt_ids_of(self.tokenizer, data, self.prompt_format)
+        images: list[str | bytes] = list(vp.image_data) if vp is not None else []
         req = ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig, image_data=images)
         resp = await engine.agenerate(req)
         if resp.output_len == 0:
@@ -182,5 +183,5 @@ class RLVRWorkflow(RolloutWorkflow):
         )
         extras = {"truncated": torch.tensor([resp.stop_reason == "length"], dtype=torch.bool)}
         if vp is not None:  # the trainer's vision inputs travel with the episode
-            extras.update(pixel_values=vp.vision.pixel_values[None], image_grid_thw=vp.vision.image_grid_thw[None])  # type: ignore[attr-defined]
+            extras.update(pixel_values=vp.vision.pixel_values[None], image_grid_thw=vp.vision.image_grid_thw[None])
         return trajectory_from_response(resp, reward, **extras)
