@@ -175,7 +175,7 @@ class LocalEngine(InferenceEngine):
             key = self.config.seed * 1_000_003 + next(self._keys)
         self.stats["requests"] += 1
         start = time.perf_counter()
-        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
+        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None, rid=req.rid)
         ttft = 0.0
         while True:
             fut: asyncio.Future[ModelResponse] = loop.create_future()
@@ -183,7 +183,7 @@ class LocalEngine(InferenceEngine):
             self._enqueue(seq)
             resp = await fut
             ttft = ttft or (resp.ttft + seq.submitted - start if resp.output_tokens else 0.0)
-            if resp.stop_reason != "abort" or self._stopped or not continue_aborted:
+            if resp.stop_reason != "abort" or self._stopped or not continue_aborted or seq.cancelled:
                 break
             # interrupted by a weight update: continue from prompt + partial output
             seq = Seq(
@@ -191,6 +191,7 @@ class LocalEngine(InferenceEngine):
                 g=seq.g,
                 key=seq.key,
                 on_done=seq.on_done,
+                rid=seq.rid,
                 out=resp.output_tokens,
                 logprobs=resp.output_logprobs,
                 versions=resp.output_versions,
@@ -231,6 +232,31 @@ class LocalEngine(InferenceEngine):
         """End every running request now with stop_reason ``abort`` and its partial output
         (``agenerate`` continues it; ``agenerate_once`` returns it)."""
         self._call_in_loop(self._abort_running)
+
+    def abort_rid(self, rid: str) -> int:
+        """End the requests with this rid (running, set aside or queued) with stop_reason ``abort``
+        and their partial output, not continued (SGLang's single-request abort); returns how many."""
+        found: list[Seq] = []
+
+        def apply() -> None:
+            for i, seq in enumerate(self._rows):
+                if self._alive[i] and seq.rid == rid:
+                    self._alive[i] = False
+                    found.append(seq)
+            found.extend(s for s in self._preempted if s.rid == rid)
+            self._preempted = deque(s for s in self._preempted if s.rid != rid)
+            with self._waiting.mutex:
+                found.extend(s for s in self._waiting.queue if s.rid == rid)
+                kept = [s for s in self._waiting.queue if s.rid != rid]
+                self._waiting.queue.clear()
+                self._waiting.queue.extend(kept)
+            for seq in found:
+                seq.cancelled = True
+                seq.on_done(seq.response("abort"))
+            self.stats["aborts"] += len(found)
+
+        self._call_in_loop(apply)
+        return len(found)
 
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:
         assert self.model is not None

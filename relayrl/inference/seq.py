@@ -27,6 +27,8 @@ class Seq:
     g: GenerationConfig
     key: int
     on_done: Callable[[ModelResponse], None]
+    rid: str = ""
+    cancelled: bool = False  # aborted by rid: ends as "abort", never continued
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
