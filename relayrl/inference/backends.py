@@ -74,6 +74,11 @@ def _int_or_none(v: object) -> int | None:
         return None
 
 
+def _penalties(g: GenerationConfig) -> JsonDict:
+    """OpenAI's penalties under SGLang's and vLLM's names, sent only when set."""
+    return {k: getattr(g, k) for k in ("frequency_penalty", "presence_penalty") if getattr(g, k)}
+
+
 class SGLangBackend:
     """SGLang's native HTTP protocol."""
 
@@ -92,6 +97,7 @@ class SGLangBackend:
             "stop_token_ids": list(g.stop_token_ids),
             "ignore_eos": g.ignore_eos,
             "skip_special_tokens": False,
+            **_penalties(g),
         }
 
     def generate(self, rid: str, input_ids: list[int], g: GenerationConfig, max_new: int, min_new: int) -> Call:
@@ -261,6 +267,7 @@ class VLLMBackend:
             "stop": list(g.stop),
             "stop_token_ids": list(g.stop_token_ids),
             "ignore_eos": g.ignore_eos,
+            **_penalties(g),
             "logprobs": 0,  # the sampled token's logprob only
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,

@@ -41,7 +41,7 @@ from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
 from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
-from relayrl.inference.sampling import RowParams, sample
+from relayrl.inference.sampling import RowParams, penalized, sample
 from relayrl.inference.seq import Prefilled, Seq, load_hf_state_dict, resolver, validate_request
 from relayrl.utils.batching import length_groups
 
@@ -498,7 +498,10 @@ class LocalEngine(InferenceEngine):
             at = [(i, t) for i in young for t in rows[i].stop_ids]
             banned = torch.zeros(self._logits.shape, dtype=torch.bool, device=dev)
             banned[torch.tensor([i for i, _ in at], device=dev), torch.tensor([t for _, t in at], device=dev)] = True
-        return sample(self._logits, self._params, banned)
+        pen = [i for i, s in enumerate(rows) if (s.g.frequency_penalty or s.g.presence_penalty) and s.out]
+        return sample(
+            penalized(self._logits, [rows[i] for i in pen], pen) if pen else self._logits, self._params, banned
+        )
 
     # ------------------------------------------------------------------ batch and KV cache
     def _coalesce(self) -> None:

@@ -15,8 +15,12 @@ renormalised for them, so it stays the policy's logprob a trainer recomputes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from relayrl.inference.seq import Seq
 
 _M32 = 0xFFFFFFFF
 
@@ -70,6 +74,17 @@ def filtered_logprobs(logits: torch.Tensor, p: RowParams) -> torch.Tensor:
         drop_orig = torch.zeros_like(drop).scatter(-1, order, drop)
         logits = logits.masked_fill(drop_orig, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
+
+
+def penalized(logits: torch.Tensor, seqs: list[Seq], rows: list[int]) -> torch.Tensor:
+    """OpenAI's frequency / presence penalties (as vLLM applies them: over the output tokens so far,
+    before temperature): ``logit[t] -= frequency * count(t) + presence * (count(t) > 0)`` for
+    ``rows`` (``seqs[j]`` is row ``rows[j]``, with ``.out`` and ``.g``). Returns a new tensor."""
+    out = logits.float().clone()
+    for r, seq in zip(rows, seqs, strict=True):
+        counts = torch.bincount(torch.tensor(seq.out, device=logits.device), minlength=logits.shape[-1]).float()
+        out[r] -= seq.g.frequency_penalty * counts[: logits.shape[-1]] + seq.g.presence_penalty * (counts > 0).float()
+    return out
 
 
 def sample(logits: torch.Tensor, p: RowParams, banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

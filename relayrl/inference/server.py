@@ -134,6 +134,8 @@ class Server(WeightRoutes, OpenAIRoutes):
             stop_token_ids=list(sp.stop_token_ids),
             stop=stop,
             ignore_eos=sp.ignore_eos,
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
         )
         try:
             g.validate()
