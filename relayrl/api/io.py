@@ -126,6 +126,15 @@ class ModelResponse:
         return len(self.output_tokens)
 
 
+@dataclass
+class StreamChunk:
+    """Part of a streamed completion (``InferenceEngine.astream``): the tokens generated since the
+    previous chunk; the last chunk also carries the whole ``final`` response."""
+
+    tokens: list[int]
+    final: ModelResponse | None = None
+
+
 WeightKind = Literal["tensors", "disk"]
 
 

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +38,10 @@ from transformers import DynamicCache, PreTrainedModel
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk, WeightUpdate
 from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
-from relayrl.inference.sampling import RowParams, penalized, sample
+from relayrl.inference.sampling import RowParams, penalized, sample, top_logprobs
 from relayrl.inference.seq import Prefilled, Seq, load_hf_state_dict, resolver, validate_request
 from relayrl.utils.batching import length_groups
 
@@ -159,7 +159,49 @@ class LocalEngine(InferenceEngine):
         ``abort`` and its partial output, as SGLang's /generate answers; the client continues it."""
         return await self._generate(req, continue_aborted=False)
 
-    async def _generate(self, req: ModelRequest, continue_aborted: bool) -> ModelResponse:
+    async def astream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+        """Token by token (each chunk holds the tokens decoded since the last one), then the response."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[int | None] = asyncio.Queue()
+        task = asyncio.ensure_future(
+            self._generate(req, True, on_token=lambda t: loop.call_soon_threadsafe(q.put_nowait, t))
+        )
+        task.add_done_callback(lambda _: q.put_nowait(None))  # after every token: they were scheduled first
+        done = False
+        while not done:
+            toks: list[int] = []
+            tok = await q.get()
+            while True:  # everything already queued goes in one chunk
+                if tok is None:
+                    done = True
+                    break
+                toks.append(tok)
+                if q.empty():
+                    break
+                tok = q.get_nowait()
+            if toks:
+                yield StreamChunk(toks)
+        yield StreamChunk([], await task)
+
+    async def atop_logprobs(
+        self, prompt: list[int], output: list[int], gconfig: GenerationConfig, k: int
+    ) -> list[list[tuple[int, float]]]:
+        """Recomputed from the model on the loop thread: penalties, temperature and top-k/top-p as sampled."""
+        if not output:
+            return []
+        found: list[torch.Tensor] = []
+
+        def score() -> None:
+            assert self.model is not None
+            seq = torch.tensor([prompt + output], device=self.device)
+            found.append(self.model(seq).logits[0, len(prompt) - 1 : -1].float())
+
+        await asyncio.to_thread(self._call_in_loop, score)
+        return top_logprobs(found[0], output, gconfig, k)
+
+    async def _generate(
+        self, req: ModelRequest, continue_aborted: bool, on_token: Callable[[int], None] | None = None
+    ) -> ModelResponse:
         if self._thread is None:
             raise RuntimeError("LocalEngine.agenerate called before initialize() (or after destroy())")
         validate_request(
@@ -175,7 +217,9 @@ class LocalEngine(InferenceEngine):
             key = self.config.seed * 1_000_003 + next(self._keys)
         self.stats["requests"] += 1
         start = time.perf_counter()
-        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None, rid=req.rid)
+        seq = Seq(
+            prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None, rid=req.rid, on_token=on_token
+        )
         ttft = 0.0
         while True:
             fut: asyncio.Future[ModelResponse] = loop.create_future()
@@ -192,6 +236,7 @@ class LocalEngine(InferenceEngine):
                 key=seq.key,
                 on_done=seq.on_done,
                 rid=seq.rid,
+                on_token=seq.on_token,
                 out=resp.output_tokens,
                 logprobs=resp.output_logprobs,
                 versions=resp.output_versions,
@@ -448,6 +493,8 @@ class LocalEngine(InferenceEngine):
             if not seq.first_token_at:
                 seq.first_token_at = now
             seq.out.append(tok)
+            if seq.on_token is not None:
+                seq.on_token(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
             self.stats["tokens"] += 1
