@@ -22,6 +22,7 @@ return of its first completion.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -279,14 +280,14 @@ class OpenAIClient:
         return name
 
     def _prefill(self, tool_choice: str) -> str:
-        """``required`` / a named function: the reply starts with the parser's tool-call opening (and the
-        function's name), written into the prompt, as vLLM and SGLang constrain decoding to a call."""
+        """``required``: the reply starts with the parser's tool-call opening; a named function: the
+        opening up to the function's name, as the Hermes / Llama-3.1 templates write a call. Written
+        into the prompt (vLLM and SGLang constrain decoding to a call instead)."""
         if tool_choice in ("auto", "none"):
             return ""
-        named = tool_choice != "required"
         if self.tool_parser == "llama3":
-            return f'{{"name": "{tool_choice}", "parameters": ' if named else '{"name": "'
-        return f'<tool_call>\n{{"name": "{tool_choice}", "arguments": ' if named else "<tool_call>\n"
+            return "{" if tool_choice == "required" else f'{{"name": {json.dumps(tool_choice)}'
+        return "<tool_call>" if tool_choice == "required" else f'<tool_call>\n{{"name": {json.dumps(tool_choice)}'
 
     def _plan_chat(self, messages_in: Iterable[object], params: dict[str, object]) -> ChatPlan:
         messages = normalize_messages(messages_in)
