@@ -6,14 +6,18 @@ conversations through our Hermes template: a tool call for ``12+7=``, a plain re
 from __future__ import annotations
 
 import asyncio
+import json
 
+import openai
 import pytest
 import torch
 
 from relayrl.agents import OpenAIClient, RequestError
+from relayrl.agents.messages import normalize_messages
 from relayrl.agents.streaming import safe_prefix
 from relayrl.agents.templates import tool_tokenizer
 from relayrl.api.io import GenerationConfig
+from relayrl.data.chat import encode, render
 from tests.agent_models import CALC
 from tests.test_agents import make_engine
 
@@ -125,3 +129,97 @@ async def _all(it):
 )
 def test_safe_prefix_holds_back_what_may_not_be_content(text, stops, parser, want):
     assert safe_prefix(text, stops, parser) == want
+
+
+# ---------------------------------------------------------------------- relayrl serve, through the openai SDK
+
+
+@pytest.fixture(scope="module")
+def served(hermes2, tmp_path_factory):
+    """`relayrl serve` (a real process on 127.0.0.1) with the module's model and Hermes-template tokenizer."""
+    from relayrl.inference.launcher import launch_servers
+
+    tok, eng = hermes2
+    d = tmp_path_factory.mktemp("hermes2")
+    eng.model.save_pretrained(d)
+    tok.save_pretrained(d)
+    group = launch_servers(1, model=str(d), overrides=[f"model.vocab_size={len(tok)}"])
+    yield openai.OpenAI(base_url=f"http://{group.addresses[0]}/v1", api_key="x", max_retries=0)
+    group.shutdown()
+
+
+def test_serve_chat_tools_tool_choice_and_tool_turns(served, hermes2):
+    user = [{"role": "user", "content": "12+7="}]
+    first = served.chat.completions.create(model="m", temperature=0, messages=user, tools=[CALC])
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "calc"
+    assert json.loads(call.function.arguments) == {"expr": "12+7"} and first.choices[0].token_ids  # type: ignore[attr-defined]
+    for choice in ("required", {"type": "function", "function": {"name": "calc"}}):
+        out = served.chat.completions.create(model="m", temperature=0, messages=user, tools=[CALC], tool_choice=choice)
+        assert [c.function.name for c in out.choices[0].message.tool_calls] == ["calc"]
+    turns = [
+        {"role": "developer", "content": [{"type": "text", "text": "Use the tool."}]},
+        *user,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "19"},
+    ]
+    later = served.chat.completions.create(model="m", temperature=0, messages=turns, tools=[CALC], max_tokens=4)
+    assert later.usage.completion_tokens == len(later.choices[0].token_ids) <= 4  # type: ignore[attr-defined]
+    ok = served.chat.completions.create(
+        model="m", temperature=0, messages=user, response_format={"type": "json_object"}, max_tokens=2
+    )
+    assert ok.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        served.chat.completions.create(model="m", temperature=0, messages=user, response_format={"type": "json_schema"})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        served.chat.completions.create(model="m", temperature=0, messages=user, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice" and "needs tools" in e.value.body["message"]
+
+
+def test_serve_streams_token_by_token_with_usage_like_the_plain_reply(served):
+    messages = [{"role": "user", "content": "hi"}]
+    plain = served.chat.completions.create(model="m", temperature=0, messages=messages, tools=[CALC])
+    pieces, finish, usage = [], None, None
+    for chunk in served.chat.completions.create(
+        model="m", temperature=0, messages=messages, tools=[CALC], stream=True, stream_options={"include_usage": True}
+    ):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            pieces += [c.delta.content] if c.delta.content else []
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == plain.choices[0].message.content == "hello there" and len(pieces) >= 5
+    assert finish == "stop" and usage.completion_tokens == plain.usage.completion_tokens
+    text = "".join(
+        c.choices[0].text
+        for c in served.completions.create(model="m", prompt="12", max_tokens=6, temperature=0, stream=True)
+        if c.choices
+    )
+    whole = served.completions.create(model="m", prompt="12", max_tokens=6, temperature=0)
+    assert text == whole.choices[0].text and len(text) > 0
+
+
+def test_serve_top_logprobs_and_penalties_match_the_model(served, hermes2):
+    tok, eng = hermes2
+    messages = [{"role": "user", "content": "hi"}]
+    out = served.chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=[CALC],
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+        frequency_penalty=1.5,
+    )
+    ids = encode(tok, render(tok, normalize_messages(messages), [CALC]))
+    gen = out.choices[0].token_ids  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        logits = eng.model(torch.tensor([ids + gen])).logits[0, len(ids) - 1 : -1].float()
+    for i, entry in enumerate(out.choices[0].logprobs.content):
+        counts = torch.bincount(torch.tensor(gen[:i], dtype=torch.long), minlength=logits.shape[-1]).float()
+        want = torch.log_softmax(logits[i] - 1.5 * counts, -1)
+        assert gen[i] == int(want.argmax())  # greedy under the penalty
+        vals, idx = want.topk(2)
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([int(j)]) for j in idx]
+        assert torch.allclose(torch.tensor([t.logprob for t in entry.top_logprobs]), vals, atol=1e-4)

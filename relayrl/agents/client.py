@@ -222,7 +222,8 @@ class OpenAIClient:
             raise RequestError(str(e), "max_tokens") from None
         return gconfig, n, bool(logprobs), top
 
-    async def _generate(self, ids: list[int], gconfig: GenerationConfig, n: int) -> list[ModelResponse]:
+    async def generate(self, ids: list[int], gconfig: GenerationConfig, n: int) -> list[ModelResponse]:
+        """``n`` samples of ``ids`` from the engine (one episode's rid)."""
         reqs = [ModelRequest(rid=self.rid, input_ids=list(ids), gconfig=gconfig) for _ in range(n)]
         return list(await asyncio.gather(*(self.engine.agenerate(r) for r in reqs)))
 
@@ -289,7 +290,9 @@ class OpenAIClient:
             return "{" if tool_choice == "required" else f'{{"name": {json.dumps(tool_choice)}'
         return "<tool_call>" if tool_choice == "required" else f'<tool_call>\n{{"name": {json.dumps(tool_choice)}'
 
-    def _plan_chat(self, messages_in: Iterable[object], params: dict[str, object]) -> ChatPlan:
+    def plan_chat(self, messages_in: Iterable[object], params: dict[str, object]) -> ChatPlan:
+        """A chat request validated and tokenised (``RequestError`` names a bad field); ``chat_result``
+        turns the plan's responses into the completion, ``stream_chat`` into chunks."""
         messages = normalize_messages(messages_in)
         tools = normalize_tools(params.get("tools"))
         tool_choice = self._tool_choice(params.get("tool_choice"), tools)
@@ -319,13 +322,13 @@ class OpenAIClient:
     ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
         params = dict(params)
         stream, options = params.pop("stream", False), params.pop("stream_options", None)
-        plan = self._plan_chat(messages_in, params)
+        plan = self.plan_chat(messages_in, params)
         if stream:
             usage = bool((dict(options) if isinstance(options, dict) else {}).get("include_usage"))
             return stream_chat(self, plan, usage)
-        return await self._chat_result(plan, await self._generate(plan.ids, plan.gconfig, plan.n))
+        return await self.chat_result(plan, await self.generate(plan.ids, plan.gconfig, plan.n))
 
-    async def _chat_result(self, plan: ChatPlan, resps: list[ModelResponse], cid: str | None = None) -> ChatCompletion:
+    async def chat_result(self, plan: ChatPlan, resps: list[ModelResponse], cid: str | None = None) -> ChatCompletion:
         """The completion of a chat call from its responses; every choice recorded."""
         cid, choices = cid or "chatcmpl-" + uuid.uuid4().hex, []
         for i, resp in enumerate(resps):
@@ -437,7 +440,7 @@ class OpenAIClient:
         if stream:
             usage = bool((dict(options) if isinstance(options, dict) else {}).get("include_usage"))
             return stream_completion(self, plan, usage)
-        return await self._completion_result(plan, await self._generate(ids, gconfig, n))
+        return await self._completion_result(plan, await self.generate(ids, gconfig, n))
 
     async def _completion_result(
         self, plan: CompletionPlan, resps: list[ModelResponse], cid: str | None = None

@@ -25,16 +25,16 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
 from relayrl.agents.messages import RequestError
+from relayrl.agents.streaming import sse_events
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RolloutWorkflow, Trajectory
@@ -199,7 +199,7 @@ class AgentProxy:
                 return JSONResponse({"error": e.body}, status_code=400)
             if not stream:
                 return JSONResponse(out.model_dump(exclude_none=True))  # type: ignore[union-attr]
-            return StreamingResponse(sse(out), media_type="text/event-stream")  # type: ignore[arg-type]
+            return StreamingResponse(sse_events(out), media_type="text/event-stream")  # type: ignore[arg-type]
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
@@ -247,20 +247,6 @@ class AgentProxy:
             )
 
         return app
-
-
-async def sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
-    """The SDK's chunks as server-sent events, as they come; an error mid-stream as OpenAI's error event."""
-    try:
-        async for chunk in chunks:
-            yield _sse(chunk.model_dump(exclude_none=True))
-    except RequestError as e:
-        yield _sse({"error": e.body})
-    yield b"data: [DONE]\n\n"
-
-
-def _sse(obj: dict[str, object]) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 Launch = Callable[[str, str, DataItem], Awaitable[None] | None]

@@ -5,13 +5,14 @@ could begin a stop string (the stop string itself is never sent, as the final te
 it), the stop token, trailing whitespace, and, when tools are on, everything from the tool-call
 marker on (``<tool_call>`` for Hermes; a Llama-3.1 reply that opens with ``{`` or
 ``<|python_tag|>``). When the samples are done the call is recorded exactly as without
-streaming (``OpenAIClient._chat_result``) and each choice ends with one chunk carrying the rest
+streaming (``OpenAIClient.chat_result``) and each choice ends with one chunk carrying the rest
 of its content and its parsed tool calls, then one with ``finish_reason`` (and the logprobs,
 when asked for); with ``stream_options.include_usage`` a last chunk carries the usage.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +27,9 @@ from openai.types.chat.chat_completion_chunk import (
     ChoiceDeltaToolCall,
     ChoiceDeltaToolCallFunction,
 )
+from pydantic import BaseModel
 
+from relayrl.agents.messages import RequestError
 from relayrl.api.io import GenerationConfig, ModelResponse
 
 if TYPE_CHECKING:
@@ -129,7 +132,7 @@ async def stream_chat(client: OpenAIClient, plan: ChatPlan, include_usage: bool)
         i, text = item
         sent[i] += text
         yield chunk(i, ChoiceDelta(content=text))
-    done = await client._chat_result(plan, resps, cid)
+    done = await client.chat_result(plan, resps, cid)
     for c in done.choices:
         content = c.message.content or ""
         rest = content[len(sent[c.index]) :] if content.startswith(sent[c.index]) else ""
@@ -181,3 +184,14 @@ async def stream_completion(
         yield chunk([CompletionChoice(index=c.index, text=rest, finish_reason=c.finish_reason, logprobs=c.logprobs)])
     if include_usage:
         yield chunk([], done.usage)
+
+
+async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
+    """Chunks as server-sent events, as they come, then ``[DONE]``; an error mid-stream is sent as
+    OpenAI's error event (the SDK raises it)."""
+    try:
+        async for chunk in chunks:
+            yield b"data: " + json.dumps(chunk.model_dump(exclude_none=True)).encode() + b"\n\n"
+    except RequestError as e:
+        yield b"data: " + json.dumps({"error": e.body}).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"

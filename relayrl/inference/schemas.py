@@ -176,36 +176,16 @@ class CompletionRequest(_Body):
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list)
-    logprobs: int | None = Field(None, ge=0, le=5, description="the sampled tokens' logprobs (no alternatives)")
+    logprobs: int | None = Field(None, ge=0, le=5, description="the sampled tokens' logprobs and the k best")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stream_options: dict[str, bool] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     seed: int | None = None  # accepted for SDK compatibility; the engine's seed is used
     user: str | None = None
-    stream: bool = False
+    stream: bool = Field(False, description="server-sent events, token by token (one prompt)")
     echo: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     request_id: str | None = None
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-    name: str | None = None
-
-
-class ChatRequest(_Body):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="alternatives are not returned")
-    seed: int | None = None
-    user: str | None = None
-    stream: bool = False
