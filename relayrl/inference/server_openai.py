@@ -168,8 +168,14 @@ class OpenAIRoutes:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids
         ):
             raise RequestError(f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
-        if "top_k" in extras and isinstance(extras["top_k"], int):
-            extras["top_k"] = max(0, extras["top_k"])  # vLLM: -1 = off
+        for key, name in VLLM_EXTRAS.items():
+            want = bool if key == "ignore_eos" else int
+            if name in extras and (
+                not isinstance(extras[name], want) or (want is int and isinstance(extras[name], bool))
+            ):
+                raise RequestError(f"{key} must be {'a boolean' if want is bool else 'an integer'}", key)
+        if "top_k" in extras:
+            extras["top_k"] = max(0, extras["top_k"])  # type: ignore[call-overload]  # vLLM: -1 = off
         try:
             base = GenerationConfig(max_new_tokens=self.max_positions, stop_token_ids=stop_ids, **extras)  # type: ignore[arg-type]
             base.validate()
@@ -201,12 +207,14 @@ class OpenAIRoutes:
             plan = client.plan_chat(body.pop("messages", None) or [], body)
         except RequestError as e:
             return _refusal(e)
+        except (TypeError, ValueError, AttributeError, KeyError) as e:  # a field of a type no check expected
+            return _refusal(RequestError(f"malformed request: {e!r}"))
         if not explicit:
             plan.gconfig = plan.gconfig.new(max_new_tokens=max(1, min(1024, self.max_positions - len(plan.ids))))
             plan.gconfig.min_new_tokens = min(plan.gconfig.min_new_tokens, plan.gconfig.max_new_tokens)
         if len(plan.ids) + plan.gconfig.max_new_tokens > self.max_positions:
             msg = (
-                f"messages: input length {len(plan.ids)} + max_tokens={plan.gconfig.max_new_tokens} exceeds the "
+                f"the prompt's {len(plan.ids)} tokens + max_tokens={plan.gconfig.max_new_tokens} exceed the "
                 f"model's {self.max_positions} positions"
             )
             return _refusal(RequestError(msg, "max_tokens"))
