@@ -123,7 +123,7 @@ def detect_vllm(url: str, get: Getter) -> PeerInfo:
         "/weight_info" if "/weight_info" in routes else None,
         "/health",
         routes,
-        str(body.get("server", "vllm")),
+        server=str(body.get("server", "vllm")),
     )
 
 
