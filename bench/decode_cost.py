@@ -78,7 +78,7 @@ def phases(model: torch.nn.Module) -> dict[str, float]:
         gen.run_engine(engine, gen.make_prompts(999, model.config.vocab_size)[:8])  # warm-up
         spent.clear()
         tokens, seconds, lengths = gen.run_engine(engine, gen.make_prompts(0, model.config.vocab_size))
-        steps = engine.stats["steps"]
+        steps = engine.counters["steps"]
         engine.destroy()
     finally:
         for n, fn in originals.items():

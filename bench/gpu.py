@@ -11,6 +11,7 @@ config, no hub access.
   mean ~``--mean-len``, capped at ``--max-new``; goal >= 5x;
 - batch-1 decode: one greedy request of ``--max-new`` tokens; step time = (latency - ttft) /
   (tokens - 1); roofline fraction = weight bytes / step time / peak HBM bandwidth; goal >= 50%;
+  with CUDA graphs (the default) and again with ``inference.cuda_graphs=false`` for comparison;
 - training: tokens/s of one full ``train_batch`` (packed, ``TorchTrainEngine`` with bf16
   autocast) ÷ the padded HF baseline (``bench/training.py``'s micro-batching, SDPA, bf16
   autocast), on its RL length mix; and train MFU = 6 * params * tokens / (seconds * peak
@@ -171,11 +172,18 @@ def bench_generation(args: argparse.Namespace) -> dict:
             engine_tok_s=common.spread(eng_tps),
             ratio=common.spread(ratios),
             kv_capacity=engine.kv_capacity,
-            preemptions=engine.stats["preemptions"],
+            preemptions=engine.counters["preemptions"],
             fast_decode=engine._fast is not None,
+            cuda_graphs=engine._static is not None,
+            attention=engine._static.attention if engine._static is not None else "sdpa",
         )
         out["batch1"] = batch1_decode(engine, model, args.max_new)
+        out["graph_captures"] = engine._static.captures if engine._static is not None else 0
         engine.destroy()
+        eager = LocalEngine(InferenceConfig(seed=0, device="cuda", cuda_graphs=False), model=model)
+        eager.initialize()
+        out["batch1_without_cuda_graphs"] = batch1_decode(eager, model, args.max_new)
+        eager.destroy()
     except Exception as e:  # noqa: BLE001 - reported, not fatal: the training half still runs
         out["engine_error"] = f"LocalEngine on CUDA failed: {type(e).__name__}: {str(e)[:300]}"
     print(f"generation: {out}", flush=True)

@@ -27,8 +27,10 @@ START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- t
 ORDER = [
     "generation",
     "families",
+    "moe_replay",
     "decode_cost",
     "training",
+    "lora",
     "serving",
     "grpo_vs_trl_count",
     "grpo_vs_trl_count_async",
@@ -47,6 +49,7 @@ OPTIONAL = {
     "grpo_vs_trl_count_seeds3to6",
     "overhead_count",
     "async_vs_sync_count",
+    "lora",
 }  # only with --only: run_all would take past ~15 minutes
 QUICK_ARGS = {
     "generation": ["--repeats", "1", "--models", "tiny"],
@@ -148,6 +151,17 @@ def describe(r: dict) -> tuple[str, str, str]:
             "–",
             f"{r['device']}: {per}",
         )
+    if n == "moe_replay":
+        per = ", ".join(
+            f"{m}: {v['bfloat16']['no_replay'] * 1e3:.1f} -> {v['bfloat16']['replay'] * 1e3:.1f} "
+            f"(flips {v['bfloat16']['flip_rate']:.1%})"
+            for m, v in r["results"].items()
+        )
+        return (
+            "bf16 mean \\|Δ logprob\\| generator vs trainer, without ÷ with routed-experts replay (tiny MoE)",
+            "> 1",
+            f"×1e3 without -> with replay: {per}",
+        )
     if n == "decode_cost":
         models = "; ".join(
             f"{m}: measured {v['ratio']:.2f}, engine {v['engine']['seconds']:.2f}s = prefill {v['engine']['prefill']:.2f} "
@@ -161,6 +175,13 @@ def describe(r: dict) -> tuple[str, str, str]:
             "packed ÷ padded train tokens/s",
             "–",
             f"{r['packed_tokens_per_s']:.0f} vs {r['padded_tokens_per_s']:.0f} tok/s; pad fraction {r['padded_pad_fraction']:.0%}",
+        )
+    if n == "lora":
+        return (
+            "LoRA (rank 16) ÷ full fine-tuning step time, ~30M model (`--only lora`)",
+            "≤ 1.1; RSS ≤ 0.6",
+            f"peak RSS {r['rss_ratio']:.2f}x ({r['lora_peak_rss_mb']:.0f} vs {r['full_peak_rss_mb']:.0f} MB); "
+            f"with gradient checkpointing step {r['ratio_gc']:.2f}x, RSS {r['rss_ratio_gc']:.2f}x",
         )
     if n == "serving":
         return (

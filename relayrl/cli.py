@@ -49,6 +49,7 @@ def _serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="relayrl serve", description="Serve a model over HTTP (ServerConfig).")
     p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as port=0")
     p.add_argument("--model", help="model path or tiny preset (model.path)")
+    p.add_argument("--lora-adapter", help="a peft adapter dir merged into the model (model.lora.adapter_path)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port; 0 picks a free one")
     p.add_argument("--admin-token", help="bearer token for admin endpoints")
@@ -59,6 +60,7 @@ def _serve(argv: list[str]) -> int:
     overrides = [a for a in ns.args if a is not path]
     for key, value in (
         ("model.path", ns.model),
+        ("model.lora.adapter_path", ns.lora_adapter),
         ("host", ns.host),
         ("port", ns.port),
         ("admin_token", ns.admin_token),
@@ -123,7 +125,7 @@ def _sft(argv: list[str]) -> int:
 
 
 def _config_args(
-    prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], None] | None = None
+    prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], object] | None = None
 ) -> tuple[argparse.Namespace, str | None, list[str]]:
     """Parse ``[CONFIG.yaml] [key=value ...]`` plus the options ``extra`` adds."""
     p = argparse.ArgumentParser(prog=prog)
@@ -187,7 +189,8 @@ def _eval(argv: list[str]) -> int:
     """``relayrl eval RUN_DIR|CONFIG.yaml [key=value ...]``: held-out evaluation, one JSON line.
 
     A run directory is evaluated with its own config and its latest checkpoint's policy (the
-    model it started from if it has none); a YAML config evaluates its ``model.path``."""
+    model it started from if it has none; a LoRA run's checkpoint is an adapter, merged into its
+    base); a YAML config evaluates its ``model.path`` (plus ``model.lora.adapter_path``)."""
     ns, path, overrides = _config_args("relayrl eval", argv)
     from pathlib import Path
 
@@ -202,7 +205,16 @@ def _eval(argv: list[str]) -> int:
         return 2
     if run_dir is not None:
         latest = CheckpointManager(run_dir, cfg.checkpoint).latest()
-        if latest is not None:  # the tokenizer stays where the run found it
+        if latest is not None and cfg.model.lora.rank > 0:  # a peft adapter on the run's base model
+            if cfg.model.lora.adapter_path:
+                print(
+                    "relayrl eval: a LoRA run that started from model.lora.adapter_path holds adapters on top "
+                    "of that one; evaluate it with a merged base as model.path",
+                    file=sys.stderr,
+                )
+                return 2
+            cfg.model.lora.adapter_path = str(latest / "actor")
+        elif latest is not None:  # the tokenizer stays where the run found it
             cfg.model.tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
             cfg.model.path = str(latest / "actor")
     import json
@@ -211,6 +223,11 @@ def _eval(argv: list[str]) -> int:
     from relayrl.data.models import load_tokenizer
     from relayrl.evaluation import evaluate
 
+    try:
+        wiring.resolve_extensions(cfg)
+    except ConfigError as e:
+        print(f"relayrl eval: {e}", file=sys.stderr)
+        return 2
     tokenizer = load_tokenizer(cfg.model)
     _, rows = wiring.load_rows(cfg, tokenizer)
     if not rows:

@@ -247,6 +247,7 @@ def grpo_stage(
     trainer = Trainer(cfg, reward_fn=task_reward_fn("arithmetic"), train_rows=train, eval_rows=held_out)
     try:
         trainer.fit()
+        assert trainer.actor_engine.model is not None
         return copy.deepcopy(trainer.actor_engine.model)
     finally:
         trainer.close()

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import random
 import time
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from relayrl.data.models import chat_ids, load_tokenizer
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import token_logprobs
 from relayrl.utils.logging import MetricLogger, get_logger
+from relayrl.utils.resolve import import_modules
 
 Row = dict[str, object]
 Example = tuple[list[int], list[int]]  # (input_ids, loss_mask)
@@ -65,7 +67,8 @@ def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig)
             # an agent conversation (tool calls, several assistant turns): every assistant turn is learned
             from relayrl.data.chat import conversation_example
 
-            ids, mask = conversation_example(tokenizer, messages, row.get("tools"))  # type: ignore[arg-type]
+            tools = typing.cast(list[dict[str, object]] | None, row.get("tools"))
+            ids, mask = conversation_example(tokenizer, messages, tools)
             if len(ids) > cfg.max_seq_len:
                 raise ValueError(f"{len(ids)} tokens is longer than data.max_seq_len={cfg.max_seq_len}")
             return ids, mask
@@ -73,7 +76,7 @@ def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig)
             messages, completion = messages[:-1], messages[-1]["content"]
         if not messages:
             raise ValueError(f"{cfg.messages_key!r} has no prompt turns")
-        prompt_ids = chat_ids(tokenizer, messages)  # type: ignore[arg-type]
+        prompt_ids = chat_ids(tokenizer, messages)
     elif cfg.prompt_key in row:
         prompt = row[cfg.prompt_key]
         if not isinstance(prompt, str):
@@ -211,6 +214,7 @@ def run_sft(
     t0 = time.monotonic()
     torch.set_num_threads(cfg.torch_threads)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
+    import_modules(cfg.imports)  # user tasks registered with @register_task
     if train_rows is None:
         train_rows, default_eval = sft_rows(cfg.data, cfg.seed)
         eval_rows = default_eval if eval_rows is None else eval_rows

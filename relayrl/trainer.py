@@ -21,21 +21,21 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import RunConfig, save_config, validate_config
-from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
+from relayrl.api.engine import DataItem, TensorDict
 from relayrl.api.io import SaveLoadMeta
-from relayrl.api.workflow import RolloutWorkflow
+from relayrl.api.workflow import RewardFn, RolloutWorkflow
+from relayrl.data.datasets import RLDataLoader
 from relayrl.data.models import load_model, load_tokenizer
-from relayrl.evaluation import evaluate
+from relayrl.driver import Driver
 from relayrl.rollout.executor import WorkflowExecutor
-from relayrl.train import distributed as D
-from relayrl.train.actor import Critic, PPOActor, check_actor_config
-from relayrl.train.engine import NonFiniteError, TorchTrainEngine
+from relayrl.train.actor import Critic, PPOActor, needs_critic, needs_reference, report_steps
+from relayrl.train.engine import AdapterOffReference, NonFiniteError, TorchTrainEngine
 from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats
 from relayrl.utils.checkpoint import CheckpointManager
@@ -44,7 +44,6 @@ from relayrl.utils.progress import Progress
 from relayrl.utils.seeding import rng_state, seed_everything, set_rng_state
 
 logger = get_logger("relayrl.trainer")
-RewardFn = Callable[..., float]
 
 
 class Trainer:
@@ -70,106 +69,115 @@ class Trainer:
         if cfg.actor.overlong_buffer and not cfg.actor.overlong_max_len:
             cfg.actor.overlong_max_len = cfg.gconfig.max_new_tokens  # DAPO's penalty ramps up to the limit
         validate_config(cfg)  # a config built or changed in code gets the load-time checks too
-        check_actor_config(cfg.actor)  # a mistyped loss / estimator fails now, not after models load
+        # imports, then every extension point (workflow, reward_fn, data.task, loss, estimator): fails now, not after
+        # models load (a workflow passed in code is not resolved from the config)
+        wiring.resolve_extensions(cfg, workflow_given=workflow is not None, reward_fn_given=reward_fn is not None)
         if cfg.train.optimizer.lr_schedule != "constant" and not cfg.train.total_steps:
             cfg.train.total_steps = cfg.total_steps * cfg.actor.ppo_epochs * cfg.actor.n_minibatches
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
-        D.maybe_init_process_group()  # under torchrun; a no-op in one process
-        self.driver = dist_utils.is_main()  # generates, evaluates, logs and writes the run directory
+        dist_utils.maybe_init_process_group()  # under torchrun; a no-op in one process
+        main = dist_utils.is_main()  # rank 0 is the driver: generates, evaluates, logs, writes the run directory
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint)
         resume_from = self._resume_point()
-        if self.driver:
+        if main:  # the driver's data side first: bad rows fail before any model loads
             if cfg.recover != "off":  # steps after the checkpoint (all, without one) are re-done: drop their old rows
-                done = 0 if resume_from is None else int(CheckpointManager.load_state(resume_from)["step"])  # type: ignore[call-overload]
+                done = 0 if resume_from is None else int(CheckpointManager.load_state(resume_from)["step"])
                 _drop_rows_after(self.run_dir / "metrics.jsonl", done)
             save_config(cfg, self.run_dir)
-            self.metrics = MetricLogger.from_config(cfg.logging, self.run_dir, cfg)
-            self.tokenizer = load_tokenizer(cfg.model)
+            metrics = MetricLogger.from_config(cfg.logging, self.run_dir, cfg)
+            tokenizer = load_tokenizer(cfg.model)
             if train_rows is None:
-                train_rows, eval_rows = wiring.load_rows(cfg, self.tokenizer)
-            self.eval_rows = (eval_rows or [])[: cfg.eval.max_prompts or None]
-            self.reward_fn = reward_fn or wiring.reward_fn_for(cfg)
-            self.dataloader = wiring.make_dataloader(cfg, train_rows)
+                train_rows, eval_rows = wiring.load_rows(cfg, tokenizer)
+            reward: RewardFn = reward_fn or wiring.reward_fn_for(cfg)
+            dataloader = wiring.make_dataloader(cfg, train_rows)
 
         # Train side (every rank): the actor, and a critic / reference model when the algorithm needs them.
         self.actor_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
         self.actor_engine.initialize()
         ref_engine = None
-        if cfg.actor.kl_coef > 0:
-            ref_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), trainable=False)
+        if needs_reference(cfg.actor):  # with LoRA the reference is the policy's base: no second model
+            ref_engine = (
+                AdapterOffReference(self.actor_engine)
+                if self.actor_engine.lora
+                else TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), trainable=False)
+            )
             ref_engine.initialize()
         self.actor = PPOActor(cfg.actor, self.actor_engine, ref_engine=ref_engine, seed=cfg.seed)
-        if cfg.rollout.max_staleness > 0 and cfg.actor.loss == "decoupled_ppo" and self.actor.logp_from_update:
+        if cfg.rollout.max_staleness > 0 and self.actor.loss.needs_prox_logp and self.actor.logp_from_update:
             logger.warning(
-                "actor.loss=decoupled_ppo with one optimizer step per batch: its clip is around the proximal policy, "
-                "which is the current one at the only step, so nothing bounds how far a stale batch moves the policy "
+                "actor.loss=%s (needs_prox_logp, as decoupled_ppo) with one optimizer step per batch: its clip is "
+                "around the proximal policy, which is the current one at the only step, so nothing bounds how far a stale batch moves the policy "
                 "(on the count benchmark eta=2 collapses). Use actor.n_minibatches > 1, or loss=ppo, which clips "
-                "against the behaviour policy (docs/benchmarks.md)"
+                "against the behaviour policy (docs/benchmarks.md)",
+                cfg.actor.loss,
             )
         self.critic: Critic | None = None
-        if cfg.actor.adv_estimator == "gae":
+        if needs_critic(cfg.actor):
             critic_engine = wiring.make_critic_engine(cfg)
             critic_engine.initialize()
             self.critic = Critic(cfg.actor, critic_engine)
 
         # Generation side (the driver).
-        self.engine: InferenceEngine | None = None
-        if self.driver:
-            self.engine = wiring.make_inference_engine(cfg, self.tokenizer)
-            self.engine.initialize()
-            self.executor = WorkflowExecutor(cfg.rollout, self.engine)
-            self.executor.initialize()
-            self.reward_pool = wiring.make_reward_pool(cfg, self.reward_fn)
-            self.workflow = workflow or wiring.make_workflow(
-                cfg, self.tokenizer, self.reward_fn, reward_pool=self.reward_pool
-            )
-            self.eval_workflow = (
-                eval_workflow
+        self.driver: Driver | None = None
+        if main:
+            engine = wiring.make_inference_engine(cfg, tokenizer)
+            engine.initialize()
+            executor = WorkflowExecutor(cfg.rollout, engine)
+            executor.initialize()
+            pool = wiring.make_reward_pool(cfg, reward)
+            self.driver = Driver(
+                cfg=cfg,
+                run_dir=self.run_dir,
+                metrics=metrics,
+                tokenizer=tokenizer,
+                dataloader=dataloader,
+                eval_rows=(eval_rows or [])[: cfg.eval.max_prompts or None],
+                reward_fn=reward,
+                engine=engine,
+                executor=executor,
+                reward_pool=pool,
+                workflow=workflow or wiring.make_workflow(cfg, tokenizer, reward, reward_pool=pool),
+                eval_workflow=eval_workflow
                 or workflow
-                or wiring.make_workflow(
-                    cfg, self.tokenizer, self.reward_fn, cfg.eval.gconfig, reward_pool=self.reward_pool
-                )
+                or wiring.make_workflow(cfg, tokenizer, reward, cfg.eval.gconfig, reward_pool=pool),
             )
+        self.engine = self.driver.engine if self.driver else None  # None on the other ranks
 
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)
         # Generators start from the trainer's weights and version.
-        self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]  # a collective; rank 0 pushes
-        self._samples = 0
+        self.actor_engine.update_weights(self.engine)  # a collective; rank 0 pushes
+        self._critic_stats: list[dict[str, float]] = []
         self._t_start = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
     def _shares_gpu(self) -> bool:
         """Synchronous RL with an in-process engine on a GPU: nothing generates while the trainer
         trains, so the engine's KV cache can give its memory to training."""
-        device = getattr(self.engine, "device", None)
-        return (
-            self.cfg.rollout.max_staleness == 0
-            and hasattr(self.engine, "release_memory")
-            and isinstance(device, torch.device)
-            and device.type == "cuda"
-        )
+        return self.cfg.rollout.max_staleness == 0 and self.engine is not None and self.engine.can_release_memory()
 
     def fit(self) -> dict[str, float]:
         """Train until ``total_steps``; returns the last step's metrics."""
         cfg, last = self.cfg, {}
         progress = Progress(cfg.total_steps, start=self.step, mode=cfg.logging.progress if self.driver else "off")
-        if self.driver and cfg.eval.before_training and self.step == 0 and self.eval_rows:
-            self.metrics.log(self.evaluate(), step=0)
+        d = self.driver
+        if d and cfg.eval.before_training and self.step == 0 and d.eval_rows:
+            d.metrics.log(d.evaluate(), step=0)
         self._reseed_generation()
         try:
             while self.step < cfg.total_steps:
                 t0 = time.monotonic()
                 with stats.record_timing("rollout"):
-                    batch = self.executor.prepare_batch(self.dataloader, self.workflow) if self.driver else None
+                    batch = d.executor.prepare_batch(d.dataloader, d.workflow) if d else None
                     batch = dist_utils.broadcast_object(batch)  # every rank trains on the driver's batch
+                    assert batch is not None
                 share_gpu = self._shares_gpu()
-                if share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
-                    self.engine.release_memory()  # type: ignore[union-attr]
+                if d and share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
+                    d.engine.release_memory()
                 with stats.record_timing("compute_logp"):
                     self.compute_logp(batch)
                 with stats.record_timing("compute_advantages"):
@@ -177,19 +185,19 @@ class Trainer:
                 with stats.record_timing("ppo_update"), stats.scope("actor"):
                     actor_stats = self.actor.ppo_update(batch)
                     if self.critic is not None:
-                        self.critic.update(batch)
+                        self._critic_stats = self.critic.update(batch)
                 with stats.record_timing("update_weights"):
-                    if self.driver:
-                        self.executor.pause()  # no new episodes until this step's bookkeeping is done
+                    if d:
+                        d.executor.pause()  # no new episodes until this step's bookkeeping is done
                     self.step += 1
                     self.actor_engine.set_version(self.step)
-                    self.actor_engine.update_weights(self.engine)  # type: ignore[arg-type]
-                    if share_gpu:
-                        self.engine.resume_memory()  # type: ignore[union-attr]
+                    self.actor_engine.update_weights(self.engine)
+                    if d and share_gpu:
+                        d.engine.resume_memory()
                 last = self._after_step(batch, time.monotonic() - t0, actor_stats)
                 self._reseed_generation()
-                if self.driver:
-                    self.executor.resume()
+                if d:
+                    d.executor.resume()
                 progress.update(self.step, last)
         except KeyboardInterrupt:
             logger.warning("interrupted at step %d", self.step)
@@ -206,7 +214,7 @@ class Trainer:
 
     def _latest_step(self) -> int | None:
         latest = self.ckpt.latest() if self.driver else None
-        return dist_utils.broadcast_object(None if latest is None else int(latest.name.removeprefix("step_")))  # type: ignore[return-value]
+        return dist_utils.broadcast_object(None if latest is None else int(latest.name.removeprefix("step_")))
 
     def compute_logp(self, batch: TensorDict) -> None:
         """Recompute logprobs the losses need: proximal/old policy (unless the update's own
@@ -221,113 +229,67 @@ class Trainer:
     def _reseed_generation(self) -> None:
         """Step N's samples come from a stream that depends only on (seed, N), so a resumed
         synchronous run samples exactly what an uninterrupted one would (LocalEngine)."""
-        if self.engine is not None and hasattr(self.engine, "load_state_dict"):
+        if self.engine is not None:
             self.engine.load_state_dict({"next_key": self.step << 20})
 
     # ------------------------------------------------------------------ bookkeeping
     def _after_step(self, batch: TensorDict, seconds: float, actor_stats: list[dict[str, float]]) -> dict[str, float]:
-        cfg = self.cfg
-        n = int(batch["rewards"].shape[0])
-        self._samples += n
-        loss_tokens = batch["loss_mask"].bool()
-        lag = (self.step - 1) - batch["versions"][loss_tokens]
+        """Every part reports this step's metrics through ``utils.stats`` (a key reported twice is an
+        error, never a silent overwrite), then one export (a collective under torchrun)."""
+        if self.driver:
+            self.driver.report_step(self.step, batch, seconds)
+            bad = report_steps(actor_stats, "actor")
+            if bad:
+                logger.warning(
+                    "step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "
+                    "train.max_nan_skips=%d in a row stop the run",
+                    self.step,
+                    len(bad),
+                    len(actor_stats),
+                    bad[0].get("loss"),
+                    bad[0].get("grad_norm"),
+                    self.cfg.train.max_nan_skips,
+                )
+            if self._critic_stats:
+                report_steps(
+                    [{k.removeprefix("critic/"): v for k, v in s.items()} for s in self._critic_stats], "critic"
+                )
         metrics = stats.export()  # a collective under torchrun
-        if not self.driver:
-            if dist_utils.broadcast_object(None):  # the driver's checkpoint decision
-                self.save()
-            return metrics
-        metrics.update(
-            {
-                "rollout/reward": float(batch["rewards"].float().mean()),
-                "rollout/completion_len": float(loss_tokens.sum(1).float().mean()),
-                "rollout/staleness_mean": float(lag.float().mean()) if lag.numel() else 0.0,
-                "rollout/staleness_max": float(lag.max()) if lag.numel() else 0.0,
-                "perf/step_seconds": seconds,
-                "perf/samples_per_s": n / max(seconds, 1e-9),
-                "perf/samples": float(self._samples),
-                "version": float(self.step),
-            }
-        )
-        metrics.update({f"rollout/{k}": float(v) for k, v in self.executor.stats().items()})
-        for key, value in batch.items():  # workflows' per-episode counters (num_turns, malformed_tool_calls, ...)
-            if key not in ("rewards", "prompt_index", "group_id") and value.dim() == 1 and value.shape[0] == n:
-                metrics.setdefault(f"rollout/{key}", float(value.float().mean()))  # never shadows the executor's counts
-        metrics.update(self._actor_metrics(actor_stats))
-        metrics.update(self._health_metrics())
-        if cfg.eval.every_n_steps and self.step % cfg.eval.every_n_steps == 0 and self.eval_rows:
-            metrics.update(self.evaluate())
-        # metrics.jsonl also lists the row ids this step trained on (audits: nothing lost or repeated)
-        self.metrics.log({**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}, step=self.step)
-        self._save_rollouts(batch)
-        if dist_utils.broadcast_object(self.ckpt.due(self.step)):  # (wall-clock rules: the driver decides)
+        if self.driver:
+            self.driver.log(self.step, metrics, batch)
+        if dist_utils.broadcast_object(self.ckpt.due(self.step) if self.driver else None):  # (the driver decides)
             self.save()
         return metrics
 
-    def _actor_metrics(self, steps: list[dict[str, float]]) -> dict[str, float]:
-        """Means over this step's optimizer steps; a step skipped for a NaN/inf loss is counted and logged."""
-        done = [s for s in steps if not s.get("skipped")]
-        out = {"actor/optimizer_steps": float(len(steps)), "actor/skipped_steps": float(len(steps) - len(done))}
-        for key in done[0] if done else {}:
-            if "/" not in key and key not in ("epoch", "skipped"):
-                out[f"actor/{key}"] = sum(s[key] for s in done if key in s) / len(done)
-        bad = [s for s in steps if s.get("skipped") and not s.get("empty_minibatch")]
-        if bad:
-            logger.warning(
-                "step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "
-                "train.max_nan_skips=%d in a row stop the run",
-                self.step,
-                len(bad),
-                len(steps),
-                bad[0].get("loss"),
-                bad[0].get("grad_norm"),
-                self.cfg.train.max_nan_skips,
-            )
-        return out
-
-    def _health_metrics(self) -> dict[str, float]:
-        """Generator and reward-pool health: live servers, evictions, re-admissions, reward timeouts ..."""
-        out = {f"inference/{k}": float(v) for k, v in getattr(self.engine, "stats", {}).items()}
-        live = getattr(self.engine, "live_servers", None)
-        if callable(live):
-            out["inference/live_servers"] = float(len(live()))
-        pool = getattr(self.workflow, "reward_pool", None)
-        out.update({f"reward/{k}": float(v) for k, v in getattr(pool, "stats", {}).items()})
-        return out
-
     def evaluate(self) -> dict[str, float]:
-        """Score the held-out rows with the eval generation config (executor paused; it resumes
-        only if it was running: between steps the loop resumes it after reseeding generation)."""
-        was_paused = self.executor.paused
-        self.executor.pause()
-        try:
-            return evaluate(self.engine, self.eval_workflow, self.eval_rows, self.cfg.eval.n_samples)
-        finally:
-            if not was_paused:
-                self.executor.resume()
+        """The driver's evaluation (rank 0 only)."""
+        return self._main().evaluate()
 
-    def _save_rollouts(self, batch: TensorDict) -> None:
-        k = min(self.cfg.logging.rollouts_per_step, int(batch["rewards"].shape[0]))
-        if k == 0:
-            return
-        out = self.run_dir / "rollouts" / f"step_{self.step:06d}.jsonl"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w") as fh:
-            for i in range(k):
-                ids, lm = batch["input_ids"][i], batch["loss_mask"][i].bool()
-                attn = batch["attention_mask"][i].bool()
-                first = int(lm.nonzero()[0])
-                versions = batch["versions"][i][lm]
-                fh.write(
-                    json.dumps(
-                        {
-                            "prompt": self.tokenizer.decode(ids[:first]),
-                            "completion": self.tokenizer.decode(ids[first:][attn[first:]]),
-                            "reward": float(batch["rewards"][i]),
-                            "versions": sorted({int(v) for v in versions}),
-                        }
-                    )
-                    + "\n"
-                )
+    def _main(self) -> Driver:
+        if self.driver is None:
+            raise RuntimeError("this part of the run lives on the driver (rank 0) only")
+        return self.driver
+
+    # The driver's parts, on rank 0 (a RuntimeError elsewhere).
+    @property
+    def executor(self) -> WorkflowExecutor:
+        return self._main().executor
+
+    @property
+    def dataloader(self) -> RLDataLoader:
+        return self._main().dataloader
+
+    @property
+    def workflow(self) -> RolloutWorkflow:
+        return self._main().workflow
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._main().tokenizer
+
+    @property
+    def eval_rows(self) -> list[DataItem]:
+        return self._main().eval_rows
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -340,11 +302,7 @@ class Trainer:
         final = tmp.parent / f"step_{self.step:06d}"
         if self.driver:
             torch.save({"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()}, tmp / "rng.pt")
-            state = {
-                "version": self.step,
-                "dataloader": self.dataloader.state_dict(),
-                "executor": self.executor.state_dict(),
-            }
+            state = {"version": self.step, **self.driver.state_dict()}
             final = self.ckpt.commit(self.step, tmp, state)
             logger.info("saved checkpoint %s", final)
         dist_utils.barrier()
@@ -363,11 +321,10 @@ class Trainer:
         self.actor_engine.load(SaveLoadMeta(str(path / "actor"), with_optim=True))
         if self.critic is not None:
             self.critic.engine.load(SaveLoadMeta(str(path / "critic"), with_optim=True))
-        self.step = int(state["step"])  # type: ignore[arg-type]
-        self.actor_engine.set_version(int(state["version"]))  # type: ignore[arg-type]
+        self.step = int(state["step"])
+        self.actor_engine.set_version(int(state["version"]))
         if self.driver:
-            self.dataloader.load_state_dict(state["dataloader"])  # type: ignore[arg-type]
-            self.executor.load_state_dict(state["executor"])  # type: ignore[arg-type]
+            self.driver.load_state_dict(state)
         rngs = torch.load(path / "rng.pt", weights_only=False)
         set_rng_state(rngs["global"])
         self.actor.generator.set_state(rngs["actor_minibatches"])
@@ -376,11 +333,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the executor, generators (and launched servers), reward workers; flush metrics."""
         if self.driver:
-            self.executor.destroy()
-            self.engine.destroy()  # type: ignore[union-attr]
-            if self.reward_pool is not None:
-                self.reward_pool.close()
-            self.metrics.close()
+            self.driver.close()
         self.actor_engine.destroy()
 
 
@@ -400,9 +353,16 @@ def _drop_rows_after(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def train(cfg: RunConfig, **parts: object) -> dict[str, float]:
-    """Build a Trainer, fit, close. ``parts`` go to ``Trainer`` (workflow, reward_fn, rows)."""
-    trainer = Trainer(cfg, **parts)  # type: ignore[arg-type]
+def train(
+    cfg: RunConfig,
+    workflow: RolloutWorkflow | None = None,
+    reward_fn: RewardFn | None = None,
+    train_rows: list[DataItem] | None = None,
+    eval_rows: list[DataItem] | None = None,
+    eval_workflow: RolloutWorkflow | None = None,
+) -> dict[str, float]:
+    """Build a Trainer (the parts as ``Trainer`` takes them), fit, close."""
+    trainer = Trainer(cfg, workflow, reward_fn, train_rows, eval_rows, eval_workflow)
     try:
         return trainer.fit()
     finally:

@@ -7,30 +7,29 @@ Both sides of the system meet here (and in the trainer and recipes) and nowhere 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 
 from transformers import PreTrainedTokenizerBase
 
-from relayrl.api.config import RunConfig
+from relayrl.api.config import ConfigError, RunConfig
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig
-from relayrl.api.workflow import RolloutWorkflow
+from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader, load_rows_from_file
 from relayrl.data.models import load_model
-from relayrl.data.tasks import make_task
-from relayrl.rewards.math import gsm8k_reward_fn
+from relayrl.data.tasks import make_task, task_fn
 from relayrl.rewards.pool import RewardPool
-from relayrl.rewards.tasks import task_reward_fn
+from relayrl.rewards.registry import resolve_reward_fn
 from relayrl.train.engine import TorchTrainEngine
-
-RewardFn = Callable[..., float]
+from relayrl.utils.resolve import import_modules
 
 
 def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[DataItem], list[DataItem]]:
     """Train and eval rows: a synthetic task, or files (``data.task=file``)."""
     d = cfg.data
     if d.task != "file":
-        return make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)  # type: ignore[return-value]
+        return make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)
     if not d.train_path:
         raise ValueError("data.task=file needs data.train_path (a jsonl, json or parquet file)")
 
@@ -48,8 +47,24 @@ def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[
 
 
 def reward_fn_for(cfg: RunConfig) -> RewardFn:
-    """The task's verifier, or the math-verify reward for file datasets."""
-    return gsm8k_reward_fn if cfg.data.task == "file" else task_reward_fn(cfg.data.task)
+    """``reward_fn`` with ``reward_kwargs`` bound; by default the task's verifier (math-verify for files)."""
+    return resolve_reward_fn(cfg.reward_fn, cfg.data.task, cfg.reward_kwargs)
+
+
+def resolve_extensions(cfg: RunConfig, workflow_given: bool = False, reward_fn_given: bool = False) -> None:
+    """Import ``imports``, then resolve every extension point of ``cfg`` now, before any model loads,
+    so a bad name or path fails in one line naming its field."""
+    import_modules(cfg.imports)
+    from relayrl.rollout.workflows import workflow_factory
+    from relayrl.train.actor import check_actor_config
+
+    check_actor_config(cfg.actor)
+    if not workflow_given:
+        _check_workflow_kwargs(cfg, workflow_factory(cfg.workflow))
+    if cfg.data.task != "file":
+        task_fn(cfg.data.task)
+    if not reward_fn_given:
+        reward_fn_for(cfg)
 
 
 def make_dataloader(cfg: RunConfig, rows: list[DataItem]) -> RLDataLoader:
@@ -90,30 +105,57 @@ def make_workflow(
     gconfig: GenerationConfig | None = None,
     reward_pool: RewardPool | None = None,
 ) -> RolloutWorkflow:
-    """The workflow named by ``cfg.workflow``, generating with ``gconfig`` (default ``cfg.gconfig``;
-    evaluation passes ``cfg.eval.gconfig``)."""
-    from relayrl.rollout.workflows import MultiTurnWorkflow, ReMaxWorkflow, RLVRWorkflow, ToolAgentWorkflow
+    """The workflow ``cfg.workflow`` resolves to, generating with ``gconfig`` (default ``cfg.gconfig``;
+    evaluation passes ``cfg.eval.gconfig``).
 
-    classes = {
-        "rlvr": RLVRWorkflow,
-        "multi_turn": MultiTurnWorkflow,
-        "remax": ReMaxWorkflow,
-        "tool_agent": ToolAgentWorkflow,
-    }
+    The factory gets, of the run's standard arguments, those its signature names (``reward_fn``,
+    ``gconfig``, ``tokenizer``, ``reward_pool``, ``reward_timeout``, ``prompt_format``, ``max_turns``,
+    ``turn_discount``, ``max_tool_calls``, ``tool``), then ``workflow_kwargs``.
+    """
+    from relayrl.rollout.workflows import ToolAgentWorkflow, workflow_factory
+
+    factory = workflow_factory(cfg.workflow)
     r = cfg.rollout
-    kwargs: dict[str, object] = {
-        "reward_pool": reward_pool,
-        "reward_timeout": r.reward_timeout,
-        "prompt_format": cfg.data.prompt_format,
-    }
-    if cfg.workflow == "multi_turn":
-        kwargs.update(max_turns=r.max_turns, turn_discount=r.turn_discount)
-    if cfg.workflow == "tool_agent":
+    gconfig = gconfig or cfg.gconfig
+    if factory is ToolAgentWorkflow and r.tool_format == "template":  # tool calls through the chat template
+        from relayrl.agents.builtin import tool_agent_workflow
         from relayrl.rollout.tools import SubprocessTool
 
-        kwargs.update(max_tool_calls=r.max_tool_calls, tool=SubprocessTool(r.tool))
-        if r.tool_format == "template":  # tool calls through the chat template (relayrl.agents)
-            from relayrl.agents.builtin import tool_agent_workflow
+        return tool_agent_workflow(reward_fn, gconfig, tokenizer, SubprocessTool(r.tool), r.max_tool_calls)
+    offered: dict[str, Callable[[], object]] = {
+        "reward_fn": lambda: reward_fn,
+        "gconfig": lambda: gconfig,
+        "tokenizer": lambda: tokenizer,
+        "reward_pool": lambda: reward_pool,
+        "reward_timeout": lambda: r.reward_timeout,
+        "prompt_format": lambda: cfg.data.prompt_format,
+        "max_turns": lambda: r.max_turns,
+        "turn_discount": lambda: r.turn_discount,
+        "max_tool_calls": lambda: r.max_tool_calls,
+        "tool": lambda: _subprocess_tool(r.tool),
+    }
+    params = _check_workflow_kwargs(cfg, factory)
+    kwargs = {k: make() for k, make in offered.items() if k in params and k not in cfg.workflow_kwargs}
+    workflow = factory(**kwargs, **cfg.workflow_kwargs)
+    if not hasattr(workflow, "arun_episode"):
+        raise ConfigError(f"workflow={cfg.workflow!r} returned a {type(workflow).__name__}, expected a RolloutWorkflow")
+    return workflow
 
-            return tool_agent_workflow(reward_fn, gconfig or cfg.gconfig, tokenizer, kwargs["tool"], r.max_tool_calls)  # type: ignore[arg-type]
-    return classes[cfg.workflow](reward_fn, gconfig or cfg.gconfig, tokenizer, **kwargs)  # type: ignore[arg-type]
+
+def _check_workflow_kwargs(cfg: RunConfig, factory: Callable[..., object]) -> Mapping[str, inspect.Parameter]:
+    """The factory's parameters; ConfigError naming ``workflow_kwargs.KEY`` for an argument it does not take."""
+    params = inspect.signature(factory).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        for key in cfg.workflow_kwargs:
+            if key not in params:
+                raise ConfigError(
+                    f"workflow_kwargs.{key}: workflow={cfg.workflow!r} takes no argument {key!r} "
+                    f"(its arguments: {list(params)})"
+                )
+    return params
+
+
+def _subprocess_tool(name: str) -> object:
+    from relayrl.rollout.tools import SubprocessTool
+
+    return SubprocessTool(name)

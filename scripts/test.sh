@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-ruff format --check --quiet . && ruff check --quiet .
+ruff format --check --quiet . && ruff check --quiet . && mypy  # files and settings: [tool.mypy] in pyproject.toml
 python -m pytest -q "$@"

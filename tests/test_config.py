@@ -390,3 +390,22 @@ def test_gconfig_n_samples_is_gone_not_silently_ignored():
     used to be accepted and then reset by every workflow."""
     assert "unknown config key 'gconfig.n_samples'" in _error(["gconfig.n_samples=4"])
     assert "unknown config key 'eval.gconfig.n_samples'" in _error(["eval.gconfig.n_samples=4"])
+
+
+def test_yaml_interpolation_resolves_against_file_overrides_and_defaults(tmp_path):
+    """``${section.field}`` (OmegaConf's interpolation) reads the file, the overrides and the
+    defaults; words like ``off`` elsewhere keep their meaning; a bad reference names the field."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "gconfig: {max_new_tokens: 24}\n"
+        "actor: {loss_agg_mode: seq-mean-token-sum-norm, loss_norm_len: '${gconfig.max_new_tokens}', "
+        "critic_lr: '${train.optimizer.lr}'}\n"
+        "logging: {progress: off}\n"
+    )
+    cfg = load_config(RunConfig, path, ["train.optimizer.lr=3e-5"])
+    assert cfg.actor.loss_norm_len == 24 and cfg.actor.critic_lr == 3e-5 and cfg.logging.progress == "off"
+    assert load_config(RunConfig, None, ["rollout.batch_size=${data.n_eval}"]).rollout.batch_size == 200  # a default
+    with pytest.raises(
+        ConfigError, match=r"^actor.lr_x: cannot resolve|^actor.critic_lr: cannot resolve '\$\{nope.x\}'"
+    ):
+        load_config(RunConfig, None, ["actor.critic_lr=${nope.x}"])

@@ -25,6 +25,10 @@ ELSEWHERE = {
     "RolloutConfig.max_failure_rate": "tests/test_executor.py::test_failure_rate_stops_with_clear_error",
     "InferenceConfig.max_retries": "tests/test_remote.py::test_killed_server_requests_complete_and_server_is_readmitted",
     "CheckpointConfig.every_minutes": "tests/test_trainer.py::test_checkpoints_are_due_every_n_steps_or_every_n_minutes",
+    "LoraConfig.alpha": "tests/test_lora.py::test_merged_weights_reach_a_local_engine_and_leave_the_base_alone",
+    "LoraConfig.dropout": "tests/test_lora.py::test_dropout_acts_on_the_adapters_in_training_mode_only",
+    "LoraConfig.target_modules": "tests/test_lora.py::test_target_modules_are_checked_at_start_up",
+    "LoraConfig.adapter_path": "tests/test_lora.py::test_checkpoint_is_a_peft_adapter_and_resumes_exactly",
 }
 RUNS = {
     # grpo, a decaying LR, timed checkpoints, file data, requeue_after tail batches

@@ -148,7 +148,7 @@ def test_concurrent_requests_join_and_leave(tiny_model):
             for i, (p, b) in enumerate(zip(ps, budgets, strict=True))
         ]
         resps = gather(engine, reqs)
-        steps_together = engine.stats["steps"]
+        steps_together = engine.counters["steps"]
     finally:
         engine.destroy()
     assert [r.output_len for r in resps] == budgets
@@ -196,13 +196,13 @@ def test_weight_update_interrupts_and_continues(tiny_model):
 
         async def go():
             task = asyncio.create_task(engine.agenerate(ModelRequest("a", prompt, g)))
-            while engine.stats["steps"] < 10:
+            while engine.counters["steps"] < 10:
                 await asyncio.sleep(0.001)
             await asyncio.to_thread(engine.update_weights, WeightUpdate(kind="tensors", tensors=new_state, version=1))
             return await task
 
         r = asyncio.run(go())
-        assert engine.stats["aborts"] == 1
+        assert engine.counters["aborts"] == 1
         assert engine.get_version() == 1
     finally:
         engine.destroy()
@@ -384,4 +384,4 @@ def test_default_batch_decodes_a_whole_grpo_step_in_one_wave(tiny_model):
     finally:
         engine.destroy()
     assert [r.output_len for r in out] == [n_new] * 128
-    assert engine.stats["steps"] <= n_new  # one wave: the first token comes from the prefill
+    assert engine.counters["steps"] <= n_new  # one wave: the first token comes from the prefill

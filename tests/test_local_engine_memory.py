@@ -55,7 +55,7 @@ def test_full_cache_preempts_and_continues(tiny_model, fast_decode):
         expected = generate(roomy, PROMPTS, g)
     finally:
         roomy.destroy()
-    assert roomy.stats["preemptions"] == 0
+    assert roomy.counters["preemptions"] == 0
     tight = LocalEngine(
         InferenceConfig(device="cpu", seed=5, max_tokens_in_flight=100, fast_decode=fast_decode), tiny_model
     )
@@ -65,8 +65,8 @@ def test_full_cache_preempts_and_continues(tiny_model, fast_decode):
     finally:
         tight.destroy()
     assert tight.kv_capacity == 100
-    assert tight.stats["preemptions"] > 0 and tight.stats["aborts"] == 0
-    assert 0 < tight.stats["kv_peak"] <= 100 < roomy.stats["kv_peak"]
+    assert tight.counters["preemptions"] > 0 and tight.counters["aborts"] == 0
+    assert 0 < tight.counters["kv_peak"] <= 100 < roomy.counters["kv_peak"]
     for p, e, r in zip(PROMPTS, expected, got, strict=True):
         assert r.stop_reason == "length" and len(r.output_tokens) == 30
         assert r.output_tokens == e.output_tokens
@@ -121,13 +121,13 @@ def test_release_and_resume_memory_mid_generation(tiny_model):
     seen: dict[str, int | bool] = {}
 
     def release_then_resume():
-        while engine.stats["tokens"] < 20:
+        while engine.counters["tokens"] < 20:
             time.sleep(0.001)
         engine.release_memory(weights=True)
         seen["cache_freed"] = engine._cache is None and not engine._rows
-        before = engine.stats["tokens"]
+        before = engine.counters["tokens"]
         time.sleep(0.2)
-        seen["idle"] = engine.stats["tokens"] == before
+        seen["idle"] = engine.counters["tokens"] == before
         engine.resume_memory()
 
     try:
@@ -135,7 +135,7 @@ def test_release_and_resume_memory_mid_generation(tiny_model):
     finally:
         engine.destroy()
     assert seen == {"cache_freed": True, "idle": True}
-    assert engine.stats["preemptions"] >= 1 and engine.stats["aborts"] == 0
+    assert engine.counters["preemptions"] >= 1 and engine.counters["aborts"] == 0
     for p, r in zip(PROMPTS, res, strict=False):
         assert r.stop_reason == "length" and len(r.output_tokens) == 120
         torch.testing.assert_close(
@@ -286,7 +286,7 @@ def test_weight_update_while_requests_are_preempted(tiny_model):
     seen = {}
 
     def update_when_preempted():
-        while not engine._preempted and engine.stats["tokens"] < 200:
+        while not engine._preempted and engine.counters["tokens"] < 200:
             time.sleep(0.0005)
         seen["preempted"] = len(engine._preempted)
         engine.update_weights(WeightUpdate(kind="tensors", version=1, tensors=new_state))
@@ -295,7 +295,7 @@ def test_weight_update_while_requests_are_preempted(tiny_model):
         res = generate(engine, PROMPTS, g, during=update_when_preempted)
     finally:
         engine.destroy()
-    assert seen["preempted"] > 0 and engine.stats["aborts"] >= seen["preempted"]
+    assert seen["preempted"] > 0 and engine.counters["aborts"] >= seen["preempted"]
     for r in res:
         assert r.stop_reason == "length" and len(r.output_tokens) == 40
         assert r.output_versions == sorted(r.output_versions) and r.output_versions[-1] == 1
@@ -319,7 +319,7 @@ def test_out_of_memory_in_decode_lowers_the_budget_and_continues(tiny_model):
         res = generate(engine, PROMPTS, GenerationConfig(max_new_tokens=24, temperature=1.0, ignore_eos=True))
     finally:
         engine.destroy()
-    assert calls["n"] >= 5 and engine.stats["preemptions"] >= len(PROMPTS) and engine.stats["aborts"] == 0
+    assert calls["n"] >= 5 and engine.counters["preemptions"] >= len(PROMPTS) and engine.counters["aborts"] == 0
     assert engine.kv_capacity < 65536 and "lowered after running out of memory" in engine.kv_capacity_by
     for p, r in zip(PROMPTS, res, strict=True):
         assert r.stop_reason == "length" and len(r.output_tokens) == 24

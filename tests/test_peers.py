@@ -125,7 +125,7 @@ def test_vllm_tokens_keep_the_version_that_generated_them_across_a_reload(stoppe
             time.sleep(0.005)
         eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=new.state_dict()))
         t.join(timeout=120)
-        assert eng.stats["interrupted"] >= 1
+        assert eng.counters["interrupted"] >= 1
         old_ref = reference(tiny_model, ps, greedy(200))
         for p_ids, r, ref in zip(ps, results, old_ref, strict=True):
             k = r.output_versions.count(0)
@@ -189,9 +189,9 @@ def test_a_weight_load_longer_than_the_probe_timeout_evicts_no_server(stopper, t
         t0 = time.monotonic()
         eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=tiny_model.state_dict()))
         assert time.monotonic() - t0 > 6
-        assert eng.stats["evictions"] == 0 and len(eng.live_servers()) == 2
+        assert eng.counters["evictions"] == 0 and len(eng.live_servers()) == 2
         time.sleep(1.0)  # probes resume after the update, and find both alive
-        assert eng.stats["evictions"] == 0
+        assert eng.counters["evictions"] == 0
     finally:
         eng.destroy()
 
@@ -305,7 +305,7 @@ def test_weights_kill_and_readmit_on_every_peer(name, tmp_path, tiny_model):
         deadline = time.monotonic() + 60
         while len(eng.live_servers()) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(eng.live_servers()) == 2 and eng.stats["readmissions"] >= 1
+        assert len(eng.live_servers()) == 2 and eng.counters["readmissions"] >= 1
         outs = run_all(eng, ps, greedy(8), prefix="back")  # both servers serve version 1 (none its start-up weights)
         assert [o.output_tokens for o in outs] == [r.output_tokens for r in refs]
         eng.update_weights(WeightUpdate(kind="tensors", version=2, tensors=tiny_model.state_dict()))

@@ -192,3 +192,62 @@ def test_reward_model_recipe_scores_rollouts_with_the_reward_model(tmp_path: Pat
             fn(prompt=row["prompt"], completions=row["completion"], prompt_ids=p, completion_ids=c), abs=1e-4
         )
     assert len({round(r["reward"], 6) for r in rows}) > 2  # real-valued scores, not a verifier's 0/1
+
+
+def test_grpo_moe_recipe_reward_rises(tmp_path: Path):
+    """recipes/algorithms/grpo_moe.yaml (Qwen3-MoE `tiny-moe`, routed-experts replay, aux loss) from a
+    60-step SFT warm start on imperfect demonstrations (30% wrong): 40 GRPO steps raise the sampled
+    accuracy on the training prompts (measured 0.53 -> 0.69 with seed 1)."""
+    from relayrl.api.config import (
+        LoggingConfig,
+        ModelConfig,
+        OptimizerConfig,
+        SFTConfig,
+        SFTDataConfig,
+        TrainEngineConfig,
+    )
+    from relayrl.data.models import build_tiny_model, build_tokenizer
+    from relayrl.data.tasks import demonstrations, make_task
+    from relayrl.rewards.tasks import task_reward_fn
+    from relayrl.sft import run_sft
+
+    rows, _ = make_task("arithmetic", 40, 10, 1, 1)
+    sft = SFTConfig(
+        run_dir=str(tmp_path / "sft"),
+        seed=1,
+        total_steps=60,
+        batch_size=64,
+        save_final=True,
+        model=ModelConfig(path="tiny-moe"),
+        train=TrainEngineConfig(optimizer=OptimizerConfig(lr=3e-3, lr_schedule="constant", warmup_steps=20)),
+        data=SFTDataConfig(task="arithmetic", difficulty=1, error_rate=0.3),
+        logging=LoggingConfig(tensorboard=False),
+    )
+    run_sft(
+        sft,
+        tokenizer=build_tokenizer(),
+        model=build_tiny_model("tiny-moe", seed=1),
+        train_rows=demonstrations(rows, 0.3, 1),
+    )
+    cfg = load_config(
+        RunConfig,
+        ROOT / "recipes" / "algorithms" / "grpo_moe.yaml",
+        [
+            f"run_dir={tmp_path / 'rl'}",
+            f"model.path={tmp_path / 'sft' / 'final'}",
+            "logging.tensorboard=false",
+            "logging.progress=lines",
+            "checkpoint.save_final=false",
+            "eval.before_training=true",
+            "eval.every_n_steps=40",
+            "eval.gconfig.greedy=false",
+            "eval.n_samples=4",
+        ],
+    )
+    assert cfg.total_steps == 40 and cfg.actor.replay_routing and cfg.actor.moe_aux_loss_coef > 0
+    train(cfg, train_rows=rows, eval_rows=rows, reward_fn=task_reward_fn("arithmetic"))
+    metrics = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval/reward"] for r in metrics if "eval/reward" in r]
+    assert len(evals) == 2 and evals[1] >= evals[0] + 0.1, evals
+    aux = [r["actor/moe_aux_loss"] for r in metrics if "actor/loss" in r]
+    assert len(aux) == 40 and min(aux) > 0

@@ -157,11 +157,11 @@ def test_a_burst_goes_out_in_few_http_calls_with_single_request_results(group, s
         finally:
             alone.destroy()
             batched.destroy()
-        assert calls1 - calls0 == alone.stats["http_calls"] == 30, protocol
+        assert calls1 - calls0 == alone.counters["http_calls"] == 30, protocol
         # relayrl/sglang: one call per server; vllm: one per server and distinct set of sampling params
         limit = 2 if protocol != "vllm" else 2 * len({(g.max_new_tokens, tuple(g.stop_token_ids)) for g in gs})
-        assert calls2 - calls1 == batched.stats["http_calls"] <= min(limit, 20), (protocol, calls2 - calls1)
-        assert batched.stats["requests"] == 30
+        assert calls2 - calls1 == batched.counters["http_calls"] <= min(limit, 20), (protocol, calls2 - calls1)
+        assert batched.counters["requests"] == 30
         for o, s, g, stop in zip(outs, singles, gs, stops, strict=True):
             assert o.output_tokens == s.output_tokens and o.stop_reason == s.stop_reason, protocol
             assert o.output_logprobs == pytest.approx(s.output_logprobs, abs=1e-5)
@@ -199,7 +199,7 @@ def test_no_item_of_a_batch_waits_for_the_slowest(group, shared):
         outs = run_each(eng, prompts(8), gs, prefix="hol")
     finally:
         eng.destroy()
-    assert eng.stats["http_calls"] == 1 and eng.stats["requests"] == 8
+    assert eng.counters["http_calls"] == 1 and eng.counters["requests"] == 8
     assert [o.output_len for o in outs] == [150] + [2] * 7
     assert max(o.latency for o in outs[1:]) < outs[0].latency / 2, [round(o.latency, 3) for o in outs]
 
@@ -227,7 +227,7 @@ def test_batch_size_cap_and_callers_that_give_up(group, shared):
         outs = asyncio.run(go())
     finally:
         eng.destroy()
-    assert eng.stats["http_calls"] == 3 and served_by(group, 0) - served == 9  # 4 + 4 + the one not cancelled
+    assert eng.counters["http_calls"] == 3 and served_by(group, 0) - served == 9  # 4 + 4 + the one not cancelled
     assert [isinstance(o, asyncio.CancelledError) for o in outs] == [False] * 9 + [True, True]
     assert all(o.output_len == 3 for i, o in enumerate(outs) if i not in (9, 10))
 
@@ -330,9 +330,9 @@ def test_killed_server_requests_complete_and_server_is_readmitted(group, shared,
         t.join(timeout=120)
         assert len(results) == 40
         assert [r.output_tokens for r in results] == [r.output_tokens for r in refs]  # no lost or doubled tokens
-        assert eng.stats["evictions"] >= 1 and eng.stats["reissued"] >= 1
+        assert eng.counters["evictions"] >= 1 and eng.counters["reissued"] >= 1
         # the 40 went out as one call per server; every later call carries a re-issued or retried request
-        st = eng.stats
+        st = eng.counters
         assert st["http_calls"] <= 2 + st["reissued"] + st["retried"] + st["interrupted"] < st["requests"], dict(st)
         assert eng.live_servers() == [f"http://{group.addresses[0]}"]
         # the server comes back (fresh process, version 0): it is re-admitted with the current weights

@@ -120,6 +120,7 @@ def test_replies_never_hold_invalid_json():
         ('{"input_ids": [3, true]}', "input_ids[1]: Input should be a valid integer"),  # a boolean is not a token id
         ('{"input_ids": [3, "4"]}', "input_ids[1]: Input should be a valid integer"),
         ("[1, 2]", "body"),
+        ('{"input_ids": [3, 4], "return_routed_experts": true}', "return_routed_experts: the served model has no"),
     ],
 )
 def test_bad_requests_get_4xx_naming_the_field(server, body, needle):
@@ -246,6 +247,7 @@ def test_batch_items_stream_as_they_finish(server, tiny_model):
         ),
         ('{"input_ids": [[3, 4]], "text": ["a"]}', "exactly one of input_ids or text"),
         ('{"input_ids": [[3, 4]], "colour": 1}', "unknown field 'colour'"),
+        ('{"input_ids": [[3, 4], [3, 5]], "return_routed_experts": [false, true]}', "return_routed_experts[1]: the"),
     ],
 )
 def test_bad_batches_get_4xx_naming_the_item(server, body, needle):

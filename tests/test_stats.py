@@ -272,3 +272,20 @@ def test_two_rank_gloo_export_equals_single_process_on_concatenated_data():
     expected = single.export()
     for key, value in expected.items():
         assert out0[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+
+
+def test_gauge_reported_twice_in_a_step_is_an_error_not_an_overwrite():
+    """Two parts exporting the same key (once, the executor's rollout/staleness_* replaced the
+    trainer's) fail loudly; after an export the key is free again for the next step."""
+    t = StatsTracker()
+    with t.scope("rollout"):
+        t.gauge(staleness_max=1.0, reward=0.5)
+        with pytest.raises(
+            ValueError, match=r"stats key 'rollout/staleness_max' reported twice in one step \(1.0 then 2.0\)"
+        ):
+            t.gauge(staleness_max=2.0)
+    with pytest.raises(ValueError, match="recorded as gauge"):
+        t.scalar(**{"rollout/reward": 1.0})
+    assert t.export() == {"rollout/reward": 0.5, "rollout/staleness_max": 1.0}
+    t.gauge(**{"rollout/staleness_max": -3.0})
+    assert t.export() == {"rollout/staleness_max": -3.0}

@@ -362,3 +362,18 @@ def test_checkpoints_are_due_every_n_steps_or_every_n_minutes(tmp_path: Path) ->
     by_time.commit(2, by_time.begin(2), {})
     assert not by_time.due(3)  # the clock restarts at each save
     assert [p.name for p in by_time.complete()] == ["step_000002"]
+
+
+def test_every_part_reports_its_own_metrics_once(tmp_path: Path) -> None:
+    """The critic's value loss is exported (it was dropped) and the trainer's per-token staleness
+    is no longer overwritten by the executor's per-group one (each has its own key); the values
+    are what the batch gives."""
+    # rewards shaped to 1 (a random model earns none) so the zero-initialised value head has something to fit
+    cfg = _cfg(tmp_path, "total_steps=2", "actor.adv_estimator=gae", "actor.reward_bias=1", "rollout.max_staleness=1")
+    train(cfg)
+    rows = _metrics(cfg.run_dir)
+    for r in rows:
+        assert 0.4 < r["critic/loss"] <= 0.5 and "critic/vf_clip_frac" in r  # 0.5 * (V=0 - return=1)^2 at first
+        assert r["critic/optimizer_steps"] == 1.0
+        assert {"rollout/staleness_max", "rollout/group_staleness_max"} <= set(r)
+        assert 0 <= r["rollout/staleness_mean"] <= r["rollout/staleness_max"] <= 1

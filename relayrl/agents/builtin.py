@@ -11,14 +11,17 @@ tokens: any model whose template renders tools works.
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Awaitable, Callable
 
+from openai.types.chat import ChatCompletion
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
 from relayrl.agents.workflow import OpenAIAgentWorkflow
 from relayrl.api.engine import DataItem
 from relayrl.api.io import GenerationConfig
+from relayrl.api.workflow import RewardFn
 from relayrl.data.chat import encode
 
 CALC_TOOL = {
@@ -30,7 +33,6 @@ CALC_TOOL = {
     },
 }
 Tool = Callable[[str], Awaitable[str]]
-RewardFn = Callable[..., float]
 
 
 def tool_agent_workflow(
@@ -44,10 +46,11 @@ def tool_agent_workflow(
     """``workflow=tool_agent`` with ``rollout.tool_format=template`` (see module doc)."""
 
     async def agent(client: OpenAIClient, data: DataItem) -> float:
-        messages: list[object] = list(data["messages"])  # type: ignore[call-overload]
+        messages: list[object] = list(typing.cast(list[object], data["messages"]))
         answer = ""
         for _ in range(max_tool_calls + 1):
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL])
+            assert isinstance(reply, ChatCompletion)  # (not streamed)
             message = reply.choices[0].message
             answer = message.content or ""
             if not message.tool_calls:
@@ -55,7 +58,7 @@ def tool_agent_workflow(
             messages.append(message)
             for call in message.tool_calls:
                 try:
-                    expr = str(json.loads(call.function.arguments).get("expr", ""))
+                    expr = str(json.loads(call.function.arguments).get("expr", ""))  # type: ignore[union-attr]
                 except (json.JSONDecodeError, AttributeError):
                     expr = ""
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -39,6 +40,7 @@ from openai.types.chat import (
     ChatCompletionChunk,
     ChatCompletionMessage,
     ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageToolCallUnion,
 )
 from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
 from openai.types.chat.chat_completion_message_function_tool_call import Function
@@ -234,7 +236,7 @@ class OpenAIClient:
             {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
         )
         end = out[-1] if out and resp.stop_reason == "stop" and out[-1] in stops else None
-        text = self.tokenizer.decode(out[:-1] if end is not None else out, skip_special_tokens=False)
+        text = str(self.tokenizer.decode(out[:-1] if end is not None else out, skip_special_tokens=False))
         if resp.stop_reason == "stop" and end is None and gconfig.stop:
             cut = min((text.find(s) for s in gconfig.stop if s in text), default=-1)
             text = text[:cut] if cut >= 0 else text
@@ -268,11 +270,12 @@ class OpenAIClient:
             name = choice
         else:
             fn = (dict(choice) if isinstance(choice, dict) else {}).get("function")
-            name = (dict(fn) if isinstance(fn, dict) else {}).get("name")
-            if not isinstance(name, str):
+            named = (dict(fn) if isinstance(fn, dict) else {}).get("name")
+            if not isinstance(named, str):
                 raise RequestError(
                     "a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
                 )
+            name = named
             known = [t["function"]["name"] for t in tools or []]  # type: ignore[index]
             if name not in known:
                 raise RequestError(f"tool_choice names {name!r}, which is not among the tools {known}", "tool_choice")
@@ -345,8 +348,11 @@ class OpenAIClient:
                 )
                 for c in parsed.tool_calls
             ]
-            message = ChatCompletionMessage(role="assistant", content=parsed.content, tool_calls=calls or None)
-            finish = "tool_calls" if calls else ("length" if resp.stop_reason == "length" else "stop")
+            tool_calls: list[ChatCompletionMessageToolCallUnion] | None = list(calls) or None
+            message = ChatCompletionMessage(role="assistant", content=parsed.content, tool_calls=tool_calls)
+            finish: Literal["tool_calls", "length", "stop"] = (
+                "tool_calls" if calls else ("length" if resp.stop_reason == "length" else "stop")
+            )
             logprobs = None
             if plan.logprobs:
                 logprobs = ChoiceLogprobs(content=await self._token_logprobs(plan.ids, resp, plan.gconfig, plan.top))
@@ -396,7 +402,7 @@ class OpenAIClient:
 
     def _ends_with_stop(self, rec: CallRecord) -> bool:
         """Whether the record's last token is a stop token (EOS or one of the config's)."""
-        stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}  # type: ignore[arg-type]
+        stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}
         return bool(rec.output_ids) and rec.output_ids[-1] in stops
 
     async def _complete(
@@ -440,9 +446,9 @@ class OpenAIClient:
         if stream:
             usage = bool((dict(options) if isinstance(options, dict) else {}).get("include_usage"))
             return stream_completion(self, plan, usage)
-        return await self._completion_result(plan, await self.generate(ids, gconfig, n))
+        return await self.completion_result(plan, await self.generate(ids, gconfig, n))
 
-    async def _completion_result(
+    async def completion_result(
         self, plan: CompletionPlan, resps: list[ModelResponse], cid: str | None = None
     ) -> Completion:
         ids, gconfig, parent, prompt = plan.ids, plan.gconfig, plan.parent, plan.prompt_text
@@ -451,7 +457,7 @@ class OpenAIClient:
             text, _ = self._output_text(resp, gconfig)
             lp = None
             if plan.logprobs:
-                toks = [self.tokenizer.decode([t], skip_special_tokens=False) for t in resp.output_tokens]
+                toks = [self._piece(t) for t in resp.output_tokens]
                 tops = await self._top(ids, resp, gconfig, plan.top)
                 lp = Logprobs(
                     tokens=toks,

@@ -9,7 +9,9 @@ whose ``param`` is the OpenAI path of the field (``messages[2].tool_calls[0].fun
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import httpx2
 import openai
@@ -70,10 +72,11 @@ def content_text(content: object, where: str) -> str:
 def _tool_calls(calls: object, where: str) -> list[Message]:
     if not isinstance(calls, list):
         raise RequestError("tool_calls must be a list", f"{where}.tool_calls")
-    out = []
+    out: list[Message] = []
     for j, call in enumerate(calls):
         call = _plain(call)
         fn = _plain(call.get("function")) if isinstance(call, dict) else None
+        assert isinstance(call, dict)
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise RequestError("a tool call needs function.name", f"{where}.tool_calls[{j}].function")
         args = fn.get("arguments", "{}")
@@ -128,7 +131,7 @@ def normalize_tools(tools: object) -> list[Message] | None:
         return None
     if not isinstance(tools, list):
         raise RequestError("tools must be a list", "tools")
-    out = []
+    out: list[Message] = []
     for i, tool in enumerate(tools):
         tool = _plain(tool)
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -145,10 +148,14 @@ def normalize_tools(tools: object) -> list[Message] | None:
     return out or None
 
 
+def _calls(message: Message) -> list[dict[str, Any]]:
+    return typing.cast(list[dict[str, Any]], message.get("tool_calls", []))
+
+
 def same_message(a: Message, b: Message) -> bool:
     """Whether two normalized messages are the same turn (content compared without outer whitespace)."""
     if a.get("role") != b.get("role") or str(a.get("content") or "").strip() != str(b.get("content") or "").strip():
         return False
-    calls_a = [(c["function"]["name"], c["function"]["arguments"]) for c in a.get("tool_calls", [])]  # type: ignore[index, union-attr]
-    calls_b = [(c["function"]["name"], c["function"]["arguments"]) for c in b.get("tool_calls", [])]  # type: ignore[index, union-attr]
+    calls_a = [(c["function"]["name"], c["function"]["arguments"]) for c in _calls(a)]
+    calls_b = [(c["function"]["name"], c["function"]["arguments"]) for c in _calls(b)]
     return calls_a == calls_b and a.get("tool_call_id") == b.get("tool_call_id")

@@ -24,12 +24,15 @@ import math
 import socket
 import threading
 import time
+import typing
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
@@ -39,6 +42,8 @@ from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RolloutWorkflow, Trajectory
 from relayrl.utils.logging import get_logger
+
+_Kwargs = dict[str, typing.Any]  # a request body's remaining fields, passed through to the SDK call
 
 logger = get_logger("agents")
 SESSION_HEADER = "x-relayrl-session"
@@ -183,23 +188,27 @@ class AgentProxy:
             body = await body_of(request)
             if isinstance(body, JSONResponse):
                 return body
-            stream = bool(body.get("stream", False))
+            out: ChatCompletion | Completion | AsyncIterator[ChatCompletionChunk] | AsyncIterator[Completion]
             try:
                 if chat:
                     messages = body.pop("messages", None)
                     if messages is None:
                         raise RequestError("messages is required", "messages")
-                    out = await session.client.chat.completions.create(messages=messages, **body)  # type: ignore[arg-type]
+                    out = await session.client.chat.completions.create(
+                        messages=typing.cast(list[ChatCompletionMessageParam], messages), **typing.cast(_Kwargs, body)
+                    )
                 else:
                     prompt = body.pop("prompt", None)
                     if prompt is None:
                         raise RequestError("prompt is required", "prompt")
-                    out = await session.client.completions.create(prompt=prompt, **body)  # type: ignore[arg-type]
+                    out = await session.client.completions.create(
+                        prompt=typing.cast(str | list[int], prompt), **typing.cast(_Kwargs, body)
+                    )
             except RequestError as e:
                 return JSONResponse({"error": e.body}, status_code=400)
-            if not stream:
-                return JSONResponse(out.model_dump(exclude_none=True))  # type: ignore[union-attr]
-            return StreamingResponse(sse_events(out), media_type="text/event-stream")  # type: ignore[arg-type]
+            if isinstance(out, (ChatCompletion, Completion)):
+                return JSONResponse(out.model_dump(exclude_none=True))
+            return StreamingResponse(sse_events(out), media_type="text/event-stream")
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:

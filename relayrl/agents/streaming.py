@@ -17,15 +17,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from openai.types import Completion, CompletionChoice
+from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import ChatCompletionChunk
 from openai.types.chat.chat_completion_chunk import (
     Choice,
     ChoiceDelta,
     ChoiceDeltaToolCall,
     ChoiceDeltaToolCallFunction,
+    ChoiceLogprobs,
 )
 from pydantic import BaseModel
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from relayrl.agents.client import CallRecord, Message, OpenAIClient
 
 HERMES_OPEN = "<tool_call>"
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 
 
 @dataclass
@@ -114,8 +116,10 @@ async def _collect(
 async def stream_chat(client: OpenAIClient, plan: ChatPlan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
 
-    def chunk(i: int, delta: ChoiceDelta, finish: str | None = None, logprobs: object = None) -> ChatCompletionChunk:
-        choice = Choice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
+    def chunk(
+        i: int, delta: ChoiceDelta, finish: FinishReason | None = None, logprobs: ChoiceLogprobs | None = None
+    ) -> ChatCompletionChunk:
+        choice = Choice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)
         return ChatCompletionChunk(
             id=cid, object="chat.completion.chunk", created=created, model=client.model_name, choices=[choice]
         )
@@ -147,7 +151,8 @@ async def stream_chat(client: OpenAIClient, plan: ChatPlan, include_usage: bool)
         ]
         if rest or calls:
             yield chunk(c.index, ChoiceDelta(content=rest or None, tool_calls=calls or None))
-        yield chunk(c.index, ChoiceDelta(), c.finish_reason, c.logprobs)
+        logprobs = ChoiceLogprobs(content=c.logprobs.content) if c.logprobs is not None else None
+        yield chunk(c.index, ChoiceDelta(), c.finish_reason, logprobs)
     if include_usage:
         yield ChatCompletionChunk(
             id=cid,
@@ -164,7 +169,7 @@ async def stream_completion(
 ) -> AsyncIterator[Completion]:
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
 
-    def chunk(choices: list[CompletionChoice], usage: object = None) -> Completion:
+    def chunk(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:
         return Completion.model_construct(  # finish_reason None mid-stream, as the SDK's streamed chunks have
             id=cid, object="text_completion", created=created, model=client.model_name, choices=choices, usage=usage
         )
@@ -177,8 +182,9 @@ async def stream_completion(
             break
         i, text = item
         sent[i] += text
-        yield chunk([CompletionChoice.model_construct(index=i, text=text, finish_reason=None, logprobs=None)])
-    done = await client._completion_result(plan, resps, cid)
+        piece = CompletionChoice.model_construct(index=i, text=text, finish_reason=None, logprobs=None)  # type: ignore[arg-type]
+        yield chunk([piece])
+    done = await client.completion_result(plan, resps, cid)
     for c in done.choices:
         rest = c.text[len(sent[c.index]) :] if c.text.startswith(sent[c.index]) else ""
         yield chunk([CompletionChoice(index=c.index, text=rest, finish_reason=c.finish_reason, logprobs=c.logprobs)])

@@ -42,6 +42,23 @@ def sampling_temperature(g: GenerationConfig) -> float:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = f(0, help="LoRA rank of the policy's adapters (peft); 0 = off (full fine-tuning).", ge=0)
+    alpha: float = f(16.0, help="LoRA alpha: the adapter's update is scaled by alpha / rank.", gt=0.0)
+    dropout: float = f(0.0, help="Dropout on the adapters' input during training.", ge=0.0, lt=1.0)
+    target_modules: list[str] = f(
+        [],
+        help="Module name suffixes (or one regex) that get adapters; empty = every linear projection of the "
+        "decoder layers (attention and MLP).",
+    )
+    adapter_path: str = f(
+        "",
+        help="A peft adapter directory merged into the model at model.path when it loads (eval, serve, or a "
+        "start point for training).",
+    )
+
+
+@dataclass
 class ModelConfig:
     path: str = f("tiny", help="HF model directory, or 'tiny' / 'tiny-30m' for a model built from a config in code.")
     tokenizer_path: str = f(
@@ -55,6 +72,7 @@ class ModelConfig:
     )
     gradient_checkpointing: bool = f(False, help="Recompute activations in backward to save memory.")
     vocab_size: int = f(0, help="Override the vocabulary size of a tiny model (0 = tokenizer's).", ge=0)
+    lora: LoraConfig = f(LoraConfig(), help="LoRA adapters (parameter-efficient training; docs/lora.md).")
 
 
 @dataclass
@@ -101,6 +119,11 @@ class InferenceConfig:
     device: str = f(
         "auto", help="LocalEngine / `relayrl serve`: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
     )
+    cuda_graphs: bool = f(
+        True,
+        help="LocalEngine on CUDA: capture the lean decode step as CUDA graphs at bucketed batch sizes (ignored on "
+        "CPU and for models without the lean step).",
+    )
     kv_cache_fraction: float = f(
         0.5,
         help="LocalEngine on CUDA: KV cache budget as a fraction of the free GPU memory after the "
@@ -116,6 +139,12 @@ class InferenceConfig:
         le=1000.0,
     )
     protocol: str = f("relayrl", help="Remote server protocol.", choices=["relayrl", "sglang", "vllm"])
+    return_routed_experts: bool = f(
+        False,
+        help="RemoteEngine (relayrl / sglang protocol), MoE models: ask each /generate for the routed experts so "
+        "trajectories carry them for actor.replay_routing (SGLang needs --enable-return-routed-experts; a relayrl "
+        "server refuses it for a dense model). LocalEngine records them for MoE models always.",
+    )
     addresses: list[str] = f([], help="Remote servers as host:port; empty with n_servers > 0 launches local servers.")
     n_servers: int = f(0, help="Servers to launch for backend=remote when no addresses are given (see launch).", ge=0)
     launch: str = f(
@@ -234,11 +263,11 @@ class RolloutConfig:
 class ActorConfig:
     adv_estimator: str = f(
         "grpo",
-        help="Advantage estimator, a name registered with @register_advantage: grpo, dr_grpo, rloo, reinforce, reinforce_pp, remax, gae, or your own (checked against the registry when the trainer or actor is built, before any model loads).",
+        help="Advantage estimator, a name registered with @register_advantage: grpo, dr_grpo, rloo, reinforce, reinforce_pp, remax, gae, or your own, or 'package.module:function' (checked when the trainer or actor is built, before any model loads).",
     )
     loss: str = f(
         "ppo",
-        help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own (checked against the registry when the trainer or actor is built, before any model loads).",
+        help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own, or 'package.module:function' (checked when the trainer or actor is built, before any model loads).",
     )
     eps_clip: float = f(
         0.2, help="PPO clip range (lower side, and upper unless eps_clip_higher is set).", gt=0.0, lt=1.0
@@ -321,6 +350,18 @@ class ActorConfig:
     baseline: bool = f(True, help="reinforce: subtract the batch-mean reward as a baseline.")
     value_clip: float = f(0.2, help="Critic: value clipping range.", gt=0.0)
     critic_lr: float = f(1e-5, help="Critic learning rate (PPO with critic).", gt=0.0)
+    replay_routing: bool = f(
+        True,
+        help="MoE models: the trainer's forward uses the experts the generator chose for each token (the batch's "
+        "routed_experts) instead of its own top-k; gate weights still come from the trainer's router. No effect on "
+        "dense models or batches without routed_experts.",
+    )
+    moe_aux_loss_coef: float = f(
+        0.0,
+        help="MoE models: coefficient of the load-balancing auxiliary loss added to the policy loss (logged as "
+        "moe_aux_loss whatever the coefficient).",
+        ge=0.0,
+    )
 
     def validate(self) -> None:
         """Cross-field rules (``ValueError`` naming the fields; field prefix added by the loader)."""
@@ -339,8 +380,8 @@ class ActorConfig:
 class DataConfig:
     task: str = f(
         "arithmetic",
-        help="A synthetic task name, or 'file' to read train_path/eval_path.",
-        choices=["arithmetic", "countdown", "count", "file"],
+        help="'file' to read train_path/eval_path; a synthetic task: arithmetic, countdown, count, a name registered "
+        "with @register_task, or 'package.module:function' returning (train_rows, eval_rows).",
     )
     train_path: str = f("", help="jsonl / parquet / json file of training rows (task=file).")
     eval_path: str = f("", help="Held-out rows (task=file).")
@@ -409,7 +450,23 @@ class RunConfig:
         help="off; auto (resume if a checkpoint exists); resume (must resume).",
         choices=["off", "auto", "resume"],
     )
-    workflow: str = f("rlvr", help="Rollout workflow.", choices=["rlvr", "multi_turn", "remax", "tool_agent"])
+    imports: list[str] = f(
+        [], help="Modules imported first, so their @register_* decorators add user workflows, rewards, tasks, losses."
+    )
+    workflow: str = f(
+        "rlvr",
+        help="Rollout workflow: rlvr, multi_turn, remax, tool_agent, a name registered with @register_workflow, or "
+        "'package.module:attr' (a RolloutWorkflow subclass or a function returning one; docs/extend.md).",
+    )
+    workflow_kwargs: dict[str, YamlValue] = f(
+        {}, help="Keyword arguments for the workflow (after the standard ones its signature names)."
+    )
+    reward_fn: str = f(
+        "",
+        help="Reward function: empty = the task's verifier (math-verify gsm8k for data.task=file); a registered name "
+        "(arithmetic, countdown, count, gsm8k, or @register_reward) or 'package.module:function'.",
+    )
+    reward_kwargs: dict[str, YamlValue] = f({}, help="Keyword arguments bound to the reward function.")
     model: ModelConfig = f(ModelConfig(), help="Policy model.")
     train: TrainEngineConfig = f(TrainEngineConfig(), help="Train engine.")
     actor: ActorConfig = f(ActorConfig(), help="Algorithm.")
@@ -432,7 +489,7 @@ class RunConfig:
         train_g, ev = values.get("gconfig", {}), values.get("eval", {})
         if not isinstance(train_g, dict) or not isinstance(ev, dict) or not isinstance(ev.get("gconfig", {}), dict):
             return  # a malformed section: building reports it
-        base = to_plain_dict(RunConfig.__dataclass_fields__["gconfig"].default_factory())  # type: ignore[misc]
+        base = to_plain_dict(GenerationConfig(max_new_tokens=32))  # RunConfig.gconfig's default
         ev_g = typing.cast(dict[str, YamlValue], ev.get("gconfig", {}))
         values["eval"] = {**ev, "gconfig": {**base, **train_g, "greedy": True, **ev_g}}
 
@@ -480,8 +537,8 @@ class ServerConfig:
 class SFTDataConfig:
     task: str = f(
         "arithmetic",
-        help="'file': read train_path/eval_path; a synthetic task name: its demonstrations.",
-        choices=["arithmetic", "countdown", "count", "file"],
+        help="'file': read train_path/eval_path; a task (a registered name or 'package.module:function', as the run "
+        "config's data.task): its rows as demonstrations.",
     )
     train_path: str = f("", help="jsonl / json / parquet rows: prompt + completion, or messages (+ answer).")
     eval_path: str = f("", help="Held-out rows in the same format (empty = no eval loss).")
@@ -504,6 +561,7 @@ class SFTConfig:
     """Supervised fine-tuning (``relayrl sft``): loss on completion tokens only."""
 
     run_dir: str = f("runs/sft", help="Directory for config, metrics.jsonl and the final checkpoint.")
+    imports: list[str] = f([], help="Modules imported first (user tasks registered with @register_task).")
     seed: int = f(1, help="Seed of data order and model init.")
     torch_threads: int = f(1, help="torch threads (1 is fastest on small shared CPUs).", ge=1)
     epochs: int = f(1, help="Passes over the training rows (ignored when total_steps > 0).", ge=1)

@@ -123,6 +123,31 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     def resume(self) -> None: ...
 
+    # What the trainer asks every engine; the defaults suit an engine with nothing to report or restore.
+    def stats(self) -> dict[str, float]:
+        """Work and health counters (requests, evictions, live servers ...): the ``inference/*`` metrics."""
+        return {}
+
+    def state_dict(self) -> dict[str, int]:
+        """Generation state worth restoring (LocalEngine: the sampling stream's position)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore ``state_dict()``; the trainer sets it per step so resumed runs sample as uninterrupted ones."""
+        return None  # default: nothing to do
+
+    def can_release_memory(self) -> bool:
+        """Whether ``release_memory()`` frees device memory a trainer on the same device can use."""
+        return False
+
+    def release_memory(self) -> None:
+        """Free generation memory (KV cache) until ``resume_memory()``; in-flight requests wait."""
+        return None  # default: nothing to do
+
+    def resume_memory(self) -> None:
+        """Undo ``release_memory()``."""
+        return None  # default: nothing to do
+
     # Rollout verbs: delegated to the attached executor.
     def _executor(self) -> RolloutExecutor:
         if self.executor is None:
@@ -195,8 +220,9 @@ class TrainEngine(abc.ABC):
     def load(self, meta: SaveLoadMeta) -> None: ...
 
     @abc.abstractmethod
-    def update_weights(self, target: InferenceEngine) -> None:
-        """Push current weights to ``target`` (version = this engine's version)."""
+    def update_weights(self, target: InferenceEngine | None) -> None:
+        """Push current weights to ``target`` (version = this engine's version); a collective under
+        torch.distributed, where ranks without generators pass None."""
 
     @abc.abstractmethod
     def get_version(self) -> int: ...

@@ -22,6 +22,9 @@ from dataclasses import field
 from pathlib import Path
 from typing import Literal, TypeVar, Union, get_args, get_origin
 
+if typing.TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 import yaml
 
 T = TypeVar("T")
@@ -56,7 +59,7 @@ class YamlWord(str):
 def _word_loader(base: type[yaml.SafeLoader]) -> type[yaml.SafeLoader]:
     """``base`` with bools and nulls read as ``YamlWord``; the value is resolved by the field's type."""
 
-    class Loader(base):  # type: ignore[valid-type, misc]
+    class Loader(base):
         pass
 
     def word(loader: yaml.SafeLoader, node: yaml.Node) -> YamlWord:
@@ -78,12 +81,23 @@ def f(default: T, help: str = "", **rules: object) -> T:
     """A dataclass field with help text and validation rules.
 
     Rules: ``ge``, ``gt``, ``le``, ``lt`` (numeric bounds), ``choices`` (allowed values).
-    List and dataclass defaults are copied per instance.
+    List, dict and dataclass defaults are copied per instance.
     """
     meta = {"help": help, **rules}
-    if isinstance(default, list) or dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)  # type: ignore[return-value]
-    return field(default=default, metadata=meta)  # type: ignore[no-any-return]
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _plain(value: YamlValue) -> YamlValue:
+    """A loaded YAML value with its bool / null words resolved as YAML reads them (``yes`` -> True)."""
+    if isinstance(value, YamlWord):
+        return value.value
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
 
 
 def _type_name(tp: object) -> str:
@@ -121,6 +135,10 @@ def _coerce(value: YamlValue, tp: object, name: str) -> object:
         if not isinstance(value, list):
             raise ConfigError(f"{name}: expected a list, got {value!r}")
         return [_coerce(v, get_args(tp)[0], f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # free-form arguments (workflow_kwargs, reward_kwargs): YAML values as loaded
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        return {str(k): _plain(v) for k, v in value.items()}
     if origin is Literal:
         if value not in get_args(tp):
             raise ConfigError(f"{name}: {value!r} is not one of {list(get_args(tp))}")
@@ -192,7 +210,7 @@ def _range_text(meta: typing.Mapping[str, object]) -> str:
 
 def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
-    fields = {fl.name: fl for fl in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {fl.name: fl for fl in dataclasses.fields(typing.cast("type[DataclassInstance]", cls))}
     for key in values:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -222,12 +240,12 @@ def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "
 
 
 def to_plain_dict(obj: object) -> dict[str, YamlValue]:
-    return typing.cast(dict[str, YamlValue], dataclasses.asdict(obj))  # type: ignore[call-overload]
+    return typing.cast(dict[str, YamlValue], dataclasses.asdict(typing.cast("DataclassInstance", obj)))
 
 
 def validate_config(obj: object, prefix: str = "") -> None:
     """Check every field's type-independent rules (ranges, choices) recursively."""
-    for fl in dataclasses.fields(obj):  # type: ignore[arg-type]
+    for fl in dataclasses.fields(typing.cast("DataclassInstance", obj)):
         value = getattr(obj, fl.name)
         name = f"{prefix}{fl.name}"
         if dataclasses.is_dataclass(value):
@@ -298,10 +316,55 @@ def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overri
                 raise ConfigError(f"override {text!r}: {part!r} is not a section")
             node = child
         node[keys[-1]] = value
+    values = _interpolate(values, cls)
     inherit = getattr(cls, "inherit", None)  # a config's own defaults drawn from other sections
     if inherit is not None:
         inherit(values)
     return _build(cls, values)
+
+
+def _interpolate(values: dict[str, YamlValue], cls: type) -> dict[str, YamlValue]:
+    """Resolve ``${section.field}`` references (OmegaConf's interpolation, against the file and
+    overrides laid over ``cls``'s defaults), e.g. ``actor.loss_norm_len: ${gconfig.max_new_tokens}``.
+
+    OmegaConf is used for this one thing it does better than hand-written code (nested and
+    relative references, ``${oc.env:VAR}`` resolvers, cycle detection); loading, types and
+    validation stay here, and leaves without ``${`` keep their YAML 1.1 words as typed."""
+    paths = [p for p, v in _leaves(values) if isinstance(v, str) and "${" in v]
+    if not paths:
+        return values
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    base = to_plain_dict(cls()) if dataclasses.is_dataclass(cls) else {}
+    conf = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(typing.cast(dict[str, object], _plain(values))))
+    for path in paths:
+        try:
+            resolved = OmegaConf.select(conf, ".".join(path), throw_on_missing=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(
+                f"{'.'.join(path)}: cannot resolve {_get(values, path)!r}: {str(e).splitlines()[0]}"
+            ) from None
+        node = values
+        for key in path[:-1]:
+            node = typing.cast(dict[str, YamlValue], node[key])
+        node[path[-1]] = typing.cast(
+            YamlValue, OmegaConf.to_container(resolved) if OmegaConf.is_config(resolved) else resolved
+        )
+    return values
+
+
+def _leaves(value: YamlValue, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], YamlValue]]:
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(v, (*path, str(k)))]
+    return [(path, value)]
+
+
+def _get(values: dict[str, YamlValue], path: tuple[str, ...]) -> YamlValue:
+    node: YamlValue = values
+    for key in path:
+        node = typing.cast(dict[str, YamlValue], node)[key]
+    return node
 
 
 def config_to_yaml(cfg: object) -> str:
@@ -335,7 +398,7 @@ def config_reference(classes: tuple[type, ...]) -> str:
             if dataclasses.is_dataclass(tp):
                 nested.append((typing.cast(type, tp), f"{prefix}{fl.name}."))
                 continue
-            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc]
+            default = fl.default if fl.default_factory is dataclasses.MISSING else fl.default_factory()
             rules = []
             if "choices" in fl.metadata:
                 rules.append("one of " + ", ".join(f"`{c}`" for c in fl.metadata["choices"]))

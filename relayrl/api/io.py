@@ -107,6 +107,10 @@ class ModelResponse:
     ``output_logprobs[i]`` is log pi(token_i) under the distribution actually sampled from;
     ``output_versions[i]`` is the weight version that produced token i. A response that was
     interrupted by a weight update and continued carries several versions.
+
+    ``routed_experts`` (MoE models; None otherwise): int32 ``[input_len + output_len - 1,
+    n_moe_layers, top_k]``, the expert ids each MoE layer chose for every token the generator
+    ran (prompt and output; the last output token was never run), SGLang's layout.
     """
 
     input_tokens: list[int]
@@ -116,6 +120,7 @@ class ModelResponse:
     stop_reason: StopReason
     latency: float = 0.0
     ttft: float = 0.0
+    routed_experts: torch.Tensor | None = None
 
     @property
     def input_len(self) -> int:

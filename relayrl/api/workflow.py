@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from relayrl.api.engine import InferenceEngine
 
 Trajectory = TensorDict
+# A reward function: ``(prompt, completions, prompt_ids, completion_ids, **row) -> float`` (the row's
+# other fields, e.g. ``answer``, as keywords); declared here once, used by workflows, pools and wiring.
+RewardFn = Callable[..., float]
 
 REQUIRED_KEYS: dict[str, tuple[str, tuple[torch.dtype, ...]]] = {
     # key: (level, allowed dtypes)
@@ -109,8 +112,11 @@ def validate_trajectory(traj: Trajectory) -> None:
 
 
 def trajectory_from_response(resp: ModelResponse, reward: float, **extras: torch.Tensor) -> Trajectory:
-    """A one-row Trajectory for a single-turn episode: prompt then completion."""
+    """A one-row Trajectory for a single-turn episode: prompt then completion (with
+    ``routed_experts [1, L, n_moe_layers, top_k]`` when the generator recorded them, -1 on the last token)."""
     n_in, n_out = resp.input_len, resp.output_len
+    if resp.routed_experts is not None:
+        extras = {"routed_experts": routed_experts_row(resp.routed_experts, n_in + n_out), **extras}
     return {
         "input_ids": torch.tensor([resp.input_tokens + resp.output_tokens], dtype=torch.int64),
         "attention_mask": torch.ones(1, n_in + n_out, dtype=torch.bool),
@@ -122,10 +128,19 @@ def trajectory_from_response(resp: ModelResponse, reward: float, **extras: torch
     }
 
 
+def routed_experts_row(ids: torch.Tensor, length: int) -> torch.Tensor:
+    """``[1, length, n_moe_layers, top_k]`` from a response's ``[n, n_moe_layers, top_k]`` ids of its
+    first ``n`` tokens (-1 where nothing was recorded)."""
+    n = min(ids.shape[0], length)
+    row = torch.full((1, length, *ids.shape[1:]), -1, dtype=torch.int32)
+    row[0, :n] = ids[:n]
+    return row
+
+
 def concat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory:
     """Concatenate along the batch dimension, right-padding token-level keys to the longest.
 
-    Padding values: 0 for every key except ``versions`` (-1).
+    Padding values: 0 for every key except ``versions`` and ``routed_experts`` (-1).
     """
     if not trajs:
         raise ValueError("concat_trajectories needs at least one trajectory")
@@ -142,7 +157,9 @@ def concat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory:
             is_token = v.dim() >= 2 and v.shape[1] == t["input_ids"].shape[1] and key != "rewards"
             if is_token and v.shape[1] < seqlen:
                 pad = torch.full(
-                    (v.shape[0], seqlen - v.shape[1], *v.shape[2:]), -1 if key == "versions" else 0, dtype=v.dtype
+                    (v.shape[0], seqlen - v.shape[1], *v.shape[2:]),
+                    -1 if key in ("versions", "routed_experts") else 0,
+                    dtype=v.dtype,
                 )
                 v = torch.cat([v, pad], dim=1)
             parts.append(v)

@@ -17,6 +17,7 @@ warning, when the tokenizer has no ``chat_template``.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping, Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -76,8 +77,8 @@ def render(
             "use a template with tool support (Hermes / Qwen2.5, Llama-3.1)"
         )
     text = tokenizer.apply_chat_template(
-        list(messages),
-        tools=list(tools) if tools else None,
+        typing.cast(list[dict[str, str]], list(messages)),
+        tools=[dict(t) for t in tools] if tools else None,
         add_generation_prompt=add_generation_prompt,
         tokenize=False,
     )
@@ -125,12 +126,12 @@ def continuation_ids(
         return None
     turn = closed[len(before) :]  # the template's own text of the assistant turn, end-of-turn marker included
     head: list[int] = []
-    end_text = tokenizer.decode([end_token], skip_special_tokens=False) if end_token is not None else ""
+    end_text = str(tokenizer.decode([end_token], skip_special_tokens=False)) if end_token is not None else ""
     if not end_text or end_text not in turn:
         eos = tokenizer.eos_token
         if not isinstance(eos, str) or eos not in turn:
             return None  # the template closes assistant turns without a token we can name
-        head, end_text = [int(tokenizer.eos_token_id)], eos  # type: ignore[arg-type]
+        head, end_text = [int(tokenizer.eos_token_id)], eos
     tail = turn[turn.rindex(end_text) + len(end_text) :]  # e.g. the newline after Qwen's <|im_end|>
     return head + encode(tokenizer, tail + full[len(closed) :])
 
@@ -146,14 +147,14 @@ def user_turn_ids(
     """Tokens that follow a generated answer with one more turn (feedback, a tool result) and the
     generation prompt: only the new turn's tokens, never the template's preamble again."""
     eos_id = tokenizer.eos_token_id
-    ended = bool(answer_ids) and eos_id is not None and int(answer_ids[-1]) == int(eos_id)  # type: ignore[arg-type]
+    ended = bool(answer_ids) and eos_id is not None and int(answer_ids[-1]) == int(eos_id)
     if resolve_prompt_format(tokenizer, prompt_format) == "plain":
         return encode(tokenizer, f"\n{content}\n")
     body = list(answer_ids[:-1]) if ended else list(answer_ids)
     assistant = {"role": "assistant", "content": tokenizer.decode(body, skip_special_tokens=True)}
     ids = continuation_ids(
         tokenizer, history, assistant, [{"role": role, "content": content}], int(eos_id) if ended else None
-    )  # type: ignore[arg-type]
+    )
     if ids is None:
         raise ValueError(
             "the chat template is not prefix-stable (rendering a longer conversation changes earlier text), "

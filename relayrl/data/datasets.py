@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,14 +75,14 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
         )
         if not ok:
             raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty list of {{role, content}} strings")
-        messages = prompt
+        messages = typing.cast(list[dict[str, object]], prompt)
     elif isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
         raise DatasetError(
             f"{where}: {prompt_key!r} must be a string or a list of chat turns, got {type(prompt).__name__}"
         )
-    if not any(str(m["content"]).strip() for m in messages):  # type: ignore[index]
+    if not any(str(m["content"]).strip() for m in messages):
         raise DatasetError(f"{where}: the prompt is empty")
     if answer_key not in record:
         raise DatasetError(f"{where}: missing answer field {answer_key!r} (has {sorted(record)})")
@@ -114,7 +115,7 @@ def load_rows_from_file(
         try:
             row = to_row(record, i, prompt_key, answer_key)
             if tokenizer is not None and max_prompt_len:
-                n = len(chat_ids(tokenizer, row["messages"]))  # type: ignore[arg-type]
+                n = len(chat_ids(tokenizer, typing.cast(list[dict[str, object]], row["messages"])))
                 if n > max_prompt_len:
                     raise DatasetError(
                         f"row {i} (id={row['id']!r}): prompt has {n} tokens > data.max_prompt_len={max_prompt_len}"
@@ -159,7 +160,7 @@ class RLDataLoader:
         return self
 
     def __next__(self) -> list[DataItem]:
-        batch = []
+        batch: list[DataItem] = []
         while len(batch) < self.batch_size:
             if self.position >= len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0

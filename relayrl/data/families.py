@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 VOCAB = 128
 _COMMON = {"vocab_size": VOCAB, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
@@ -72,18 +72,20 @@ FAMILIES: dict[str, dict[str, object]] = {
 }
 
 
-def tiny_family_config(name: str) -> AutoConfig:
-    """A tiny config of family ``name`` (a key of ``FAMILIES``)."""
+def tiny_family_config(name: str, **overrides: object) -> PretrainedConfig:
+    """A tiny config of family ``name`` (a key of ``FAMILIES``), with ``overrides`` applied."""
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; choose one of {sorted(FAMILIES)}")
-    return AutoConfig.for_model(name, **_COMMON, **FAMILIES[name])
+    return AutoConfig.for_model(name, **{**_COMMON, **FAMILIES[name], **overrides})
 
 
-def build_tiny_family(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def build_tiny_family(
+    name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: object
+) -> PreTrainedModel:
     """A randomly initialised model of family ``name`` (weights scaled up so outputs are not uniform)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_family_config(name), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(tiny_family_config(name, **overrides), dtype=dtype)
         with torch.no_grad():  # default init (std 0.02) gives near-uniform logits: greedy would hinge on ties
             for p in model.parameters():
                 if p.dim() >= 2:

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import json
 import string
+import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from relayrl.api.config import ModelConfig
 
@@ -32,7 +41,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-TINY_PRESETS: dict[str, dict[str, int]] = {
+TINY_PRESETS: dict[str, dict[str, int | str]] = {
     # ~5M parameters with the offline vocabulary
     "tiny": {
         "hidden_size": 320,
@@ -48,6 +57,20 @@ TINY_PRESETS: dict[str, dict[str, int]] = {
         "num_hidden_layers": 8,
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
+    },
+    # ~1M parameters: a Qwen3-MoE (8 experts, top-2, every layer sparse) for MoE recipes and tests
+    "tiny-moe": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "moe_intermediate_size": 128,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
     },
 }
 
@@ -71,19 +94,21 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised Qwen2-style causal LM of a preset size (fp32, eager-free)."""
+    """A randomly initialised causal LM of a preset size (Qwen2-style unless the preset names a
+    ``model_type``; fp32)."""
     if preset not in TINY_PRESETS:
         raise ValueError(f"unknown tiny model preset {preset!r}; choose one of {sorted(TINY_PRESETS)}")
     tok_vocab = len(build_tokenizer())
+    preset_kwargs = dict(TINY_PRESETS[preset])
     cfg = AutoConfig.for_model(
-        "qwen2",
+        str(preset_kwargs.pop("model_type", "qwen2")),
         vocab_size=vocab_size or tok_vocab,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=2,
-        **TINY_PRESETS[preset],
+        **preset_kwargs,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -92,7 +117,7 @@ def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: 
     return model
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, object]]) -> list[int]:
     """Token ids of a chat prompt ending with the assistant's generation prompt (plain text, with a
     warning, when the tokenizer has no chat template: see ``relayrl.data.chat``)."""
     from relayrl.data.chat import prompt_ids
@@ -112,12 +137,23 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
         # Loaded as saved: AutoTokenizer would pick the model type's class (qwen2 -> Qwen2Tokenizer), which
         # rebuilds the pre-tokenizer (byte-level regex) and silently drops the offline tokenizer's spaces.
         return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    return typing.cast(PreTrainedTokenizerFast, AutoTokenizer.from_pretrained(path))  # (fast: tokenizers backend)
 
 
 def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
-    """The policy model of ``cfg`` in its configured dtype."""
+    """The policy model of ``cfg`` in its configured dtype, with ``model.lora.adapter_path`` merged in."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.path in TINY_PRESETS:
-        return build_tiny_model(cfg.path, vocab_size=cfg.vocab_size or None, seed=seed).to(dtype)
-    return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+        model = build_tiny_model(cfg.path, vocab_size=cfg.vocab_size or None, seed=seed).to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+    return merge_adapter(model, cfg.lora.adapter_path) if cfg.lora.adapter_path else model
+
+
+def merge_adapter(model: PreTrainedModel, path: str) -> PreTrainedModel:
+    """``model`` with the peft adapter at ``path`` merged into its weights (a plain HF model again)."""
+    if not (Path(path) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"model.lora.adapter_path={path!r} holds no adapter_config.json (a peft adapter)")
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, path).merge_and_unload()

@@ -31,8 +31,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from typing import cast
 
 from relayrl.rewards.tasks import evaluate_countdown
+from relayrl.utils.resolve import registrar, resolve
 
 Row = dict[str, object]
 ERROR_KINDS = ("carry", "digit", "swap", "off_by")
@@ -171,18 +173,34 @@ def count_task(
     return _split("count", problem, n_train, n_eval, difficulty, seed, 899 * longest)
 
 
-TASKS = {"arithmetic": arithmetic_task, "countdown": countdown_task, "count": count_task}
+TaskFn = Callable[..., tuple[list[Row], list[Row]]]
+TASKS: dict[str, TaskFn] = {"arithmetic": arithmetic_task, "countdown": countdown_task, "count": count_task}
+_register = registrar(TASKS, "task")
+
+
+def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
+    """``@register_task("name")`` on ``(n_train, n_eval, difficulty, seed) -> (train_rows, eval_rows)``:
+    ``data.task: name`` then selects it (rows as the built-in tasks make: ``id``, ``messages``, ``answer``)."""
+    return _register(name)
+
+
+def task_fn(value: str, field: str = "data.task") -> TaskFn:
+    """``data.task``: a registered task name or ``package.module:function``."""
+    return resolve(field, value, TASKS, "a function returning (train_rows, eval_rows)", _as_task)
+
+
+def _as_task(obj: object) -> TaskFn | None:
+    return cast(TaskFn, obj) if callable(obj) else None
 
 
 def make_task(
     name: str, n_train: int, n_eval: int, difficulty: int = 2, seed: int = 0, **options: object
 ) -> tuple[list[Row], list[Row]]:
     """``(train_rows, eval_rows)`` of synthetic task ``name``; ``options`` go to the task (e.g. ops="+-")."""
-    if name not in TASKS:
-        raise ValueError(f"unknown synthetic task {name!r}; choose one of {sorted(TASKS)}")
+    fn = task_fn(name)
     if n_train < 0 or n_eval < 0:
         raise ValueError(f"n_train and n_eval must be >= 0, got {n_train}, {n_eval}")
-    return TASKS[name](n_train, n_eval, difficulty, seed, **options)  # type: ignore[operator]
+    return fn(n_train, n_eval, difficulty, seed, **options)
 
 
 # ------------------------------------------------------------------ imperfect demonstrations
@@ -191,7 +209,7 @@ def make_task(
 def _wrong_number(rng: random.Random, row: Row, kinds: tuple[str, ...]) -> str:
     """A plausible wrong answer to an arithmetic row (never the right one, never negative)."""
     answer = int(str(row["answer"]))
-    a, b = (int(x) for x in row["operands"])  # type: ignore[attr-defined]
+    a, b = (int(x) for x in cast(list[int], row["operands"]))
     digits = str(answer)
     for kind in rng.sample(kinds, len(kinds)) + ["off_by"]:
         if kind == "carry":  # digit-wise sum without carries / smaller-from-larger digit
@@ -224,7 +242,7 @@ def _wrong_expression(rng: random.Random, row: Row) -> str:
     """A countdown expression that misses the target: one operator or one number changed."""
     expr, target = str(row["answer"]), int(str(row["target"]))
     ops_at = [i for i, c in enumerate(expr) if c in "+-*"]
-    nums = [int(n) for n in row["numbers"]]  # type: ignore[attr-defined]
+    nums = [int(n) for n in cast(list[int], row["numbers"])]
     for _ in range(50):
         if ops_at and rng.random() < 0.5:
             i = rng.choice(ops_at)

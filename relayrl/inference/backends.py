@@ -29,9 +29,14 @@ set of sampling parameters and answers one choice per prompt, in prompt order.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from relayrl.api.io import GenerationConfig, StopReason
+from relayrl.utils.moe import decode_routed_experts
 
 JsonDict = dict[str, object]
 
@@ -53,6 +58,7 @@ class Parsed:
     stop_reason: StopReason
     versions: list[int] | None = None  # per-token versions when the server reports them
     weight_version: int | None = None  # the server's version when it answered
+    routed_experts: torch.Tensor | None = None  # MoE: [input + output - 1, layers, top_k] when asked and given
 
 
 @dataclass
@@ -68,8 +74,10 @@ WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
 
 
 def _int_or_none(v: object) -> int | None:
+    if not isinstance(v, (int, float, str)):
+        return None
     try:
-        return int(v)  # type: ignore[call-overload, no-any-return]
+        return int(v)
     except (TypeError, ValueError):
         return None
 
@@ -85,6 +93,7 @@ class SGLangBackend:
     name = "sglang"
     supports_upload = False
     streams_items = False  # batched replies come as one list
+    return_routed_experts = False  # ask for the routed experts (inference.return_routed_experts)
 
     def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
         return {
@@ -108,6 +117,8 @@ class SGLangBackend:
             "return_logprob": True,
             "stream": False,
         }
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
         return Call("POST", "/generate", body)
 
     def parse_generate(self, body: object) -> Parsed:
@@ -127,12 +138,19 @@ class SGLangBackend:
         if kind not in ("stop", "length", "abort"):
             raise ProtocolError(f"unknown finish_reason {finish!r}")
         versions = meta.get("output_token_versions")
+        routed = None
+        if isinstance(meta.get("routed_experts"), str) and isinstance(meta.get("routed_experts_shape"), list):
+            try:
+                routed = decode_routed_experts(meta["routed_experts"], meta["routed_experts_shape"])
+            except (ValueError, TypeError) as e:
+                raise ProtocolError(f"/generate reply has malformed routed_experts: {e}") from None
         return Parsed(
             tokens=[int(t) for t in tokens],
             logprobs=[float(t[0]) for t in triples],
-            stop_reason=kind,  # type: ignore[arg-type]
+            stop_reason=kind,
             versions=[int(v) for v in versions] if isinstance(versions, list) else None,
             weight_version=_int_or_none(meta.get("weight_version")),
+            routed_experts=routed,
         )
 
     def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
@@ -148,6 +166,8 @@ class SGLangBackend:
             "return_logprob": True,
             "stream": False,
         }
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
         return [(Call("POST", "/generate", body), list(range(len(calls))))]
 
     def split(self, body: object, n: int) -> list[object]:
@@ -251,6 +271,7 @@ class VLLMBackend:
     streams_items = False
     health_path = "/health"
     reload_method = "reload_weights"
+    return_routed_experts = False  # vLLM's replies carry no routed experts; RemoteEngine refuses the option
 
     def __init__(self, model: str = "default") -> None:
         self.model = model
@@ -305,7 +326,8 @@ class VLLMBackend:
             got = len(choices) if isinstance(choices, list) else "no"
             raise ProtocolError(f"batched /v1/completions of {n} prompts answered {got} choices")
         order = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
-        return [{**body, "choices": [c]} for c in order]  # type: ignore[dict-item]
+        assert isinstance(body, dict)
+        return [{**body, "choices": [c]} for c in order]
 
     def parse_generate(self, body: object) -> Parsed:
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
@@ -325,7 +347,7 @@ class VLLMBackend:
         kind = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(finish))
         if kind is None:
             raise ProtocolError(f"unknown finish_reason {finish!r}")
-        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], kind)  # type: ignore[arg-type]
+        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], typing.cast(StopReason, kind))
 
     def update_from_disk(self, path: str, version: int) -> Call:
         return Call("POST", "/collective_rpc", {"method": self.reload_method, "kwargs": {"weights_path": path}})
@@ -391,7 +413,7 @@ class VLLMBackend:
     @staticmethod
     def top_logprob(body: object) -> float:
         try:
-            top = body["choices"][0]["logprobs"]["top_logprobs"][0]  # type: ignore[index]
+            top = typing.cast(dict[str, Any], body)["choices"][0]["logprobs"]["top_logprobs"][0]
             return max(float(v) for v in top.values())
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise ProtocolError(f"/v1/completions reply has no top_logprobs: {str(body)[:200]}") from e

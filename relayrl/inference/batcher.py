@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from relayrl.inference.backends import Backend, Call, ProtocolError
 
 Send = Callable[[str, Call], Awaitable[object]]
-Stream = Callable[[str, Call], AsyncIterator[object]]
+Stream = Callable[[str, Call], AsyncGenerator[object, None]]
 _Item = tuple[Call, "asyncio.Future[object]"]
 
 
@@ -109,8 +109,9 @@ class MicroBatcher:
                             f"{url}{call.path} streamed an item with no pending index: {str(line)[:200]}"
                         )
                     _, fut = pending.pop(i)
-                    if "error" in line:  # type: ignore[operator]
-                        _settle(fut, error=ValueError(f"{url}{call.path} refused item {i}: {line['error']}"))  # type: ignore[index]
+                    assert isinstance(line, dict)  # (it has an index)
+                    if "error" in line:
+                        _settle(fut, error=ValueError(f"{url}{call.path} refused item {i}: {line['error']}"))
                     else:
                         _settle(fut, value=line)
             if pending:

@@ -11,16 +11,22 @@ sliding window take it too; other architectures use the generic forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 _FAST_TYPES = ("qwen2", "llama", "qwen3", "mistral")
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class SlabLayer(DynamicLayer):
     """One layer's KV in a ``[B, H, capacity, D]`` buffer; ``keys``/``values`` view the used part."""
+
+    keys: torch.Tensor  # always set (DynamicLayer allows None before the first update)
+    values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int = 64) -> None:
         super().__init__()
@@ -44,6 +50,22 @@ class SlabLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.length
+
+    @classmethod
+    def over(cls, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> SlabLayer:
+        """A layer whose first ``length`` columns of ``kbuf``/``vbuf`` are its cache (no copy): the
+        static decode step's buffers, which it writes itself (``advance`` then counts the column)."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        layer.dtype, layer.device, layer.is_initialized = kbuf.dtype, kbuf.device, True
+        layer._kbuf, layer._vbuf, layer.length = kbuf, vbuf, 0
+        layer.advance(length)
+        return layer
+
+    def advance(self, n: int = 1) -> None:
+        """Count ``n`` more columns as written (by someone else: the static decode step)."""
+        self.length += n
+        self.keys, self.values = self._kbuf[:, :, : self.length], self._vbuf[:, :, : self.length]
 
 
 def with_room(x: torch.Tensor, extra: int) -> torch.Tensor:
@@ -124,25 +146,32 @@ class FastDecoder:
         self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: list[SlabLayer]
     ) -> torch.Tensor:
         """Logits [B, V] for ``tokens`` [B] at positions ``pos`` [B]; ``mask`` [B, L+1] bool."""
+        amask = mask[:, None, None, :]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = cache[i].update(k, v)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=amask, scale=self.scaling)
+
+        return self.forward(tokens, pos, attend)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """One step; ``attend(layer, q [B, Hkv, G, D], k [B, Hkv, 1, D], v)`` stores k/v in the
+        layer's cache and returns the attention output [B, Hkv, G, D] (where the KV lives is its call)."""
         m, b, d = self.model.model, tokens.shape[0], self.head_dim
         x = m.embed_tokens(tokens)
         cos, sin = m.rotary_emb(x[:, None], pos[:, None])  # [B, 1, D]
-        amask = mask[:, None, None, :]
         nq, nkv = self.n_q * d, self.n_kv * d
-        for (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d, w_qn, w_kn), kv in zip(
-            self.layers, cache, strict=True
-        ):
+        for i, (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d, w_qn, w_kn) in enumerate(self.layers):
             qkv = F.linear(_rms(x, w_in, self.eps), w_qkv, b_qkv)
             heads = qkv[:, : nq + nkv].view(b, self.n_q + self.n_kv, d)
-            if w_qn is not None:  # Qwen3: RMSNorm over each head's q and k before the rotation
+            if w_qn is not None and w_kn is not None:  # Qwen3: RMSNorm over each head's q and k before the rotation
                 heads = torch.cat(
                     [_rms(heads[:, : self.n_q], w_qn, self.eps), _rms(heads[:, self.n_q :], w_kn, self.eps)], 1
                 )
             qk = _rope(heads, cos, sin)  # q and k heads at once
-            keys, values = kv.update(qk[:, self.n_q :, None], qkv[:, nq + nkv :].view(b, self.n_kv, 1, d))
             # the query heads of one kv group attend together: [B, Hkv, G, D] against [B, Hkv, L, D]
             q = qk[:, : self.n_q].reshape(b, self.n_kv, -1, d)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=amask, scale=self.scaling)
+            o = attend(i, q, qk[:, self.n_q :, None], qkv[:, nq + nkv :].view(b, self.n_kv, 1, d))
             x = x + F.linear(o.reshape(b, -1), w_o, b_o)
             gate, up = F.linear(_rms(x, w_post, self.eps), w_gu, b_gu).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w_d, b_d)

@@ -12,7 +12,9 @@ cache, ``attention_mask`` marks real columns and ``position_ids`` are passed exp
 prompts of any length share a batch with correct positions. Columns that no remaining row
 uses are trimmed when rows leave. Everything lives on ``inference.device``; the slab's
 rows x columns stay within ``kv_capacity`` (``inference/device.py``): when it would not, the
-latest rows are preempted, set aside and continued later from prompt + output.
+latest rows are preempted, set aside and continued later from prompt + output. The batch's
+prefill / merge / trim / decode step live in ``inference/slab.py``; on CUDA the decode step runs
+over ``inference/graphs.py``'s static buffers as captured CUDA graphs.
 
 ``agenerate`` is callable from any thread and asyncio loop: it queues the request and awaits
 a future the loop thread resolves through ``loop.call_soon_threadsafe``. A weight update
@@ -29,33 +31,40 @@ import queue
 import sys
 import threading
 import time
+import typing
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk, WeightUpdate
-from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
+from relayrl.inference.decode import FastDecoder
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
+from relayrl.inference.graphs import StaticDecoder, choose_attention
 from relayrl.inference.sampling import RowParams, penalized, sample, top_logprobs
-from relayrl.inference.seq import Prefilled, Seq, load_hf_state_dict, resolver, validate_request
+from relayrl.inference.seq import Seq, load_hf_state_dict, resolver, validate_request
+from relayrl.inference.slab import SlabBatch
 from relayrl.utils.batching import length_groups
+from relayrl.utils.moe import RoutingRecorder, routing_shape
 
 
-class LocalEngine(InferenceEngine):
+class LocalEngine(SlabBatch, InferenceEngine):
     """Continuous-batching ``InferenceEngine`` in this process (see module docstring)."""
 
     def __init__(
         self,
         config: InferenceConfig,
         model: PreTrainedModel | None = None,
-        tokenizer: object | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         model_config: ModelConfig | None = None,
+        static_steps: bool | None = None,
     ) -> None:
+        """``static_steps``: decode over ``StaticDecoder``'s bucketed buffers (None: on CUDA with
+        ``inference.cuda_graphs``; True on CPU runs the same step eagerly, as tests do)."""
         if model is None and model_config is None:
             raise ValueError("LocalEngine needs a `model` or a `model_config` to load one from")
         self.config = config
@@ -64,7 +73,7 @@ class LocalEngine(InferenceEngine):
         self.model_config = model_config
         # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
         # preemptions: rows set aside (and continued later) because the KV cache was full
-        self.stats = {
+        self.counters = {
             "requests": 0,
             "aborts": 0,
             "tokens": 0,
@@ -98,6 +107,13 @@ class LocalEngine(InferenceEngine):
         self._logits = torch.zeros(0, 0)
         self._mask_bool = torch.zeros(0, 0, dtype=torch.bool)
         self._fast: FastDecoder | None = None
+        self.static_steps = static_steps
+        self._router: RoutingRecorder | None = None  # MoE models: records the experts of every token run
+        self._router_shape = (0, 0)
+        self.routing_shape: tuple[int, int] | None = None  # (n_moe_layers, top_k) of an MoE model
+        self._route: torch.Tensor | None = None  # experts of each row's newest token (from the last decode)
+        self._static: StaticDecoder | None = None
+        self._static_stale = True  # the batch changed since the static buffers were loaded
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self) -> None:
@@ -112,7 +128,7 @@ class LocalEngine(InferenceEngine):
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.model_config)
         self.device = resolve_device(self.config.device)
-        self.model.to(self.device)
+        typing.cast(nn.Module, self.model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         self.model.eval()
         cfg = self.model.config
         self.vocab_size = int(cfg.get_text_config().vocab_size)
@@ -125,10 +141,19 @@ class LocalEngine(InferenceEngine):
         layer_types = getattr(cfg.get_text_config(), "layer_types", None) or ["full_attention"]
         self._full_attention_only = all(t == "full_attention" for t in layer_types)
         self._fast = FastDecoder(self.model) if self.config.fast_decode and FastDecoder.supports(self.model) else None
+        static = (
+            self.device.type == "cuda" and self.config.cuda_graphs if self.static_steps is None else self.static_steps
+        )
+        if static and self._fast is not None:
+            attention = choose_attention(self.device, next(self.model.parameters()).dtype)
+            self._static = StaticDecoder(self._fast, attention, capture=self.device.type == "cuda")
         # generic path: a ready 4D mask where the model takes one, else transformers builds masks from the 2D one
         self._mask_dict = (
             self._fast is None and self._full_attention_only and accepts_mask_dict(self.model, self.device)
         )
+        shape = self.routing_shape = routing_shape(self.model)
+        if shape is not None and self._router is None:
+            self._router, self._router_shape = RoutingRecorder(self.model), shape
         self._keep_arg = {"logits_to_keep": 1} if takes_logits_to_keep(self.model) else {}
         self.kv_capacity, self.kv_capacity_by = kv_capacity(
             self.model, self.device, self.config.kv_cache_fraction, self.config.max_tokens_in_flight
@@ -163,9 +188,11 @@ class LocalEngine(InferenceEngine):
         """Token by token (each chunk holds the tokens decoded since the last one), then the response."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[int | None] = asyncio.Queue()
-        task = asyncio.ensure_future(
-            self._generate(req, True, on_token=lambda t: loop.call_soon_threadsafe(q.put_nowait, t))
-        )
+
+        def push(tok: int) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(q.put_nowait, tok)
+
+        task = asyncio.ensure_future(self._generate(req, True, on_token=push))
         task.add_done_callback(lambda _: q.put_nowait(None))  # after every token: they were scheduled first
         done = False
         while not done:
@@ -215,7 +242,7 @@ class LocalEngine(InferenceEngine):
         loop = asyncio.get_running_loop()
         with self._key_lock:
             key = self.config.seed * 1_000_003 + next(self._keys)
-        self.stats["requests"] += 1
+        self.counters["requests"] += 1
         start = time.perf_counter()
         seq = Seq(
             prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None, rid=req.rid, on_token=on_token
@@ -298,7 +325,7 @@ class LocalEngine(InferenceEngine):
             for seq in found:
                 seq.cancelled = True
                 seq.on_done(seq.response("abort"))
-            self.stats["aborts"] += len(found)
+            self.counters["aborts"] += len(found)
 
         self._call_in_loop(apply)
         return len(found)
@@ -317,6 +344,9 @@ class LocalEngine(InferenceEngine):
             self.model.tie_weights()
         if self._fast is not None:
             self._fast.refresh()
+        if self._static is not None:  # the graphs point at the old fused weights
+            self._static.reset()
+            self._static_stale = True
 
     def _call_in_loop(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread at a step boundary (or here if no loop runs)."""
@@ -324,13 +354,19 @@ class LocalEngine(InferenceEngine):
             with torch.inference_mode():
                 fn()
             return
-        done, errors = threading.Event(), []
+        done, errors = threading.Event(), list[BaseException]()
         with self._wake:
             self._control.put((fn, done, errors))
             self._wake.notify_all()
         done.wait()
         if errors:
             raise errors[0]
+
+    def stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.counters.items()}
+
+    def can_release_memory(self) -> bool:
+        return self.device.type == "cuda"
 
     def state_dict(self) -> dict[str, int]:
         """The sampling stream's position (requests draw keys in arrival order). The trainer
@@ -369,8 +405,10 @@ class LocalEngine(InferenceEngine):
         def apply() -> None:
             self._preempt_all()
             self._released = True
+            if self._static is not None:
+                self._static.reset()
             if weights and self.device.type != "cpu":
-                self.model.to("cpu")  # type: ignore[union-attr]
+                typing.cast(nn.Module, self.model).to("cpu")
                 if self._fast is not None:
                     self._fast.layers = []  # drop the fused copies too
             if self.device.type == "cuda":
@@ -384,7 +422,7 @@ class LocalEngine(InferenceEngine):
         def apply() -> None:
             assert self.model is not None
             if next(self.model.parameters()).device != self.device:
-                self.model.to(self.device)
+                typing.cast(nn.Module, self.model).to(self.device)
                 if self._fast is not None:
                     self._fast.refresh()
             self._released = False
@@ -421,7 +459,7 @@ class LocalEngine(InferenceEngine):
                 except Exception as e:  # a model error fails the running requests, not the engine
                     for seq, alive in zip(self._rows, self._alive, strict=True):
                         if alive:
-                            seq.on_done(e)  # type: ignore[arg-type]  # the future raises it
+                            seq.on_done(e)  # the future raises it
                     self._reset_batch()
             self._abort_running()
             while not self._waiting.empty():
@@ -440,7 +478,7 @@ class LocalEngine(InferenceEngine):
 
     def _abort_running(self) -> None:
         rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive] + list(self._preempted)
-        self.stats["aborts"] += len(rows)
+        self.counters["aborts"] += len(rows)
         self._reset_batch()
         self._preempted.clear()
         for seq in rows:
@@ -453,7 +491,7 @@ class LocalEngine(InferenceEngine):
         held = len(self._rows) * self._mask.shape[1]
         if not rows or held * 9 // 10 < 16:
             for seq in rows:
-                seq.on_done(RuntimeError(f"out of memory on {self.device} with {held} KV tokens held: {error}"))  # type: ignore[arg-type]
+                seq.on_done(RuntimeError(f"out of memory on {self.device} with {held} KV tokens held: {error}"))
             self._reset_batch()
             return
         self.kv_capacity = min(self.kv_capacity, held * 9 // 10)
@@ -465,15 +503,9 @@ class LocalEngine(InferenceEngine):
     def _preempt_all(self) -> None:
         """Set every running row aside (continued from prompt + output when admitted again)."""
         rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
-        self.stats["preemptions"] += len(rows)
+        self.counters["preemptions"] += len(rows)
         self._reset_batch()
         self._preempted.extendleft(reversed(rows))
-
-    def _reset_batch(self) -> None:
-        self._rows, self._alive, self._cache, self._params = [], [], None, None
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
-        self._mask_bool = self._mask.bool()
-        self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
 
     def _step(self) -> None:
         if not self._rows:
@@ -484,12 +516,19 @@ class LocalEngine(InferenceEngine):
         tokens, logprobs = self._sample()
         assert self._params is not None
         self._params.counters += 1  # the next token of every row uses the next uniform
-        self.stats["steps"] += 1
+        self.counters["steps"] += 1
         now = time.perf_counter()
-        host = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the one device -> host copy per step
-        for i, (seq, tok, lp) in enumerate(zip(self._rows, host[0].long().tolist(), host[1].tolist(), strict=True)):
+        n, route, self._route = len(self._rows), self._route, None
+        parts = [tokens.double(), logprobs.double()] + ([] if route is None else [route.double().flatten()])
+        host = torch.cat(parts).cpu()  # the one device -> host copy per step
+        routes = None if route is None else host[2 * n :].view(route.shape).to(torch.int32)
+        for i, (seq, tok, lp) in enumerate(
+            zip(self._rows, host[:n].long().tolist(), host[n : 2 * n].tolist(), strict=True)
+        ):
             if not self._alive[i]:
                 continue
+            if routes is not None and i < routes.shape[0]:  # rows merged this step were just prefilled
+                seq.routes.append(routes[i : i + 1].clone())  # not a view: it would keep the whole step alive
             if not seq.first_token_at:
                 seq.first_token_at = now
             seq.out.append(tok)
@@ -497,7 +536,7 @@ class LocalEngine(InferenceEngine):
                 seq.on_token(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
-            self.stats["tokens"] += 1
+            self.counters["tokens"] += 1
             reason = seq.finished(tok, self.tokenizer)
             if reason is not None:  # the future resolves now; the row leaves at the next compaction
                 self._alive[i] = False
@@ -518,7 +557,7 @@ class LocalEngine(InferenceEngine):
         while len(keep) > 1 and len(keep) * max(lengths) > self.kv_capacity:
             self._preempted.appendleft(self._rows[keep.pop()])
             lengths.pop()
-            self.stats["preemptions"] += 1
+            self.counters["preemptions"] += 1
         return keep
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -592,121 +631,3 @@ class LocalEngine(InferenceEngine):
         except BaseException:  # e.g. out of memory: the prefilled requests wait again instead of being lost
             self._preempted.extendleft(reversed(new))
             raise
-
-    def _merge(self, parts: list[Prefilled], new: list[Seq]) -> None:
-        """Stack the running batch and the prefilled ``parts`` (rows ``new``) into one slab."""
-        n_old = len(self._rows)
-        if n_old:
-            assert self._cache is not None
-            old_kv = [
-                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in self._cache.layers
-            ]  # type: ignore[attr-defined]
-            parts.insert(0, (old_kv, self._mask, self._logits))
-        kv, mask, logits = parts[0]
-        for p_kv, p_mask, p_logits in parts[1:]:  # stack the left-padded batches by rows
-            width = max(mask.shape[1], p_mask.shape[1])
-            kv = [
-                (cat_left_padded(k, pk, width), cat_left_padded(v, pv, width))
-                for (k, v), (pk, pv) in zip(kv, p_kv, strict=True)
-            ]
-            mask, logits = cat_left_padded(mask, p_mask, width), torch.cat([logits, p_logits])
-        self._cache = DynamicCache()
-        self._cache.layers = [SlabLayer(k, v) for k, v in kv]
-        self._rows, self._mask, self._logits = self._rows + new, mask, logits
-        self._alive, self._params = self._alive + [True] * len(new), None
-        self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1)])
-        self._mask_bool = self._mask.bool()
-
-    def _prefill_or_fail(self, seqs: list[Seq]) -> list[tuple[Prefilled, list[Seq]]]:
-        """Prefill ``seqs``; if that fails (out of memory), retry them one by one and fail only
-        the requests that still cannot be prefilled, with an error naming the limit."""
-        try:
-            return [(self._prefill(seqs), seqs)]
-        except Exception as e:  # noqa: BLE001 - handed to the requests' futures
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if len(seqs) > 1:
-                return [done for s in seqs for done in self._prefill_or_fail([s])]
-            n = len(seqs[0].prompt) + len(seqs[0].out)
-            oom = isinstance(e, torch.OutOfMemoryError)
-            what = "ran out of memory" if oom else f"failed ({type(e).__name__}: {e})"
-            seqs[0].on_done(
-                RuntimeError(  # type: ignore[arg-type]  # the future raises it
-                    f"prefill of {n} tokens on {self.device} {what}; KV cache capacity {self.kv_capacity} tokens "
-                    f"({self.kv_capacity_by}){': ' + str(e) if oom else ''}"
-                )
-            )
-            return []
-
-    def _prefill(self, seqs: list[Seq]) -> Prefilled:
-        """One left-padded forward over ``seqs``: per-layer (keys, values), mask [n, L], last logits [n, V].
-
-        Identical inputs (the samples of one GRPO group share their prompt) are computed once
-        and their rows copied, which divides the prefill work by the group size."""
-        first: dict[tuple[int, ...], int] = {}
-        rows = [first.setdefault(tuple(s.prompt + s.out), len(first)) for s in seqs]
-        kv, mask, logits = self._prefill_unique([list(x) for x in first])
-        self.stats["prefills"] += 1
-        self.stats["prefill_rows"] += len(seqs)
-        self.stats["prefill_unique"] += len(first)
-        if len(first) == len(seqs):
-            return kv, mask, logits
-        idx = torch.tensor(rows, device=self.device)
-        return [(k[idx], v[idx]) for k, v in kv], mask[idx], logits[idx]
-
-    def _prefill_unique(self, inputs: list[list[int]]) -> Prefilled:
-        length = max(len(x) for x in inputs)
-        ids = torch.tensor([[0] * (length - len(x)) + x for x in inputs], device=self.device)
-        mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in inputs], device=self.device)
-        pos = (mask.cumsum(1) - 1).clamp_(min=0)
-        cache = DynamicCache()  # full layers even for sliding-window models: the decode masks apply the window
-        out = self.model(  # type: ignore[misc]
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            **self._keep_arg,
-        )
-        return [(layer.keys, layer.values) for layer in cache.layers], mask, out.logits[:, -1].float()
-
-    def _select(self, keep: list[int]) -> None:
-        """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
-        lengths = [len(self._rows[i].prompt) + len(self._rows[i].out) - 1 for i in keep]  # cached tokens per row
-        self._rows, self._alive, self._params = [self._rows[i] for i in keep], [True] * len(keep), None
-        if not keep:
-            self._reset_batch()
-            return
-        idx = torch.tensor(keep, device=self.device)
-        start = self._mask.shape[1] - max(lengths)  # rows are right-aligned: known on the host, no sync
-        self._mask = self._mask[idx, start:]
-        self._mask_bool = self._mask.bool()
-        self._pos = self._pos[idx]
-        assert self._cache is not None
-        self._cache.layers = [
-            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:])  # type: ignore[attr-defined]
-            for layer in self._cache.layers
-        ]
-
-    def _decode(self, tokens: torch.Tensor) -> None:
-        """One forward step: every running row consumes its newest token."""
-        self._mask = F.pad(self._mask, (0, 1), value=1)
-        self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
-        self.stats["kv_peak"] = max(self.stats["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
-        assert self._cache is not None
-        if self._fast is not None:
-            logits = self._fast(tokens, self._pos, self._mask_bool, self._cache.layers)  # type: ignore[arg-type]
-        else:
-            attn: torch.Tensor | dict[str, torch.Tensor] = self._mask
-            if self._mask_dict:  # a ready 4D mask skips transformers' per-step mask building
-                attn = {"full_attention": self._mask_bool[:, None, None, :]}
-            logits = self.model(  # type: ignore[misc]
-                input_ids=tokens[:, None],
-                attention_mask=attn,
-                position_ids=self._pos[:, None],
-                past_key_values=self._cache,
-                use_cache=True,
-                **self._keep_arg,
-            ).logits[:, -1]
-        self._pos = self._pos + 1
-        self._logits = logits.float()

@@ -20,6 +20,7 @@ flag that provides it) where a server cannot do what the run needs.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,7 +82,7 @@ def detect_sglang(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
             f"{url} runs SGLang {version or '(no version)'}; relayrl needs SGLang >= {need} "
             f"(weight_version on weight updates, /pause_generation modes): pip install 'sglang>={need}'"
         )
-    tp = int(info.get("tp_size", 1) or 1)  # type: ignore[call-overload]
+    tp = int(typing.cast(int, info.get("tp_size", 1) or 1))
     version_path = None
     for p in ("/get_weight_version", "/model_info", "/get_model_info"):
         status, body = get(p)

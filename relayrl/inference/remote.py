@@ -36,23 +36,28 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import torch
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import ModelRequest, ModelResponse
-from relayrl.inference.backends import Call, ProtocolError, ServerError, make_backend
+from relayrl.api.io import ModelRequest, ModelResponse, StopReason
+from relayrl.inference.backends import Call, ProtocolError, ServerError, VLLMBackend, make_backend
 from relayrl.inference.batcher import MicroBatcher
 from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
 from relayrl.inference.remote_vllm import VLLMWeightSync
-from relayrl.inference.remote_weights import DEAD_ERRORS, WeightSync
+from relayrl.inference.remote_weights import DEAD_ERRORS
 from relayrl.inference.vllm_transfer import VLLMTransferGroup
 from relayrl.inference.weight_group import WeightBroadcastGroup
+
+if TYPE_CHECKING:
+    from relayrl.inference.launcher import ServerGroup
+    from relayrl.inference.peer_launcher import PeerServerGroup
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ def _url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address}"
 
 
-class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
+class RemoteEngine(VLLMWeightSync, InferenceEngine):
     """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched
     serving ``model``, the policy's ModelConfig, so that its weights fit them)."""
 
@@ -89,6 +94,9 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
         self.model = model or ModelConfig()
         self.addresses = list(addresses if addresses is not None else config.addresses)
         self.backend = make_backend(config.protocol)
+        if config.return_routed_experts and isinstance(self.backend, VLLMBackend):
+            raise ValueError("inference.return_routed_experts: vLLM returns no routed experts (use sglang or relayrl)")
+        self.backend.return_routed_experts = config.return_routed_experts
         self.token = config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
         self.servers: list[_Server] = []
         self._lock = threading.Lock()  # server table and counters (agenerate runs on many threads)
@@ -107,7 +115,7 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
         self._group_stale = False  # a member died: the group is rebuilt at its next use
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
-        self._launched: object | None = None
+        self._launched: PeerServerGroup | ServerGroup | None = None
         self._rr = 0
         self._wire_ids = itertools.count()
         self._paused = False
@@ -115,7 +123,7 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
         # requests: generation requests sent (continuations and retries included); http_calls: the
         # HTTP calls that carried them (fewer when batched)
         keys = ("evictions", "readmissions", "reissued", "retried", "interrupted", "requests", "http_calls")
-        self.stats = collections.Counter[str]({k: 0 for k in keys})
+        self.counters = collections.Counter[str]({k: 0 for k in keys})
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, wait_timeout: float = 60.0) -> None:
@@ -129,7 +137,7 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
             from relayrl.inference.peer_launcher import PeerServerGroup
 
             self._launched = PeerServerGroup(launch, self.config, self.model.path).start()
-            self.addresses = self._launched.addresses  # type: ignore[attr-defined]
+            self.addresses = self._launched.addresses
         if not self.addresses and self.config.n_servers > 0 and launch == "relayrl":
             from relayrl.inference.launcher import launch_servers
 
@@ -188,23 +196,27 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
         if mode != "auto" or self.config.weight_sync_dir:
             mode = self._sync_mode()
             for srv in self.servers:
-                require_routes(srv.info, srv.url, mode)  # type: ignore[arg-type]
+                assert srv.info is not None  # (read at connect)
+                require_routes(srv.info, srv.url, mode)
                 self._vllm_prepare(srv, mode)
-        if self.backend.name == "vllm":
+        if isinstance(self.backend, VLLMBackend):
             names = {s.info.model for s in self.servers if s.info is not None}
             if len(names) != 1:
                 raise UnsupportedServer(f"the vLLM servers serve different models: {sorted(names)}")
-            self.backend.model = names.pop()  # type: ignore[union-attr]
-            if self.servers[0].info.server != "relayrl":  # type: ignore[union-attr]  # relayrl's follow the temperature
+            self.backend.model = names.pop()
+            first = self.servers[0].info
+            if first is not None and first.server != "relayrl":  # relayrl's follow the temperature
                 self._check_logprobs_mode(self.servers[0])
 
     def _check_logprobs_mode(self, srv: _Server) -> None:
         """vLLM reports the raw model's logprobs unless run with ``--logprobs-mode processed_logprobs``:
         the top logprob of one token at two temperatures tells them apart."""
+        backend = self.backend
+        assert isinstance(backend, VLLMBackend)
         tops = []
         for t in (1.0, 0.5):
-            body = self._admin(srv, self.backend.logprob_probe(t), timeout=60)  # type: ignore[union-attr]
-            tops.append(self.backend.top_logprob(body))  # type: ignore[union-attr]
+            body = self._admin(srv, backend.logprob_probe(t), timeout=60)
+            tops.append(backend.top_logprob(body))
         if abs(tops[0] - tops[1]) < 1e-6 and tops[0] < -1e-4:
             raise UnsupportedServer(
                 f"{srv.url} returns logprobs that ignore the sampling temperature (vLLM's default raw_logprobs): "
@@ -222,7 +234,7 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
                 asyncio.run_coroutine_threadsafe(client.aclose(), loop)
         self._clients.clear()
         if self._launched is not None:
-            self._launched.shutdown()  # type: ignore[attr-defined]
+            self._launched.shutdown()
             self._launched = None
 
     # ------------------------------------------------------------------ routing
@@ -253,13 +265,16 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
         with self._lock:
             if srv.alive:
                 srv.alive = False
-                self.stats["evictions"] += 1
+                self.counters["evictions"] += 1
                 if srv.url in self._group_members:  # the weight group lost a member: rebuilt at its next use
                     self._group_stale = True
                 log.warning("server %s evicted: %s", srv.url, why)
 
     def live_servers(self) -> list[str]:
         return [s.url for s in self.servers if s.alive]
+
+    def stats(self) -> dict[str, float]:
+        return {**{k: float(v) for k, v in self.counters.items()}, "live_servers": float(len(self.live_servers()))}
 
     # ------------------------------------------------------------------ HTTP
     def _headers(self) -> dict[str, str]:
@@ -288,14 +303,14 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
         return client
 
     async def _send(self, url: str, call: Call) -> object:
-        self.stats["http_calls"] += 1
+        self.counters["http_calls"] += 1
         r = await self._client().request(call.method, url + call.path, json=call.json)
         _check_status(url, call, r)
         return r.json()
 
-    async def _stream(self, url: str, call: Call) -> AsyncIterator[object]:
+    async def _stream(self, url: str, call: Call) -> AsyncGenerator[object, None]:
         """The JSON lines of an NDJSON reply, as they arrive."""
-        self.stats["http_calls"] += 1
+        self.counters["http_calls"] += 1
         async with self._client().stream(call.method, url + call.path, json=call.json) as r:
             if r.status_code >= 400:
                 await r.aread()
@@ -335,7 +350,9 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
         tokens: list[int] = []
         logps: list[float] = []
         versions: list[int] = []
-        ttft, attempt, stop = 0.0, 0, None
+        routed: torch.Tensor | None = None
+        ttft, attempt = 0.0, 0
+        stop: StopReason | None = None
         while stop is None:
             remaining = g.max_new_tokens - len(tokens)
             if remaining <= 0:
@@ -361,18 +378,18 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
                 max(0, g.min_new_tokens - len(tokens)),
             )
             sent_version = srv.version  # what produced these tokens when the server reports no version
-            self.stats["requests"] += 1
+            self.counters["requests"] += 1
             try:
                 body = await self._generate_call(srv, call)
             except DEAD_ERRORS as e:
                 self._evict(srv, repr(e))
                 attempt = self._count_failure(attempt, req.rid, repr(e))
-                self.stats["reissued"] += 1
+                self.counters["reissued"] += 1
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             except (httpx.TimeoutException, ServerError) as e:
                 attempt = self._count_failure(attempt, req.rid, repr(e))
-                self.stats["retried"] += 1
+                self.counters["retried"] += 1
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             finally:
@@ -383,9 +400,10 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
             v = part.weight_version if part.weight_version is not None else sent_version
             tokens += part.tokens
             logps += part.logprobs
+            routed = part.routed_experts  # the last call ran prompt + all output so far: its routing covers them
             versions += part.versions if part.versions is not None else [v] * len(part.tokens)
             if part.stop_reason == "abort":  # interrupted by a weight update: continue under the new weights
-                self.stats["interrupted"] += 1
+                self.counters["interrupted"] += 1
                 await asyncio.sleep(0.01)
                 continue
             stop = part.stop_reason
@@ -397,6 +415,7 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
             stop_reason=stop,
             latency=time.perf_counter() - t0,
             ttft=ttft,
+            routed_experts=routed,
         )
 
     def _count_failure(self, attempt: int, rid: str, why: str) -> int:
@@ -415,13 +434,13 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
             raise RuntimeError(f"{srv.url}{call.path} answered {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else {}
 
-    def _fan_out(self, fn: object, servers: list[_Server]) -> None:
+    def _fan_out(self, fn: Callable[[_Server], object], servers: list[_Server]) -> None:
         """Run ``fn(server)`` on all servers at once; dead ones are evicted, other errors raised."""
         errors: list[BaseException] = []
 
         def one(s: _Server) -> None:
             try:
-                fn(s)  # type: ignore[operator]
+                fn(s)
             except DEAD_ERRORS as e:
                 self._evict(s, repr(e))
             except BaseException as e:  # noqa: BLE001 - re-raised below after all servers ran
@@ -499,5 +518,5 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
                 return
             with self._lock:
                 srv.alive = True
-                self.stats["readmissions"] += 1
+                self.counters["readmissions"] += 1
             log.warning("server %s re-admitted at weight version %d", srv.url, srv.version)

@@ -20,13 +20,16 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import httpx
 import torch
 
+from relayrl.inference.backends import VLLMBackend
 from relayrl.inference.peers import UnsupportedServer
+from relayrl.inference.remote_weights import WeightSync
 from relayrl.inference.vllm_transfer import VLLMTransferGroup
 from relayrl.inference.weight_group import address_towards, dtype_name
 
@@ -36,9 +39,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class VLLMWeightSync:
-    """Needs from ``RemoteEngine``: ``config``, ``backend`` (a ``VLLMBackend``), ``_admin``, ``_fan_out``,
-    ``_settle``, ``_confirm``, ``_paused``, ``_group*``."""
+class VLLMWeightSync(WeightSync):
+    """``WeightSync`` with vLLM's routes for vLLM servers (the rest as ``WeightSync`` does it)."""
+
+    @property
+    def _vllm(self) -> VLLMBackend:
+        assert isinstance(self.backend, VLLMBackend)
+        return self.backend
+
+    def _push(self, srv: _Server, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int) -> None:
+        if weights[0] == "disk" and isinstance(self.backend, VLLMBackend):
+            self._vllm_disk(srv, str(weights[1]), version)
+            return
+        super()._push(srv, weights, version)
+
+    def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[_Server]) -> None:
+        if isinstance(self.backend, VLLMBackend):
+            self._vllm_broadcast(tensors, version, servers)
+            return
+        super()._broadcast(tensors, version, servers)
 
     def _vllm_prepare(self, srv: _Server, sync: str) -> None:
         """At connect (and re-admission): pick the disk route this server offers."""
@@ -49,7 +68,7 @@ class VLLMWeightSync:
             info.disk_transfer = False  # a vLLM before the disk backend: /collective_rpc (require_routes checked it)
             return
         try:
-            self._admin(srv, self.backend.init_disk_transfer(), timeout=30)
+            self._admin(srv, self._vllm.init_disk_transfer(), timeout=30)
             info.disk_transfer = True
         except RuntimeError as e:
             if "/collective_rpc" not in info.routes:
@@ -59,13 +78,13 @@ class VLLMWeightSync:
             log.warning("%s has no disk weight-transfer backend; reloading through /collective_rpc", srv.url)
             info.disk_transfer = False
 
-    def _paused_for_update(self, servers: list[_Server], update: object) -> None:
+    def _paused_for_update(self, servers: list[_Server], update: Callable[[], None]) -> None:
         """Pause ``servers`` (abort mode) unless the engine is paused, run ``update()``, resume them."""
         paused = [] if self._paused else list(servers)
         if paused:
             self._fan_out(lambda s: self._admin(s, self.backend.pause()), paused)
         try:
-            update()  # type: ignore[operator]
+            update()
         finally:
             for s in paused:
                 try:
@@ -78,13 +97,13 @@ class VLLMWeightSync:
 
         def load() -> None:
             if srv.info is not None and srv.info.disk_transfer:
-                self._admin(srv, self.backend.start_update())
-                self._admin(srv, self.backend.disk_update(path))
-                self._admin(srv, self.backend.finish_update(version))
+                self._admin(srv, self._vllm.start_update())
+                self._admin(srv, self._vllm.disk_update(path))
+                self._admin(srv, self._vllm.finish_update(version))
             else:
                 self.backend.parse_update(self._admin(srv, self.backend.update_from_disk(path, version)))
                 if srv.info is not None and "/update_weight_version" in srv.info.routes:  # /weight_info then reports it
-                    self._admin(srv, self.backend.set_version(version))
+                    self._admin(srv, self._vllm.set_version(version))
 
         self._paused_for_update([srv], load)
         self._confirm(srv, version)
@@ -101,15 +120,16 @@ class VLLMWeightSync:
                 sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
                 offsets = list(itertools.accumulate([1, *sizes[:-1]]))
                 group = VLLMTransferGroup(host, 0, 1 + sum(sizes), backend, self.config.request_timeout)
-                calls = [self.backend.init_transfer(host, group.port, off, 1 + sum(sizes)) for off in offsets]
+                calls = [self._vllm.init_transfer(host, group.port, off, 1 + sum(sizes)) for off in offsets]
                 joins = [ex.submit(self._admin, s, c) for s, c in zip(servers, calls, strict=True)]
                 self._settle(servers, joins, group.join, errors)
                 if errors:
                     raise errors[0]
                 self._group, self._group_members = group, members
-            group = self._group
+            current = self._group
+            assert isinstance(current, VLLMTransferGroup)
             limit = int(self.config.weight_bucket_mb * (1 << 20))
-            call = self.backend.transfer_update(
+            call = self._vllm.transfer_update(
                 list(tensors),
                 [dtype_name(t.dtype) for t in tensors.values()],
                 [list(t.shape) for t in tensors.values()],
@@ -119,13 +139,13 @@ class VLLMWeightSync:
 
             def send() -> None:
                 for s in sessions:
-                    self._admin(s, self.backend.start_update())
+                    self._admin(s, self._vllm.start_update())
                 replies = [ex.submit(self._admin, s, call) for s in servers]
-                self._settle(servers, replies, lambda: group.send(tensors, True, limit), errors)  # type: ignore[union-attr]
+                self._settle(servers, replies, lambda: current.send(tensors, True, limit), errors)
                 if errors:
                     raise errors[0]
                 for s in sessions:
-                    self._admin(s, self.backend.finish_update(version))
+                    self._admin(s, self._vllm.finish_update(version))
 
             self._paused_for_update(servers, send)
         finally:

@@ -6,10 +6,12 @@ requests sent to them)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import shutil
 import threading
+import typing
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -19,8 +21,10 @@ import httpx
 import safetensors.torch
 import torch
 
+from relayrl.api.config import InferenceConfig
 from relayrl.api.io import WeightUpdate
-from relayrl.inference.backends import WEIGHT_GROUP, Call
+from relayrl.inference.backends import WEIGHT_GROUP, Backend, Call, SGLangBackend
+from relayrl.inference.vllm_transfer import VLLMTransferGroup
 from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 
 if TYPE_CHECKING:
@@ -38,18 +42,30 @@ class WeightSync:
     """Needs from ``RemoteEngine``: ``config``, ``backend``, ``servers``, ``_admin``, ``_fan_out``,
     ``_evict``, ``_paused``, ``_group*``, ``_update_lock``, ``_version``, ``_last_weights``."""
 
+    # what RemoteEngine provides (declared for the type checker)
+    config: InferenceConfig
+    backend: Backend
+    servers: list[_Server]
+    _paused: bool
+    _update_lock: threading.Lock
+    _group: WeightBroadcastGroup | VLLMTransferGroup | None
+    _group_members: list[str]
+    _group_stale: bool
+    _last_weights: tuple[str, str | bytes | dict[str, torch.Tensor]] | None
+    _admin: Callable[..., object]
+    _fan_out: Callable[..., None]
+    _evict: Callable[..., None]
+
     def _push(self, srv: _Server, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int) -> None:
         kind, data = weights
         if kind == "broadcast":  # a server (re)joining: the group is rebuilt with it in
-            self._broadcast(data, version, [s for s in self.servers if s.alive or s is srv])  # type: ignore[arg-type]
-            return
-        if kind == "disk" and self.backend.name == "vllm":
-            self._vllm_disk(srv, str(data), version)  # type: ignore[attr-defined]
+            tensors = typing.cast(dict[str, torch.Tensor], data)
+            self._broadcast(tensors, version, [s for s in self.servers if s.alive or s is srv])
             return
         if kind == "disk":
             body = self._admin(srv, self.backend.update_from_disk(str(data), version))
         else:
-            body = self._admin(srv, self.backend.upload(version), content=data)  # type: ignore[arg-type]
+            body = self._admin(srv, self.backend.upload(version), content=data)
         self.backend.parse_update(body)
         self._confirm(srv, version)
 
@@ -60,9 +76,8 @@ class WeightSync:
         rebuilt whenever its members change: a dead server leaves it, a returning one rejoins.
         A server that fails mid-way is evicted (dead) or its error raised; either way the group
         is dropped, to be rebuilt from the live servers at the next update."""
-        if self.backend.name == "vllm":  # vLLM's own weight-transfer group and routes
-            self._vllm_broadcast(tensors, version, servers)  # type: ignore[attr-defined]
-            return
+        sglang = self.backend
+        assert isinstance(sglang, SGLangBackend)  # vLLM: VLLMWeightSync._broadcast
         members = [s.url for s in servers]
         errors: list[BaseException] = []
         ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
@@ -72,7 +87,7 @@ class WeightSync:
                 # trainer): SGLang refuses a second group of the same name
                 for s in servers:
                     try:
-                        self._admin(s, self.backend.destroy_weight_group(), timeout=30)
+                        self._admin(s, sglang.destroy_weight_group(), timeout=30)
                     except (httpx.HTTPError, RuntimeError):
                         pass  # a server that never joined, or one too old for the route (then init fails, named)
                 self._group, self._group_members, self._group_stale = None, [], False
@@ -84,19 +99,20 @@ class WeightSync:
                 offsets = list(itertools.accumulate([1, *sizes[:-1]]))
                 world = 1 + sum(sizes)
                 group = WeightBroadcastGroup(host, 0, world, 0, backend, WEIGHT_GROUP, self.config.request_timeout)
-                calls = [self.backend.init_weight_group(host, group.port, off, world, backend) for off in offsets]
+                calls = [sglang.init_weight_group(host, group.port, off, world, backend) for off in offsets]
                 joins = [ex.submit(self._admin, s, c) for s, c in zip(servers, calls, strict=True)]
                 self._settle(servers, joins, group.join, errors)
                 if errors:
                     raise errors[0]
                 self._group, self._group_members = group, members
-            group = self._group
+            current = self._group
+            assert isinstance(current, WeightBroadcastGroup)
             names = list(tensors)
             limit = int(self.config.weight_bucket_mb * (1 << 20))
             parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
             for b, idx in enumerate(parts):  # one bounded bucket per call: the servers allocate one bucket at a time
                 bucket = {names[i]: tensors[names[i]] for i in idx}
-                call = self.backend.update_distributed(
+                call = sglang.update_distributed(
                     list(bucket),
                     [dtype_name(t.dtype) for t in bucket.values()],
                     [list(t.shape) for t in bucket.values()],
@@ -104,7 +120,7 @@ class WeightSync:
                     abort=b == 0,
                 )
                 replies = [ex.submit(self._admin, s, call) for s in servers]
-                self._settle(servers, replies, lambda bucket=bucket: group.broadcast(bucket), errors)
+                self._settle(servers, replies, functools.partial(current.broadcast, bucket), errors)
                 if errors:
                     break
         finally:
@@ -119,7 +135,7 @@ class WeightSync:
         self,
         servers: list[_Server],
         replies: list[Future[object]],
-        collective: Callable[[], None],
+        collective: Callable[[], object],
         errors: list[BaseException],
     ) -> None:
         """Run this side of a collective (on a thread) while the servers' HTTP calls run theirs.
@@ -188,12 +204,12 @@ class WeightSync:
             self._fan_out(lambda s: self._push(s, weights, version), live)
             return
         try:
-            self._broadcast(weights[1], version, live)  # type: ignore[arg-type]
+            self._broadcast(typing.cast(dict[str, torch.Tensor], weights[1]), version, live)
         except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
             live = [s for s in self.servers if s.alive]
             if not live:
                 raise
-            self._broadcast(weights[1], version, live)  # type: ignore[arg-type]
+            self._broadcast(typing.cast(dict[str, torch.Tensor], weights[1]), version, live)
 
     def _sync_mode(self) -> str:
         mode = self.config.weight_sync

@@ -39,7 +39,7 @@ class SamplingParams(_Body):
 
 def _one_or_many(t: type) -> object:
     """``t`` or a list of ``t`` (SGLang batch fields: one value for all items, or one per item)."""
-    return Annotated[  # type: ignore[valid-type]
+    return Annotated[
         Annotated[t, Tag("<one>")] | Annotated[list[t], Tag("<many>")],  # type: ignore[valid-type]
         Discriminator(lambda v: "<many>" if isinstance(v, list) else "<one>"),
     ]
@@ -50,6 +50,11 @@ class GenerateRequest(_Body):
     text: str | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = False
+    return_routed_experts: bool = Field(
+        False,
+        description="MoE models: meta_info.routed_experts, base64 of int32 [prompt + output - 1, n_moe_layers, "
+        "top_k] expert ids (SGLang's format; relayrl adds meta_info.routed_experts_shape)",
+    )
     rid: str | None = None
     stream: bool = Field(False, description="streaming is not supported")
 
@@ -61,6 +66,7 @@ class GenerateBatchRequest(_Body):
     text: list[str] | None = Field(None, min_length=1)
     sampling_params: _one_or_many(SamplingParams) = Field(default_factory=SamplingParams)  # type: ignore[valid-type]
     return_logprob: _one_or_many(bool) = False  # type: ignore[valid-type]
+    return_routed_experts: _one_or_many(bool) = False  # type: ignore[valid-type]
     rid: _one_or_many(str) | None = Field(None, description="one per item, or a prefix (item i gets '<rid>-<i>')")  # type: ignore[valid-type]
     stream: bool = Field(False, description="streaming is not supported")
     stream_items: bool = Field(

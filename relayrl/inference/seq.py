@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason
 
@@ -26,7 +27,7 @@ class Seq:
     prompt: list[int]
     g: GenerationConfig
     key: int
-    on_done: Callable[[ModelResponse], None]
+    on_done: Callable[[ModelResponse | BaseException], None]  # an exception: the request's future raises it
     rid: str = ""
     cancelled: bool = False  # aborted by rid: ends as "abort", never continued
     on_token: Callable[[int], None] | None = None  # streaming: called on the loop thread with each new token
@@ -36,15 +37,17 @@ class Seq:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()
+    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: expert ids [n, layers, k] of the tokens run
 
-    def finished(self, tok: int, tokenizer: object | None) -> StopReason | None:
+    def finished(self, tok: int, tokenizer: PreTrainedTokenizerBase | None) -> StopReason | None:
         """Why this request ends after appending ``tok`` (None: it goes on)."""
         g, n = self.g, len(self.out)
         if n >= g.min_new_tokens and tok in self.stop_ids:
             return "stop"
         if g.stop and n >= g.min_new_tokens:
             longest = max(len(s) for s in g.stop)
-            tail = tokenizer.decode(self.out[-(longest + 8) :])  # type: ignore[attr-defined]
+            assert tokenizer is not None, "stop strings need a tokenizer"
+            tail = str(tokenizer.decode(self.out[-(longest + 8) :]))
             if any(s in tail for s in g.stop):
                 return "stop"
         if n >= g.max_new_tokens:
@@ -61,6 +64,7 @@ class Seq:
             stop_reason=reason,
             latency=now - self.submitted,
             ttft=(self.first_token_at or now) - self.submitted,
+            routed_experts=torch.cat(self.routes) if self.routes else None,
         )
 
 
@@ -77,7 +81,9 @@ def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]) -> Callable[[ModelResponse], None]:
+def resolver(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[ModelResponse]
+) -> Callable[[ModelResponse | BaseException], None]:
     """A callback, safe from any thread, that resolves ``fut`` (or fails it with an exception)."""
 
     def settle(result: ModelResponse | BaseException) -> None:

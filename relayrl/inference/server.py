@@ -42,6 +42,7 @@ import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
@@ -67,6 +68,7 @@ from relayrl.inference.server_common import (
 from relayrl.inference.server_openai import OpenAIRoutes
 from relayrl.inference.server_weights import WeightRoutes
 from relayrl.inference.weight_group import WeightBroadcastGroup
+from relayrl.utils.moe import encode_routed_experts
 
 __all__ = ["LISTEN_PREFIX", "Server", "_dumps", "build_app", "confine_path", "make_server", "run_server"]
 
@@ -74,8 +76,8 @@ LISTEN_PREFIX = "relayrl server listening on "
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
 _Job = tuple[
-    str, list[int], GenerationConfig, bool, bool, bool
-]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim
+    str, list[int], GenerationConfig, bool, bool, bool, bool
+]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim, return_routed_experts
 
 
 class Server(WeightRoutes, OpenAIRoutes):
@@ -84,7 +86,7 @@ class Server(WeightRoutes, OpenAIRoutes):
     def __init__(
         self,
         engine: LocalEngine,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         cfg: ServerConfig,
         vocab_size: int,
         max_positions: int,
@@ -163,7 +165,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         return resp
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
-        return str(self.tok.decode(ids, skip_special_tokens=skip_special))  # type: ignore[attr-defined]
+        return str(self.tok.decode(ids, skip_special_tokens=skip_special))
 
     def abort_all(self) -> None:
         """End the running requests now with finish_reason abort (their partial output is returned)."""
@@ -177,7 +179,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         return {"type": "stop", "matched": r.output_tokens[-1] if r.output_tokens else None}
 
     # ---------------------------------------------------------------- SGLang native
-    async def generate(self, req: GenerateBody) -> Response:  # type: ignore[valid-type]
+    async def generate(self, req: GenerateBody) -> Response:
         """One prompt -> one reply object; SGLang's batch form -> a list of them, in order (or,
         with ``stream_items``, NDJSON lines in the order the items finish)."""
         self.n_calls += 1
@@ -193,9 +195,10 @@ class Server(WeightRoutes, OpenAIRoutes):
             raise _bad("stream: streaming is not supported; send stream=false")
         if (req.input_ids is None) == (req.text is None):
             raise _bad("give exactly one of input_ids or text")
-        ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))  # type: ignore[attr-defined]
+        ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))
         self.check_ids(ids, "input_ids")
         g = self.gconfig(req.sampling_params, len(ids))
+        self.check_routed(req.return_routed_experts, "return_routed_experts")
         rid = req.rid or uuid.uuid4().hex
         r = await self.run(rid, ids, g, once=True)
         return self.reply(
@@ -204,7 +207,12 @@ class Server(WeightRoutes, OpenAIRoutes):
             req.return_logprob,
             req.sampling_params.skip_special_tokens,
             [] if req.sampling_params.no_stop_trim else g.stop,
+            req.return_routed_experts,
         )
+
+    def check_routed(self, wanted: bool, field: str) -> None:
+        if wanted and self.engine.routing_shape is None:
+            raise _bad(f"{field}: the served model has no mixture-of-experts layers (no experts are routed)")
 
     def batch_jobs(self, req: GenerateBatchRequest) -> list[_Job]:
         """Every item validated before any is generated (errors name the item index)."""
@@ -212,10 +220,11 @@ class Server(WeightRoutes, OpenAIRoutes):
             raise _bad("stream: streaming is not supported; send stream=false")
         if (req.input_ids is None) == (req.text is None):
             raise _bad("give exactly one of input_ids or text")
-        prompts = req.input_ids if req.input_ids is not None else [list(self.tok.encode(t)) for t in req.text or []]  # type: ignore[attr-defined]
+        prompts = req.input_ids if req.input_ids is not None else [list(self.tok.encode(t)) for t in req.text or []]
         n = len(prompts)
         sps: list[SamplingParams] = _per_item(req.sampling_params, n, "sampling_params")
         logprob: list[bool] = _per_item(req.return_logprob, n, "return_logprob")
+        routed: list[bool] = _per_item(req.return_routed_experts, n, "return_routed_experts")
         if isinstance(req.rid, list):
             rids = _per_item(req.rid, n, "rid")
         else:
@@ -225,13 +234,22 @@ class Server(WeightRoutes, OpenAIRoutes):
         for i, ids in enumerate(prompts):
             self.check_ids(ids, f"input_ids[{i}]")
             g = self.gconfig(sps[i], len(ids), field=f"sampling_params[{i}]", prompt=f"input_ids[{i}]")
-            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim))
+            self.check_routed(routed[i], f"return_routed_experts[{i}]")
+            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim, routed[i]))
         return jobs
 
     async def generate_item(
-        self, rid: str, ids: list[int], g: GenerationConfig, logprob: bool, skip: bool, keep_stop: bool = False
+        self,
+        rid: str,
+        ids: list[int],
+        g: GenerationConfig,
+        logprob: bool,
+        skip: bool,
+        keep_stop: bool = False,
+        routed: bool = False,
     ) -> dict[str, object]:
-        return self.reply(rid, await self.run(rid, ids, g, once=True), logprob, skip, [] if keep_stop else g.stop)
+        r = await self.run(rid, ids, g, once=True)
+        return self.reply(rid, r, logprob, skip, [] if keep_stop else g.stop, routed)
 
     async def stream_items(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
         """One NDJSON line per item as soon as it finishes: a batch costs one HTTP call, yet no
@@ -253,7 +271,13 @@ class Server(WeightRoutes, OpenAIRoutes):
                 t.cancel()
 
     def reply(
-        self, rid: str, r: ModelResponse, logprob: bool, skip_special: bool, stops: list[str] | None = None
+        self,
+        rid: str,
+        r: ModelResponse,
+        logprob: bool,
+        skip_special: bool,
+        stops: list[str] | None = None,
+        routed: bool = False,
     ) -> dict[str, object]:
         """One item's SGLang reply (+ relayrl's per-token ``output_token_versions``)."""
         meta: dict[str, object] = {
@@ -270,6 +294,9 @@ class Server(WeightRoutes, OpenAIRoutes):
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)
             ]
+        if routed and r.routed_experts is not None:
+            meta["routed_experts"] = encode_routed_experts(r.routed_experts)
+            meta["routed_experts_shape"] = list(r.routed_experts.shape)
         text = self.decode(r.output_tokens, skip_special)
         if r.stop_reason == "stop" and stops:
             text = trim_stop(text, stops)
@@ -292,7 +319,7 @@ class _JsonByDefault:
 def build_app(srv: Server) -> FastAPI:
     """The FastAPI app of one Server (routes are thin wrappers over its methods)."""
     app = FastAPI(title="relayrl inference server", version="1")
-    app.add_middleware(_JsonByDefault)  # type: ignore[arg-type]
+    app.add_middleware(_JsonByDefault)
     app.add_exception_handler(RequestValidationError, _validation_error)
 
     @app.exception_handler(HTTPException)
@@ -327,9 +354,9 @@ def build_app(srv: Server) -> FastAPI:
         """SGLang's abort: the request ``rid`` (or, with ``abort_all``, every one) ends now with
         finish_reason abort and the tokens generated so far; an unknown rid is a no-op, as in SGLang."""
         if req.abort_all:
-            before = srv.engine.stats["aborts"]
+            before = srv.engine.counters["aborts"]
             await asyncio.to_thread(srv.abort_all)
-            n = srv.engine.stats["aborts"] - before
+            n = srv.engine.counters["aborts"] - before
         else:
             n = await asyncio.to_thread(srv.engine.abort_rid, req.rid) if req.rid else 0
         return JSONResponse({"success": True, "message": f"aborted {n} request(s)", "aborted": n})
@@ -394,8 +421,8 @@ def build_app(srv: Server) -> FastAPI:
             "paused": srv.paused,
             "requests_served": srv.n_served,
             "generate_calls": srv.n_calls,
-            "tokens_generated": srv.engine.stats["tokens"],
-            "aborts": srv.engine.stats["aborts"],
+            "tokens_generated": srv.engine.counters["tokens"],
+            "aborts": srv.engine.counters["aborts"],
         }
 
     @app.get("/v1/models")

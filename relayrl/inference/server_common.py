@@ -92,13 +92,15 @@ def confine_path(path: str, roots: list[str]) -> Path:
 def _version(v: object) -> int | None:
     if v is None or v == "":
         return None
+    if not isinstance(v, (int, float, str)):
+        raise _bad(f"weight_version must be an integer, got {v!r}")
     try:
-        return int(v)  # type: ignore[call-overload, no-any-return]
+        return int(v)
     except (TypeError, ValueError):
         raise _bad(f"weight_version must be an integer, got {v!r}") from None
 
 
-def _per_item(value: object, n: int, field: str) -> list:  # type: ignore[type-arg]
+def _per_item(value: object, n: int, field: str) -> list:
     """A batch field: one value per item (checked), or one value for all ``n`` items."""
     if not isinstance(value, list):
         return [value] * n

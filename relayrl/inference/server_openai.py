@@ -20,18 +20,23 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import typing
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
 
-from relayrl.api.io import GenerationConfig
+from relayrl.api.config import ServerConfig
+from relayrl.api.io import GenerationConfig, ModelResponse
 from relayrl.inference.schemas import CompletionRequest, SamplingParams
 from relayrl.inference.server_common import _bad, _json, _usage, error_body, trim_stop
 
 if TYPE_CHECKING:
     from relayrl.agents.messages import RequestError
+    from relayrl.inference.local import LocalEngine
 
 VLLM_EXTRAS = {"top_k": "top_k", "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos"}
 
@@ -47,11 +52,25 @@ def _agents() -> None:
 def _refusal(e: RequestError) -> JSONResponse:
     """OpenAI's error body; the message names the field, as the server's other errors do."""
     message = f"{e.param}: {e.message}" if e.param else e.message
-    return JSONResponse({"error": {**e.body, "message": message}, "detail": message}, status_code=400)
+    body = dict(typing.cast(dict[str, object], e.body))
+    return JSONResponse({"error": {**body, "message": message}, "detail": message}, status_code=400)
 
 
 class OpenAIRoutes:
     """Mixed into ``Server`` (which provides ``tok``, ``cfg``, ``engine``, ``gconfig``, ``check_ids``, ``run``, ``decode``)."""
+
+    # what Server provides (declared for the type checker)
+    tok: PreTrainedTokenizerBase
+    cfg: ServerConfig
+    engine: LocalEngine
+    max_positions: int
+    vocab_size: int
+    n_calls: int
+    n_served: int
+    gconfig: Callable[..., GenerationConfig]
+    check_ids: Callable[[list[int], str], None]
+    run: Callable[..., Awaitable[ModelResponse]]
+    decode: Callable[..., str]
 
     def openai_gconfig(self, req: CompletionRequest, prompt_len: int, prompt: str = "prompt") -> GenerationConfig:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -72,12 +91,12 @@ class OpenAIRoutes:
     def completion_prompts(self, prompt: str | list[int] | list[list[int]] | list[str]) -> tuple[list[list[int]], bool]:
         """(token ids of each prompt, whether a list of prompts was sent)."""
         if isinstance(prompt, str):
-            return [list(self.tok.encode(prompt))], False  # type: ignore[attr-defined]
+            return [list(self.tok.encode(prompt))], False
         if prompt and isinstance(prompt[0], str):
-            return [list(self.tok.encode(p)) for p in prompt], True  # type: ignore[attr-defined]
+            return [list(self.tok.encode(p)) for p in prompt], True
         if prompt and isinstance(prompt[0], list):
-            return [list(p) for p in prompt], True  # type: ignore[arg-type]
-        return [list(prompt)], False  # type: ignore[arg-type]
+            return [list(p) for p in prompt], True
+        return [list(typing.cast(list[int], prompt))], False
 
     async def completions(self, req: CompletionRequest) -> Response:
         """Choice ``p * n + j`` is sample ``j`` of prompt ``p`` (vLLM's order)."""
@@ -97,7 +116,7 @@ class OpenAIRoutes:
             from relayrl.agents.messages import RequestError
             from relayrl.agents.streaming import sse_events
 
-            client = OpenAIClient(self.engine, self.tok, gs[0], model_name=self.cfg.model.path)  # type: ignore[arg-type]
+            client = OpenAIClient(self.engine, self.tok, gs[0], model_name=self.cfg.model.path)
             params = {"n": req.n, "logprobs": req.logprobs, "stream": True, "stream_options": req.stream_options}
             try:
                 chunks = await client.completions.create(prompt=prompts[0], **params)
@@ -114,24 +133,23 @@ class OpenAIRoutes:
         outs = await asyncio.gather(*(self.run(*job) for job in jobs))
         self.n_calls += 1
         choices = []
+
+        def piece(t: int) -> str:
+            return f"token_id:{t}" if req.return_tokens_as_token_ids else self.decode([t], False)
+
         for i, r in enumerate(outs):
             g, ids = gs[i // req.n], prompts[i // req.n]
             lp = None
             if req.logprobs is not None:
-                name = (
-                    (lambda t: f"token_id:{t}")
-                    if req.return_tokens_as_token_ids
-                    else (lambda t: self.decode([t], False))
-                )
-                toks = [name(t) for t in r.output_tokens]
+                toks = [piece(t) for t in r.output_tokens]
                 offsets, pos = [], 0
                 for s in toks:
                     offsets.append(pos)
                     pos += len(s)
                 tops = None
                 if req.logprobs:
-                    alts = await self.engine.atop_logprobs(ids, r.output_tokens, g, req.logprobs)  # type: ignore[attr-defined]
-                    tops = [{name(j): v for j, v in a} for a in alts]
+                    alts = await self.engine.atop_logprobs(ids, r.output_tokens, g, req.logprobs)
+                    tops = [{piece(j): v for j, v in a} for a in alts]
                 lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": tops, "text_offset": offsets}
             text = self.decode(r.output_tokens, req.skip_special_tokens)
             if r.stop_reason == "stop" and g.stop:  # the stop string is not part of the text (vLLM, OpenAI)
@@ -200,7 +218,7 @@ class OpenAIRoutes:
             base = self.chat_base(body)
         except RequestError as e:
             return _refusal(e)
-        client = OpenAIClient(self.engine, self.tok, base, model_name=self.cfg.model.path)  # type: ignore[arg-type]
+        client = OpenAIClient(self.engine, self.tok, base, model_name=self.cfg.model.path)
         stream, options = bool(body.pop("stream", False)), body.pop("stream_options", None)
         explicit = body.get("max_tokens") or body.get("max_completion_tokens")
         try:

@@ -14,7 +14,9 @@ import safetensors.torch
 import torch
 from fastapi import Request
 
+from relayrl.api.config import ServerConfig
 from relayrl.api.io import WeightUpdate
+from relayrl.inference.local import LocalEngine
 from relayrl.inference.schemas import DestroyWeightGroup, DiskUpdate, DistributedUpdate, InitWeightGroup
 from relayrl.inference.server_common import _bad, _version, confine_path
 from relayrl.inference.weight_group import WeightBroadcastGroup, parse_dtype
@@ -22,6 +24,14 @@ from relayrl.inference.weight_group import WeightBroadcastGroup, parse_dtype
 
 class WeightRoutes:
     """Mixed into ``Server`` (which provides ``engine``, ``cfg``, ``reference``, ``weight_lock``, ``groups``)."""
+
+    # what Server provides (declared for the type checker)
+    engine: LocalEngine
+    cfg: ServerConfig
+    reference: dict[str, tuple[torch.Size, torch.dtype]]
+    weight_lock: asyncio.Lock
+    groups: dict[str, WeightBroadcastGroup]
+    staged: dict[str, dict[str, torch.Tensor]]
 
     def check_weights(self, shapes: dict[str, tuple[int, ...]], partial: bool = False) -> None:
         """Every served parameter present (a tied lm_head may be left out; any may be, for one bucket

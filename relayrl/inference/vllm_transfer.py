@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pickle
 import secrets
+import typing
 from datetime import timedelta
 
 import torch
@@ -86,9 +87,11 @@ class VLLMTransferGroup:
             return self
         assert self.store is not None
         uid = secrets.token_hex(16)
-        self.store.set(UNIQUE_ID_KEY, pickle.dumps(uid))
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{uid}/", self.store), 0, self.world_size, self.timeout)
-        self.pg.allreduce([torch.zeros(1)]).wait()  # PyNccl's warm-up all-reduce
+        self.store.set(UNIQUE_ID_KEY, pickle.dumps(uid))  # type: ignore[arg-type]  # the store takes bytes too
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{uid}/", self.store), 0, self.world_size, self.timeout)
+        pg = typing.cast(dist.ProcessGroup, gloo)  # a backend: all-reduce and broadcast are all this uses
+        pg.allreduce([torch.zeros(1)]).wait()  # PyNccl's warm-up all-reduce
+        self.pg = pg
         return self
 
     def send(self, tensors: dict[str, torch.Tensor], packed: bool, limit: int) -> None:

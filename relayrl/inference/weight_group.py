@@ -19,6 +19,7 @@ Tensors go out one broadcast each, in the order of the ``names`` the servers wer
 from __future__ import annotations
 
 import socket
+import typing
 from datetime import timedelta
 
 import torch
@@ -108,9 +109,12 @@ class WeightBroadcastGroup:
         group = dist.PrefixStore(f"{self.name}/", dist.PrefixStore(self.name, self.store))
         store = dist.PrefixStore(f"{store_device(self.backend)}/", group)
         if self.backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size)
+            nccl = dist.ProcessGroupNCCL(store, self.rank, self.world_size)  # type: ignore[call-arg]  # (options default)
+            self.pg = typing.cast(dist.ProcessGroup, nccl)  # a backend: broadcast() is all this uses
         else:
-            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+            self.pg = typing.cast(
+                dist.ProcessGroup, dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+            )
         return self
 
     def broadcast(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -24,11 +24,13 @@ import multiprocessing as mp
 import queue
 import threading
 import traceback
-from collections.abc import Callable
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
-RewardFn = Callable[..., float]
+if TYPE_CHECKING:
+    from relayrl.api.workflow import RewardFn
 
 
 class RewardError(RuntimeError):
@@ -57,7 +59,8 @@ def _serve(conn: Connection, fn: RewardFn) -> None:
 class _Worker:
     def __init__(self, ctx: mp.context.BaseContext, fn: RewardFn) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, fn), name="relayrl-reward", daemon=True)  # type: ignore[attr-defined]
+        process = typing.cast(mp.context.SpawnContext, ctx).Process  # (BaseContext's stub has no Process)
+        self.proc = process(target=_serve, args=(child, fn), name="relayrl-reward", daemon=True)
         self.proc.start()
         child.close()
 
@@ -151,7 +154,7 @@ class RewardPool:
             self._count("errors")
             raise RewardError(f"reward fn {_name(self.fn)!r} raised {value}")
         self._count("ok")
-        return float(value)  # type: ignore[arg-type]
+        return float(value)
 
     def _take(self) -> _Worker:
         """An idle worker; waits for one (a closed pool raises instead of waiting forever)."""
@@ -187,4 +190,4 @@ class RewardPool:
 
 
 def _name(fn: RewardFn) -> str:
-    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
+    return str(getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn)))

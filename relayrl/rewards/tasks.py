@@ -18,9 +18,10 @@ import ast
 import functools
 import re
 from collections import Counter
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-RewardFn = Callable[..., float]
+if TYPE_CHECKING:
+    from relayrl.api.workflow import RewardFn
 
 _END = re.compile(r"<eos>|</s>|<pad>|<\|[^|<>]*\|>|\n")
 _INT = re.compile(r"-?\d+")

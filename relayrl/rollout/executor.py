@@ -26,6 +26,7 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import uvloop
@@ -42,6 +43,7 @@ from relayrl.api.workflow import (
     validate_trajectory,
 )
 from relayrl.rollout.staleness import default_max_concurrent, is_expired, rollout_capacity
+from relayrl.utils import stats
 
 logger = logging.getLogger("relayrl.rollout")
 
@@ -536,10 +538,17 @@ class WorkflowExecutor:
                 tail_prompts=float(len(self._tail)),
                 consumed_prompts=float(self._consumed),
                 discarded_prompts=float(self._discarded),
-                staleness_mean=sum(self.last_staleness) / max(1, len(self.last_staleness)),
-                staleness_max=float(max(self.last_staleness, default=0)),
+                # per group: trainer version - the oldest version it was generated with (the trainer's own
+                # rollout/staleness_* are per token)
+                group_staleness_mean=sum(self.last_staleness) / max(1, len(self.last_staleness)),
+                group_staleness_max=float(max(self.last_staleness, default=0)),
             )
             return out
+
+    def report(self) -> None:
+        """``stats()`` through the stats tracker, as ``rollout/*`` gauges (once per step)."""
+        with stats.scope("rollout"):
+            stats.gauge(**self.stats())
 
     def state_dict(self) -> dict[str, object]:
         """What was taken from the dataloader and not yet trained on, to be re-run on resume.
@@ -567,17 +576,17 @@ class WorkflowExecutor:
                 "staleness_counts": dict(self.staleness_counts),
             }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore before producing; pending prompts re-run with the next ``prepare_batch``."""
         with self._lock:
             if self._running or self._ready or self._queue:
                 raise RuntimeError("load_state_dict must be called before any rollout (work is already queued)")
-            self._next_index = int(state["next_index"])  # type: ignore[call-overload]
-            self._next_group = int(state["next_group_id"])  # type: ignore[call-overload]
+            self._next_index = int(state["next_index"])
+            self._next_group = int(state["next_group_id"])
             pending = state["pending"]
             assert isinstance(pending, list)
             self._restored = [_Prompt(int(d["prompt_index"]), d["data"], None) for d in pending]
-            self.status.load_state_dict(state["status"])  # type: ignore[arg-type]
-            self._discarded = int(state.get("discarded", 0))  # type: ignore[call-overload]
-            self.staleness_counts = Counter({int(k): int(v) for k, v in state.get("staleness_counts", {}).items()})  # type: ignore[union-attr]
+            self.status.load_state_dict(state["status"])
+            self._discarded = int(state.get("discarded", 0))
+            self.staleness_counts = Counter({int(k): int(v) for k, v in state.get("staleness_counts", {}).items()})
             self._version0, self._consumed = None, 0

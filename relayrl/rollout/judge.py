@@ -16,6 +16,8 @@ import re
 import uuid
 from collections.abc import Callable
 
+from transformers import PreTrainedTokenizerBase
+
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
 
@@ -37,7 +39,7 @@ class GenerativeJudge:
     def __init__(
         self,
         engine: InferenceEngine | None,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         template: str = DEFAULT_TEMPLATE,
         parse_fn: Callable[[str], float] = first_number,
         gconfig: GenerationConfig | None = None,
@@ -53,7 +55,8 @@ class GenerativeJudge:
         from relayrl.data.models import chat_ids
 
         text = self.template.format(question=question, answer=answer, reference=reference)
-        return chat_ids(self.tokenizer, [{"role": "user", "content": text}])  # type: ignore[arg-type]
+        turns: list[dict[str, object]] = [{"role": "user", "content": text}]
+        return chat_ids(self.tokenizer, turns)
 
     async def grade(self, engine: InferenceEngine | None, question: str, answer: str, reference: str = "") -> float:
         """Ask the judge's engine (or ``engine`` when the judge has none) for a grade."""
@@ -62,7 +65,7 @@ class GenerativeJudge:
             raise ValueError("GenerativeJudge has no engine: pass one to the judge or to grade()")
         ids = self.prompt_ids(question, answer, reference)
         resp = await target.agenerate(ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig))
-        self.last_reply = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+        self.last_reply = str(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True))
         return float(self.parse_fn(self.last_reply))
 
     async def __call__(self, engine: InferenceEngine, prompt: str, completions: str, **data: object) -> float:

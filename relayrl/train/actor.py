@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -24,8 +25,7 @@ from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.train import algorithms as A
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import segment_ids, token_entropy, token_logprobs
-
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+from relayrl.utils import stats as tracker
 
 
 def minibatches(batch: TensorDict, n: int, generator: torch.Generator) -> Iterator[TensorDict]:
@@ -82,7 +82,28 @@ def check_actor_config(config: ActorConfig) -> None:
             f"actor.overlong_buffer={config.overlong_buffer} needs actor.overlong_max_len > overlong_buffer "
             f"(the generation limit), got {config.overlong_max_len}"
         )
-    A.get_advantage(config.adv_estimator), A.get_loss(config.loss)
+    known = set(ActorConfig.__dataclass_fields__)
+    for field, entry in (
+        ("adv_estimator", A.advantage_entry(config.adv_estimator)),
+        ("loss", A.loss_entry(config.loss)),
+    ):
+        unknown = [r for r in entry.reads if r not in known]
+        if unknown:
+            raise ConfigError(
+                f"actor.{field}={getattr(config, field)!r} declares reads={unknown}, which are not actor.* fields"
+            )
+
+
+def needs_reference(config: ActorConfig) -> bool:
+    """A reference model is built when ``kl_coef`` > 0 or the estimator or loss declares ``needs_ref``."""
+    return (
+        config.kl_coef > 0 or A.advantage_entry(config.adv_estimator).needs_ref or A.loss_entry(config.loss).needs_ref
+    )
+
+
+def needs_critic(config: ActorConfig) -> bool:
+    """A value model is built when the estimator declares ``needs_critic`` (GAE)."""
+    return A.advantage_entry(config.adv_estimator).needs_critic
 
 
 class PPOActor:
@@ -91,6 +112,9 @@ class PPOActor:
     def __init__(self, config: ActorConfig, engine: TrainEngine, ref_engine: TrainEngine | None = None, seed: int = 0):
         check_actor_config(config)
         self.config, self.engine, self.ref_engine = config, engine, ref_engine
+        # the registry entries: what the actor does follows their declarations, never their names
+        self.advantage, self.loss = A.advantage_entry(config.adv_estimator), A.loss_entry(config.loss)
+        self.needs_ref = needs_reference(config)
         # a run config resolves None to the sampling temperature; an actor built alone samples at 1.0
         self.temperature = 1.0 if config.temperature is None else config.temperature
         self.generator = torch.Generator().manual_seed(seed)
@@ -101,23 +125,36 @@ class PPOActor:
     def compute_logp(self, batch: TensorDict) -> torch.Tensor:
         """``[B, L]`` token-aligned logprobs of ``input_ids`` under the current policy at ``temperature``."""
         self.engine.eval()
-        return self.engine.forward(batch, temperature=self.temperature)
+        return self.engine.forward(self._routing(batch), temperature=self.temperature)
 
     def compute_ref_logp(self, batch: TensorDict) -> torch.Tensor:
         """``[B, L]`` logprobs under the frozen reference engine."""
         if self.ref_engine is None:
-            raise ValueError("actor.kl_coef > 0 needs a reference engine: PPOActor(config, engine, ref_engine=...)")
-        return self.ref_engine.forward(batch, temperature=self.temperature)
+            raise ValueError(
+                "actor.kl_coef > 0 (or an estimator / loss with needs_ref) needs a reference engine: "
+                "PPOActor(config, engine, ref_engine=...)"
+            )
+        return self.ref_engine.forward(self._routing(batch, replay=False), temperature=self.temperature)
+
+    def _routing(self, batch: TensorDict, replay: bool | None = None) -> TensorDict:
+        """The batch as the train engine should see it: without ``routed_experts`` unless routing is
+        replayed (``actor.replay_routing``; the reference policy always picks its own experts)."""
+        replay = self.config.replay_routing if replay is None else replay
+        if replay or "routed_experts" not in batch:
+            return batch
+        return {k: v for k, v in batch.items() if k != "routed_experts"}
 
     def prepare(self, batch: TensorDict, critic: Critic | None = None) -> TensorDict:
         """Fill in every trainer-side key the configured algorithm needs, then the advantages."""
         cfg = self.config
         self._fill_old_logp(batch)
-        if cfg.kl_coef > 0:
+        if self.needs_ref:
             batch["ref_logp"] = self.compute_ref_logp(batch)
-        if cfg.adv_estimator == "gae":
+        if self.advantage.needs_critic:
             if critic is None:
-                raise ValueError("actor.adv_estimator='gae' needs a Critic: actor.prepare(batch, critic)")
+                raise ValueError(
+                    f"actor.adv_estimator={cfg.adv_estimator!r} needs a Critic: actor.prepare(batch, critic)"
+                )
             batch["values"] = critic.compute_values(batch)
         return self.compute_advantages(batch)
 
@@ -158,10 +195,10 @@ class PPOActor:
             token_rewards = token_rewards - cfg.kl_coef * kl
             rewards = token_rewards.sum(1)  # outcome estimators see the KL-penalised total
             self.adv_stats["kl_reward"] = float(A.masked_mean(kl, mask))
-        if cfg.adv_estimator in GROUP_ESTIMATORS and "group_id" not in batch:
+        if self.advantage.needs_groups and "group_id" not in batch:
             raise ValueError(f"actor.adv_estimator={cfg.adv_estimator!r} needs the sequence-level batch key 'group_id'")
         values = batch.get("values")
-        adv, ret = A.get_advantage(cfg.adv_estimator)(
+        adv, ret = self.advantage.fn(
             rewards=rewards,
             loss_mask=mask,
             group_id=batch.get("group_id"),
@@ -195,15 +232,15 @@ class PPOActor:
 
     def _loss_fn(self, sink: _StatsSink):
         cfg = self.config
-        policy_loss = A.get_loss(cfg.loss)
-        agg = {"agg_mode": cfg.loss_agg_mode, "norm_len": float(cfg.loss_norm_len)}
+        policy_loss = self.loss.fn
+        agg_mode, norm_len = cfg.loss_agg_mode, float(cfg.loss_norm_len)
 
         def loss_fn(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
             logp = token_logprobs(logits, packed, self.temperature)
             mask = packed["loss_mask"].bool()
             cu = packed["cu_seqlens"]
             before = logp.detach()  # the policy before this update, when logp_from_update
-            if cfg.loss == "decoupled_ppo":
+            if self.loss.needs_prox_logp:
                 old, prox = packed["logprobs"], packed.get("prox_logp", before)
             else:
                 old, prox = packed.get("old_logp", before), None
@@ -214,6 +251,7 @@ class PPOActor:
                 loss_mask=mask,
                 cu_seqlens=cu,
                 prox_logp=prox,
+                ref_logp=packed.get("ref_logp"),
                 eps_clip=cfg.eps_clip,
                 eps_clip_higher=cfg.eps_clip_higher,
                 c_clip=cfg.c_clip,
@@ -221,7 +259,8 @@ class PPOActor:
                 behav_imp_weight_floor=cfg.behav_imp_weight_floor,
                 behav_weight_level=cfg.behav_weight_level,
                 behav_weight_clip=cfg.behav_weight_clip,
-                **agg,
+                agg_mode=agg_mode,
+                norm_len=norm_len,
             )
             stats["policy_loss"] = loss.detach()
             # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
@@ -229,16 +268,20 @@ class PPOActor:
             r = before - packed["logprobs"]
             stats["behav_kl"] = A.masked_mean(r.exp() - 1 - r, mask)
             if cfg.kl_coef > 0 and not cfg.kl_in_reward:
-                kl = A.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, **agg)
+                kl = A.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, agg_mode, norm_len)
                 loss = loss + cfg.kl_coef * kl
                 stats["kl_loss"] = kl.detach()
             if cfg.entropy_coef > 0:
-                ent = A.entropy_bonus(token_entropy(logits, packed, self.temperature), mask, cu, **agg)
+                ent = A.entropy_bonus(token_entropy(logits, packed, self.temperature), mask, cu, agg_mode, norm_len)
                 loss = loss - cfg.entropy_coef * ent
             else:
                 with torch.no_grad():
                     ent = A.masked_mean(token_entropy(logits.detach(), packed, self.temperature), mask)
             stats["entropy"] = ent.detach()
+            if "moe_aux_loss" in packed:  # MoE models: the engine's load-balancing loss of this forward
+                stats["moe_aux_loss"] = packed["moe_aux_loss"].detach()
+                if cfg.moe_aux_loss_coef > 0:
+                    loss = loss + cfg.moe_aux_loss_coef * packed["moe_aux_loss"]
             sink.add(stats, self.loss_weight(packed))
             return loss
 
@@ -254,12 +297,12 @@ class PPOActor:
         return {**out, "staleness_mean": sum(lag) / len(lag), "staleness_max": float(max(lag))}
 
     def recomputes_logp(self, batch: TensorDict) -> bool:
-        """Whether the policy's logprobs before the update come from the trainer: decoupled PPO's
-        proximal policy; else ``recompute_logp``, or when it is None, whether the batch is on-policy
+        """Whether the policy's logprobs before the update come from the trainer: a ``needs_prox_logp``
+        loss's proximal policy; else ``recompute_logp``, or when it is None, whether the batch is on-policy
         (every loss token generated by the current weights). Otherwise the generator's logprobs are
         the old policy: the clip is then a trust region around the policy that generated the tokens."""
         c = self.config
-        if c.loss == "decoupled_ppo":
+        if self.loss.needs_prox_logp:
             return True
         if c.recompute_logp is not None:
             return c.recompute_logp
@@ -275,13 +318,13 @@ class PPOActor:
         return c.reuse_update_logp and c.ppo_epochs == 1 and c.n_minibatches == 1 and not kl_reward
 
     def _fill_old_logp(self, batch: TensorDict) -> None:
-        """The ratio's denominator: ``prox_logp`` for decoupled PPO, else ``old_logp``: the
+        """The ratio's denominator: ``prox_logp`` for a loss with ``needs_prox_logp`` (decoupled PPO), else ``old_logp``: the
         generator's ``logprobs`` unless ``recomputes_logp``, then the trainer's (``prox_logp`` if the
         trainer stored it under that name); nothing when the update's own forward gives them."""
         recompute = self.recomputes_logp(batch)
         if recompute and self.logp_from_update:
             return
-        if self.config.loss == "decoupled_ppo":
+        if self.loss.needs_prox_logp:
             if "prox_logp" not in batch:
                 batch["prox_logp"] = self.compute_logp(batch)
         elif "old_logp" not in batch:
@@ -294,7 +337,7 @@ class PPOActor:
         """``ppo_epochs`` passes of ``n_minibatches`` optimizer steps each; one stats dict per step."""
         cfg = self.config
         self._fill_old_logp(batch)
-        needed = ["advantages"] + (["ref_logp"] if cfg.kl_coef > 0 and not cfg.kl_in_reward else [])
+        needed = ["advantages"] + (["ref_logp"] if (cfg.kl_coef > 0 and not cfg.kl_in_reward) or self.needs_ref else [])
         missing = [k for k in needed if k not in batch]
         if missing:
             raise ValueError(f"ppo_update: batch is missing {missing}; call actor.prepare(batch) first")
@@ -307,9 +350,23 @@ class PPOActor:
                     all_stats.append({**common, "epoch": float(epoch), "skipped": 1.0, "empty_minibatch": 1.0})
                     continue
                 sink = _StatsSink()
-                stats = self.engine.train_batch(mb, self._loss_fn(sink), self.loss_weight)
+                stats = self.engine.train_batch(self._routing(mb), self._loss_fn(sink), self.loss_weight)
                 all_stats.append({**common, **sink.result(), **stats, "epoch": float(epoch)})
         return all_stats
+
+
+def report_steps(steps: list[dict[str, float]], scope: str) -> list[dict[str, float]]:
+    """Report the means of per-optimizer-step stats over the steps not skipped, as ``scope/*``
+    gauges (keys with a ``/`` and the bookkeeping ones stay out), plus the step counts; returns
+    the skipped steps that had a non-finite loss or grad norm (the caller warns about them)."""
+    done = [s for s in steps if not s.get("skipped")]
+    means: dict[str, float] = {"optimizer_steps": float(len(steps)), "skipped_steps": float(len(steps) - len(done))}
+    for key in done[0] if done else {}:
+        if "/" not in key and key not in ("epoch", "skipped"):
+            means[key] = sum(s[key] for s in done if key in s) / len(done)
+    with tracker.scope(scope):
+        tracker.gauge(**means)
+    return [s for s in steps if s.get("skipped") and not s.get("empty_minibatch")]
 
 
 class Critic:
@@ -354,8 +411,8 @@ class Critic:
                     sink.add(stats, weight(packed))
                     return loss
 
-                stats = self.engine.train_batch(mb, loss_fn, weight)
-                out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **stats}.items()}})
+                step = self.engine.train_batch(mb, loss_fn, weight)
+                out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **step}.items()}})
         return out
 
 
@@ -389,8 +446,8 @@ class ReinforceActor:
 class TorchReinforceActor(TorchTrainEngine):
     """The backend binding: a TorchTrainEngine that also speaks ``train_reinforce``."""
 
-    def __init__(self, *args: object, **kwargs: object):
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self.actor = ReinforceActor(self)
 
     def train_reinforce(self, data: TensorDict) -> dict[str, float]:

@@ -18,65 +18,24 @@ ones they do not use, so the actor can call any of them the same way.
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable
-from typing import TypeVar
-
 import torch
 
-from relayrl.api.config import ConfigError
+from relayrl.train.registry import (  # noqa: F401 (the registry is used, and documented, through this module)
+    ADVANTAGES,
+    LOSSES,
+    AdvantageFn,
+    Algorithm,
+    PolicyLossFn,
+    advantage_entry,
+    get_advantage,
+    get_loss,
+    loss_entry,
+    register_advantage,
+    register_loss,
+)
 
 Tensor = torch.Tensor
-T = TypeVar("T")
-AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
-LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
-
-ADVANTAGES: dict[str, AdvantageFn] = {}
-LOSSES: dict[str, LossFn] = {}
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def _register(registry: dict[str, T], kind: str, name: str) -> Callable[[T], T]:
-    """A decorator adding ``fn`` to ``registry``; a second function under one name is an error,
-    the same function registering again (its module re-imported, a notebook cell re-run) is not."""
-
-    def deco(fn: T) -> T:
-        old = registry.get(name)
-        same = old is not None and (old.__module__, old.__qualname__) == (fn.__module__, fn.__qualname__)  # type: ignore[attr-defined]
-        if old is not None and not same:
-            raise ValueError(f"{kind} {name!r} is already registered (by {old.__module__}.{old.__qualname__})")  # type: ignore[attr-defined]
-        registry[name] = fn
-        return fn
-
-    return deco
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an advantage estimator under ``name`` (``ActorConfig.adv_estimator``)."""
-    return _register(ADVANTAGES, "advantage estimator", name)
-
-
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Register a policy loss under ``name`` (``ActorConfig.loss``)."""
-    return _register(LOSSES, "policy loss", name)
-
-
-def _lookup(registry: dict[str, T], name: str, field: str) -> T:
-    if name not in registry:
-        close = difflib.get_close_matches(name, list(registry), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"{field}={name!r} is not registered; {hint}registered: {sorted(registry)}")
-    return registry[name]
-
-
-def get_advantage(name: str) -> AdvantageFn:
-    """The estimator registered as ``name``; ConfigError naming ``actor.adv_estimator`` otherwise."""
-    return _lookup(ADVANTAGES, name, "actor.adv_estimator")
-
-
-def get_loss(name: str) -> LossFn:
-    """The policy loss registered as ``name``; ConfigError naming ``actor.loss`` otherwise."""
-    return _lookup(LOSSES, name, "actor.loss")
 
 
 # --------------------------------------------------------------------------------------
@@ -229,7 +188,7 @@ def _broadcast(adv: Tensor, loss_mask: Tensor) -> Tensor:
     return adv.unsqueeze(1) * loss_mask.to(adv.dtype)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", needs_groups=True, reads=("adv_norm", "adv_eps"))
 def grpo_advantage(
     rewards: Tensor, loss_mask: Tensor, group_id: Tensor, norm: bool = True, eps: float = 1e-6, **_: object
 ) -> tuple[Tensor, Tensor]:
@@ -243,22 +202,22 @@ def grpo_advantage(
     return out, out
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", needs_groups=True)
 def dr_grpo_advantage(rewards: Tensor, loss_mask: Tensor, group_id: Tensor, **_: object) -> tuple[Tensor, Tensor]:
     """Dr.GRPO: ``r - group mean`` (no std; the length normalisation is removed in the loss)."""
     return grpo_advantage(rewards, loss_mask, group_id, norm=False)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", needs_groups=True)
 def rloo_advantage(rewards: Tensor, loss_mask: Tensor, group_id: Tensor, **_: object) -> tuple[Tensor, Tensor]:
     """RLOO: ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean)``; a group of one gets 0."""
-    mean, _, count = _group_stats(rewards, group_id)
+    mean, _std, count = _group_stats(rewards, group_id)
     adv = torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1.0), 0.0).to(rewards.dtype)
     out = _broadcast(adv, loss_mask)
     return out, out
 
 
-@register_advantage("reinforce")
+@register_advantage("reinforce", reads=("gamma", "baseline"))
 def reinforce_advantage(
     rewards: Tensor,
     loss_mask: Tensor,
@@ -275,7 +234,7 @@ def reinforce_advantage(
     return adv * loss_mask.to(adv.dtype), returns
 
 
-@register_advantage("reinforce_pp")
+@register_advantage("reinforce_pp", reads=("gamma", "adv_norm", "adv_eps"))
 def reinforce_pp_advantage(
     rewards: Tensor,
     loss_mask: Tensor,
@@ -317,7 +276,7 @@ def remax_advantage(
     return out, out
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs_critic=True, reads=("gamma", "lam", "adv_norm", "adv_eps"))
 def gae_advantage(
     rewards: Tensor,
     loss_mask: Tensor,
@@ -397,7 +356,12 @@ def _clipped_surrogate(
     return loss, stats
 
 
-@register_loss("ppo")
+_CLIP = ("eps_clip", "eps_clip_higher", "c_clip")
+_AGG = ("loss_agg_mode", "loss_norm_len")
+_BEHAV = ("behav_imp_weight_cap", "behav_imp_weight_floor", "behav_weight_level", "behav_weight_clip")
+
+
+@register_loss("ppo", reads=_CLIP + _AGG)
 def ppo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -421,7 +385,7 @@ def ppo_loss(
     }
 
 
-@register_loss("decoupled_ppo")
+@register_loss("decoupled_ppo", needs_prox_logp=True, reads=_CLIP + _BEHAV + _AGG)
 def decoupled_ppo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -486,7 +450,7 @@ def decoupled_ppo_loss(
     return loss, {**stats, **_ratio_stats(ratio, log_ratio, loss_mask)}
 
 
-@register_loss("gspo")
+@register_loss("gspo", reads=("eps_clip", "eps_clip_higher") + _AGG)
 def gspo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -517,7 +481,7 @@ def gspo_loss(
     }
 
 
-@register_loss("reinforce")
+@register_loss("reinforce", reads=_AGG)
 def reinforce_loss(
     logp: Tensor,
     old_logp: Tensor,

@@ -14,19 +14,23 @@ import glob
 import math
 import os
 import random
+import typing
 from collections.abc import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
-from relayrl.train import distributed as D
+from relayrl.train import lora as L
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
 from relayrl.train.packing import model_inputs, pack, resolve_attn_impl, split_by_token_budget, token_logprobs, unpack
 from relayrl.utils import dist as dist_utils
+from relayrl.utils.moe import RoutingReplay, routing_shape
 
 HEADS = ("lm", "value", "reward")
 TRAIN_STATE = "train_state.pt"
@@ -58,7 +62,8 @@ def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
 class TorchTrainEngine(TrainEngine):
     """A TrainEngine over any HF causal LM (``head="lm"``), a critic (``"value"``: one scalar
     per token) or a reward model (``"reward"``: the last token's scalar). ``trainable=False``
-    makes a frozen model (e.g. the reference policy) with no optimizer."""
+    makes a frozen model (e.g. the reference policy) with no optimizer. A trainable policy with
+    ``model.lora.rank > 0`` trains LoRA adapters only (``relayrl.train.lora``)."""
 
     def __init__(
         self,
@@ -81,12 +86,14 @@ class TorchTrainEngine(TrainEngine):
         self._version = 0
         self._steps = 0  # optimizer steps taken (skipped ones excluded)
         self._nan_skips = 0  # consecutive skipped steps
+        self.lora = head == "lm" and trainable and model_config.lora.rank > 0
+        self._moe: RoutingReplay | None = None  # MoE models: routed-experts replay and the router statistics
 
     # ---------------------------------------------------------------- setup
 
     def initialize(self) -> None:
-        D.maybe_init_process_group()
-        self.device = D.device_for_rank()
+        dist_utils.maybe_init_process_group()
+        self.device = dist_utils.device_for_rank()
         torch.manual_seed(self.seed)
         model = self._build_model()
         model.config.use_cache = False
@@ -96,16 +103,20 @@ class TorchTrainEngine(TrainEngine):
                 model.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device)
+        if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
+            model = typing.cast(PreTrainedModel, L.apply_lora(model, self.model_config.lora))
+        typing.cast(nn.Module, model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         if not self.trainable:
             model.requires_grad_(False)
-        if D.is_distributed() and self.config.fsdp:
-            D.apply_fsdp2(model)
-        elif D.is_distributed():  # replicated: start from rank 0's weights
+        if dist_utils.is_distributed() and self.config.fsdp:
+            dist_utils.apply_fsdp2(model)
+        elif dist_utils.is_distributed():  # replicated: start from rank 0's weights
             for p in model.parameters():
                 torch.distributed.broadcast(p.data, src=0)
         self.model = model
         self.model.train(self.trainable)
+        # the policy's MoE routers replay the generator's experts (a value/reward head routes on its own)
+        self._moe = RoutingReplay(model) if self.head == "lm" and routing_shape(model) is not None else None
         if self.trainable:
             opt = self.config.optimizer
             if opt.lr_schedule != "constant" and self.config.total_steps <= 0:
@@ -178,10 +189,19 @@ class TorchTrainEngine(TrainEngine):
         return contextlib.nullcontext()
 
     def _logits(self, packed: TensorDict) -> torch.Tensor:
-        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch."""
-        packed = {k: v.to(self.device) for k, v in packed.items()}
+        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch.
+
+        MoE models: the routers use the micro-batch's ``routed_experts`` when it has them
+        (replay; the ids stay set until the next micro-batch, so activation checkpointing
+        recomputes the same routing), and ``packed["moe_aux_loss"]`` receives the 0-d,
+        differentiable load-balancing loss of this forward."""
+        moved = {k: v.to(self.device) for k, v in packed.items()}
+        if self._moe is not None:
+            self._moe.ids = moved.get("routed_experts")
         with self._autocast():
-            out = self._require()(**model_inputs(packed))
+            out = self._require()(**model_inputs(moved))
+        if self._moe is not None:
+            packed["moe_aux_loss"] = self._moe.aux_loss()
         return out.logits[0]
 
     def _to_device(self, packed: TensorDict) -> TensorDict:
@@ -209,7 +229,7 @@ class TorchTrainEngine(TrainEngine):
             values = post(self._logits(packed), packed)
             if not dummy:
                 out += unpack(values.float().cpu(), {k: v.cpu() for k, v in packed.items()}, bsz, seqlen)
-        return D.all_reduce_tensor_(out.to(self.device)).cpu() if D.is_distributed() else out
+        return dist_utils.all_reduce_tensor_(out.to(self.device)).cpu() if dist_utils.is_distributed() else out
 
     @torch.no_grad()
     def score(self, batch: TensorDict) -> torch.Tensor:
@@ -241,10 +261,10 @@ class TorchTrainEngine(TrainEngine):
                 w = float(loss_weight_fn(packed))
                 total += float(loss) * w
                 weight += w
-        weight = D.all_reduce_sum(weight)
+        weight = dist_utils.all_reduce_sum(weight)
         if weight <= 0:
             raise ValueError("eval_batch: loss_weight_fn gave a total weight of 0 (no loss tokens?)")
-        return D.all_reduce_sum(total) / weight
+        return dist_utils.all_reduce_sum(total) / weight
 
     # ---------------------------------------------------------------- training
 
@@ -255,32 +275,32 @@ class TorchTrainEngine(TrainEngine):
             raise RuntimeError("train_batch on a frozen engine (trainable=False)")
         mbs = [(self._to_device(p), dummy) for p, dummy in self._micro_batches(batch)]
         weights = [0.0 if dummy else float(loss_weight_fn(p)) for p, dummy in mbs]
-        total_w = D.all_reduce_sum(sum(weights))
+        total_w = dist_utils.all_reduce_sum(sum(weights))
         if not total_w > 0:
             raise ValueError(f"train_batch: total loss weight is {total_w}; loss_weight_fn must be > 0 on the batch")
-        fsdp = D.is_fsdp(model)
+        fsdp = dist_utils.is_fsdp(model)
         # FSDP2 averages gradients over ranks; we want the sum of the weighted losses.
         scale = dist_utils.world_size() if fsdp else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, n_tokens = 0.0, 0
         for i, ((packed, dummy), w) in enumerate(zip(mbs, weights, strict=True)):
             if fsdp:
-                model.set_requires_gradient_sync(i == len(mbs) - 1)  # type: ignore[operator]
+                typing.cast(FSDPModule, model).set_requires_gradient_sync(i == len(mbs) - 1)
             loss = loss_fn(self._logits(packed), packed)
             (loss * (0.0 if dummy else w / total_w * scale)).backward()
             if not dummy:
                 loss_sum += float(loss.detach()) * w
                 n_tokens += int(packed["input_ids"].numel())
         params = [p for p in model.parameters() if p.requires_grad]
-        if D.is_distributed() and not fsdp:
+        if dist_utils.is_distributed() and not fsdp:
             for p in params:
                 if p.grad is not None:
-                    D.all_reduce_tensor_(p.grad)
+                    dist_utils.all_reduce_tensor_(p.grad)
         clip = self.config.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        loss_value = D.all_reduce_sum(loss_sum) / total_w
+        loss_value = dist_utils.all_reduce_sum(loss_sum) / total_w
         lr = float(self.optimizer.param_groups[0]["lr"])
         finite = math.isfinite(float(grad_norm)) and math.isfinite(loss_value)
         if finite:
@@ -302,7 +322,7 @@ class TorchTrainEngine(TrainEngine):
             "grad_norm": float(grad_norm),
             "lr": lr,
             "skipped": 0.0 if finite else 1.0,
-            "n_tokens": D.all_reduce_sum(n_tokens),
+            "n_tokens": dist_utils.all_reduce_sum(n_tokens),
             "n_mbs": float(len(mbs)),
         }
 
@@ -319,10 +339,11 @@ class TorchTrainEngine(TrainEngine):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU state dict (a collective under FSDP2: call on every rank)."""
-        return D.full_model_state_dict(self._require())
+        return dist_utils.full_model_state_dict(self._require())
 
-    def update_weights(self, target: InferenceEngine) -> None:
-        """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0.
+    def update_weights(self, target: InferenceEngine | None) -> None:
+        """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0
+        (with LoRA: the base weights with the adapters merged in, under the base model's names).
 
         Every rank must call it (the weights are gathered collectively); only rank 0 talks to
         the target, which picks the transport (in-process copy; for servers a disk dir, an HTTP
@@ -333,8 +354,12 @@ class TorchTrainEngine(TrainEngine):
         model = self._require()
         # unsharded: the tensors stay on the trainer's device (an engine on the same GPU copies them
         # device to device, no trip through host memory); FSDP2 gathers a full CPU copy
-        tensors = self.state_dict() if D.is_fsdp(model) else dict(model.state_dict())
+        tensors = self.state_dict() if dist_utils.is_fsdp(model) else dict(model.state_dict())
         if dist_utils.rank() == 0:
+            if target is None:
+                raise ValueError("update_weights: rank 0 needs the inference engine to push to (None on other ranks)")
+            if self.lora:  # merged into new tensors: the base weights are never touched
+                tensors = L.merged_state_dict(tensors, L.lora_layers(model))
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
             target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
         dist_utils.barrier()
@@ -342,13 +367,17 @@ class TorchTrainEngine(TrainEngine):
     # ---------------------------------------------------------------- checkpoints
 
     def save(self, meta: SaveLoadMeta) -> None:
-        """HF weights (safetensors) at ``meta.path``; with ``with_optim`` also ``train_state.pt``
+        """HF weights (safetensors) at ``meta.path`` (with LoRA: the peft adapter, as
+        ``PeftModel.save_pretrained`` writes it); with ``with_optim`` also ``train_state.pt``
         (optimizer, scheduler, step, version, RNG) and ``rng_rank{r}.pt`` for an exact resume."""
         model = self._require()
         os.makedirs(meta.path, exist_ok=True)
         weights = self.state_dict()
-        optim = D.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
+        optim = dist_utils.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
         if dist_utils.rank() == 0:
+            if self.lora:  # the base model's path goes into adapter_config.json, as peft records it
+                model.peft_config[L.ADAPTER].base_model_name_or_path = self.model_config.path
+                weights = L.adapter_state_dict(weights)
             model.save_pretrained(meta.path, state_dict=weights)
             if meta.tokenizer_path:
                 from transformers import AutoTokenizer
@@ -373,15 +402,21 @@ class TorchTrainEngine(TrainEngine):
         dist_utils.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
-        """Load HF weights from ``meta.path``; with ``with_optim`` the training state as well."""
+        """Load HF weights (with LoRA: the adapter) from ``meta.path``; with ``with_optim`` the
+        training state as well."""
         model = self._require()
-        files = sorted(glob.glob(os.path.join(meta.path, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {meta.path}")
-        state: dict[str, torch.Tensor] = {}
-        for fname in files:
-            state.update(load_file(fname))
-        D.load_full_model_state_dict(model, state)
+        if self.lora:
+            dist_utils.load_full_model_state_dict(
+                model, L.read_adapter(meta.path, list(model.state_dict())), partial=True
+            )
+        else:
+            files = sorted(glob.glob(os.path.join(meta.path, "*.safetensors")))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors weights in {meta.path}")
+            state: dict[str, torch.Tensor] = {}
+            for fname in files:
+                state.update(load_file(fname))
+            dist_utils.load_full_model_state_dict(model, state)
         if not meta.with_optim:
             return
         path = os.path.join(meta.path, TRAIN_STATE)
@@ -389,7 +424,7 @@ class TorchTrainEngine(TrainEngine):
             raise FileNotFoundError(f"{path} not found; was the checkpoint saved with with_optim=True?")
         ts = torch.load(path, weights_only=False)
         if self.optimizer is not None and ts["optimizer"] is not None:
-            D.load_full_optim_state_dict(model, self.optimizer, ts["optimizer"])
+            dist_utils.load_full_optim_state_dict(model, self.optimizer, ts["optimizer"])
         if self.scheduler is not None and ts["scheduler"] is not None:
             self.scheduler.load_state_dict(ts["scheduler"])
         self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]
@@ -402,4 +437,26 @@ class TorchTrainEngine(TrainEngine):
                 torch.cuda.set_rng_state(rng["cuda"])
 
 
-__all__ = ["NonFiniteError", "TorchTrainEngine", "last_token_scores", "lr_factor"]
+class AdapterOffReference(TorchTrainEngine):
+    """The KL reference of a LoRA policy: the policy's own model with its adapters disabled, so
+    the base weights are in memory once. Frozen; only ``forward`` (and what builds on it) is for use."""
+
+    def __init__(self, policy: TorchTrainEngine):
+        if not policy.lora:
+            raise ValueError("AdapterOffReference needs a policy engine with LoRA (model.lora.rank > 0)")
+        super().__init__(policy.config, policy.model_config, head="lm", trainable=False, seed=policy.seed)
+        self.policy = policy
+
+    def initialize(self) -> None:
+        self.model, self.device = self.policy._require(), self.policy.device
+
+    def train(self, mode: bool = True) -> None:
+        """The shared model's mode is the policy's to set."""
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict, post_fn: PostFn | None = None, temperature: float = 1.0) -> torch.Tensor:
+        with self._require().disable_adapter():  # type: ignore[operator]
+            return super().forward(batch, post_fn, temperature)
+
+
+__all__ = ["AdapterOffReference", "NonFiniteError", "TorchTrainEngine", "last_token_scores", "lr_factor"]

@@ -10,6 +10,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any, cast
 
 from relayrl.api.config import CheckpointConfig
 
@@ -60,5 +61,6 @@ class CheckpointManager:
         return done[-1] if done else None
 
     @staticmethod
-    def load_state(path: Path) -> dict[str, object]:
-        return json.loads((path / STATE_FILE).read_text())
+    def load_state(path: Path) -> dict[str, Any]:
+        """The checkpoint's JSON state (step, version, the driver's parts), as written by ``commit``."""
+        return cast(dict[str, Any], json.loads((path / STATE_FILE).read_text()))

@@ -1,4 +1,6 @@
-"""Small torch.distributed helpers that also work when torch.distributed is absent or idle.
+"""torch.distributed helpers, all in one module: ranks and collectives that also work when
+torch.distributed is absent or idle, joining torchrun's process group, and the train engine's
+FSDP2 sharding and full (unsharded) state dicts.
 
 Every function answers for a single process (rank 0 of 1) when no process group exists,
 so code that calls them runs unchanged in one process, under ``torchrun``, or in tests.
@@ -8,12 +10,24 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Literal
+import typing
+from datetime import timedelta
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import PreTrainedModel
 
 ReduceOpName = Literal["sum", "min", "max"]
+T = TypeVar("T")
 
 _OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
 
@@ -73,14 +87,14 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> li
     return out
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
+def broadcast_object(obj: T, src: int = 0) -> T:
     """``obj`` of rank ``src`` on every rank (picklable; tensors travel inside the pickle);
     ``obj`` itself without a process group."""
     if not is_dist() or world_size() == 1:
         return obj
-    box = [obj]
+    box: list[object] = [obj]
     dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return cast(T, box[0])
 
 
 def free_port() -> int:
@@ -99,3 +113,109 @@ def init_from_env(backend: str = "gloo") -> bool:
         return False
     dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return True
+
+
+# ------------------------------------------------------------------ process group, FSDP2, full state dicts
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def is_distributed() -> bool:
+    """More than one rank (a group of one behaves like no group)."""
+    return world_size() > 1
+
+
+def maybe_init_process_group() -> None:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1) and not yet joined."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available() and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+
+
+def device_for_rank() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def all_reduce_sum(value: float) -> float:
+    """Sum a float over ranks (identity on one process)."""
+    if not is_distributed():
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def all_reduce_tensor_(t: torch.Tensor) -> torch.Tensor:
+    """In-place sum over ranks (identity on one process)."""
+    if is_distributed():
+        dist.all_reduce(t)
+    return t
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF model (each becomes one FSDP2 unit)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def apply_fsdp2(model: nn.Module) -> nn.Module:
+    """Shard every decoder layer, then the root (embeddings, norm and tied head stay together)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU state dict; a collective under FSDP2 (call on every rank).
+
+    Tied weights (``lm_head`` = ``embed_tokens``) stay one tensor, as in the model, so a saved
+    checkpoint stores them once whether or not the model was sharded."""
+    if not is_fsdp(model):
+        return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    state = get_model_state_dict(model, options=FULL)
+    if getattr(typing.cast(PreTrainedModel, model).config.get_text_config(), "tie_word_embeddings", False):
+        for target, source in (getattr(model, "_tied_weights_keys", None) or {}).items():
+            if target in state and source in state:
+                state[target] = state[source]
+    return typing.cast(dict[str, torch.Tensor], state)
+
+
+def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor], partial: bool = False) -> None:
+    """Load a full state dict (every rank passes the same one); missing keys must be tied weights
+    unless ``partial`` (a LoRA adapter: only the keys given are loaded)."""
+    if is_fsdp(model):
+        full = typing.cast(dict[str, Any], state)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"checkpoint has keys the model does not: {unexpected[:5]}")
+    if partial:
+        return
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if set(missing) - tied:
+        raise ValueError(f"checkpoint lacks model keys: {sorted(set(missing) - tied)[:5]}")
+
+
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, object]:
+    """Optimizer state keyed by parameter names, unsharded; a collective under FSDP2."""
+    return typing.cast(dict[str, object], get_optimizer_state_dict(model, optim, options=FULL))
+
+
+def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, object]) -> None:
+    full = typing.cast(dict[str, Any], state)
+    set_optimizer_state_dict(model, optim, full, options=StateDictOptions(full_state_dict=True))

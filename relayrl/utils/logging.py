@@ -18,6 +18,7 @@ import numbers
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType, TracebackType
 
@@ -27,11 +28,11 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DATEFMT = "%H:%M:%S"
 
 
-class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time of the record (a redirection or a test's
     capture made after the first ``get_logger`` call is honoured; a closed one is never kept)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> object:
         return sys.stderr
 
@@ -48,13 +49,12 @@ def get_logger(name: str = "relayrl") -> logging.Logger:
     (default INFO). Records do not propagate to the root logger, so nothing prints twice.
     """
     root = logging.getLogger("relayrl")
-    if not getattr(root, "_relayrl_configured", False):
+    if not any(isinstance(h, StderrHandler) for h in root.handlers):
         handler = StderrHandler()
         handler.setFormatter(logging.Formatter(_FORMAT, _DATEFMT))
         root.addHandler(handler)
         root.setLevel(os.environ.get("RELAYRL_LOG_LEVEL", "INFO").upper())
         root.propagate = False
-        root._relayrl_configured = True  # type: ignore[attr-defined]
     if name == "relayrl" or name.startswith("relayrl."):
         return logging.getLogger(name)
     return logging.getLogger(f"relayrl.{name}")
@@ -79,7 +79,7 @@ def _number(value: object) -> float | None:
         return float(value)
     shape = getattr(value, "shape", None)
     if shape is not None and hasattr(value, "item") and math.prod(shape) == 1:  # tensor / ndarray
-        v = value.item()  # type: ignore[attr-defined]
+        v = value.item()
         return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None
     return None
 
@@ -115,7 +115,11 @@ class MetricLogger:
             if wandb_mode not in ("online", "offline"):
                 raise ValueError(f"wandb_mode must be 'online', 'offline' or 'disabled', got {wandb_mode!r}")
             wb = _import_wandb()
-            cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config  # type: ignore[arg-type]
+            cfg = (
+                dataclasses.asdict(config)
+                if dataclasses.is_dataclass(config) and not isinstance(config, type)
+                else config
+            )
             self._wandb_run = wb.init(
                 project=project, name=run_name or self.run_dir.name, dir=str(self.run_dir), mode=wandb_mode, config=cfg
             )
@@ -127,8 +131,8 @@ class MetricLogger:
         """Build from the ``logging`` section of a RunConfig (``config`` is stored in W&B)."""
         return cls(run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_mode, cfg.wandb_project, config)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Record one step's metrics in every sink."""
+    def log(self, metrics: Mapping[str, object], step: int) -> None:
+        """Record one step's metrics in every sink (non-numbers, e.g. the row ids, go to metrics.jsonl only)."""
         row: dict[str, object] = {"step": int(step), "time": round(time.time(), 3)}
         scalars: dict[str, float] = {}
         for key, value in metrics.items():

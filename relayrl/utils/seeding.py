@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import typing
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> RngState:
     """The current state of every global RNG (python, numpy, torch, CUDA if present)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: RngState = {
         "python": random.getstate(),
         "numpy": (
@@ -54,9 +55,10 @@ def set_rng_state(state: RngState) -> None:
             raise KeyError(f"rng state is missing {part!r} (has {sorted(state)})")
     py = state["python"]
     # torch.load may turn the inner tuple into a list; random.setstate needs tuples.
-    random.setstate((py[0], tuple(py[1]), py[2]))  # type: ignore[index]
-    kind, keys, pos, has_gauss, cached = state["numpy"]  # type: ignore[misc]
+    py = typing.cast(tuple[int, list[int], float | None], py)
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, cached = typing.cast(tuple[str, object, int, int, float], state["numpy"])
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
-    torch.set_rng_state(state["torch"])  # type: ignore[arg-type]
+    torch.set_rng_state(typing.cast(torch.Tensor, state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])  # type: ignore[arg-type]
+        torch.cuda.set_rng_state_all(typing.cast(list[torch.Tensor], state["cuda"]))

@@ -17,6 +17,10 @@ Record during a step, export once per step::
   the elements the mask selects: ``avg`` = sum(x[mask]) / sum(mask), ``min``, ``max``, ``sum``.
   Repeated records (micro-batches) accumulate: the average is over all selected tokens.
 - ``scalar(**floats)`` records plain numbers (averaged over records unless told otherwise).
+- ``gauge(**floats)`` reports a value that is set once per step (a counter, a batch summary,
+  another part's result): reporting the same key twice before an export is an error, so two
+  parts can never silently overwrite each other's metric. Across ranks the highest is kept
+  (the ranks that report one agree; the others report nothing).
 - ``record_timing(name)`` records the seconds spent in a block as ``timing/<scope>/name``,
   summed over the step's entries and, across ranks, the slowest rank's total.
 - ``export()`` reduces over all torch.distributed ranks when a process group exists: numerators
@@ -33,6 +37,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import typing
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,7 +50,7 @@ from relayrl.utils import dist as dist_utils
 
 ReduceType = Literal["avg", "min", "max", "sum"]
 REDUCE_TYPES: tuple[ReduceType, ...] = ("avg", "min", "max", "sum")
-Kind = Literal["stat", "scalar", "denominator", "timing"]
+Kind = Literal["stat", "scalar", "denominator", "timing", "gauge"]
 
 
 @dataclass
@@ -98,7 +103,7 @@ class StatsTracker:
     def _stack(self) -> list[str]:
         if not hasattr(self._local, "stack"):
             self._local.stack = []
-        return self._local.stack  # type: ignore[no-any-return]
+        return self._local.stack
 
     @contextmanager
     def scope(self, name: str) -> Iterator[None]:
@@ -183,6 +188,23 @@ class StatsTracker:
                     raise TypeError(f"scalar {full!r} must be a number, got {value!r}") from None
                 self._acc(full, "scalar", _as_reduces(reduce, full)).add(v, 1.0, v, v)
 
+    def gauge(self, **values: float) -> None:
+        """Report once-per-step values; a key reported twice before the export is a ValueError."""
+        with self._lock:
+            for key, value in values.items():
+                full = self.full_key(key)
+                try:
+                    v = float(value)
+                except (TypeError, ValueError, RuntimeError):
+                    raise TypeError(f"gauge {full!r} must be a number, got {value!r}") from None
+                acc = self._acc(full, "gauge", ("max",))
+                if acc.count:
+                    raise ValueError(
+                        f"stats key {full!r} reported twice in one step ({acc.high} then {v}): two parts export "
+                        "the same metric; give one of them another name"
+                    )
+                acc.add(v, 1.0, v, v)
+
     @contextmanager
     def record_timing(self, name: str) -> Iterator[None]:
         """Add the seconds spent in the block to ``timing/<scopes>/name``."""
@@ -227,6 +249,10 @@ class StatsTracker:
                 if acc.count > 0:
                     out[key] = acc.total
                 continue
+            if acc.kind == "gauge":
+                if acc.count > 0:
+                    out[key] = acc.high
+                continue
             if acc.count == 0:
                 continue
             values = {"avg": acc.total / acc.count, "sum": acc.total, "min": acc.low, "max": acc.high}
@@ -247,7 +273,7 @@ def _reduce_across_ranks(accs: dict[str, _Acc], group: dist.ProcessGroup | None)
     specs = {k: (a.kind, a.reduces) for k, a in accs.items()}
     union: dict[str, tuple[Kind, tuple[ReduceType, ...]]] = {}
     for r, theirs in enumerate(dist_utils.all_gather_object(specs, group)):
-        for k, spec in theirs.items():  # type: ignore[attr-defined]
+        for k, spec in typing.cast(dict[str, tuple[Kind, tuple[ReduceType, ...]]], theirs).items():
             if k in union and union[k] != spec:
                 raise ValueError(f"stats key {k!r} is recorded as {union[k]} on one rank and {spec} on rank {r}")
             union[k] = spec
@@ -280,6 +306,7 @@ record_timing = DEFAULT_TRACKER.record_timing
 denominator = DEFAULT_TRACKER.denominator
 stat = DEFAULT_TRACKER.stat
 scalar = DEFAULT_TRACKER.scalar
+gauge = DEFAULT_TRACKER.gauge
 export = DEFAULT_TRACKER.export
 reset = DEFAULT_TRACKER.reset
 full_key = DEFAULT_TRACKER.full_key

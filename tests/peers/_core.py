@@ -39,9 +39,9 @@ class TinyPeer:
         return await self.engine.agenerate_once(ModelRequest(rid=rid, input_ids=ids, gconfig=g))
 
     def abort_running(self) -> int:
-        before = self.engine.stats["aborts"]
+        before = self.engine.counters["aborts"]
         self.engine.abort_running()
-        return int(self.engine.stats["aborts"] - before)
+        return int(self.engine.counters["aborts"] - before)
 
     def load(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Load ``tensors`` (all or some of the model's) and set the engine's version."""

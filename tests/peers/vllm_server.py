@@ -178,7 +178,7 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:  # vLLM's Prometheus counter of generated tokens (the one the tests watch)
-        n = s.peer.engine.stats["tokens"]
+        n = s.peer.engine.counters["tokens"]
         return Response(
             f'vllm:generation_tokens_total{{model_name="{s.served}"}} {float(n)}\n', media_type="text/plain"
         )

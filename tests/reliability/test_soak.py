@@ -83,7 +83,7 @@ def test_soak_async_training_survives_random_server_restarts(tmp_path):
         live, episodes, engine = (
             len(trainer.engine.live_servers()),
             trainer.executor.stats(),
-            dict(trainer.engine.stats),
+            trainer.engine.stats(),
         )
     finally:
         chaos.stop.set()

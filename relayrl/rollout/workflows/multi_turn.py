@@ -11,13 +11,15 @@ reward of the turn that ends the episode is discounted by ``turn_discount ** tur
 
 from __future__ import annotations
 
+import typing
 import uuid
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
-from relayrl.api.workflow import RolloutWorkflow, Trajectory
+from relayrl.api.workflow import RolloutWorkflow, Trajectory, routed_experts_row
 from relayrl.rollout.workflows.rlvr import AsyncRewardPool, RewardFn, compute_reward, prompt_ids_of
 
 
@@ -29,12 +31,19 @@ class TokenBuffer:
         self.mask = [0] * len(prompt)
         self.logprobs = [0.0] * len(prompt)
         self.versions = [-1] * len(prompt)
+        self.routed: torch.Tensor | None = None  # MoE: the latest response's routed experts
 
-    def add_generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def add_generated(
+        self, ids: list[int], logprobs: list[float], versions: list[int], routed: torch.Tensor | None = None
+    ) -> None:
+        """Append a response to the whole buffer; its ``routed`` experts (MoE) cover every token
+        before its last one, earlier turns included, so the latest replaces the ones before."""
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += logprobs
         self.versions += versions
+        if routed is not None:
+            self.routed = routed
 
     def add_context(self, ids: list[int]) -> None:
         """Tokens the policy did not generate (feedback, tool output): never trained on."""
@@ -45,6 +54,8 @@ class TokenBuffer:
 
     def trajectory(self, reward: float, **extras: torch.Tensor) -> Trajectory:
         n = len(self.ids)
+        if self.routed is not None:  # tokens after the latest response (context) were never run: -1
+            extras = {"routed_experts": routed_experts_row(self.routed, n), **extras}
         return {
             "input_ids": torch.tensor([self.ids], dtype=torch.int64),
             "attention_mask": torch.ones(1, n, dtype=torch.bool),
@@ -66,7 +77,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self,
         reward_fn: RewardFn,
         gconfig: GenerationConfig,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         max_turns: int = 2,
         turn_discount: float = 0.9,
         feedback: str = "Your answer is wrong. Try again.",
@@ -94,18 +105,18 @@ class MultiTurnWorkflow(RolloutWorkflow):
         the chat template continues ``history`` + the answer (plain prompts: the feedback on its own line)."""
         from relayrl.data.chat import user_turn_ids
 
-        return user_turn_ids(self.tokenizer, history, answer_ids, self.feedback, self.prompt_format)  # type: ignore[arg-type]
+        return user_turn_ids(self.tokenizer, history, answer_ids, self.feedback, self.prompt_format)
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
         prompt = prompt_ids_of(self.tokenizer, data, self.prompt_format)
         buf = TokenBuffer(prompt)
-        history = list(data["messages"])  # type: ignore[call-overload]
+        history = list(typing.cast(list[dict[str, object]], data["messages"]))
         rid = uuid.uuid4().hex
         reward = raw = 0.0
         turn = 0
         for turn in range(self.max_turns):
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=self.gconfig))
-            buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
+            buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions, resp.routed_experts)
             raw = await compute_reward(
                 self.reward_fn,
                 engine,
@@ -120,7 +131,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             if raw > 0 or turn == self.max_turns - 1:
                 break
             buf.add_context(self.feedback_ids(history, resp.output_tokens))
-            answer = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+            answer = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
             history += [{"role": "assistant", "content": answer}, {"role": "user", "content": self.feedback}]
         if not any(buf.mask):
             return None

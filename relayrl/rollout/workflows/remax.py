@@ -13,6 +13,7 @@ import asyncio
 import uuid
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
@@ -27,7 +28,7 @@ class ReMaxWorkflow(RolloutWorkflow):
         self,
         reward_fn: RewardFn,
         gconfig: GenerationConfig,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         reward_pool: AsyncRewardPool | None = None,
         reward_timeout: float | None = None,
         prompt_format: str = "chat",

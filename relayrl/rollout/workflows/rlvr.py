@@ -19,17 +19,18 @@ import inspect
 import math
 import queue
 import threading
+import typing
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
-from relayrl.api.workflow import RolloutWorkflow, Trajectory, trajectory_from_response
+from relayrl.api.workflow import RewardFn, RolloutWorkflow, Trajectory, trajectory_from_response
 
-RewardFn = Callable[..., float]
 _NAMED = ("prompt", "completions", "prompt_ids", "completion_ids")
 
 
@@ -39,7 +40,7 @@ class AsyncRewardPool(Protocol):
     async def acall(self, **kwargs: object) -> float: ...
 
 
-def prompt_ids_of(tokenizer: object, data: DataItem, prompt_format: str = "chat") -> list[int]:
+def prompt_ids_of(tokenizer: PreTrainedTokenizerBase, data: DataItem, prompt_format: str = "chat") -> list[int]:
     """Prompt ids of a row (contract 1: ``messages`` ends with the user turn): chat-templated, or the
     turns' plain text for base models (``prompt_format="plain"``, also used when the tokenizer has no template)."""
     from relayrl.data.chat import prompt_ids
@@ -50,7 +51,7 @@ def prompt_ids_of(tokenizer: object, data: DataItem, prompt_format: str = "chat"
             f"data row {data.get('id', '?')!r} needs 'messages' (a non-empty list of chat turns); "
             f"it has keys {sorted(data)}"
         )
-    return prompt_ids(tokenizer, messages, prompt_format)  # type: ignore[arg-type]
+    return prompt_ids(tokenizer, messages, prompt_format)
 
 
 class _RewardThreads:
@@ -113,7 +114,7 @@ async def _in_thread(fn: RewardFn, kwargs: dict[str, object], timeout: float) ->
 async def compute_reward(
     reward_fn: RewardFn,
     engine: InferenceEngine,
-    tokenizer: object,
+    tokenizer: PreTrainedTokenizerBase,
     resp: ModelResponse,
     data: DataItem,
     reward_pool: AsyncRewardPool | None = None,
@@ -126,13 +127,13 @@ async def compute_reward(
     c_ids = list(resp.output_tokens if completion_ids is None else completion_ids)
     kwargs: dict[str, object] = {k: v for k, v in data.items() if k not in _NAMED}
     kwargs.update(
-        prompt=tokenizer.decode(p_ids, skip_special_tokens=True),  # type: ignore[attr-defined]
-        completions=tokenizer.decode(c_ids, skip_special_tokens=False),  # type: ignore[attr-defined]
+        prompt=tokenizer.decode(p_ids, skip_special_tokens=True),
+        completions=tokenizer.decode(c_ids, skip_special_tokens=False),
         prompt_ids=p_ids,
         completion_ids=c_ids,
     )
     if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__):
-        value = await reward_fn(engine, **kwargs)
+        value = await typing.cast(Callable[..., Awaitable[float]], reward_fn)(engine, **kwargs)
     elif reward_pool is not None:
         value = await reward_pool.acall(**kwargs)
     elif reward_timeout is not None:
@@ -155,7 +156,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self,
         reward_fn: RewardFn,
         gconfig: GenerationConfig,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         reward_pool: AsyncRewardPool | None = None,
         reward_timeout: float | None = None,
         prompt_format: str = "chat",

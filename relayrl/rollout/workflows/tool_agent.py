@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
@@ -30,11 +31,11 @@ from relayrl.rollout.workflows.rlvr import AsyncRewardPool, RewardFn, compute_re
 Tool = Callable[[str], Awaitable[str]]
 
 
-def _one_token(tokenizer: object, text: str, what: str) -> int | None:
+def _one_token(tokenizer: PreTrainedTokenizerBase, text: str, what: str) -> int | None:
     """The id of a marker that is one token, else None (it is then matched as text)."""
     if not text:
         raise ValueError(f"{what} must be a non-empty string")
-    ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+    ids = tokenizer.encode(text, add_special_tokens=False)
     return int(ids[0]) if len(ids) == 1 else None
 
 
@@ -48,7 +49,7 @@ class ToolAgentWorkflow(RolloutWorkflow):
         self,
         reward_fn: RewardFn,
         gconfig: GenerationConfig,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         tool: Tool | None = None,
         max_tool_calls: int = 3,
         call_start: str = "<|call|>",
@@ -74,7 +75,7 @@ class ToolAgentWorkflow(RolloutWorkflow):
 
     def result_ids(self, result: str) -> list[int]:
         text = self.result_prefix + result + self.result_suffix
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]  # type: ignore[attr-defined]
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def _call_text(self, out: list[int]) -> tuple[bool, str | None]:
         """(whether the segment stopped at ``call_end``, the text of the call it ends or None if no call)."""
@@ -84,10 +85,10 @@ class ToolAgentWorkflow(RolloutWorkflow):
             if self.call_start_id not in out:
                 return True, None
             start = len(out) - 1 - out[::-1].index(self.call_start_id)
-            return True, str(self.tokenizer.decode(out[start + 1 : -1], skip_special_tokens=False))  # type: ignore[attr-defined]
-        text = str(self.tokenizer.decode(out, skip_special_tokens=False))  # type: ignore[attr-defined]
+            return True, str(self.tokenizer.decode(out[start + 1 : -1], skip_special_tokens=False))
+        text = str(self.tokenizer.decode(out, skip_special_tokens=False))
         end = text.rfind(self.call_end)
-        tail = len(str(self.tokenizer.decode(out[-1:], skip_special_tokens=False)))  # type: ignore[attr-defined]
+        tail = len(str(self.tokenizer.decode(out[-1:], skip_special_tokens=False)))
         if end < 0 or end + len(self.call_end) < len(text) - tail:  # stopped by something else
             return False, None
         start = text.rfind(self.call_start, 0, end)
@@ -97,7 +98,7 @@ class ToolAgentWorkflow(RolloutWorkflow):
         prompt = prompt_ids_of(self.tokenizer, data, self.prompt_format)
         buf = TokenBuffer(prompt)
         rid = uuid.uuid4().hex
-        user_stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}  # type: ignore[attr-defined]
+        user_stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}
         generated = calls = 0
         last: list[int] = []
         truncated = False
@@ -117,7 +118,7 @@ class ToolAgentWorkflow(RolloutWorkflow):
             )
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=g))
             out = resp.output_tokens
-            buf.add_generated(out, resp.output_logprobs, resp.output_versions)
+            buf.add_generated(out, resp.output_logprobs, resp.output_versions, resp.routed_experts)
             generated += len(out)
             last += out  # generated since the last tool result
             at_end, expr = (

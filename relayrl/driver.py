@@ -1,0 +1,128 @@
+"""The driver: every rank-0-only part of a training run, in one object.
+
+Under ``torchrun`` only rank 0 generates, evaluates, logs and writes the run directory; the
+other ranks train their share of each batch. ``Trainer.driver`` is this object on rank 0 and
+None elsewhere, so no part of the trainer is an optional attribute that exists on some ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from relayrl.api.config import RunConfig
+from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
+from relayrl.api.workflow import RewardFn, RolloutWorkflow
+from relayrl.data.datasets import RLDataLoader
+from relayrl.evaluation import evaluate
+from relayrl.rewards.pool import RewardPool
+from relayrl.rollout.executor import WorkflowExecutor
+from relayrl.utils import stats
+from relayrl.utils.logging import MetricLogger
+
+
+@dataclass
+class Driver:
+    """Rank 0's data, generators, workflows, reward workers, evaluation and metric sinks."""
+
+    cfg: RunConfig
+    run_dir: Path
+    metrics: MetricLogger
+    tokenizer: PreTrainedTokenizerBase
+    dataloader: RLDataLoader
+    eval_rows: list[DataItem]
+    reward_fn: RewardFn
+    engine: InferenceEngine
+    executor: WorkflowExecutor
+    reward_pool: RewardPool | None
+    workflow: RolloutWorkflow
+    eval_workflow: RolloutWorkflow
+    samples: int = field(default=0)
+
+    def report_step(self, step: int, batch: TensorDict, seconds: float) -> None:
+        """This step's gauges from the batch, speed, executor, generators, reward pool and (when
+        due) evaluation; a key another part reports too is an error (``utils.stats``)."""
+        n = int(batch["rewards"].shape[0])
+        self.samples += n
+        loss_tokens = batch["loss_mask"].bool()
+        lag = (step - 1) - batch["versions"][loss_tokens]
+        with stats.scope("rollout"):
+            stats.gauge(
+                reward=float(batch["rewards"].float().mean()),
+                completion_len=float(loss_tokens.sum(1).float().mean()),
+                staleness_mean=float(lag.float().mean()) if lag.numel() else 0.0,
+                staleness_max=float(lag.max()) if lag.numel() else 0.0,
+            )
+            for key, value in batch.items():  # workflows' per-episode counters (num_turns, malformed_tool_calls, ...)
+                if key not in ("rewards", "prompt_index", "group_id") and value.dim() == 1 and value.shape[0] == n:
+                    stats.gauge(**{key: float(value.float().mean())})
+        with stats.scope("perf"):
+            stats.gauge(step_seconds=seconds, samples_per_s=n / max(seconds, 1e-9), samples=float(self.samples))
+        stats.gauge(version=float(step))
+        self.executor.report()
+        with stats.scope("inference"):  # generator health: live servers, evictions, re-admissions ...
+            stats.gauge(**self.engine.stats())
+        if self.reward_pool is not None:  # reward timeouts, worker deaths ...
+            with stats.scope("reward"):
+                stats.gauge(**{k: float(v) for k, v in self.reward_pool.stats.items()})
+        every = self.cfg.eval.every_n_steps
+        if every and step % every == 0 and self.eval_rows:
+            stats.gauge(**self.evaluate())
+
+    def log(self, step: int, metrics: dict[str, float], batch: TensorDict) -> None:
+        """metrics.jsonl (with the row ids this step trained on: audits see nothing lost or repeated)
+        and a few decoded rollouts."""
+        row: dict[str, object] = {**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}
+        self.metrics.log(row, step=step)
+        self.save_rollouts(step, batch)
+
+    def evaluate(self) -> dict[str, float]:
+        """Score the held-out rows with the eval generation config (executor paused; it resumes
+        only if it was running: between steps the loop resumes it after reseeding generation)."""
+        was_paused = self.executor.paused
+        self.executor.pause()
+        try:
+            return evaluate(self.engine, self.eval_workflow, self.eval_rows, self.cfg.eval.n_samples)
+        finally:
+            if not was_paused:
+                self.executor.resume()
+
+    def save_rollouts(self, step: int, batch: TensorDict) -> None:
+        k = min(self.cfg.logging.rollouts_per_step, int(batch["rewards"].shape[0]))
+        if k == 0:
+            return
+        out = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as fh:
+            for i in range(k):
+                ids, lm = batch["input_ids"][i], batch["loss_mask"][i].bool()
+                attn = batch["attention_mask"][i].bool()
+                first = int(lm.nonzero()[0])
+                versions = batch["versions"][i][lm]
+                row = {
+                    "prompt": self.tokenizer.decode(ids[:first]),
+                    "completion": self.tokenizer.decode(ids[first:][attn[first:]]),
+                    "reward": float(batch["rewards"][i]),
+                    "versions": sorted({int(v) for v in versions}),
+                }
+                fh.write(json.dumps(row) + "\n")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The driver's part of a checkpoint: data order and what the executor had not trained on."""
+        return {"dataloader": self.dataloader.state_dict(), "executor": self.executor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataloader.load_state_dict(state["dataloader"])
+        self.executor.load_state_dict(state["executor"])
+
+    def close(self) -> None:
+        """Stop the executor, generators (and launched servers), reward workers; flush metrics."""
+        self.executor.destroy()
+        self.engine.destroy()
+        if self.reward_pool is not None:
+            self.reward_pool.close()
+        self.metrics.close()

@@ -1,0 +1,198 @@
+"""The decode step over static buffers at bucketed batch sizes, CUDA-graph captured on CUDA.
+
+A CUDA graph replays fixed kernels on fixed addresses, so the step it captures must see the
+same shapes and buffers every time. ``StaticDecoder`` keeps the running batch's KV cache, its
+padding mask and the step's inputs in buffers of a bucketed shape: rows rounded up to the next
+of ``ROW_BUCKETS``, columns to a multiple of ``COL_STEP``. Rows past the batch are padding
+(their logits are ignored); columns past the written ones are masked. The step writes the new
+keys/values into column ``col`` (a device scalar, so one graph serves every column of a
+bucket), marks it in the mask and attends over the whole bucket. When the batch changes (rows
+join or leave, which already copies the cache) or the bucket's columns are used up, ``load``
+lays the batch out in the buffers again: the only copies, and none per step.
+
+On CUDA each (rows, columns) bucket is captured once (``inference.cuda_graphs``); elsewhere
+the same step runs eagerly, which is how CPU tests check it against the ordinary step.
+Attention is SDPA over the masked bucket, or flash-attn's KV-cache kernel
+(``flash_attn_with_kvcache`` with per-row left padding) when it is installed on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import typing
+
+import torch
+import torch.nn.functional as F
+
+from relayrl.inference.decode import FastDecoder, SlabLayer
+
+if typing.TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+COL_STEP = 128
+
+
+def bucket_rows(n: int) -> int:
+    """The row bucket of a batch of ``n`` rows (past the largest bucket: the next multiple of 128)."""
+    for b in ROW_BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // 128) * 128
+
+
+def bucket_cols(n: int, step: int = COL_STEP) -> int:
+    """The column bucket holding ``n`` columns."""
+    return -(-n // step) * step
+
+
+def choose_attention(device: torch.device, dtype: torch.dtype, flash_installed: bool | None = None) -> str:
+    """``flash_attn`` (the KV-cache kernel) on CUDA in fp16/bf16 when flash-attn is installed, else ``sdpa``."""
+    if flash_installed is None:
+        flash_installed = importlib.util.find_spec("flash_attn") is not None
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_installed:
+        return "flash_attn"
+    return "sdpa"
+
+
+class StaticDecoder:
+    """``FastDecoder``'s step over bucketed static buffers (see module docstring)."""
+
+    def __init__(self, fast: FastDecoder, attention: str = "sdpa", capture: bool = False, col_step: int | None = None):
+        self.fast, self.attention, self.capture = fast, attention, capture
+        self.col_step = col_step or COL_STEP
+        cfg = fast.model.config
+        p = next(fast.model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.n_layers, self.vocab = len(fast.layers), int(cfg.vocab_size)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captures = 0  # graphs captured so far (a count for tests and benches)
+        self.loads = 0  # times the batch was laid out in the buffers again
+        self._pool: _POOL_HANDLE | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop buffers and graphs (after a weight update re-fused the weights, or to free memory)."""
+        self.graphs.clear()
+        self._pool = None
+        self._flat_k: list[torch.Tensor] = []
+        self._flat_v: list[torch.Tensor] = []
+        self._mask = torch.zeros(0, dtype=torch.bool, device=self.device)
+        self._rows = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.n = self.b = self.c = self.col = 0
+
+    def _ensure(self, b: int, c: int) -> None:
+        """Buffers for ``b`` rows x ``c`` columns (reallocated, zeroed, when larger: graphs are dropped)."""
+        d, h = self.fast.head_dim, self.fast.n_kv
+        if self._flat_k and self._flat_k[0].numel() >= b * h * c * d and self._rows.numel() >= 3 * b:
+            return
+        cells = max(b * c, self._mask.numel())
+        rows = max(b, self._rows.numel() // 3)
+        self.graphs.clear()
+        self._pool = None
+        zeros = lambda n, dt=self.dtype: torch.zeros(n, dtype=dt, device=self.device)  # noqa: E731 - finite padding
+        self._flat_k = [zeros(cells * h * d) for _ in range(self.n_layers)]
+        self._flat_v = [zeros(cells * h * d) for _ in range(self.n_layers)]
+        self._mask = zeros(cells, torch.bool)
+        self._rows = zeros(rows * 3, torch.long)  # tokens, positions, left padding of each row
+        self._col = zeros(1, torch.long)
+        self._seqlens = zeros(rows, torch.int32)
+
+    def _views(self, b: int, c: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        h, d = self.fast.n_kv, self.fast.head_dim
+        ks = [f[: b * h * c * d].view(b, h, c, d) for f in self._flat_k]
+        vs = [f[: b * h * c * d].view(b, h, c, d) for f in self._flat_v]
+        return ks, vs, self._mask[: b * c].view(b, c)
+
+    def load(self, layers: list[SlabLayer], mask: torch.Tensor, pos: torch.Tensor) -> list[SlabLayer]:
+        """Lay the running batch (KV ``layers``, bool ``mask`` [n, L] of its cached columns, next
+        positions ``pos`` [n]) out in the buffers; returns cache layers viewing them."""
+        n, width = mask.shape
+        b, c = bucket_rows(n), bucket_cols(width + 1, self.col_step)
+        src = [(layer.keys, layer.values) for layer in layers]
+        if (
+            self._flat_k
+            and src
+            and src[0][0].untyped_storage().data_ptr() == self._flat_k[0].untyped_storage().data_ptr()
+        ):
+            src = [(k.clone(), v.clone()) for k, v in src]  # a new layout over the same buffers: copy out first
+        self._ensure(b, c)
+        ks, vs, m = self._views(b, c)
+        for (k, v), kb, vb in zip(src, ks, vs, strict=True):
+            kb[:n, :, :width] = k
+            vb[:n, :, :width] = v
+        m.zero_()
+        m[:n, :width] = mask
+        self._rows[2 * b : 2 * b + n] = (~mask).sum(1)  # left padding of each row (for flash-attn)
+        self._rows[2 * b + n : 3 * b] = width  # padding rows: empty but for the column each step writes
+        self.n, self.b, self.c, self.col = n, b, c, width
+        self.loads += 1
+        return [SlabLayer.over(kb[:n], vb[:n], width) for kb, vb in zip(ks, vs, strict=True)]
+
+    def has_room(self, n: int) -> bool:
+        """Whether the loaded buffers hold the batch of ``n`` rows for one more step."""
+        return n == self.n and self.col < self.c
+
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, layers: list[SlabLayer]) -> torch.Tensor:
+        """Logits [n, V] for ``tokens`` [n] at ``pos`` [n]; writes column ``col`` of every layer."""
+        n, b, c = self.n, self.b, self.c
+        self._rows[:n].copy_(tokens)
+        self._rows[b : b + n].copy_(pos)
+        self._col.fill_(self.col)
+        if self.capture:
+            graph, out = self.graphs.get((b, c)) or self._capture(b, c)
+            graph.replay()
+        else:
+            out = self._run(b, c)
+        self.col += 1
+        for layer in layers:
+            layer.advance()
+        return out[:n]
+
+    def _capture(self, b: int, c: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up: the same writes the replay below repeats
+            self._run(b, c)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._run(b, c)
+        self.graphs[(b, c)] = (graph, out)
+        self.captures += 1
+        return graph, out
+
+    def _run(self, b: int, c: int) -> torch.Tensor:
+        ks, vs, mask = self._views(b, c)
+        tokens, pos, leftpad = self._rows[:b], self._rows[b : 2 * b], self._rows[2 * b : 3 * b]
+        col = self._col
+        mask.index_fill_(1, col, True)
+        amask = mask[:, None, None, :]
+        flash = self.attention == "flash_attn"
+        if flash:
+            from flash_attn import flash_attn_with_kvcache
+
+            seqlens = self._seqlens[:b]
+            seqlens.copy_(col.expand(b) + 1)
+            pad32 = leftpad.to(torch.int32)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            ks[i].index_copy_(2, col, k)
+            vs[i].index_copy_(2, col, v)
+            if not flash:
+                return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=amask, scale=self.fast.scaling)
+            hkv, g, d = q.shape[1], q.shape[2], q.shape[3]
+            o = flash_attn_with_kvcache(
+                q.reshape(b, 1, hkv * g, d),  # head h uses kv head h // g, flash-attn's GQA order
+                ks[i].transpose(1, 2),  # [b, c, Hkv, D] view of the [b, Hkv, c, D] buffer
+                vs[i].transpose(1, 2),
+                cache_seqlens=seqlens,
+                cache_leftpad=pad32,
+                softmax_scale=self.fast.scaling,
+                causal=False,
+            )
+            return o.view(b, hkv, g, d)
+
+        return self.fast.forward(tokens, pos, attend).float()

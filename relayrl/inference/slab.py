@@ -1,0 +1,193 @@
+"""The running batch of LocalEngine: its left-padded KV slab, prefill, merge, trim, decode step.
+
+A mixin over ``LocalEngine``'s batch state (``_rows``, ``_alive``, ``_cache``, ``_mask``, ``_pos``,
+``_logits``), kept apart from the request lifecycle and control in ``local.py``. Row ``i``
+holds its tokens at the right end of the cache; ``_mask`` marks real columns and
+``_pos`` is each row's next position.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from relayrl.api.config import InferenceConfig
+from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
+from relayrl.inference.graphs import StaticDecoder
+from relayrl.inference.sampling import RowParams
+from relayrl.inference.seq import Prefilled, Seq
+from relayrl.utils.moe import RoutingRecorder
+
+
+class SlabBatch:
+    """Prefill, merge, trim and decode the running batch (mixed into ``LocalEngine``)."""
+
+    config: InferenceConfig
+    model: PreTrainedModel | None
+    device: torch.device
+    kv_capacity: int
+    kv_capacity_by: str
+    counters: dict[str, int]
+    _rows: list[Seq]
+    _alive: list[bool]
+    _params: RowParams | None
+    _cache: DynamicCache | None
+    _mask: torch.Tensor
+    _mask_bool: torch.Tensor
+    _pos: torch.Tensor
+    _logits: torch.Tensor
+    _fast: FastDecoder | None
+    _static: StaticDecoder | None
+    _static_stale: bool
+    _mask_dict: bool
+    _router: RoutingRecorder | None
+    _router_shape: tuple[int, int]
+    _route: torch.Tensor | None
+    _keep_arg: dict[str, int]
+
+    def _reset_batch(self) -> None:
+        self._rows, self._alive, self._cache, self._params = [], [], None, None
+        self._static_stale = True
+        self._route = None
+        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self._mask_bool = self._mask.bool()
+        self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def _merge(self, parts: list[Prefilled], new: list[Seq]) -> None:
+        """Stack the running batch and the prefilled ``parts`` (rows ``new``) into one slab."""
+        n_old = len(self._rows)
+        if n_old:
+            assert self._cache is not None
+            old_kv = [
+                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]) for layer in _slabs(self._cache)
+            ]
+            parts.insert(0, (old_kv, self._mask, self._logits))
+        kv, mask, logits = parts[0]
+        for p_kv, p_mask, p_logits in parts[1:]:  # stack the left-padded batches by rows
+            width = max(mask.shape[1], p_mask.shape[1])
+            kv = [
+                (cat_left_padded(k, pk, width), cat_left_padded(v, pv, width))
+                for (k, v), (pk, pv) in zip(kv, p_kv, strict=True)
+            ]
+            mask, logits = cat_left_padded(mask, p_mask, width), torch.cat([logits, p_logits])
+        self._cache = DynamicCache()
+        self._cache.layers = [SlabLayer(k, v) for k, v in kv]
+        self._rows, self._mask, self._logits = self._rows + new, mask, logits
+        self._alive, self._params = self._alive + [True] * len(new), None
+        self._pos = torch.cat([self._pos[:n_old], mask[n_old:].sum(1)])
+        self._mask_bool = self._mask.bool()
+        self._static_stale = True
+
+    def _prefill_or_fail(self, seqs: list[Seq]) -> list[tuple[Prefilled, list[Seq]]]:
+        """Prefill ``seqs``; if that fails (out of memory), retry them one by one and fail only
+        the requests that still cannot be prefilled, with an error naming the limit."""
+        try:
+            return [(self._prefill(seqs), seqs)]
+        except Exception as e:  # noqa: BLE001 - handed to the requests' futures
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(seqs) > 1:
+                return [done for s in seqs for done in self._prefill_or_fail([s])]
+            n = len(seqs[0].prompt) + len(seqs[0].out)
+            oom = isinstance(e, torch.OutOfMemoryError)
+            what = "ran out of memory" if oom else f"failed ({type(e).__name__}: {e})"
+            seqs[0].on_done(
+                RuntimeError(
+                    f"prefill of {n} tokens on {self.device} {what}; KV cache capacity {self.kv_capacity} tokens "
+                    f"({self.kv_capacity_by}){': ' + str(e) if oom else ''}"
+                )
+            )
+            return []
+
+    def _prefill(self, seqs: list[Seq]) -> Prefilled:
+        """One left-padded forward over ``seqs``: per-layer (keys, values), mask [n, L], last logits [n, V].
+
+        Identical inputs (the samples of one GRPO group share their prompt) are computed once
+        and their rows copied, which divides the prefill work by the group size."""
+        first: dict[tuple[int, ...], int] = {}
+        rows = [first.setdefault(tuple(s.prompt + s.out), len(first)) for s in seqs]
+        kv, mask, logits = self._prefill_unique([list(x) for x in first])
+        if self._router is not None:  # MoE: the experts of every token run, prompt (and earlier output) included
+            ids = self._router.take().view(len(first), mask.shape[1], *self._router_shape).cpu()
+            for s, r in zip(seqs, rows, strict=True):
+                s.routes = [ids[r, mask.shape[1] - len(s.prompt) - len(s.out) :].clone()]
+        self.counters["prefills"] += 1
+        self.counters["prefill_rows"] += len(seqs)
+        self.counters["prefill_unique"] += len(first)
+        if len(first) == len(seqs):
+            return kv, mask, logits
+        idx = torch.tensor(rows, device=self.device)
+        return [(k[idx], v[idx]) for k, v in kv], mask[idx], logits[idx]
+
+    def _prefill_unique(self, inputs: list[list[int]]) -> Prefilled:
+        length = max(len(x) for x in inputs)
+        ids = torch.tensor([[0] * (length - len(x)) + x for x in inputs], device=self.device)
+        mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in inputs], device=self.device)
+        pos = (mask.cumsum(1) - 1).clamp_(min=0)
+        cache = DynamicCache()  # full layers even for sliding-window models: the decode masks apply the window
+        out = self.model(  # type: ignore[misc]
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            **self._keep_arg,
+        )
+        return [(layer.keys, layer.values) for layer in _slabs(cache)], mask, out.logits[:, -1].float()
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
+        lengths = [len(self._rows[i].prompt) + len(self._rows[i].out) - 1 for i in keep]  # cached tokens per row
+        self._rows, self._alive, self._params = [self._rows[i] for i in keep], [True] * len(keep), None
+        if not keep:
+            self._reset_batch()
+            return
+        idx = torch.tensor(keep, device=self.device)
+        start = self._mask.shape[1] - max(lengths)  # rows are right-aligned: known on the host, no sync
+        self._mask = self._mask[idx, start:]
+        self._mask_bool = self._mask.bool()
+        self._pos = self._pos[idx]
+        assert self._cache is not None
+        self._cache.layers = [
+            SlabLayer(layer.keys[idx, :, start:], layer.values[idx, :, start:]) for layer in _slabs(self._cache)
+        ]
+        self._static_stale = True
+
+    def _decode(self, tokens: torch.Tensor) -> None:
+        """One forward step: every running row consumes its newest token."""
+        assert self._cache is not None
+        if self._static is not None and (self._static_stale or not self._static.has_room(len(self._rows))):
+            self._cache.layers = self._static.load(_slabs(self._cache), self._mask_bool, self._pos)  # type: ignore[assignment]
+            self._static_stale = False
+        self._mask = F.pad(self._mask, (0, 1), value=1)
+        self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
+        self.counters["kv_peak"] = max(self.counters["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
+        assert self._cache is not None
+        if self._static is not None:
+            logits = self._static.step(tokens, self._pos, _slabs(self._cache))
+        elif self._fast is not None:
+            logits = self._fast(tokens, self._pos, self._mask_bool, _slabs(self._cache))
+        else:
+            attn: torch.Tensor | dict[str, torch.Tensor] = self._mask
+            if self._mask_dict:  # a ready 4D mask skips transformers' per-step mask building
+                attn = {"full_attention": self._mask_bool[:, None, None, :]}
+            logits = self.model(  # type: ignore[misc]
+                input_ids=tokens[:, None],
+                attention_mask=attn,
+                position_ids=self._pos[:, None],
+                past_key_values=self._cache,
+                use_cache=True,
+                **self._keep_arg,
+            ).logits[:, -1]
+        self._pos = self._pos + 1
+        self._logits = logits.float()
+        if self._router is not None:  # the experts of each row's newest token, copied with the next sampled ids
+            self._route = self._router.take()
+
+
+def _slabs(cache: DynamicCache) -> list[SlabLayer]:
+    """The engine's caches hold only ``SlabLayer``s (transformers types ``Cache.layers`` more widely)."""
+    return typing.cast(list[SlabLayer], cache.layers)
