@@ -185,7 +185,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
         return await self._generate(req, continue_aborted=False)
 
     async def astream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
-        """Token by token (each chunk holds the tokens decoded since the last one), then the response."""
+        """Token by token (one chunk per generated token), then the response."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[int | None] = asyncio.Queue()
 
@@ -194,20 +194,8 @@ class LocalEngine(SlabBatch, InferenceEngine):
 
         task = asyncio.ensure_future(self._generate(req, True, on_token=push))
         task.add_done_callback(lambda _: q.put_nowait(None))  # after every token: they were scheduled first
-        done = False
-        while not done:
-            toks: list[int] = []
-            tok = await q.get()
-            while True:  # everything already queued goes in one chunk
-                if tok is None:
-                    done = True
-                    break
-                toks.append(tok)
-                if q.empty():
-                    break
-                tok = q.get_nowait()
-            if toks:
-                yield StreamChunk(toks)
+        while (tok := await q.get()) is not None:  # one chunk per token, whatever the consumer's pace
+            yield StreamChunk([tok])
         yield StreamChunk([], await task)
 
     async def atop_logprobs(
