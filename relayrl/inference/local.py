@@ -33,7 +33,7 @@ import threading
 import time
 import typing
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,18 +41,19 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk, WeightUpdate
+from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
 from relayrl.inference.decode import FastDecoder
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
 from relayrl.inference.graphs import StaticDecoder, choose_attention
-from relayrl.inference.sampling import RowParams, penalized, sample, top_logprobs
+from relayrl.inference.local_requests import RequestControl
+from relayrl.inference.sampling import RowParams, penalized, sample
 from relayrl.inference.seq import Seq, load_hf_state_dict, resolver, validate_request
 from relayrl.inference.slab import SlabBatch
 from relayrl.utils.batching import length_groups
 from relayrl.utils.moe import RoutingRecorder, routing_shape
 
 
-class LocalEngine(SlabBatch, InferenceEngine):
+class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
     """Continuous-batching ``InferenceEngine`` in this process (see module docstring)."""
 
     def __init__(
@@ -184,36 +185,6 @@ class LocalEngine(SlabBatch, InferenceEngine):
         ``abort`` and its partial output, as SGLang's /generate answers; the client continues it."""
         return await self._generate(req, continue_aborted=False)
 
-    async def astream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
-        """Token by token (one chunk per generated token), then the response."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[int | None] = asyncio.Queue()
-
-        def push(tok: int) -> None:  # on the engine's thread
-            loop.call_soon_threadsafe(q.put_nowait, tok)
-
-        task = asyncio.ensure_future(self._generate(req, True, on_token=push))
-        task.add_done_callback(lambda _: q.put_nowait(None))  # after every token: they were scheduled first
-        while (tok := await q.get()) is not None:  # one chunk per token, whatever the consumer's pace
-            yield StreamChunk([tok])
-        yield StreamChunk([], await task)
-
-    async def atop_logprobs(
-        self, prompt: list[int], output: list[int], gconfig: GenerationConfig, k: int
-    ) -> list[list[tuple[int, float]]]:
-        """Recomputed from the model on the loop thread: penalties, temperature and top-k/top-p as sampled."""
-        if not output:
-            return []
-        found: list[torch.Tensor] = []
-
-        def score() -> None:
-            assert self.model is not None
-            seq = torch.tensor([prompt + output], device=self.device)
-            found.append(self.model(seq).logits[0, len(prompt) - 1 : -1].float())
-
-        await asyncio.to_thread(self._call_in_loop, score)
-        return top_logprobs(found[0], output, gconfig, k)
-
     async def _generate(
         self, req: ModelRequest, continue_aborted: bool, on_token: Callable[[int], None] | None = None
     ) -> ModelResponse:
@@ -292,31 +263,6 @@ class LocalEngine(SlabBatch, InferenceEngine):
         """End every running request now with stop_reason ``abort`` and its partial output
         (``agenerate`` continues it; ``agenerate_once`` returns it)."""
         self._call_in_loop(self._abort_running)
-
-    def abort_rid(self, rid: str) -> int:
-        """End the requests with this rid (running, set aside or queued) with stop_reason ``abort``
-        and their partial output, not continued (SGLang's single-request abort); returns how many."""
-        found: list[Seq] = []
-
-        def apply() -> None:
-            for i, seq in enumerate(self._rows):
-                if self._alive[i] and seq.rid == rid:
-                    self._alive[i] = False
-                    found.append(seq)
-            found.extend(s for s in self._preempted if s.rid == rid)
-            self._preempted = deque(s for s in self._preempted if s.rid != rid)
-            with self._waiting.mutex:
-                found.extend(s for s in self._waiting.queue if s.rid == rid)
-                kept = [s for s in self._waiting.queue if s.rid != rid]
-                self._waiting.queue.clear()
-                self._waiting.queue.extend(kept)
-            for seq in found:
-                seq.cancelled = True
-                seq.on_done(seq.response("abort"))
-            self.counters["aborts"] += len(found)
-
-        self._call_in_loop(apply)
-        return len(found)
 
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:
         assert self.model is not None
