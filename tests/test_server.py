@@ -424,7 +424,9 @@ def test_openai_endpoints(server, tiny_model, tokenizer):
         server + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}, timeout=10
     )
     assert bad.status_code == 400 and "messages[0].role" in bad.json()["error"]["message"]
-    assert httpx.post(server + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10).status_code == 400
+    assert httpx.post(server + "/v1/completions", json={"prompt": "x", "echo": True}, timeout=10).status_code == 400
+    many = httpx.post(server + "/v1/completions", json={"prompt": ["x", "y"], "stream": True}, timeout=10)
+    assert many.status_code == 400 and "one prompt per streamed request" in many.json()["error"]["message"]
     info = httpx.get(server + "/get_model_info", timeout=10).json()
     assert info["vocab_size"] == tiny_model.config.vocab_size and info["is_generation"] is True
     schema = httpx.get(server + "/openapi.json", timeout=10).json()

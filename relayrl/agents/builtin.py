@@ -14,6 +14,7 @@ import json
 import typing
 from collections.abc import Awaitable, Callable
 
+from openai.types.chat import ChatCompletion
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
@@ -49,6 +50,7 @@ def tool_agent_workflow(
         answer = ""
         for _ in range(max_tool_calls + 1):
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL])
+            assert isinstance(reply, ChatCompletion)  # (not streamed)
             message = reply.choices[0].message
             answer = message.content or ""
             if not message.tool_calls:

@@ -6,7 +6,8 @@ api_key=session)``); each episode is a *session*, named by the API key (or an
 with exact tokens, logprobs and versions and the episode exports trajectories as in-process.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (``stream=true`` answers as
-server-sent events in the SDK's chunk format), ``GET /v1/models``, and ``POST /v1/rewards``
+server-sent events in the SDK's chunk format, token by token where the engine streams:
+``relayrl.agents.streaming``), ``GET /v1/models``, and ``POST /v1/rewards``
 with ``{"reward": r}`` (the episode's final reward: ends the session) or
 ``{"reward": r, "completion_id": id}`` (one completion's reward; the session goes on).
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, so the SDK shows
@@ -31,11 +32,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Completion
-from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
 from relayrl.agents.messages import RequestError
+from relayrl.agents.streaming import sse_events
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RolloutWorkflow, Trajectory
@@ -186,27 +188,27 @@ class AgentProxy:
             body = await body_of(request)
             if isinstance(body, JSONResponse):
                 return body
-            stream = bool(body.pop("stream", False))
-            body.pop("stream_options", None)
+            out: ChatCompletion | Completion | AsyncIterator[ChatCompletionChunk] | AsyncIterator[Completion]
             try:
                 if chat:
                     messages = body.pop("messages", None)
                     if messages is None:
                         raise RequestError("messages is required", "messages")
-                    out: ChatCompletion | Completion = await session.client.chat.completions.create(
+                    out = await session.client.chat.completions.create(
                         messages=typing.cast(list[ChatCompletionMessageParam], messages), **typing.cast(_Kwargs, body)
                     )
                 else:
                     prompt = body.pop("prompt", None)
                     if prompt is None:
                         raise RequestError("prompt is required", "prompt")
-                    out = await session.client.completions.create(prompt=str(prompt), **typing.cast(_Kwargs, body))
+                    out = await session.client.completions.create(
+                        prompt=typing.cast(str | list[int], prompt), **typing.cast(_Kwargs, body)
+                    )
             except RequestError as e:
                 return JSONResponse({"error": e.body}, status_code=400)
-            data = out.model_dump(exclude_none=True)
-            if not stream:
-                return JSONResponse(data)
-            return StreamingResponse(_chunks(data, chat), media_type="text/event-stream")
+            if isinstance(out, (ChatCompletion, Completion)):
+                return JSONResponse(out.model_dump(exclude_none=True))
+            return StreamingResponse(sse_events(out), media_type="text/event-stream")
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
@@ -254,47 +256,6 @@ class AgentProxy:
             )
 
         return app
-
-
-async def _chunks(data: dict[str, object], chat: bool) -> AsyncIterator[bytes]:
-    """A finished completion as the SDK's stream: role, content, tool calls, then finish_reason and [DONE]."""
-    base = {k: data[k] for k in ("id", "created", "model")}
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    for choice in typing.cast(list[dict[str, typing.Any]], data["choices"]):
-        i = choice["index"]
-        if chat:
-            msg = choice["message"]
-            parts: list[dict[str, object]] = [{"role": "assistant", "content": ""}]
-            if msg.get("content"):
-                parts.append({"content": msg["content"]})
-            for j, call in enumerate(msg.get("tool_calls") or []):
-                parts.append(
-                    {"tool_calls": [{"index": j, "id": call["id"], "type": "function", "function": call["function"]}]}
-                )
-            for delta in parts:
-                yield _sse({**base, "object": obj, "choices": [{"index": i, "delta": delta, "finish_reason": None}]})
-            yield _sse(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}],
-                }
-            )
-        else:
-            yield _sse(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [{"index": i, "text": choice["text"], "finish_reason": choice["finish_reason"]}],
-                }
-            )
-    if data.get("usage"):
-        yield _sse({**base, "object": obj, "choices": [], "usage": data["usage"]})
-    yield b"data: [DONE]\n\n"
-
-
-def _sse(obj: dict[str, object]) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 Launch = Callable[[str, str, DataItem], Awaitable[None] | None]

@@ -46,7 +46,8 @@ from relayrl.data.vision import is_vision_config, load_image_processor
 from relayrl.inference.decode import FastDecoder
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
 from relayrl.inference.graphs import StaticDecoder, choose_attention
-from relayrl.inference.sampling import RowParams, sample
+from relayrl.inference.local_requests import RequestControl
+from relayrl.inference.sampling import RowParams, penalized, sample
 from relayrl.inference.seq import Seq, load_hf_state_dict, resolver, validate_request
 from relayrl.inference.slab import SlabBatch
 from relayrl.inference.vision import image_key, request_vision
@@ -57,7 +58,7 @@ if typing.TYPE_CHECKING:
     from transformers.image_processing_utils import BaseImageProcessor
 
 
-class LocalEngine(SlabBatch, InferenceEngine):
+class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
     """Continuous-batching ``InferenceEngine`` in this process (see module docstring)."""
 
     def __init__(
@@ -194,7 +195,9 @@ class LocalEngine(SlabBatch, InferenceEngine):
         ``abort`` and its partial output, as SGLang's /generate answers; the client continues it."""
         return await self._generate(req, continue_aborted=False)
 
-    async def _generate(self, req: ModelRequest, continue_aborted: bool) -> ModelResponse:
+    async def _generate(
+        self, req: ModelRequest, continue_aborted: bool, on_token: Callable[[int], None] | None = None
+    ) -> ModelResponse:
         if self._thread is None:
             raise RuntimeError("LocalEngine.agenerate called before initialize() (or after destroy())")
         validate_request(
@@ -214,7 +217,15 @@ class LocalEngine(SlabBatch, InferenceEngine):
         if req.image_data or self.image_token_id >= 0:  # decoding and processing images: off the caller's loop
             processor = self.image_processor if self.image_token_id >= 0 else None
             vision = await asyncio.to_thread(request_vision, req, processor, self.image_token_id)
-        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None, vision=vision)
+        seq = Seq(
+            prompt=list(req.input_ids),
+            g=req.gconfig,
+            key=key,
+            on_done=lambda r: None,
+            rid=req.rid,
+            on_token=on_token,
+            vision=vision,
+        )
         seq.vision_key = image_key(req.image_data)
         ttft = 0.0
         while True:
@@ -223,7 +234,7 @@ class LocalEngine(SlabBatch, InferenceEngine):
             self._enqueue(seq)
             resp = await fut
             ttft = ttft or (resp.ttft + seq.submitted - start if resp.output_tokens else 0.0)
-            if resp.stop_reason != "abort" or self._stopped or not continue_aborted:
+            if resp.stop_reason != "abort" or self._stopped or not continue_aborted or seq.cancelled:
                 break
             # interrupted by a weight update: continue from prompt + partial output
             seq = Seq(
@@ -231,6 +242,8 @@ class LocalEngine(SlabBatch, InferenceEngine):
                 g=seq.g,
                 key=seq.key,
                 on_done=seq.on_done,
+                rid=seq.rid,
+                on_token=seq.on_token,
                 out=resp.output_tokens,
                 logprobs=resp.output_logprobs,
                 versions=resp.output_versions,
@@ -476,6 +489,8 @@ class LocalEngine(SlabBatch, InferenceEngine):
             if not seq.first_token_at:
                 seq.first_token_at = now
             seq.out.append(tok)
+            if seq.on_token is not None:
+                seq.on_token(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
             self.counters["tokens"] += 1
@@ -526,7 +541,10 @@ class LocalEngine(SlabBatch, InferenceEngine):
             at = [(i, t) for i in young for t in rows[i].stop_ids]
             banned = torch.zeros(self._logits.shape, dtype=torch.bool, device=dev)
             banned[torch.tensor([i for i, _ in at], device=dev), torch.tensor([t for _, t in at], device=dev)] = True
-        return sample(self._logits, self._params, banned)
+        pen = [i for i, s in enumerate(rows) if (s.g.frequency_penalty or s.g.presence_penalty) and s.out]
+        return sample(
+            penalized(self._logits, [rows[i] for i in pen], pen) if pen else self._logits, self._params, banned
+        )
 
     # ------------------------------------------------------------------ batch and KV cache
     def _coalesce(self) -> None:

@@ -23,7 +23,8 @@ import torch
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import WeightUpdate
-from relayrl.inference.backends import WEIGHT_GROUP, Backend, Call
+from relayrl.inference.backends import WEIGHT_GROUP, Backend, Call, SGLangBackend
+from relayrl.inference.vllm_transfer import VLLMTransferGroup
 from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class WeightSync:
     servers: list[_Server]
     _paused: bool
     _update_lock: threading.Lock
-    _group: WeightBroadcastGroup | None
+    _group: WeightBroadcastGroup | VLLMTransferGroup | None
     _group_members: list[str]
     _group_stale: bool
     _last_weights: tuple[str, str | bytes | dict[str, torch.Tensor]] | None
@@ -61,14 +62,7 @@ class WeightSync:
             tensors = typing.cast(dict[str, torch.Tensor], data)
             self._broadcast(tensors, version, [s for s in self.servers if s.alive or s is srv])
             return
-        if kind == "disk" and self.backend.name == "vllm" and not self._paused:
-            # in-flight requests end as "abort" (their tokens are the old version's) and are continued after
-            self._admin(srv, self.backend.pause())
-            try:
-                body = self._admin(srv, self.backend.update_from_disk(str(data), version))
-            finally:
-                self._admin(srv, self.backend.resume())
-        elif kind == "disk":
+        if kind == "disk":
             body = self._admin(srv, self.backend.update_from_disk(str(data), version))
         else:
             body = self._admin(srv, self.backend.upload(version), content=data)
@@ -82,6 +76,8 @@ class WeightSync:
         rebuilt whenever its members change: a dead server leaves it, a returning one rejoins.
         A server that fails mid-way is evicted (dead) or its error raised; either way the group
         is dropped, to be rebuilt from the live servers at the next update."""
+        sglang = self.backend
+        assert isinstance(sglang, SGLangBackend)  # vLLM: VLLMWeightSync._broadcast
         members = [s.url for s in servers]
         errors: list[BaseException] = []
         ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
@@ -91,7 +87,7 @@ class WeightSync:
                 # trainer): SGLang refuses a second group of the same name
                 for s in servers:
                     try:
-                        self._admin(s, self.backend.destroy_weight_group(), timeout=30)  # type: ignore[union-attr]  # (vLLM has none)
+                        self._admin(s, sglang.destroy_weight_group(), timeout=30)
                     except (httpx.HTTPError, RuntimeError):
                         pass  # a server that never joined, or one too old for the route (then init fails, named)
                 self._group, self._group_members, self._group_stale = None, [], False
@@ -103,19 +99,20 @@ class WeightSync:
                 offsets = list(itertools.accumulate([1, *sizes[:-1]]))
                 world = 1 + sum(sizes)
                 group = WeightBroadcastGroup(host, 0, world, 0, backend, WEIGHT_GROUP, self.config.request_timeout)
-                calls = [self.backend.init_weight_group(host, group.port, off, world, backend) for off in offsets]
+                calls = [sglang.init_weight_group(host, group.port, off, world, backend) for off in offsets]
                 joins = [ex.submit(self._admin, s, c) for s, c in zip(servers, calls, strict=True)]
                 self._settle(servers, joins, group.join, errors)
                 if errors:
                     raise errors[0]
                 self._group, self._group_members = group, members
-            group = self._group
+            current = self._group
+            assert isinstance(current, WeightBroadcastGroup)
             names = list(tensors)
             limit = int(self.config.weight_bucket_mb * (1 << 20))
             parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
             for b, idx in enumerate(parts):  # one bounded bucket per call: the servers allocate one bucket at a time
                 bucket = {names[i]: tensors[names[i]] for i in idx}
-                call = self.backend.update_distributed(
+                call = sglang.update_distributed(
                     list(bucket),
                     [dtype_name(t.dtype) for t in bucket.values()],
                     [list(t.shape) for t in bucket.values()],
@@ -123,7 +120,7 @@ class WeightSync:
                     abort=b == 0,
                 )
                 replies = [ex.submit(self._admin, s, call) for s in servers]
-                self._settle(servers, replies, functools.partial(group.broadcast, bucket), errors)
+                self._settle(servers, replies, functools.partial(current.broadcast, bucket), errors)
                 if errors:
                     break
         finally:
@@ -221,12 +218,6 @@ class WeightSync:
         if mode == "disk" and not self.config.weight_sync_dir:
             raise ValueError(
                 "inference.weight_sync=disk needs inference.weight_sync_dir (a directory all servers can read)"
-            )
-        if mode == "broadcast" and self.backend.name == "vllm":
-            raise ValueError(
-                "weight_sync=broadcast to vLLM is not supported: vLLM's weight-transfer engine "
-                "(--weight-transfer-backend nccl) rendezvous through its own StatelessProcessGroup and "
-                "PyNccl, not torch.distributed; set inference.weight_sync=disk and weight_sync_dir"
             )
         if mode == "http" and not self.backend.supports_upload:
             raise ValueError(

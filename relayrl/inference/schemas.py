@@ -32,6 +32,8 @@ class SamplingParams(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = Field(False, description="keep the matched stop string in the text (SGLang's name)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     n: int = Field(1, ge=1, le=1, description="one sample per request")
 
 
@@ -187,54 +189,16 @@ class CompletionRequest(_Body):
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list)
-    logprobs: int | None = Field(None, ge=0, le=5, description="the sampled tokens' logprobs (no alternatives)")
+    logprobs: int | None = Field(None, ge=0, le=5, description="the sampled tokens' logprobs and the k best")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stream_options: dict[str, bool] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     seed: int | None = None  # accepted for SDK compatibility; the engine's seed is used
     user: str | None = None
-    stream: bool = False
+    stream: bool = Field(False, description="server-sent events, token by token (one prompt)")
     echo: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     request_id: str | None = None
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(_Body):
-    url: str = Field(description="a data: URL (base64 image) or a file path on the server; no network fetches")
-    detail: str | None = None
-
-
-class ImagePart(_Body):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[ContentPart]
-    name: str | None = None
-
-
-class ChatRequest(_Body):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="alternatives are not returned")
-    seed: int | None = None
-    user: str | None = None
-    stream: bool = False

@@ -1,49 +1,90 @@
-"""OpenAI routes of ``relayrl serve``: ``/v1/completions`` and ``/v1/chat/completions`` with logprobs."""
+"""OpenAI routes of ``relayrl serve``: ``/v1/completions`` and ``/v1/chat/completions``.
+
+Chat requests go through ``relayrl.agents.OpenAIClient`` over the server's engine (one per
+request), so the server reads what the agents' client reads: tools rendered by the chat template
+and tool calls parsed from the reply (Hermes / Llama-3.1), ``tool_choice`` ``auto`` | ``none`` |
+``required`` | a named function (the call's opening written into the prompt), ``tool`` turns
+with ``tool_call_id``, content parts, the ``developer`` role, ``top_logprobs``, frequency and
+presence penalties, ``response_format`` ``text`` / ``json_object`` (accepted, not enforced) and
+``stream=true`` (server-sent events, token by token, a usage chunk with
+``stream_options.include_usage``). vLLM's extras ``top_k``, ``min_tokens``, ``ignore_eos`` and
+``stop_token_ids`` are read too. Each choice also carries the generated ``token_ids``. These
+routes need the ``openai`` package (``pip install 'relayrl[agents]'``); ``/generate`` does not.
+
+Completions take text or token ids (or lists of either), ``n``, ``logprobs=k`` (the sampled
+token's and the ``k`` best), the penalties, and ``stream=true`` for one prompt.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import typing
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from fastapi.responses import Response
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelResponse
-from relayrl.inference.schemas import ChatRequest, CompletionRequest, SamplingParams
-from relayrl.inference.server_common import _bad, _json, _usage, trim_stop
+from relayrl.inference.schemas import CompletionRequest, SamplingParams
+from relayrl.inference.server_common import _bad, _json, _usage, error_body, trim_stop
+
+if TYPE_CHECKING:
+    from relayrl.agents.messages import RequestError
+    from relayrl.inference.local import LocalEngine
+
+VLLM_EXTRAS = {"top_k": "top_k", "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos"}
+
+
+def _agents() -> None:
+    """relayrl.agents, imported on first use (it needs the openai package, which /generate does not)."""
+    try:
+        import relayrl.agents.streaming  # noqa: F401
+    except ImportError as e:
+        raise _bad(f"this route needs the openai package: pip install 'relayrl[agents]' ({e})", 501) from None
+
+
+def _refusal(e: RequestError) -> JSONResponse:
+    """OpenAI's error body; the message names the field, as the server's other errors do."""
+    message = f"{e.param}: {e.message}" if e.param else e.message
+    body = dict(typing.cast(dict[str, object], e.body))
+    return JSONResponse({"error": {**body, "message": message}, "detail": message}, status_code=400)
 
 
 class OpenAIRoutes:
-    """Mixed into ``Server`` (which provides ``tok``, ``cfg``, ``gconfig``, ``check_ids``, ``run``, ``decode``)."""
+    """Mixed into ``Server`` (which provides ``tok``, ``cfg``, ``engine``, ``gconfig``, ``check_ids``, ``run``, ``decode``)."""
 
     # what Server provides (declared for the type checker)
     tok: PreTrainedTokenizerBase
     cfg: ServerConfig
+    engine: LocalEngine
     max_positions: int
+    vocab_size: int
     n_calls: int
+    n_served: int
     gconfig: Callable[..., GenerationConfig]
     check_ids: Callable[[list[int], str], None]
     run: Callable[..., Awaitable[ModelResponse]]
     decode: Callable[..., str]
 
-    def openai_gconfig(
-        self, req: CompletionRequest | ChatRequest, prompt_len: int, prompt: str = "prompt"
-    ) -> GenerationConfig:
-        max_tokens = (req.max_completion_tokens or req.max_tokens) if isinstance(req, ChatRequest) else req.max_tokens
+    def openai_gconfig(self, req: CompletionRequest, prompt_len: int, prompt: str = "prompt") -> GenerationConfig:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         sp = SamplingParams(
-            max_new_tokens=max_tokens or max(1, min(1024, self.max_positions - prompt_len)),
-            min_new_tokens=getattr(req, "min_tokens", 0),
+            max_new_tokens=req.max_tokens or max(1, min(1024, self.max_positions - prompt_len)),
+            min_new_tokens=req.min_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             stop=stop,
-            stop_token_ids=list(getattr(req, "stop_token_ids", [])),
-            ignore_eos=getattr(req, "ignore_eos", False),
+            stop_token_ids=list(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
         )
         return self.gconfig(sp, prompt_len, field="body", prompt=prompt)
 
@@ -59,14 +100,30 @@ class OpenAIRoutes:
 
     async def completions(self, req: CompletionRequest) -> Response:
         """Choice ``p * n + j`` is sample ``j`` of prompt ``p`` (vLLM's order)."""
-        if req.stream or req.echo:
-            raise _bad("stream and echo are not supported")
+        if req.echo:
+            raise _bad("echo is not supported")
         prompts, many = self.completion_prompts(req.prompt)
+        if req.stream and many:
+            raise _bad("stream: one prompt per streamed request")
         gs = []
         for p, ids in enumerate(prompts):
             name = f"prompt[{p}]" if many else "prompt"
             self.check_ids(ids, name)
             gs.append(self.openai_gconfig(req, len(ids), prompt=name))
+        if req.stream:
+            _agents()
+            from relayrl.agents.client import OpenAIClient
+            from relayrl.agents.messages import RequestError
+            from relayrl.agents.streaming import sse_events
+
+            client = OpenAIClient(self.engine, self.tok, gs[0], model_name=self.cfg.model.path)
+            params = {"n": req.n, "logprobs": req.logprobs, "stream": True, "stream_options": req.stream_options}
+            try:
+                chunks = await client.completions.create(prompt=prompts[0], **params)
+            except RequestError as e:
+                return _refusal(e)
+            self.n_calls += 1
+            return StreamingResponse(sse_events(chunks), media_type="text/event-stream")  # type: ignore[arg-type]
         cid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         jobs = [
             (f"{cid}-{p * req.n + i}", ids, g)
@@ -76,23 +133,27 @@ class OpenAIRoutes:
         outs = await asyncio.gather(*(self.run(*job) for job in jobs))
         self.n_calls += 1
         choices = []
+
+        def piece(t: int) -> str:
+            return f"token_id:{t}" if req.return_tokens_as_token_ids else self.decode([t], False)
+
         for i, r in enumerate(outs):
+            g, ids = gs[i // req.n], prompts[i // req.n]
             lp = None
             if req.logprobs is not None:
-                toks = [
-                    f"token_id:{t}" if req.return_tokens_as_token_ids else self.decode([t], False)
-                    for t in r.output_tokens
-                ]
+                toks = [piece(t) for t in r.output_tokens]
                 offsets, pos = [], 0
                 for s in toks:
                     offsets.append(pos)
                     pos += len(s)
-                lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": None, "text_offset": offsets}
+                tops = None
+                if req.logprobs:
+                    alts = await self.engine.atop_logprobs(ids, r.output_tokens, g, req.logprobs)
+                    tops = [{piece(j): v for j, v in a} for a in alts]
+                lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": tops, "text_offset": offsets}
             text = self.decode(r.output_tokens, req.skip_special_tokens)
-            if (
-                r.stop_reason == "stop" and gs[i // req.n].stop
-            ):  # the stop string is not part of the text (vLLM, OpenAI)
-                text = trim_stop(text, gs[i // req.n].stop)
+            if r.stop_reason == "stop" and g.stop:  # the stop string is not part of the text (vLLM, OpenAI)
+                text = trim_stop(text, g.stop)
             choices.append(
                 {
                     "index": i,
@@ -114,71 +175,119 @@ class OpenAIRoutes:
             }
         )
 
-    def vision_prompt(self, messages: list[dict[str, object]]) -> tuple[list[int], list[str | bytes]]:
+    def vision_messages(self, messages: object, stream: bool) -> tuple[list[int], list[str | bytes]]:
         """Prompt ids (image pad tokens expanded by the model's processor) and images of chat turns
-        with content parts; 400 naming the reason when the model takes no images or one is bad."""
-        from relayrl.data.vision import encode_prompt
+        with ``image_url`` content parts (``[], []`` without any); 400 naming the reason when the model
+        takes no images, one is bad, or the request streams."""
+        from relayrl.data.vision import encode_prompt, image_parts
 
-        processor = self.engine.image_processor  # type: ignore[attr-defined]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return [], []  # the client names what is malformed
+        if not image_parts(messages):
+            return [], []
+        if stream:
+            raise _bad("stream: image content parts are served without streaming; send stream=false")
+        processor = self.engine.image_processor
         if processor is None:
             raise _bad("messages: image content parts need a vision-language model; this server's takes text only")
         try:
-            vp = encode_prompt(self.tok, processor, messages, [])
+            vp = encode_prompt(self.tok, processor, typing.cast(list[dict[str, object]], messages), [])
         except ValueError as e:
             raise _bad(f"messages: {e}") from None
         return vp.input_ids, list(vp.image_data)
 
-    async def chat(self, req: ChatRequest) -> dict[str, object]:
-        if req.stream:
-            raise _bad("stream: streaming is not supported")
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        images: list[str | bytes] = []
-        if any(isinstance(m["content"], list) for m in messages):  # OpenAI content parts: text and image_url
-            ids, images = self.vision_prompt(messages)
-        else:
-            try:
-                ids = [
-                    int(i)
-                    for i in typing.cast(
-                        list[int],
-                        self.tok.apply_chat_template(
-                            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                        ),
-                    )
-                ]
-            except Exception as e:  # a template may reject a role order
-                raise _bad(f"messages: chat template failed: {e}") from None
-        g = self.openai_gconfig(req, len(ids))
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        outs = await asyncio.gather(*(self.run(f"{cid}-{i}", ids, g, images=images) for i in range(req.n)))
-        choices = []
-        for i, r in enumerate(outs):
-            lp = None
-            if req.logprobs:
-                per_token = []
-                for t, x in zip(r.output_tokens, r.output_logprobs, strict=True):
-                    s = self.decode([t], False)
-                    per_token.append({"token": s, "logprob": x, "bytes": list(s.encode()), "top_logprobs": []})
-                lp = {"content": per_token}
-            content = (
-                trim_stop(self.decode(r.output_tokens), g.stop)
-                if r.stop_reason == "stop"
-                else self.decode(r.output_tokens)
+    def chat_base(self, body: dict[str, object]) -> GenerationConfig:
+        """The generation config before the OpenAI fields: vLLM's extras popped from ``body``; the
+        length bound is set once the prompt is known."""
+        from relayrl.agents.messages import RequestError
+
+        extras = {VLLM_EXTRAS[k]: body.pop(k) for k in list(body) if k in VLLM_EXTRAS}
+        stop_ids = body.pop("stop_token_ids", None) or []
+        if not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids
+        ):
+            raise RequestError(f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
+        for key, name in VLLM_EXTRAS.items():
+            want = bool if key == "ignore_eos" else int
+            if name in extras and (
+                not isinstance(extras[name], want) or (want is int and isinstance(extras[name], bool))
+            ):
+                raise RequestError(f"{key} must be {'a boolean' if want is bool else 'an integer'}", key)
+        if "top_k" in extras:
+            extras["top_k"] = max(0, extras["top_k"])  # type: ignore[call-overload]  # vLLM: -1 = off
+        try:
+            base = GenerationConfig(max_new_tokens=self.max_positions, stop_token_ids=stop_ids, **extras)  # type: ignore[arg-type]
+            base.validate()
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e), next((k for k in VLLM_EXTRAS if VLLM_EXTRAS[k] in str(e)), None)) from None
+        return base
+
+    async def chat(self, request: Request) -> Response:
+        """OpenAI's chat completion through ``OpenAIClient`` (see module doc)."""
+        _agents()
+        from relayrl.agents.client import OpenAIClient
+        from relayrl.agents.messages import RequestError
+        from relayrl.agents.streaming import sse_events, stream_chat
+        from relayrl.data.chat import encode
+
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return JSONResponse(error_body(f"malformed JSON body: {e}", 400), status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body("the request body must be a JSON object", 400), status_code=400)
+        try:
+            base = self.chat_base(body)
+        except RequestError as e:
+            return _refusal(e)
+        client = OpenAIClient(self.engine, self.tok, base, model_name=self.cfg.model.path)
+        stream, options = bool(body.pop("stream", False)), body.pop("stream_options", None)
+        explicit = body.get("max_tokens") or body.get("max_completion_tokens")
+        messages = body.pop("messages", None) or []
+        vision_ids, images = self.vision_messages(messages, stream)
+        try:
+            plan = client.plan_chat(_text_parts_only(messages) if images else messages, body)
+            if images:  # the prompt as the processor expands it (image pad tokens), then any tool-call opening
+                plan.ids = vision_ids + (encode(self.tok, plan.prefill) if plan.prefill else [])
+        except RequestError as e:
+            return _refusal(e)
+        except (TypeError, ValueError, AttributeError, KeyError) as e:  # a field of a type no check expected
+            return _refusal(RequestError(f"malformed request: {e!r}"))
+        if not explicit:
+            plan.gconfig = plan.gconfig.new(max_new_tokens=max(1, min(1024, self.max_positions - len(plan.ids))))
+            plan.gconfig.min_new_tokens = min(plan.gconfig.min_new_tokens, plan.gconfig.max_new_tokens)
+        if len(plan.ids) + plan.gconfig.max_new_tokens > self.max_positions:
+            msg = (
+                f"the prompt's {len(plan.ids)} tokens + max_tokens={plan.gconfig.max_new_tokens} exceed the "
+                f"model's {self.max_positions} positions"
             )
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": content},
-                    "logprobs": lp,
-                    "finish_reason": r.stop_reason,
-                    "token_ids": r.output_tokens,
-                }
-            )
-        return {
-            "id": cid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.cfg.model.path,
-            "choices": choices,
-            "usage": _usage(len(ids), outs),
-        }
+            return _refusal(RequestError(msg, "max_tokens"))
+        self.n_calls += 1
+        self.n_served += plan.n
+        if stream:
+            usage = bool((options if isinstance(options, dict) else {}).get("include_usage"))
+            return StreamingResponse(sse_events(stream_chat(client, plan, usage)), media_type="text/event-stream")
+        try:
+            done = await client.chat_result(plan, await client.generate(plan.ids, plan.gconfig, plan.n, images))
+        except RequestError as e:
+            return _refusal(e)
+        out = done.model_dump(exclude_none=True)
+        for choice, rec in zip(out["choices"], client.records[-plan.n :], strict=True):
+            choice["token_ids"] = rec.output_ids
+        return _json(out)
+
+
+def _text_parts_only(messages: list[object]) -> list[object]:
+    """Chat turns with their image parts dropped (the prompt ids come from the processor; the
+    client validates the rest of the request)."""
+    out: list[object] = []
+    for m in messages:
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {
+                **m,
+                "content": [
+                    p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in ("image", "image_url"))
+                ],
+            }
+        out.append(m)
+    return out

@@ -1,0 +1,87 @@
+"""What LocalEngine offers beyond ``agenerate`` (mixed into ``LocalEngine``): streaming token by
+token (``astream``), OpenAI's ``top_logprobs`` recomputed from the model (``atop_logprobs``) and
+SGLang's single-request abort (``abort_rid``)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import torch
+
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
+from relayrl.inference.sampling import top_logprobs
+from relayrl.inference.seq import Seq
+
+
+class RequestControl:
+    """Needs from ``LocalEngine``: ``_generate``, ``_call_in_loop``, the batch state, ``model``, ``device``."""
+
+    # what LocalEngine provides (declared for the type checker)
+    model: Any
+    device: torch.device
+    counters: Any
+    _rows: list[Seq]
+    _alive: list[bool]
+    _preempted: deque[Seq]
+    _waiting: queue.Queue[Seq]
+    _generate: Callable[..., Awaitable[ModelResponse]]
+    _call_in_loop: Callable[[Callable[[], None]], None]
+
+    async def astream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+        """Token by token (one chunk per generated token), then the response."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[int | None] = asyncio.Queue()
+
+        def push(tok: int) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(q.put_nowait, tok)
+
+        task = asyncio.ensure_future(self._generate(req, True, on_token=push))
+        task.add_done_callback(lambda _: q.put_nowait(None))  # after every token: they were scheduled first
+        while (tok := await q.get()) is not None:  # one chunk per token, whatever the consumer's pace
+            yield StreamChunk([tok])
+        yield StreamChunk([], await task)
+
+    async def atop_logprobs(
+        self, prompt: list[int], output: list[int], gconfig: GenerationConfig, k: int
+    ) -> list[list[tuple[int, float]]]:
+        """Recomputed from the model on the loop thread: penalties, temperature and top-k/top-p as sampled."""
+        if not output:
+            return []
+        found: list[torch.Tensor] = []
+
+        def score() -> None:
+            assert self.model is not None
+            seq = torch.tensor([prompt + output], device=self.device)
+            found.append(self.model(seq).logits[0, len(prompt) - 1 : -1].float())
+
+        await asyncio.to_thread(self._call_in_loop, score)
+        return top_logprobs(found[0], output, gconfig, k)
+
+    def abort_rid(self, rid: str) -> int:
+        """End the requests with this rid (running, set aside or queued) with stop_reason ``abort``
+        and their partial output, not continued (SGLang's single-request abort); returns how many."""
+        found: list[Seq] = []
+
+        def apply() -> None:
+            for i, seq in enumerate(self._rows):
+                if self._alive[i] and seq.rid == rid:
+                    self._alive[i] = False
+                    found.append(seq)
+            found.extend(s for s in self._preempted if s.rid == rid)
+            self._preempted = deque(s for s in self._preempted if s.rid != rid)
+            with self._waiting.mutex:
+                found.extend(s for s in self._waiting.queue if s.rid == rid)
+                kept = [s for s in self._waiting.queue if s.rid != rid]
+                self._waiting.queue.clear()
+                self._waiting.queue.extend(kept)
+            for seq in found:
+                seq.cancelled = True
+                seq.on_done(seq.response("abort"))
+            self.counters["aborts"] += len(found)
+
+        self._call_in_loop(apply)
+        return len(found)
