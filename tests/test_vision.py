@@ -160,13 +160,13 @@ def test_generation_continues_across_weight_update(vl):
                 asyncio.create_task(engine.agenerate(ModelRequest(f"r{i}", vp.input_ids, g, image_data=vp.image_data)))
                 for i, vp in enumerate(vps)
             ]
-            while engine.stats["tokens"] < 20:
+            while engine.counters["tokens"] < 20:
                 await asyncio.sleep(0.001)
             await asyncio.to_thread(engine.update_weights, WeightUpdate("tensors", 1, tensors=state))
             return await asyncio.gather(*tasks)
 
         outs = asyncio.run(go())
-        assert engine.stats["aborts"] > 0
+        assert engine.counters["aborts"] > 0
         for vp, resp in zip(vps, outs, strict=True):
             assert 1 in resp.output_versions and 0 in resp.output_versions
             assert resp.output_tokens == hf_generate(model, vp, 40)
