@@ -22,7 +22,7 @@ def main(base_url: str, api_key: str, mode: str) -> None:
     seen: dict[str, object] = {}
     if mode == "errors":
         for name, kw in [
-            ("top_logprobs", {"logprobs": True, "top_logprobs": 3}),
+            ("top_logprobs", {"top_logprobs": 3}),  # without logprobs=true
             (
                 "image",
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
@@ -48,12 +48,18 @@ def main(base_url: str, api_key: str, mode: str) -> None:
         first.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "19"},
     ]
-    text, finish = "", None
-    for chunk in client.chat.completions.create(model="p", messages=messages, tools=TOOLS, stream=True):
+    text, finish, pieces, usage = "", None, 0, None
+    stream = client.chat.completions.create(
+        model="p", messages=messages, tools=TOOLS, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        usage = chunk.usage or usage
         for choice in chunk.choices:
             text += choice.delta.content or ""
+            pieces += bool(choice.delta.content)
             finish = choice.finish_reason or finish
-    seen["answer"], seen["finish"] = text, finish
+    seen["answer"], seen["finish"], seen["pieces"] = text, finish, pieces
+    seen["usage"] = usage.completion_tokens if usage else None
     if mode == "reward":
         seen["posted"] = client.post("/rewards", body={"reward": 0.75}, cast_to=object)
     print(json.dumps(seen))

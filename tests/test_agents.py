@@ -307,8 +307,10 @@ def test_request_errors_name_the_field(hermes):
             "messages[0].content[0]",
         ),
         (dict(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
-        (dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2, logprobs=True), "top_logprobs"),
-        (dict(messages=[{"role": "user", "content": "x"}], presence_penalty=0.5), "presence_penalty"),
+        (dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "top_logprobs"),  # needs logprobs=true
+        (dict(messages=[{"role": "user", "content": "x"}], presence_penalty=2.5), "presence_penalty"),
+        (dict(messages=[{"role": "user", "content": "x"}], tool_choice="required"), "tool_choice"),  # no tools
+        (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema"}), "response_format"),
         (dict(messages=[{"role": "user", "content": "x"}], temperature=3), "temperature"),
         (dict(messages=[{"role": "user", "content": "x"}], frobnicate=1), "frobnicate"),
         (
@@ -398,6 +400,7 @@ def test_proxy_serves_an_agent_in_another_process(hermes):
         seen = json.loads(outputs[0])
         assert seen["call"] == ["calc", {"expr": "12+7"}, "tool_calls"]
         assert seen["answer"] == "19" and seen["finish"] == "stop"
+        assert seen["pieces"] == 2 and seen["usage"] == 3  # token by token ("1", "9"; then the end token), usage last
         assert seen["posted"]["final"] is True and seen["posted"]["calls"] == 2
         assert (
             traj["rewards"].tolist() == [0.75]
@@ -418,7 +421,7 @@ def test_proxy_serves_an_agent_in_another_process(hermes):
         )
         errs = json.loads(out.stdout.strip().splitlines()[-1])
         assert errs["top_logprobs"]["status"] == 400 and errs["top_logprobs"]["param"] == "top_logprobs"
-        assert "top_logprobs > 0 is not supported" in errs["top_logprobs"]["message"]
+        assert "top_logprobs needs logprobs=true" in errs["top_logprobs"]["message"]
         assert errs["image"]["param"] == "messages[0].content[0]"
         assert errs["auth"]["status"] == 401 and "unknown session 'nope'" in errs["auth"]["message"]
     finally:

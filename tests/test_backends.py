@@ -137,7 +137,8 @@ def test_weight_and_control_calls():
     vc = vl.update_from_disk("/w", 1)
     assert (vc.method, vc.path) == ("POST", "/collective_rpc")
     assert vc.json == {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}
-    assert sg.parse_version({"weight_version": "7"}) == 7 and vl.get_version() is None
+    assert sg.parse_version({"weight_version": "7"}) == 7 and vl.get_version().path == "/weight_info"
+    assert vl.parse_version({"weight_version": "7"}) == 7 and vl.parse_version({"weight_version": None}) is None
     sg.parse_update({"success": True, "message": "ok", "num_paused_requests": 0})
     with pytest.raises(RuntimeError, match="refused: bad path"):
         sg.parse_update({"success": False, "message": "bad path"})
@@ -174,8 +175,37 @@ def test_weight_broadcast_calls_are_sglangs_documented_bodies():
         "world_size": 2,
         "backend": "gloo",
     }
-    with pytest.raises(NotImplementedError, match="weight_sync=disk"):
-        VLLMBackend().init_weight_group("h", 1, 1, 2, "nccl")
+
+
+def test_vllm_weight_transfer_calls_are_vllms_request_bodies():
+    """vLLM's RL router: {"init_info": NCCLWeightTransferInitInfo fields}, {"update_info": NCCLWeightTransferUpdateInfo
+    fields} (packed buffers of the bucket size), the disk backend's {"path"} and the session routes."""
+    vl = VLLMBackend()
+    init = vl.init_transfer("10.0.0.5", 29500, 1, 3)
+    assert (init.path, init.json) == (
+        "/init_weight_transfer_engine",
+        {"init_info": {"master_address": "10.0.0.5", "master_port": 29500, "rank_offset": 1, "world_size": 3}},
+    )
+    assert vl.init_disk_transfer().json == {"init_info": {}}
+    up = vl.transfer_update(["a", "b"], ["bfloat16", "float32"], [[4, 2], [4]], 1 << 20)
+    assert (up.path, up.json) == (
+        "/update_weights",
+        {
+            "update_info": {
+                "names": ["a", "b"],
+                "dtype_names": ["bfloat16", "float32"],
+                "shapes": [[4, 2], [4]],
+                "packed": True,
+                "packed_buffer_size_bytes": 1 << 20,
+            }
+        },
+    )
+    assert vl.disk_update("/w/v1").json == {"update_info": {"path": "/w/v1"}}
+    assert (vl.start_update().path, vl.finish_update(4).path, vl.finish_update(4).json) == (
+        "/start_weight_update",
+        "/finish_weight_update",
+        {"weight_version": "4"},
+    )
 
 
 def test_vllm_completion_request_and_reply():

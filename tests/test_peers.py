@@ -104,7 +104,7 @@ def test_vllm_disk_sync_without_dev_mode_is_refused_at_start_up(stopper, tmp_pat
     p = started(stopper, "vllm", *PROCESSED)
     with pytest.raises(UnsupportedServer, match="VLLM_SERVER_DEV_MODE=1"):
         engine("vllm", [p.address], weight_sync="disk", weight_sync_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="broadcast to vLLM is not supported"):
+    with pytest.raises(UnsupportedServer, match="--weight-transfer-backend nccl and VLLM_SERVER_DEV_MODE=1"):
         engine("vllm", [p.address], weight_sync="broadcast")
 
 
@@ -217,12 +217,42 @@ def test_broadcast_to_sglang_in_buckets_with_tensor_parallel_ranks(stopper, tiny
         eng.destroy()
 
 
+def test_broadcast_to_vllm_through_its_weight_transfer_api_in_packed_buffers(stopper, tiny_model):
+    """#17.6: vLLM's own RL route (the transfer API of the router at 1ace43ed: no sessions, no version
+    route): its group construction, every tensor in one /update_weights call, packed buffers of the bucket."""
+    p = started(stopper, "vllm", *PROCESSED, "--weight-transfer-backend", "nccl", "--rl-router", "1ace43ed", env=DEV)
+    routes = set(p.get("/openapi.json").json()["paths"])
+    assert "/init_weight_transfer_engine" in routes and "/start_weight_update" not in routes
+    eng = engine("vllm", [p.address], weight_sync="broadcast", weight_bucket_mb=0.25)
+    new = build_tiny_model("tiny", seed=4).eval()
+    try:
+        for version, model in ((1, new), (2, tiny_model)):
+            eng.update_weights(WeightUpdate(kind="tensors", version=version, tensors=model.state_dict()))
+            qs = prompts(3)
+            outs = run_all(eng, qs, greedy(6), prefix=f"v{version}")
+            assert [o.output_tokens for o in outs] == [r.output_tokens for r in reference(model, qs, greedy(6))]
+            assert all(o.output_versions == [version] * 6 for o in outs)
+        counts = p.get("/stand_in").json()["counts"]
+        assert (counts["init"], counts["updates"], counts["packed"]) == (1, 2, 2)  # one group, one call per update
+        want, total = 0, 0  # vLLM's packing: a buffer closes once it holds more than the limit
+        for _, t in sorted(new.state_dict().items()):
+            total += t.numel() * t.element_size()
+            if total > 1 << 18:
+                want, total = want + 1, 0
+        want += total > 0
+        assert counts["broadcasts"] == 2 * want and want < len(new.state_dict())  # buffers, not a tensor each
+    finally:
+        eng.destroy()
+
+
 # ---------------------------------------------------------------------------- every peer, end to end
-PEERS = {
-    "relayrl": ("relayrl", ()),
-    "sglang-0.5.2": ("sglang", ("--version", "0.5.2")),
-    "sglang-0.5.15": ("sglang", ("--version", "0.5.15")),
-    "vllm": ("vllm", PROCESSED),
+NCCL = ("--weight-transfer-backend", "nccl")  # the stand-in builds vLLM's transfer group with gloo on CPU
+PEERS = {  # name: (kind, args, weight_sync)
+    "relayrl": ("relayrl", (), "broadcast"),
+    "sglang-0.5.2": ("sglang", ("--version", "0.5.2"), "broadcast"),
+    "sglang-0.5.15": ("sglang", ("--version", "0.5.15"), "broadcast"),
+    "vllm-0100a212": ("vllm", (*PROCESSED, *NCCL), "broadcast"),
+    "vllm-disk": ("vllm", (*PROCESSED, "--weight-transfer-backend", "disk"), "disk"),
 }
 
 
@@ -230,7 +260,7 @@ class _Group:
     """Two servers of one kind with kill(i) / restart(i)."""
 
     def __init__(self, name: str, shared: Path) -> None:
-        kind, args = PEERS[name]
+        kind, args, self.sync = PEERS[name]
         self.protocol = kind
         if kind == "relayrl":
             self.g = launch_servers(2, overrides=[f"allowed_weight_roots=['{shared}']"])
@@ -256,8 +286,7 @@ class _Group:
 @pytest.mark.parametrize("name", list(PEERS))
 def test_weights_kill_and_readmit_on_every_peer(name, tmp_path, tiny_model):
     group = _Group(name, tmp_path)
-    sync = "broadcast" if group.protocol in ("relayrl", "sglang") else "disk"
-    eng = engine(group.protocol, group.addresses, weight_sync=sync, weight_sync_dir=str(tmp_path))
+    eng = engine(group.protocol, group.addresses, weight_sync=group.sync, weight_sync_dir=str(tmp_path))
     new = build_tiny_model("tiny", seed=5).eval()
     ps = prompts(12)
     try:

@@ -125,3 +125,35 @@ def test_errors_are_openai_error_objects_the_sdk_reads(server):
     assert e.value.body["code"] == 400 and e.value.body["type"] == "BadRequestError"
     r = _generate(server, 0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.max_new_tokens"
+
+
+def test_abort_request_ends_one_rid_with_its_partial_output_and_leaves_the_others(server):
+    """SGLang's AbortReq: ``rid`` aborts that request (finish_reason abort, the tokens so far; it is
+    not continued); the others run on; ``abort_all`` ends them all; an unknown rid is a no-op."""
+    replies: dict[str, httpx.Response] = {}
+
+    def go(rid: str) -> None:
+        body = {
+            "rid": rid,
+            "input_ids": [3, 20, 21, 22, 4],
+            "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True},
+        }
+        replies[rid] = httpx.post(server + "/generate", json=body, timeout=120)
+
+    threads = [threading.Thread(target=go, args=(rid,)) for rid in ("keep", "drop")]
+    before = httpx.get(server + "/get_model_info", timeout=10).json()["tokens_generated"]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(server + "/get_model_info", timeout=10).json()["tokens_generated"] < before + 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    r = httpx.post(server + "/abort_request", json={"rid": "drop"}, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["aborted"] == 1
+    for t in threads:
+        t.join(timeout=60)
+    drop, keep = replies["drop"].json()["meta_info"], replies["keep"].json()["meta_info"]
+    assert drop["finish_reason"]["type"] == "abort" and 0 < drop["completion_tokens"] < 60
+    assert keep["finish_reason"]["type"] == "length" and keep["completion_tokens"] == 60
+    r = httpx.post(server + "/abort_request", json={"rid": "no-such-rid"}, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["aborted"] == 0

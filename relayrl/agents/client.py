@@ -22,9 +22,10 @@ return of its first completion.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,17 +34,23 @@ try:
     from openai.types import Completion, CompletionChoice, CompletionUsage
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("relayrl.agents needs the openai package: pip install 'relayrl[agents]'") from e
-from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionMessageFunctionToolCall,
+)
 from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
 from openai.types.chat.chat_completion_message_function_tool_call import Function
-from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_choice import Logprobs
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.messages import Message, RequestError, normalize_messages, normalize_tools, same_message
+from relayrl.agents.streaming import ChatPlan, CompletionPlan, stream_chat, stream_completion
 from relayrl.agents.tool_parsers import ParsedOutput, detect_parser, parse_tool_calls
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
 from relayrl.api.workflow import Trajectory, concat_trajectories
 from relayrl.data.chat import continuation_ids, encode, render
 from relayrl.rollout.workflows.multi_turn import TokenBuffer
@@ -57,7 +64,6 @@ _IGNORED = {
     "store",
     "parallel_tool_calls",
     "service_tier",
-    "stream_options",
     "extra_headers",
     "extra_query",
     "extra_body",
@@ -95,7 +101,10 @@ class _ChatCompletions:
     def __init__(self, client: OpenAIClient) -> None:
         self._client = client
 
-    async def create(self, *, messages: Iterable[object], **params: object) -> ChatCompletion:
+    async def create(
+        self, *, messages: Iterable[object], **params: object
+    ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
+        """A ``ChatCompletion``; with ``stream=True`` an async iterator of ``ChatCompletionChunk``s."""
         return await self._client._chat(messages, params)
 
 
@@ -108,7 +117,8 @@ class _Completions:
     def __init__(self, client: OpenAIClient) -> None:
         self._client = client
 
-    async def create(self, *, prompt: str | list[int], **params: object) -> Completion:
+    async def create(self, *, prompt: str | list[int], **params: object) -> Completion | AsyncIterator[Completion]:
+        """A ``Completion``; with ``stream=True`` an async iterator of ``Completion`` chunks."""
         return await self._client._complete(prompt, params)
 
 
@@ -141,8 +151,9 @@ class OpenAIClient:
         self.completions = _Completions(self)
 
     # ------------------------------------------------------------------ requests
-    def _gconfig(self, params: dict[str, object]) -> tuple[GenerationConfig, int, bool]:
-        """The generation config of a request, its ``n`` and whether logprobs were asked for."""
+    def _gconfig(self, params: dict[str, object]) -> tuple[GenerationConfig, int, bool, int]:
+        """The generation config of a request, its ``n``, whether logprobs were asked for, and how
+        many alternatives (``top_logprobs``)."""
         p = dict(params)
         for key in _IGNORED:
             p.pop(key, None)
@@ -176,19 +187,25 @@ class OpenAIClient:
                 raise RequestError("stop must be a string or a list of up to 4 non-empty strings", "stop")
             changes["stop"] = [*self.gconfig.stop, *stops]
         logprobs = p.pop("logprobs", None)
-        top = p.pop("top_logprobs", None)
-        if top:
-            raise RequestError(
-                "top_logprobs > 0 is not supported: engines return the sampled token's logprob only", "top_logprobs"
-            )
+        top = p.pop("top_logprobs", None) or 0
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+            raise RequestError(f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
+        if top and not logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
         for key in ("frequency_penalty", "presence_penalty"):
-            if p.pop(key, None):
-                raise RequestError(f"{key} is not supported: it would change the policy the logprobs describe", key)
+            value = p.pop(key, None)
+            if value is not None:
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
+                    raise RequestError(f"{key} must be a number in [-2, 2], got {value!r}", key)
+                changes[key] = float(value)
         fmt = p.pop("response_format", None)
-        if fmt is not None and (dict(fmt) if isinstance(fmt, dict) else {}).get("type") != "text":
-            raise RequestError("response_format other than {'type': 'text'} is not supported", "response_format")
-        if p.pop("stream", False):
-            raise RequestError("stream=true is not supported by the in-process client (use the HTTP proxy)", "stream")
+        kind = (dict(fmt) if isinstance(fmt, dict) else {}).get("type") if fmt is not None else "text"
+        if kind not in ("text", "json_object"):
+            raise RequestError(
+                f"response_format {kind!r} is not supported: 'text' and 'json_object' (not enforced: relayrl does "
+                "not constrain decoding) are",
+                "response_format",
+            )
         p.pop("tools", None), p.pop("tool_choice", None)  # read by the chat call itself
         for key in ("echo", "suffix", "logit_bias"):
             if p.pop(key, None):
@@ -203,7 +220,7 @@ class OpenAIClient:
             gconfig.validate()
         except ValueError as e:
             raise RequestError(str(e), "max_tokens") from None
-        return gconfig, n, bool(logprobs)
+        return gconfig, n, bool(logprobs), top
 
     async def _generate(self, ids: list[int], gconfig: GenerationConfig, n: int) -> list[ModelResponse]:
         reqs = [ModelRequest(rid=self.rid, input_ids=list(ids), gconfig=gconfig) for _ in range(n)]
@@ -237,16 +254,46 @@ class OpenAIClient:
                 best = rec
         return best
 
-    async def _chat(self, messages_in: Iterable[object], params: dict[str, object]) -> ChatCompletion:
+    def _tool_choice(self, choice: object, tools: list[Message] | None) -> str:
+        """``auto``, ``none``, ``required`` or the name of the one function to call."""
+        if choice is None:
+            return "auto"
+        if isinstance(choice, str):
+            if choice not in ("auto", "none", "required"):
+                raise RequestError(
+                    f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}",
+                    "tool_choice",
+                )
+            name = choice
+        else:
+            fn = (dict(choice) if isinstance(choice, dict) else {}).get("function")
+            name = (dict(fn) if isinstance(fn, dict) else {}).get("name")
+            if not isinstance(name, str):
+                raise RequestError(
+                    "a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
+                )
+            known = [t["function"]["name"] for t in tools or []]  # type: ignore[index]
+            if name not in known:
+                raise RequestError(f"tool_choice names {name!r}, which is not among the tools {known}", "tool_choice")
+        if name not in ("auto", "none") and not tools:
+            raise RequestError(f"tool_choice={name!r} needs tools", "tool_choice")
+        return name
+
+    def _prefill(self, tool_choice: str) -> str:
+        """``required``: the reply starts with the parser's tool-call opening; a named function: the
+        opening up to the function's name, as the Hermes / Llama-3.1 templates write a call. Written
+        into the prompt (vLLM and SGLang constrain decoding to a call instead)."""
+        if tool_choice in ("auto", "none"):
+            return ""
+        if self.tool_parser == "llama3":
+            return "{" if tool_choice == "required" else f'{{"name": {json.dumps(tool_choice)}'
+        return "<tool_call>" if tool_choice == "required" else f'<tool_call>\n{{"name": {json.dumps(tool_choice)}'
+
+    def _plan_chat(self, messages_in: Iterable[object], params: dict[str, object]) -> ChatPlan:
         messages = normalize_messages(messages_in)
         tools = normalize_tools(params.get("tools"))
-        tool_choice = params.get("tool_choice", "auto")
-        if isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
-            raise RequestError(
-                f"tool_choice must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}",
-                "tool_choice",
-            )
-        gconfig, n, want_logprobs = self._gconfig(params)
+        tool_choice = self._tool_choice(params.get("tool_choice"), tools)
+        gconfig, n, want_logprobs, top = self._gconfig(params)
         parent, ids = self._find_parent(messages, tools), None
         if parent is not None:
             k = len(parent.messages or []) + 1
@@ -263,13 +310,30 @@ class OpenAIClient:
                 ids = encode(self.tokenizer, render(self.tokenizer, messages, tools))
             except ValueError as e:
                 raise RequestError(str(e), "tools" if tools else "messages") from None
-        resps = await self._generate(ids, gconfig, n)
-        cid, choices = "chatcmpl-" + uuid.uuid4().hex, []
+        prefill = self._prefill(tool_choice)
+        ids = ids + (encode(self.tokenizer, prefill) if prefill else [])
+        return ChatPlan(messages, tools, tool_choice, gconfig, n, want_logprobs, top, parent, ids, prefill)
+
+    async def _chat(
+        self, messages_in: Iterable[object], params: dict[str, object]
+    ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
+        params = dict(params)
+        stream, options = params.pop("stream", False), params.pop("stream_options", None)
+        plan = self._plan_chat(messages_in, params)
+        if stream:
+            usage = bool((dict(options) if isinstance(options, dict) else {}).get("include_usage"))
+            return stream_chat(self, plan, usage)
+        return await self._chat_result(plan, await self._generate(plan.ids, plan.gconfig, plan.n))
+
+    async def _chat_result(self, plan: ChatPlan, resps: list[ModelResponse], cid: str | None = None) -> ChatCompletion:
+        """The completion of a chat call from its responses; every choice recorded."""
+        cid, choices = cid or "chatcmpl-" + uuid.uuid4().hex, []
         for i, resp in enumerate(resps):
-            text, _ = self._output_text(resp, gconfig)
+            text, _ = self._output_text(resp, plan.gconfig)
+            text = plan.prefill + text
             parsed = (
                 ParsedOutput(text, [])
-                if not tools or tool_choice == "none"
+                if not plan.tools or plan.tool_choice == "none"
                 else parse_tool_calls(text, self.tool_parser)
             )
             calls = [
@@ -280,22 +344,24 @@ class OpenAIClient:
             ]
             message = ChatCompletionMessage(role="assistant", content=parsed.content, tool_calls=calls or None)
             finish = "tool_calls" if calls else ("length" if resp.stop_reason == "length" else "stop")
-            logprobs = ChoiceLogprobs(content=self._token_logprobs(resp)) if want_logprobs else None
+            logprobs = None
+            if plan.logprobs:
+                logprobs = ChoiceLogprobs(content=await self._token_logprobs(plan.ids, resp, plan.gconfig, plan.top))
             choices.append(Choice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
             self.records.append(
                 CallRecord(
                     id=cid,
                     index=i,
-                    prompt_ids=list(ids),
+                    prompt_ids=list(plan.ids),
                     output_ids=list(resp.output_tokens),
                     logprobs=list(resp.output_logprobs),
                     versions=list(resp.output_versions),
                     stop_reason=resp.stop_reason,
-                    messages=messages,
-                    tools=tools,
+                    messages=plan.messages,
+                    tools=plan.tools,
                     reply=normalize_messages([message])[0],
                     text=text,
-                    parent=parent,
+                    parent=plan.parent,
                     tool_calls=len(calls),
                     malformed_tool_calls=parsed.malformed,
                 )
@@ -306,21 +372,40 @@ class OpenAIClient:
             created=int(time.time()),
             model=self.model_name,
             choices=choices,
-            usage=_usage(len(ids), resps),
+            usage=_usage(len(plan.ids), resps),
         )
+
+    async def _stream(
+        self, ids: list[int], gconfig: GenerationConfig, n: int
+    ) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """The ``n`` samples' chunks as they come: (sample index, chunk); errors raised at the end."""
+        q: asyncio.Queue[tuple[int, StreamChunk] | None] = asyncio.Queue()
+
+        async def one(i: int) -> None:
+            async for chunk in self.engine.astream(ModelRequest(rid=self.rid, input_ids=list(ids), gconfig=gconfig)):
+                q.put_nowait((i, chunk))
+
+        runs = asyncio.gather(*(one(i) for i in range(n)))
+        runs.add_done_callback(lambda _: q.put_nowait(None))
+        while (item := await q.get()) is not None:
+            yield item
+        await runs
 
     def _ends_with_stop(self, rec: CallRecord) -> bool:
         """Whether the record's last token is a stop token (EOS or one of the config's)."""
         stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}  # type: ignore[arg-type]
         return bool(rec.output_ids) and rec.output_ids[-1] in stops
 
-    async def _complete(self, prompt: str | list[int], params: dict[str, object]) -> Completion:
-        if params.get("logprobs", 0) not in (None, 0, 1, True, False):
-            raise RequestError(
-                "logprobs > 1 (top alternatives) is not supported: engines return the sampled token's logprob only",
-                "logprobs",
-            )
-        gconfig, n, want_logprobs = self._gconfig(params)
+    async def _complete(
+        self, prompt: str | list[int], params: dict[str, object]
+    ) -> Completion | AsyncIterator[Completion]:
+        params = dict(params)
+        stream, options = params.pop("stream", False), params.pop("stream_options", None)
+        k = params.get("logprobs")
+        if k is not None and (not isinstance(k, int) or not 0 <= k <= 20):
+            raise RequestError(f"logprobs must be an integer in [0, 20], got {k!r}", "logprobs")
+        top = 0 if isinstance(k, bool) or k is None else int(k)
+        gconfig, n, want_logprobs, _ = self._gconfig(params)
         parent, ids = None, None
         if isinstance(prompt, list):
             if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
@@ -348,17 +433,27 @@ class OpenAIClient:
                 ids = encode(self.tokenizer, prompt, special=True)
         else:
             raise RequestError("prompt must be a non-empty string or a list of token ids", "prompt")
-        resps = await self._generate(ids, gconfig, n)
-        cid, choices = "cmpl-" + uuid.uuid4().hex, []
+        plan = CompletionPlan(prompt if isinstance(prompt, str) else None, ids, gconfig, n, want_logprobs, top, parent)
+        if stream:
+            usage = bool((dict(options) if isinstance(options, dict) else {}).get("include_usage"))
+            return stream_completion(self, plan, usage)
+        return await self._completion_result(plan, await self._generate(ids, gconfig, n))
+
+    async def _completion_result(
+        self, plan: CompletionPlan, resps: list[ModelResponse], cid: str | None = None
+    ) -> Completion:
+        ids, gconfig, parent, prompt = plan.ids, plan.gconfig, plan.parent, plan.prompt_text
+        cid, choices = cid or "cmpl-" + uuid.uuid4().hex, []
         for i, resp in enumerate(resps):
             text, _ = self._output_text(resp, gconfig)
             lp = None
-            if want_logprobs:
+            if plan.logprobs:
                 toks = [self.tokenizer.decode([t], skip_special_tokens=False) for t in resp.output_tokens]
+                tops = await self._top(ids, resp, gconfig, plan.top)
                 lp = Logprobs(
                     tokens=toks,
                     token_logprobs=list(resp.output_logprobs),
-                    top_logprobs=None,
+                    top_logprobs=[{self._piece(j): v for j, v in t} for t in tops] if plan.top else None,
                     text_offset=[sum(len(t) for t in toks[:j]) for j in range(len(toks))],
                 )
             choices.append(
@@ -375,7 +470,7 @@ class OpenAIClient:
                     logprobs=list(resp.output_logprobs),
                     versions=list(resp.output_versions),
                     stop_reason=resp.stop_reason,
-                    prompt_text=prompt if isinstance(prompt, str) else None,
+                    prompt_text=prompt,
                     text=text,
                     parent=parent,
                 )
@@ -389,12 +484,30 @@ class OpenAIClient:
             usage=_usage(len(ids), resps),
         )
 
-    def _token_logprobs(self, resp: ModelResponse) -> list[ChatCompletionTokenLogprob]:
+    def _piece(self, tok: int) -> str:
+        return str(self.tokenizer.decode([tok], skip_special_tokens=False))
+
+    async def _top(
+        self, ids: list[int], resp: ModelResponse, gconfig: GenerationConfig, k: int
+    ) -> list[list[tuple[int, float]]]:
+        """``k`` alternatives per output token from the engine (a clear error where it has none)."""
+        if not k:
+            return [[] for _ in resp.output_tokens]
+        try:
+            return await self.engine.atop_logprobs(list(ids), list(resp.output_tokens), gconfig, k)
+        except NotImplementedError as e:
+            raise RequestError(str(e), "top_logprobs", code="unsupported_parameter") from None
+
+    async def _token_logprobs(
+        self, ids: list[int], resp: ModelResponse, gconfig: GenerationConfig, k: int
+    ) -> list[ChatCompletionTokenLogprob]:
         out = []
-        for tok, lp in zip(resp.output_tokens, resp.output_logprobs, strict=True):
-            text = self.tokenizer.decode([tok], skip_special_tokens=False)
+        tops = await self._top(ids, resp, gconfig, k)
+        for tok, lp, alts in zip(resp.output_tokens, resp.output_logprobs, tops, strict=True):
+            text = self._piece(tok)
+            top = [TopLogprob(token=self._piece(j), bytes=list(self._piece(j).encode()), logprob=v) for j, v in alts]
             out.append(
-                ChatCompletionTokenLogprob(token=text, bytes=list(text.encode()), logprob=float(lp), top_logprobs=[])
+                ChatCompletionTokenLogprob(token=text, bytes=list(text.encode()), logprob=float(lp), top_logprobs=top)
             )
         return out
 

@@ -6,7 +6,8 @@ api_key=session)``); each episode is a *session*, named by the API key (or an
 with exact tokens, logprobs and versions and the episode exports trajectories as in-process.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (``stream=true`` answers as
-server-sent events in the SDK's chunk format), ``GET /v1/models``, and ``POST /v1/rewards``
+server-sent events in the SDK's chunk format, token by token where the engine streams:
+``relayrl.agents.streaming``), ``GET /v1/models``, and ``POST /v1/rewards``
 with ``{"reward": r}`` (the episode's final reward: ends the session) or
 ``{"reward": r, "completion_id": id}`` (one completion's reward; the session goes on).
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, so the SDK shows
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
@@ -181,8 +183,7 @@ class AgentProxy:
             body = await body_of(request)
             if isinstance(body, JSONResponse):
                 return body
-            stream = bool(body.pop("stream", False))
-            body.pop("stream_options", None)
+            stream = bool(body.get("stream", False))
             try:
                 if chat:
                     messages = body.pop("messages", None)
@@ -196,10 +197,9 @@ class AgentProxy:
                     out = await session.client.completions.create(prompt=prompt, **body)  # type: ignore[arg-type]
             except RequestError as e:
                 return JSONResponse({"error": e.body}, status_code=400)
-            data = out.model_dump(exclude_none=True)
             if not stream:
-                return JSONResponse(data)
-            return StreamingResponse(_chunks(data, chat), media_type="text/event-stream")
+                return JSONResponse(out.model_dump(exclude_none=True))  # type: ignore[union-attr]
+            return StreamingResponse(sse(out), media_type="text/event-stream")  # type: ignore[arg-type]
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
@@ -249,40 +249,13 @@ class AgentProxy:
         return app
 
 
-async def _chunks(data: dict[str, object], chat: bool) -> AsyncIterator[bytes]:
-    """A finished completion as the SDK's stream: role, content, tool calls, then finish_reason and [DONE]."""
-    base = {k: data[k] for k in ("id", "created", "model")}
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    for choice in data["choices"]:  # type: ignore[attr-defined]
-        i = choice["index"]
-        if chat:
-            msg = choice["message"]
-            parts = [{"role": "assistant", "content": ""}]
-            if msg.get("content"):
-                parts.append({"content": msg["content"]})
-            for j, call in enumerate(msg.get("tool_calls") or []):
-                parts.append(
-                    {"tool_calls": [{"index": j, "id": call["id"], "type": "function", "function": call["function"]}]}
-                )
-            for delta in parts:
-                yield _sse({**base, "object": obj, "choices": [{"index": i, "delta": delta, "finish_reason": None}]})
-            yield _sse(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}],
-                }
-            )
-        else:
-            yield _sse(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [{"index": i, "text": choice["text"], "finish_reason": choice["finish_reason"]}],
-                }
-            )
-    if data.get("usage"):
-        yield _sse({**base, "object": obj, "choices": [], "usage": data["usage"]})
+async def sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
+    """The SDK's chunks as server-sent events, as they come; an error mid-stream as OpenAI's error event."""
+    try:
+        async for chunk in chunks:
+            yield _sse(chunk.model_dump(exclude_none=True))
+    except RequestError as e:
+        yield _sse({"error": e.body})
     yield b"data: [DONE]\n\n"
 
 

@@ -7,12 +7,12 @@ FSDP2, and the same workflow runs against an in-process engine or a fleet of ser
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from relayrl.api.io import ModelRequest, ModelResponse, SaveLoadMeta, WeightUpdate
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, SaveLoadMeta, StreamChunk, WeightUpdate
 
 if TYPE_CHECKING:
     from relayrl.api.workflow import RolloutWorkflow
@@ -89,6 +89,22 @@ class InferenceEngine(abc.ABC):
         engines share the prompt's work between them (LocalEngine prefills it once), and
         ``RLVRWorkflow`` does this for ``rollout.group_size``.
         """
+
+    async def astream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+        """``agenerate`` with the tokens handed out as they are generated; the last chunk carries the
+        response. Engines that cannot stream (this default) send the whole completion as one chunk."""
+        resp = await self.agenerate(req)
+        yield StreamChunk(list(resp.output_tokens), resp)
+
+    async def atop_logprobs(
+        self, prompt: list[int], output: list[int], gconfig: GenerationConfig, k: int
+    ) -> list[list[tuple[int, float]]]:
+        """The ``k`` most likely tokens and their logprobs at each output position, under the
+        distribution ``gconfig`` samples from (OpenAI's ``top_logprobs``). Engines that return only
+        the sampled token's logprob (this default) refuse."""
+        raise NotImplementedError(
+            f"{type(self).__name__} returns the sampled token's logprob only (top_logprobs needs the model in-process)"
+        )
 
     @abc.abstractmethod
     def update_weights(self, update: WeightUpdate) -> None:

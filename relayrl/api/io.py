@@ -42,6 +42,19 @@ class GenerationConfig:
     )
     stop: list[str] = field(default_factory=list, metadata=_meta("Strings that end a completion when decoded."))
     ignore_eos: bool = field(default=False, metadata=_meta("Keep generating past EOS until max_new_tokens."))
+    frequency_penalty: float = field(
+        default=0.0,
+        metadata=_meta(
+            "OpenAI's: each token's logit is lowered by this times its count in the output so far "
+            "(before temperature; logprobs are those of the penalised distribution).",
+            ge=-2.0,
+            le=2.0,
+        ),
+    )
+    presence_penalty: float = field(
+        default=0.0,
+        metadata=_meta("OpenAI's: a token's logit is lowered by this once it occurs in the output.", ge=-2.0, le=2.0),
+    )
 
     def new(self, **changes: object) -> GenerationConfig:
         """A copy with some fields changed, e.g. ``gconfig.new(greedy=True)``.
@@ -65,6 +78,9 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
@@ -108,6 +124,15 @@ class ModelResponse:
     @property
     def output_len(self) -> int:
         return len(self.output_tokens)
+
+
+@dataclass
+class StreamChunk:
+    """Part of a streamed completion (``InferenceEngine.astream``): the tokens generated since the
+    previous chunk; the last chunk also carries the whole ``final`` response."""
+
+    tokens: list[int]
+    final: ModelResponse | None = None
 
 
 WeightKind = Literal["tensors", "disk"]

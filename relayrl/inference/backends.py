@@ -14,7 +14,9 @@ payloads documented by its project:
   ``return_tokens_as_token_ids`` makes every returned token read ``"token_id:<id>"``. Pause
   and resume are the RL routes ``/pause?mode=abort`` (in-flight requests end with
   ``finish_reason`` ``abort`` and their partial tokens, so every token's version is known) and
-  ``/resume``; a disk reload goes through ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``).
+  ``/resume``; weights go through vLLM's weight-transfer API (``/init_weight_transfer_engine``,
+  ``/update_weights``, and ``/start_weight_update`` / ``/finish_weight_update`` where the server
+  has them), or, on a vLLM without it, a disk reload through the dev-mode ``/collective_rpc``.
   Sampled-token logprobs follow the temperature only with ``--logprobs-mode processed_logprobs``
   (``logprob_probe`` checks it at connect).
 
@@ -72,6 +74,11 @@ def _int_or_none(v: object) -> int | None:
         return None
 
 
+def _penalties(g: GenerationConfig) -> JsonDict:
+    """OpenAI's penalties under SGLang's and vLLM's names, sent only when set."""
+    return {k: getattr(g, k) for k in ("frequency_penalty", "presence_penalty") if getattr(g, k)}
+
+
 class SGLangBackend:
     """SGLang's native HTTP protocol."""
 
@@ -90,6 +97,7 @@ class SGLangBackend:
             "stop_token_ids": list(g.stop_token_ids),
             "ignore_eos": g.ignore_eos,
             "skip_special_tokens": False,
+            **_penalties(g),
         }
 
     def generate(self, rid: str, input_ids: list[int], g: GenerationConfig, max_new: int, min_new: int) -> Call:
@@ -259,6 +267,7 @@ class VLLMBackend:
             "stop": list(g.stop),
             "stop_token_ids": list(g.stop_token_ids),
             "ignore_eos": g.ignore_eos,
+            **_penalties(g),
             "logprobs": 0,  # the sampled token's logprob only
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
@@ -324,18 +333,43 @@ class VLLMBackend:
     def upload(self, version: int) -> Call:
         raise NotImplementedError("vLLM servers take no safetensors upload; use inference.weight_sync=disk")
 
-    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> Call:
-        raise NotImplementedError(
-            "vLLM servers have no standard weight-broadcast route (it takes a worker extension); "
-            "use inference.weight_sync=disk"
-        )
+    def init_transfer(self, host: str, port: int, rank_offset: int, world_size: int) -> Call:
+        """Join vLLM's weight-transfer group (``--weight-transfer-backend nccl``): this server's
+        workers take ranks ``rank_offset`` .. ``rank_offset + world size - 1``."""
+        info: JsonDict = {
+            "master_address": host,
+            "master_port": port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+        }
+        return Call("POST", "/init_weight_transfer_engine", {"init_info": info})
 
-    def update_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None, abort: bool = True
-    ) -> Call:
-        raise NotImplementedError(
-            "vLLM servers have no standard weight-broadcast route; use inference.weight_sync=disk"
-        )
+    def init_disk_transfer(self) -> Call:
+        """vLLM's disk transfer backend (``--weight-transfer-backend disk``) takes no init fields."""
+        return Call("POST", "/init_weight_transfer_engine", {"init_info": {}})
+
+    def transfer_update(self, names: list[str], dtypes: list[str], shapes: list[list[int]], bucket: int) -> Call:
+        """Every tensor in one call, sent in packed buffers of ``bucket`` bytes (bounded receive memory)."""
+        info: JsonDict = {
+            "names": names,
+            "dtype_names": dtypes,
+            "shapes": shapes,
+            "packed": True,
+            "packed_buffer_size_bytes": bucket,
+        }
+        return Call("POST", "/update_weights", {"update_info": info})
+
+    def disk_update(self, path: str) -> Call:
+        return Call("POST", "/update_weights", {"update_info": {"path": path}})
+
+    def start_update(self) -> Call:
+        return Call("POST", "/start_weight_update")
+
+    def finish_update(self, version: int) -> Call:
+        return Call("POST", "/finish_weight_update", {"weight_version": str(version)})
+
+    def set_version(self, version: int) -> Call:
+        return Call("POST", "/update_weight_version", {"new_version": str(version)})
 
     def pause(self) -> Call:
         return Call("POST", "/pause?mode=abort")
@@ -366,10 +400,10 @@ class VLLMBackend:
         return Call("POST", "/resume")
 
     def get_version(self) -> Call | None:
-        return None  # vLLM reports no weight version: the client's own count is used
+        return Call("GET", "/weight_info")  # vLLM's RL router since 0100a212; before it, none (the client's count)
 
     def parse_version(self, body: object) -> int | None:
-        return None
+        return _int_or_none(body.get("weight_version")) if isinstance(body, dict) else None
 
     def parse_update(self, body: object) -> None:
         if isinstance(body, dict) and "error" in body:

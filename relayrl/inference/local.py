@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +38,10 @@ from transformers import DynamicCache, PreTrainedModel
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk, WeightUpdate
 from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
-from relayrl.inference.sampling import RowParams, sample
+from relayrl.inference.sampling import RowParams, penalized, sample, top_logprobs
 from relayrl.inference.seq import Prefilled, Seq, load_hf_state_dict, resolver, validate_request
 from relayrl.utils.batching import length_groups
 
@@ -159,7 +159,49 @@ class LocalEngine(InferenceEngine):
         ``abort`` and its partial output, as SGLang's /generate answers; the client continues it."""
         return await self._generate(req, continue_aborted=False)
 
-    async def _generate(self, req: ModelRequest, continue_aborted: bool) -> ModelResponse:
+    async def astream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+        """Token by token (each chunk holds the tokens decoded since the last one), then the response."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[int | None] = asyncio.Queue()
+        task = asyncio.ensure_future(
+            self._generate(req, True, on_token=lambda t: loop.call_soon_threadsafe(q.put_nowait, t))
+        )
+        task.add_done_callback(lambda _: q.put_nowait(None))  # after every token: they were scheduled first
+        done = False
+        while not done:
+            toks: list[int] = []
+            tok = await q.get()
+            while True:  # everything already queued goes in one chunk
+                if tok is None:
+                    done = True
+                    break
+                toks.append(tok)
+                if q.empty():
+                    break
+                tok = q.get_nowait()
+            if toks:
+                yield StreamChunk(toks)
+        yield StreamChunk([], await task)
+
+    async def atop_logprobs(
+        self, prompt: list[int], output: list[int], gconfig: GenerationConfig, k: int
+    ) -> list[list[tuple[int, float]]]:
+        """Recomputed from the model on the loop thread: penalties, temperature and top-k/top-p as sampled."""
+        if not output:
+            return []
+        found: list[torch.Tensor] = []
+
+        def score() -> None:
+            assert self.model is not None
+            seq = torch.tensor([prompt + output], device=self.device)
+            found.append(self.model(seq).logits[0, len(prompt) - 1 : -1].float())
+
+        await asyncio.to_thread(self._call_in_loop, score)
+        return top_logprobs(found[0], output, gconfig, k)
+
+    async def _generate(
+        self, req: ModelRequest, continue_aborted: bool, on_token: Callable[[int], None] | None = None
+    ) -> ModelResponse:
         if self._thread is None:
             raise RuntimeError("LocalEngine.agenerate called before initialize() (or after destroy())")
         validate_request(
@@ -175,7 +217,9 @@ class LocalEngine(InferenceEngine):
             key = self.config.seed * 1_000_003 + next(self._keys)
         self.stats["requests"] += 1
         start = time.perf_counter()
-        seq = Seq(prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None)
+        seq = Seq(
+            prompt=list(req.input_ids), g=req.gconfig, key=key, on_done=lambda r: None, rid=req.rid, on_token=on_token
+        )
         ttft = 0.0
         while True:
             fut: asyncio.Future[ModelResponse] = loop.create_future()
@@ -183,7 +227,7 @@ class LocalEngine(InferenceEngine):
             self._enqueue(seq)
             resp = await fut
             ttft = ttft or (resp.ttft + seq.submitted - start if resp.output_tokens else 0.0)
-            if resp.stop_reason != "abort" or self._stopped or not continue_aborted:
+            if resp.stop_reason != "abort" or self._stopped or not continue_aborted or seq.cancelled:
                 break
             # interrupted by a weight update: continue from prompt + partial output
             seq = Seq(
@@ -191,6 +235,8 @@ class LocalEngine(InferenceEngine):
                 g=seq.g,
                 key=seq.key,
                 on_done=seq.on_done,
+                rid=seq.rid,
+                on_token=seq.on_token,
                 out=resp.output_tokens,
                 logprobs=resp.output_logprobs,
                 versions=resp.output_versions,
@@ -231,6 +277,31 @@ class LocalEngine(InferenceEngine):
         """End every running request now with stop_reason ``abort`` and its partial output
         (``agenerate`` continues it; ``agenerate_once`` returns it)."""
         self._call_in_loop(self._abort_running)
+
+    def abort_rid(self, rid: str) -> int:
+        """End the requests with this rid (running, set aside or queued) with stop_reason ``abort``
+        and their partial output, not continued (SGLang's single-request abort); returns how many."""
+        found: list[Seq] = []
+
+        def apply() -> None:
+            for i, seq in enumerate(self._rows):
+                if self._alive[i] and seq.rid == rid:
+                    self._alive[i] = False
+                    found.append(seq)
+            found.extend(s for s in self._preempted if s.rid == rid)
+            self._preempted = deque(s for s in self._preempted if s.rid != rid)
+            with self._waiting.mutex:
+                found.extend(s for s in self._waiting.queue if s.rid == rid)
+                kept = [s for s in self._waiting.queue if s.rid != rid]
+                self._waiting.queue.clear()
+                self._waiting.queue.extend(kept)
+            for seq in found:
+                seq.cancelled = True
+                seq.on_done(seq.response("abort"))
+            self.stats["aborts"] += len(found)
+
+        self._call_in_loop(apply)
+        return len(found)
 
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:
         assert self.model is not None
@@ -422,6 +493,8 @@ class LocalEngine(InferenceEngine):
             if not seq.first_token_at:
                 seq.first_token_at = now
             seq.out.append(tok)
+            if seq.on_token is not None:
+                seq.on_token(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
             self.stats["tokens"] += 1
@@ -472,7 +545,10 @@ class LocalEngine(InferenceEngine):
             at = [(i, t) for i in young for t in rows[i].stop_ids]
             banned = torch.zeros(self._logits.shape, dtype=torch.bool, device=dev)
             banned[torch.tensor([i for i, _ in at], device=dev), torch.tensor([t for _, t in at], device=dev)] = True
-        return sample(self._logits, self._params, banned)
+        pen = [i for i, s in enumerate(rows) if (s.g.frequency_penalty or s.g.presence_penalty) and s.out]
+        return sample(
+            penalized(self._logits, [rows[i] for i in pen], pen) if pen else self._logits, self._params, banned
+        )
 
     # ------------------------------------------------------------------ batch and KV cache
     def _coalesce(self) -> None:

@@ -11,8 +11,9 @@ Flags:
 - SGLang: ``python -m sglang.launch_server --model-path M --host 127.0.0.1 --port P --tp-size K``;
   ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` keeps ``/health`` from generating.
 - vLLM: ``vllm serve M --host 127.0.0.1 --port P --tensor-parallel-size K --logprobs-mode
-  processed_logprobs`` (logprobs of the distribution sampled); ``VLLM_SERVER_DEV_MODE=1`` for
-  the reload and pause routes that weight_sync=disk needs.
+  processed_logprobs`` (logprobs of the distribution sampled), ``--weight-transfer-backend nccl``
+  for weight_sync=broadcast, ``disk`` for weight_sync=disk; ``VLLM_SERVER_DEV_MODE=1`` for the RL
+  router (pause, resume, weight transfer) and the ``/collective_rpc`` reload fallback.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def server_command(kind: str, cfg: InferenceConfig, model: str, port: int) -> li
             "--logprobs-mode",
             "processed_logprobs",
         ]
+        sync = cfg.weight_sync if cfg.weight_sync != "auto" else ("disk" if cfg.weight_sync_dir else "http")
+        transfer = {"broadcast": "nccl", "disk": "disk"}.get(sync)  # vLLM's weight-transfer engine for the mode
+        flags += ["--weight-transfer-backend", transfer] if transfer else []
         return [*prefix, model, *flags, *cfg.launch_args]
     raise ValueError(f"inference.launch must be sglang or vllm here, got {kind!r}")
 

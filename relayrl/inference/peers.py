@@ -10,8 +10,12 @@ flag that provides it) where a server cannot do what the run needs.
   liveness is probed on the model-info route, which never generates (SGLang's ``/health``
   runs a one-token generation and blocks while generation is paused or weights load).
 - vLLM: ``/version``; the served model name from ``/v1/models`` (vLLM answers 404 for any
-  other name); the routes from ``/openapi.json`` (``/collective_rpc`` needs
-  ``VLLM_SERVER_DEV_MODE=1``; ``/pause``, ``/resume`` come with the RL router).
+  other name); the routes from ``/openapi.json``: the RL router (``/pause``, ``/resume``, the
+  weight-transfer routes ``/init_weight_transfer_engine`` and ``/update_weights``; later also
+  ``/start_weight_update``, ``/finish_weight_update`` and ``/weight_info``, which reports the
+  weight version) is attached only with ``VLLM_SERVER_DEV_MODE=1``, as is ``/collective_rpc``
+  (the reload fallback for a vLLM without the transfer API); ``/get_world_size`` gives the
+  ranks a server's workers take in a transfer group.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class PeerInfo:
     version_path: str | None = None  # GET route whose JSON has "weight_version"; None: the server reports none
     live_path: str = "/health"  # a liveness route that never generates
     routes: set[str] = field(default_factory=set)  # published routes (vLLM's openapi.json), else empty
+    disk_transfer: bool = False  # vLLM: disk updates through its weight-transfer API (else /collective_rpc)
     server: str = ""  # "relayrl" for `relayrl serve` (it speaks both protocols), else the peer's own
 
 
@@ -106,12 +111,16 @@ def detect_vllm(url: str, get: Getter) -> PeerInfo:
     status, spec = get("/openapi.json")
     paths = spec.get("paths") if isinstance(spec, dict) else None
     routes = set(paths) if isinstance(paths, dict) else set()
+    ranks = 1
+    if "/get_world_size" in routes:  # the server's workers (TP x PP x DP), each a rank of the transfer group
+        status, size = get("/get_world_size")
+        ranks = int(size.get("world_size", 1)) if status == 200 and isinstance(size, dict) else 1
     return PeerInfo(
         "vllm",
         str(body.get("version", "")),
-        1,
+        ranks,
         str(data[0]["id"]),
-        None,
+        "/weight_info" if "/weight_info" in routes else None,
         "/health",
         routes,
         str(body.get("server", "vllm")),
@@ -124,17 +133,25 @@ def detect(protocol: str, url: str, get: Getter) -> PeerInfo:
     return detect_sglang(url, get, protocol)
 
 
+TRANSFER = "/init_weight_transfer_engine"
+RL_ROUTER = "VLLM_SERVER_DEV_MODE=1: vLLM attaches its RL router only in dev mode"
+
+
 def require_routes(info: PeerInfo, url: str, sync: str) -> None:
     """Start-up check that ``url`` has the routes weight_sync=``sync`` needs (vLLM)."""
     if info.protocol != "vllm" or not info.routes or info.server == "relayrl":
         return
-    need = {
-        "/pause": "the RL routes (/pause, /resume: VLLM_SERVER_DEV_MODE=1 on vLLM releases that gate them)",
-        "/collective_rpc": "VLLM_SERVER_DEV_MODE=1 (for /collective_rpc reload_weights)",
-    }
-    if sync != "disk":
-        need.pop("/collective_rpc")
-    missing = [f"{p} ({why})" for p, why in need.items() if p not in info.routes]
+    missing = [] if "/pause" in info.routes else [f"/pause ({RL_ROUTER})"]
+    if sync == "broadcast" and not {TRANSFER, "/update_weights"} <= info.routes:
+        missing.append(
+            f"{TRANSFER} and /update_weights (vLLM's weight-transfer API: a vLLM that has it, run with "
+            f"--weight-transfer-backend nccl and {RL_ROUTER})"
+        )
+    if sync == "disk" and "/start_weight_update" not in info.routes and "/collective_rpc" not in info.routes:
+        missing.append(
+            f"/collective_rpc ({RL_ROUTER}; for reload_weights) or vLLM's disk weight transfer "
+            "(--weight-transfer-backend disk, a vLLM with /start_weight_update)"
+        )
     if missing:
         raise UnsupportedServer(
             f"{url} (vLLM {info.version}) lacks {', '.join(missing)}, which weight_sync={sync} needs"

@@ -49,7 +49,9 @@ from relayrl.api.io import ModelRequest, ModelResponse
 from relayrl.inference.backends import Call, ProtocolError, ServerError, make_backend
 from relayrl.inference.batcher import MicroBatcher
 from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
+from relayrl.inference.remote_vllm import VLLMWeightSync
 from relayrl.inference.remote_weights import DEAD_ERRORS, WeightSync
+from relayrl.inference.vllm_transfer import VLLMTransferGroup
 from relayrl.inference.weight_group import WeightBroadcastGroup
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ def _url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address}"
 
 
-class RemoteEngine(WeightSync, InferenceEngine):
+class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
     """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched
     serving ``model``, the policy's ModelConfig, so that its weights fit them)."""
 
@@ -99,7 +101,8 @@ class RemoteEngine(WeightSync, InferenceEngine):
         self._version = 0
         # ("disk", path), ("http", payload) or ("broadcast", tensors): what a returning server is given
         self._last_weights: tuple[str, str | bytes | dict[str, torch.Tensor]] | None = None
-        self._group: WeightBroadcastGroup | None = None  # weight_sync=broadcast: the group and its members
+        # weight_sync=broadcast: the group (SGLang's layout, or vLLM's transfer group) and its members
+        self._group: WeightBroadcastGroup | VLLMTransferGroup | None = None
         self._group_members: list[str] = []
         self._group_stale = False  # a member died: the group is rebuilt at its next use
         self._stop = threading.Event()
@@ -186,6 +189,7 @@ class RemoteEngine(WeightSync, InferenceEngine):
             mode = self._sync_mode()
             for srv in self.servers:
                 require_routes(srv.info, srv.url, mode)  # type: ignore[arg-type]
+                self._vllm_prepare(srv, mode)
         if self.backend.name == "vllm":
             names = {s.info.model for s in self.servers if s.info is not None}
             if len(names) != 1:
@@ -475,6 +479,8 @@ class RemoteEngine(WeightSync, InferenceEngine):
         with self._update_lock:
             try:
                 srv.info = detect(self.backend.name, srv.url, self._get(srv))  # it may be a new release
+                if self.config.weight_sync != "auto" or self.config.weight_sync_dir:
+                    self._vllm_prepare(srv, self._sync_mode())
                 if srv.version == -1 and self._last_weights is None and self._version == 0:
                     srv.version = 0  # no update yet: its start-up weights are the engine's
                 if srv.version != self._version:

@@ -43,14 +43,10 @@ class WeightSync:
         if kind == "broadcast":  # a server (re)joining: the group is rebuilt with it in
             self._broadcast(data, version, [s for s in self.servers if s.alive or s is srv])  # type: ignore[arg-type]
             return
-        if kind == "disk" and self.backend.name == "vllm" and not self._paused:
-            # in-flight requests end as "abort" (their tokens are the old version's) and are continued after
-            self._admin(srv, self.backend.pause())
-            try:
-                body = self._admin(srv, self.backend.update_from_disk(str(data), version))
-            finally:
-                self._admin(srv, self.backend.resume())
-        elif kind == "disk":
+        if kind == "disk" and self.backend.name == "vllm":
+            self._vllm_disk(srv, str(data), version)  # type: ignore[attr-defined]
+            return
+        if kind == "disk":
             body = self._admin(srv, self.backend.update_from_disk(str(data), version))
         else:
             body = self._admin(srv, self.backend.upload(version), content=data)  # type: ignore[arg-type]
@@ -64,6 +60,9 @@ class WeightSync:
         rebuilt whenever its members change: a dead server leaves it, a returning one rejoins.
         A server that fails mid-way is evicted (dead) or its error raised; either way the group
         is dropped, to be rebuilt from the live servers at the next update."""
+        if self.backend.name == "vllm":  # vLLM's own weight-transfer group and routes
+            self._vllm_broadcast(tensors, version, servers)  # type: ignore[attr-defined]
+            return
         members = [s.url for s in servers]
         errors: list[BaseException] = []
         ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
@@ -203,12 +202,6 @@ class WeightSync:
         if mode == "disk" and not self.config.weight_sync_dir:
             raise ValueError(
                 "inference.weight_sync=disk needs inference.weight_sync_dir (a directory all servers can read)"
-            )
-        if mode == "broadcast" and self.backend.name == "vllm":
-            raise ValueError(
-                "weight_sync=broadcast to vLLM is not supported: vLLM's weight-transfer engine "
-                "(--weight-transfer-backend nccl) rendezvous through its own StatelessProcessGroup and "
-                "PyNccl, not torch.distributed; set inference.weight_sync=disk and weight_sync_dir"
             )
         if mode == "http" and not self.backend.supports_upload:
             raise ValueError(

@@ -15,8 +15,13 @@ renormalised for them, so it stays the policy's logprob a trainer recomputes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from relayrl.api.io import GenerationConfig
+    from relayrl.inference.seq import Seq
 
 _M32 = 0xFFFFFFFF
 
@@ -70,6 +75,45 @@ def filtered_logprobs(logits: torch.Tensor, p: RowParams) -> torch.Tensor:
         drop_orig = torch.zeros_like(drop).scatter(-1, order, drop)
         logits = logits.masked_fill(drop_orig, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
+
+
+def penalized(logits: torch.Tensor, seqs: list[Seq], rows: list[int]) -> torch.Tensor:
+    """OpenAI's frequency / presence penalties (as vLLM applies them: over the output tokens so far,
+    before temperature): ``logit[t] -= frequency * count(t) + presence * (count(t) > 0)`` for
+    ``rows`` (``seqs[j]`` is row ``rows[j]``, with ``.out`` and ``.g``). Returns a new tensor."""
+    out = logits.float().clone()
+    for r, seq in zip(rows, seqs, strict=True):
+        counts = torch.bincount(
+            torch.tensor(seq.out, dtype=torch.long, device=logits.device), minlength=logits.shape[-1]
+        )
+        counts = counts.float()
+        out[r] -= seq.g.frequency_penalty * counts[: logits.shape[-1]] + seq.g.presence_penalty * (counts > 0).float()
+    return out
+
+
+def top_logprobs(logits: torch.Tensor, output: list[int], g: GenerationConfig, k: int) -> list[list[tuple[int, float]]]:
+    """OpenAI's ``top_logprobs`` from the logits that produced each of ``output`` ([T, V]): the ``k``
+    most likely tokens under the distribution sampled (penalties, temperature, top-k/top-p), per position."""
+    from relayrl.inference.seq import Seq
+
+    rows = [Seq(prompt=[], g=g, key=0, on_done=lambda r: None, out=list(output[:i])) for i in range(len(output))]
+    logits = penalized(logits, rows, list(range(len(rows)))) if g.frequency_penalty or g.presence_penalty else logits
+    n = len(output)
+    temp, tk, tp = (1.0, 0, 1.0) if g.greedy else (g.temperature, g.top_k, g.top_p)
+    params = RowParams(
+        temperature=torch.full((n,), temp),
+        top_k=torch.full((n,), tk, dtype=torch.long),
+        top_p=torch.full((n,), tp),
+        greedy=torch.full((n,), g.greedy),
+        keys=torch.zeros(n, dtype=torch.long),
+        counters=torch.zeros(n, dtype=torch.long),
+        any_filter=tk > 0 or tp < 1.0,
+        any_greedy=g.greedy,
+        all_temp_one=temp == 1.0,
+    )
+    logp = filtered_logprobs(logits.cpu(), params)
+    vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return [[(int(j), float(v)) for v, j in zip(vr, ir, strict=True)] for vr, ir in zip(vals, idx, strict=True)]
 
 
 def sample(logits: torch.Tensor, p: RowParams, banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,8 @@ class SamplingParams(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = Field(False, description="keep the matched stop string in the text (SGLang's name)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     n: int = Field(1, ge=1, le=1, description="one sample per request")
 
 

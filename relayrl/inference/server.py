@@ -134,6 +134,8 @@ class Server(WeightRoutes, OpenAIRoutes):
             stop_token_ids=list(sp.stop_token_ids),
             stop=stop,
             ignore_eos=sp.ignore_eos,
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
         )
         try:
             g.validate()
@@ -322,13 +324,15 @@ def build_app(srv: Server) -> FastAPI:
 
     @app.post("/abort_request", dependencies=admin)
     async def abort_request(req: AbortRequest) -> JSONResponse:
-        if not req.abort_all:
-            raise _bad(
-                "abort_request: relayrl serve aborts all requests at once (send abort_all=true); "
-                "one request cannot be aborted alone"
-            )
-        await asyncio.to_thread(srv.abort_all)
-        return JSONResponse({"success": True, "message": "aborted"})
+        """SGLang's abort: the request ``rid`` (or, with ``abort_all``, every one) ends now with
+        finish_reason abort and the tokens generated so far; an unknown rid is a no-op, as in SGLang."""
+        if req.abort_all:
+            before = srv.engine.stats["aborts"]
+            await asyncio.to_thread(srv.abort_all)
+            n = srv.engine.stats["aborts"] - before
+        else:
+            n = await asyncio.to_thread(srv.engine.abort_rid, req.rid) if req.rid else 0
+        return JSONResponse({"success": True, "message": f"aborted {n} request(s)", "aborted": n})
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -3,10 +3,24 @@
 Follows vLLM's ``vllm/entrypoints/openai/api_server.py`` and ``protocol.py`` (``CompletionRequest``
 with ``return_tokens_as_token_ids``, ``min_tokens``, ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``request_id``; unknown fields are ignored with a warning, as vLLM's
-``extra="allow"`` models do), ``vllm/entrypoints/serve/rlhf/api_router.py`` (``/pause`` with
-``mode`` ``abort`` (default) | ``wait`` | ``keep``, ``/resume``, ``/is_paused``, attached only with
-``VLLM_SERVER_DEV_MODE=1`` in the release read) and the dev-mode ``/collective_rpc``. Reported as
-version ``0.15.0`` (the layout read; the number is the stand-in's label).
+``extra="allow"`` models do) and its RL router, attached only with ``VLLM_SERVER_DEV_MODE=1``, in
+the layout of one of two commits read (``--rl-router``):
+
+- ``1ace43ed`` (``vllm/entrypoints/serve/rlhf/api_router.py``): ``/pause`` with ``mode`` ``abort``
+  (default) | ``wait`` | ``keep``, ``/resume``, ``/is_paused``, ``/get_world_size``, and the
+  weight-transfer routes ``/init_weight_transfer_engine`` ``{"init_info"}`` and ``/update_weights``
+  ``{"update_info"}``; ``--weight-transfer-backend nccl`` only (``vllm/config/weight_transfer.py``).
+- ``0100a212`` (``vllm/entrypoints/serve/dev/rlhf/api_router.py``, the default): the above plus
+  ``/start_weight_update``, ``/finish_weight_update`` ``{"weight_version"}``, ``/weight_info``,
+  ``/abort_requests``, and the ``disk`` backend (``weight_transfer/disk_engine.py`` at 3b98defb:
+  ``update_info`` ``{"path"}``, an absolute directory with safetensors, loaded only between
+  ``/start_weight_update`` and ``/finish_weight_update``).
+- ``none``: a release before the weight-transfer API (pause routes only).
+
+The transfer group is built as ``tests/peers/vllm_transfer.py`` describes (gloo for PyNccl on CPU).
+Without ``--weight-transfer-backend`` the transfer routes answer 500, as vLLM's engine does with
+no transfer engine configured. The dev-mode ``/collective_rpc`` (``reload_weights``) is there in
+every layout. Versions named are the stand-in's labels for the source read, not releases.
 
 Facts reproduced: a ``model`` other than the served name (``--served-model-name``, default the
 model path) is a 404 ``{"error": {"message", "type": "NotFoundError", "param": "model", "code": 404}}``;
@@ -15,7 +29,8 @@ model path) is a 404 ``{"error": {"message", "type": "NotFoundError", "param": "
 replies carry no weight version; ``/metrics`` has ``vllm:generation_tokens_total``; a request aborted by ``/pause`` (mode ``abort``) ends with
 ``finish_reason`` ``abort`` and the tokens generated so far; ``/health`` does not generate.
 
-Run: ``python tests/peers/vllm_server.py [--port 0] [--served-model-name NAME] [--logprobs-mode M]``
+Run: ``python tests/peers/vllm_server.py [--port 0] [--served-model-name NAME] [--logprobs-mode M]
+[--weight-transfer-backend nccl|disk] [--rl-router 0100a212|1ace43ed|none]``
 (``VLLM_SERVER_DEV_MODE=1`` in the environment adds the RL and ``/collective_rpc`` routes).
 """
 
@@ -34,6 +49,7 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_transfer  # noqa: E402
 from _core import TinyPeer, listen  # noqa: E402
 
 from relayrl.api.io import GenerationConfig  # noqa: E402
@@ -50,11 +66,16 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
 
 
 class VLLMStandIn:
-    def __init__(self, served: str, logprobs_mode: str) -> None:
+    def __init__(self, served: str, logprobs_mode: str, transfer: str | None = None, router: str = "0100a212") -> None:
         self.served, self.logprobs_mode = served, logprobs_mode
+        self.transfer, self.router = transfer, router
         self.peer = TinyPeer()
         self.paused = False
-        self.version = 0  # weights loaded so far (vLLM reports none)
+        self.version = 0  # weights loaded so far
+        self.weight_version: str | None = None  # what /finish_weight_update set (0100a212 layout)
+        self.group: object | None = None  # the weight-transfer group, once initialised
+        self.session = False  # between /start_weight_update and /finish_weight_update
+        self.counts = {"init": 0, "updates": 0, "packed": 0, "broadcasts": 0}
 
     async def completions(self, request: Request) -> Response:
         body = await request.json()
@@ -147,6 +168,8 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
         return {
             "argv": sys.argv,
             "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_SERVER_DEV_MODE")},
+            "counts": s.counts,
+            "version": s.version,
         }
 
     @app.get("/health")
@@ -210,8 +233,103 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
         s.version += 1
         return JSONResponse({"results": [None]})
 
+    if s.router != "none":
+        transfer_routes(rl, s)
     app.include_router(rl)
     return app
+
+
+def _fail(message: str, status: int = 500) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def transfer_routes(rl: APIRouter, s: VLLMStandIn) -> None:
+    """The weight-transfer routes of the RL router (``--rl-router`` picks the layout)."""
+
+    @rl.post("/init_weight_transfer_engine")
+    async def init_transfer(request: Request) -> JSONResponse:
+        init_info = (await request.json()).get("init_info")
+        if init_info is None:
+            return _fail("Missing 'init_info' in request body", 400)
+        if s.transfer is None:
+            return _fail("weight transfer is not configured: start vLLM with --weight-transfer-backend")
+        try:
+            if s.transfer == "disk":
+                vllm_transfer.check_fields(init_info, (), 0, "DiskWeightTransferInitInfo")
+            else:
+                s.group = await asyncio.to_thread(vllm_transfer.join, init_info, 0)
+        except (TypeError, ValueError, RuntimeError) as e:
+            return _fail(f"init_weight_transfer_engine failed: {e}")
+        s.counts["init"] += 1
+        return JSONResponse({"message": "Weight transfer initialized"})
+
+    @rl.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        info = (await request.json()).get("update_info")
+        if info is None:
+            return _fail("Missing 'update_info' in request body", 400)
+        try:
+            if s.transfer == "disk":
+                vllm_transfer.check_fields(info, ("path",), 1, "DiskWeightTransferUpdateInfo")
+                path = Path(info["path"])
+                if not path.is_absolute() or not path.is_dir() or not list(path.glob("*.safetensors")):
+                    raise ValueError(f"Shared-disk checkpoint path must be a local directory with safetensors: {path}")
+                if not s.session:
+                    raise RuntimeError("start_weight_update must be called before loading a checkpoint")
+                await asyncio.to_thread(s.peer.load_dir, str(path), s.version + 1)
+            elif s.group is None:
+                raise RuntimeError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
+            else:
+                got, n = await asyncio.to_thread(vllm_transfer.receive, s.group[0], info)  # type: ignore[index]
+                await asyncio.to_thread(s.peer.load, got, s.version + 1)
+                s.counts["packed"] += bool(info.get("packed"))
+                s.counts["broadcasts"] += n
+        except (TypeError, ValueError, RuntimeError, OSError) as e:
+            return _fail(f"update_weights failed: {e}")
+        s.version += 1
+        s.counts["updates"] += 1
+        return JSONResponse({"message": "Weights updated"})
+
+    @rl.get("/get_world_size")
+    async def world_size() -> JSONResponse:
+        return JSONResponse({"world_size": 1})
+
+    if s.router == "1ace43ed":
+        return
+
+    @rl.post("/start_weight_update")
+    async def start() -> JSONResponse:
+        if s.session:
+            return _fail("A weight update is already active")
+        s.session = True
+        return JSONResponse({"message": "Weight update started"})
+
+    @rl.post("/finish_weight_update")
+    async def finish(request: Request) -> JSONResponse:
+        body = await request.json() if await request.body() else {}
+        if not s.session:
+            return _fail("No weight update is active")
+        s.session = False
+        if body.get("weight_version") is not None:
+            s.weight_version = str(body["weight_version"])
+        return JSONResponse({"message": "Weight update finished"})
+
+    @rl.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await request.json()
+        if "new_version" not in body:
+            return _fail("Field required: new_version", 422)
+        s.weight_version = str(body["new_version"])
+        return JSONResponse({"success": True, "new_version": s.weight_version})
+
+    @rl.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse({"weight_version": s.weight_version})
+
+    @rl.post("/abort_requests")
+    async def abort_requests(request: Request) -> JSONResponse:
+        n = await asyncio.to_thread(s.peer.abort_running)
+        return JSONResponse({"status": "aborted", "aborted": n})
 
 
 def main() -> None:
@@ -220,10 +338,19 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--served-model-name", default="tiny")
     ap.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"])
+    ap.add_argument("--weight-transfer-backend", default=None, choices=["nccl", "disk"])
+    ap.add_argument("--rl-router", default="0100a212", choices=["0100a212", "1ace43ed", "none"])
     args, _ = ap.parse_known_args()
+    if args.weight_transfer_backend == "disk" and args.rl_router != "0100a212":
+        ap.error(f"--weight-transfer-backend disk does not exist at {args.rl_router} (nccl only)")
     dev = os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
     listen(
-        build_app(VLLMStandIn(args.served_model_name, args.logprobs_mode), dev), "vllm stand-in", args.host, args.port
+        build_app(
+            VLLMStandIn(args.served_model_name, args.logprobs_mode, args.weight_transfer_backend, args.rl_router), dev
+        ),
+        "vllm stand-in",
+        args.host,
+        args.port,
     )
 
 

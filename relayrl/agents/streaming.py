@@ -1,0 +1,183 @@
+"""``stream=true`` for ``OpenAIClient``: the SDK's chunks, token by token, from ``InferenceEngine.astream``.
+
+Text goes out as it is decoded, minus what may still turn out not to be content: a tail that
+could begin a stop string (the stop string itself is never sent, as the final text excludes
+it), the stop token, trailing whitespace, and, when tools are on, everything from the tool-call
+marker on (``<tool_call>`` for Hermes; a Llama-3.1 reply that opens with ``{`` or
+``<|python_tag|>``). When the samples are done the call is recorded exactly as without
+streaming (``OpenAIClient._chat_result``) and each choice ends with one chunk carrying the rest
+of its content and its parsed tool calls, then one with ``finish_reason`` (and the logprobs,
+when asked for); with ``stream_options.include_usage`` a last chunk carries the usage.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from openai.types import Completion, CompletionChoice
+from openai.types.chat import ChatCompletionChunk
+from openai.types.chat.chat_completion_chunk import (
+    Choice,
+    ChoiceDelta,
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
+)
+
+from relayrl.api.io import GenerationConfig, ModelResponse
+
+if TYPE_CHECKING:
+    from relayrl.agents.client import CallRecord, Message, OpenAIClient
+
+HERMES_OPEN = "<tool_call>"
+
+
+@dataclass
+class ChatPlan:
+    """A chat call once validated and tokenised: what to generate and how to answer."""
+
+    messages: list[Message]
+    tools: list[Message] | None
+    tool_choice: str  # auto | none | required | a function's name
+    gconfig: GenerationConfig
+    n: int
+    logprobs: bool
+    top: int
+    parent: CallRecord | None
+    ids: list[int]
+    prefill: str  # the tool-call opening written into the prompt (tool_choice required / named)
+
+
+@dataclass
+class CompletionPlan:
+    prompt_text: str | None
+    ids: list[int]
+    gconfig: GenerationConfig
+    n: int
+    logprobs: bool
+    top: int
+    parent: CallRecord | None
+
+
+def _partial(text: str, marks: list[str]) -> int:
+    """Length of the longest tail of ``text`` that begins one of ``marks`` (and may complete it)."""
+    return max((k for m in marks for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
+def safe_prefix(text: str, stops: list[str], parser: str | None) -> str:
+    """The part of ``text`` (a reply decoded so far) that is content whatever comes next (see module doc)."""
+    marks = list(stops) + ([HERMES_OPEN] if parser == "hermes" else [])
+    if parser == "llama3":
+        body = text.lstrip()
+        if not body or body[0] == "{" or body.startswith("<|python_tag|>") or "<|python_tag|>".startswith(body):
+            return ""
+    cut = min((j for j in (text.find(m) for m in marks) if j >= 0), default=-1)
+    safe = text[:cut] if cut >= 0 else text[: len(text) - _partial(text, marks)]
+    return safe.rstrip()
+
+
+def _visible(client: OpenAIClient, tokens: list[int], g: GenerationConfig) -> str:
+    """The decoded reply so far without a final stop token."""
+    stops = set(g.stop_token_ids) | (
+        {int(client.tokenizer.eos_token_id)} if client.tokenizer.eos_token_id is not None else set()
+    )
+    if tokens and tokens[-1] in stops:
+        tokens = tokens[:-1]
+    return str(client.tokenizer.decode(tokens, skip_special_tokens=False))
+
+
+async def _collect(
+    client: OpenAIClient, ids: list[int], g: GenerationConfig, n: int, prefix: str, parser: str | None
+) -> AsyncIterator[tuple[int, str] | list[ModelResponse]]:
+    """(choice, new content) as it becomes safe to send; finally the list of responses."""
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    sent = [""] * n
+    finals: list[ModelResponse | None] = [None] * n
+    async for i, chunk in client._stream(ids, g, n):
+        tokens[i] += chunk.tokens
+        if chunk.final is not None:
+            finals[i] = chunk.final
+            continue
+        safe = safe_prefix(prefix + _visible(client, tokens[i], g), g.stop, parser)
+        if len(safe) > len(sent[i]) and safe.startswith(sent[i]):
+            yield i, safe[len(sent[i]) :]
+            sent[i] = safe
+    yield [f for f in finals if f is not None]
+
+
+async def stream_chat(client: OpenAIClient, plan: ChatPlan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+    cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+
+    def chunk(i: int, delta: ChoiceDelta, finish: str | None = None, logprobs: object = None) -> ChatCompletionChunk:
+        choice = Choice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
+        return ChatCompletionChunk(
+            id=cid, object="chat.completion.chunk", created=created, model=client.model_name, choices=[choice]
+        )
+
+    for i in range(plan.n):
+        yield chunk(i, ChoiceDelta(role="assistant", content=""))
+    parser = client.tool_parser if plan.tools and plan.tool_choice != "none" else None
+    sent = [""] * plan.n
+    resps: list[ModelResponse] = []
+    async for item in _collect(client, plan.ids, plan.gconfig, plan.n, plan.prefill, parser):
+        if isinstance(item, list):
+            resps = item
+            break
+        i, text = item
+        sent[i] += text
+        yield chunk(i, ChoiceDelta(content=text))
+    done = await client._chat_result(plan, resps, cid)
+    for c in done.choices:
+        content = c.message.content or ""
+        rest = content[len(sent[c.index]) :] if content.startswith(sent[c.index]) else ""
+        calls = [
+            ChoiceDeltaToolCall(
+                index=j,
+                id=t.id,
+                type="function",
+                function=ChoiceDeltaToolCallFunction(name=t.function.name, arguments=t.function.arguments),  # type: ignore[union-attr]
+            )
+            for j, t in enumerate(c.message.tool_calls or [])
+        ]
+        if rest or calls:
+            yield chunk(c.index, ChoiceDelta(content=rest or None, tool_calls=calls or None))
+        yield chunk(c.index, ChoiceDelta(), c.finish_reason, c.logprobs)
+    if include_usage:
+        yield ChatCompletionChunk(
+            id=cid,
+            object="chat.completion.chunk",
+            created=created,
+            model=client.model_name,
+            choices=[],
+            usage=done.usage,
+        )
+
+
+async def stream_completion(
+    client: OpenAIClient, plan: CompletionPlan, include_usage: bool
+) -> AsyncIterator[Completion]:
+    cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+
+    def chunk(choices: list[CompletionChoice], usage: object = None) -> Completion:
+        return Completion.model_construct(  # finish_reason None mid-stream, as the SDK's streamed chunks have
+            id=cid, object="text_completion", created=created, model=client.model_name, choices=choices, usage=usage
+        )
+
+    sent = [""] * plan.n
+    resps: list[ModelResponse] = []
+    async for item in _collect(client, plan.ids, plan.gconfig, plan.n, "", None):
+        if isinstance(item, list):
+            resps = item
+            break
+        i, text = item
+        sent[i] += text
+        yield chunk([CompletionChoice.model_construct(index=i, text=text, finish_reason=None, logprobs=None)])
+    done = await client._completion_result(plan, resps, cid)
+    for c in done.choices:
+        rest = c.text[len(sent[c.index]) :] if c.text.startswith(sent[c.index]) else ""
+        yield chunk([CompletionChoice(index=c.index, text=rest, finish_reason=c.finish_reason, logprobs=c.logprobs)])
+    if include_usage:
+        yield chunk([], done.usage)
