@@ -15,6 +15,8 @@
 - Peers: each server's version and routes are read at connect (``peers.detect``): the served
   model name, where the weight version is read, its tensor-parallel ranks; a server that
   lacks what the run needs is refused at start-up with the version or flag that provides it.
+- LoRA (``remote_lora.AdapterSync``): with ``model.lora.sync=adapter`` SGLang / vLLM servers
+  load the trainer's adapter as ``relayrl-v<version>`` and requests name it.
 - Request ids: each HTTP request carries a fresh id (``<rid>-<n>``): SGLang refuses an id
   already in flight, and one episode may send several requests at once (ReMax).
 - Batching: requests headed to the same server within ``batch_window_ms`` share one HTTP
@@ -49,6 +51,7 @@ from relayrl.api.io import ModelRequest, ModelResponse
 from relayrl.inference.backends import Call, ProtocolError, ServerError, make_backend
 from relayrl.inference.batcher import MicroBatcher
 from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
+from relayrl.inference.remote_lora import AdapterSync
 from relayrl.inference.remote_vllm import VLLMWeightSync
 from relayrl.inference.remote_weights import DEAD_ERRORS, WeightSync
 from relayrl.inference.vllm_transfer import VLLMTransferGroup
@@ -65,6 +68,7 @@ class _Server:
     version: int = 0
     info: PeerInfo | None = None  # what it offers, read at connect
     updating: bool = False  # a weight update is under way (no health probes: SGLang's block then)
+    adapter: str = ""  # the LoRA adapter requests name (model.lora.sync=adapter); "" = the base weights
 
 
 def _check_status(url: str, call: Call, r: httpx.Response) -> None:
@@ -78,7 +82,7 @@ def _url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address}"
 
 
-class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
+class RemoteEngine(WeightSync, VLLMWeightSync, AdapterSync, InferenceEngine):
     """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched
     serving ``model``, the policy's ModelConfig, so that its weights fit them)."""
 
@@ -120,6 +124,7 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, wait_timeout: float = 60.0) -> None:
         launch = self.config.launch
+        self.accepts_adapters = self._adapter_mode()
         if not self.addresses and self.config.n_servers > 0 and launch in ("sglang", "vllm"):
             if self.backend.name != launch:
                 raise ValueError(
@@ -128,7 +133,8 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
                 )
             from relayrl.inference.peer_launcher import PeerServerGroup
 
-            self._launched = PeerServerGroup(launch, self.config, self.model.path).start()
+            lora = self.model.lora if self.accepts_adapters else None
+            self._launched = PeerServerGroup(launch, self.config, self.model.path, lora).start()
             self.addresses = self._launched.addresses  # type: ignore[attr-defined]
         if not self.addresses and self.config.n_servers > 0 and launch == "relayrl":
             from relayrl.inference.launcher import launch_servers
@@ -185,7 +191,9 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
         for srv in self.servers:
             srv.info = detect(self.backend.name, srv.url, self._get(srv))
         mode = self.config.weight_sync
-        if mode != "auto" or self.config.weight_sync_dir:
+        if self.accepts_adapters:  # adapters instead of full weights: the adapter routes, not the weight routes
+            self._require_adapters()
+        elif mode != "auto" or self.config.weight_sync_dir:
             mode = self._sync_mode()
             for srv in self.servers:
                 require_routes(srv.info, srv.url, mode)  # type: ignore[arg-type]
@@ -359,8 +367,10 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
                 g,
                 remaining,
                 max(0, g.min_new_tokens - len(tokens)),
+                srv.adapter,
             )
             sent_version = srv.version  # what produced these tokens when the server reports no version
+            adapter = srv.adapter  # with an adapter, its name carries the version (the server's is the base's)
             self.stats["requests"] += 1
             try:
                 body = await self._generate_call(srv, call)
@@ -380,7 +390,7 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
             part = self.backend.parse_generate(body)
             if part.tokens and not tokens:
                 ttft = time.perf_counter() - t0
-            v = part.weight_version if part.weight_version is not None else sent_version
+            v = part.weight_version if part.weight_version is not None and not adapter else sent_version
             tokens += part.tokens
             logps += part.logprobs
             versions += part.versions if part.versions is not None else [v] * len(part.tokens)
@@ -479,7 +489,7 @@ class RemoteEngine(WeightSync, VLLMWeightSync, InferenceEngine):
         with self._update_lock:
             try:
                 srv.info = detect(self.backend.name, srv.url, self._get(srv))  # it may be a new release
-                if self.config.weight_sync != "auto" or self.config.weight_sync_dir:
+                if not self.accepts_adapters and (self.config.weight_sync != "auto" or self.config.weight_sync_dir):
                     self._vllm_prepare(srv, self._sync_mode())
                 if srv.version == -1 and self._last_weights is None and self._version == 0:
                     srv.version = 0  # no update yet: its start-up weights are the engine's
