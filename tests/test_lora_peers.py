@@ -20,7 +20,7 @@ from relayrl.api.io import GenerationConfig
 from relayrl.inference.backends import SGLangBackend, VLLMBackend
 from relayrl.inference.peer_launcher import server_command, server_env
 from relayrl.inference.peers import UnsupportedServer, detect_sglang, detect_vllm, require_lora
-from relayrl.inference.remote import RemoteEngine
+from relayrl.inference.remote import RemoteEngine, _Server
 from tests.test_lora import RANK, lora_engine
 from tests.test_packing import make_batch
 from tests.test_remote import greedy, prompts, reference, run_all
@@ -106,8 +106,21 @@ def test_a_server_without_runtime_lora_is_refused_at_start_up():
     pages = {"/version": {"version": "0.15.0"}, "/v1/models": models, "/openapi.json": {"paths": {"/pause": {}}}}
     with pytest.raises(UnsupportedServer, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
         require_lora(detect_vllm("http://b", getter(pages)), "http://b", 8)
+    without = detect_vllm("http://b", getter(pages))
     pages["/openapi.json"] = {"paths": {"/pause": {}, "/v1/load_lora_adapter": {}}}
-    require_lora(detect_vllm("http://b", getter(pages)), "http://b", 8)
+    with_lora = detect_vllm("http://b", getter(pages))
+    require_lora(with_lora, "http://b", 8)
+
+    # sync=auto: adapters only when every server loads them, else merged weights; sync=adapter: refused
+    for sync, infos, accepts in [("auto", [with_lora, without], False), ("auto", [with_lora], True)]:
+        eng = RemoteEngine(InferenceConfig(), [], ModelConfig(lora=LoraConfig(rank=8, sync=sync)))
+        eng.servers, eng.accepts_adapters = [_Server(f"http://s{i}", info=x) for i, x in enumerate(infos)], True
+        eng._resolve_adapters()
+        assert eng.accepts_adapters is accepts
+    eng = RemoteEngine(InferenceConfig(), [], ModelConfig(lora=LoraConfig(rank=8, sync="adapter")))
+    eng.servers, eng.accepts_adapters = [_Server("http://s", info=without)], True
+    with pytest.raises(UnsupportedServer, match="http://s does not load LoRA adapters"):
+        eng._resolve_adapters()
 
 
 def test_config_errors_name_the_fields(tmp_path):

@@ -191,9 +191,9 @@ class RemoteEngine(WeightSync, VLLMWeightSync, AdapterSync, InferenceEngine):
         for srv in self.servers:
             srv.info = detect(self.backend.name, srv.url, self._get(srv))
         mode = self.config.weight_sync
-        if self.accepts_adapters:  # adapters instead of full weights: the adapter routes, not the weight routes
-            self._require_adapters()
-        elif mode != "auto" or self.config.weight_sync_dir:
+        self._resolve_adapters()
+        # with adapters the adapter routes are what is needed, not the full-weight ones
+        if not self.accepts_adapters and (mode != "auto" or self.config.weight_sync_dir):
             mode = self._sync_mode()
             for srv in self.servers:
                 require_routes(srv.info, srv.url, mode)  # type: ignore[arg-type]

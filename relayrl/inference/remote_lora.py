@@ -60,11 +60,19 @@ class AdapterSync:
             )
         return True
 
-    def _require_adapters(self) -> None:
-        """At connect: every server loads adapters at run time, of this rank."""
+    def _resolve_adapters(self) -> None:
+        """At connect: ``sync=auto`` keeps adapters only if every server says it loads them at run
+        time (else merged weights, as before); ``sync=adapter`` refuses a server that does not."""
+        if not self.accepts_adapters:  # type: ignore[attr-defined]
+            return
+        lora = self.model.lora  # type: ignore[attr-defined]
+        if lora.sync == "auto" and not all(s.info is not None and s.info.lora for s in self.servers):  # type: ignore[attr-defined]
+            log.info("model.lora.sync=auto: a server does not load LoRA adapters at run time; sending merged weights")
+            self.accepts_adapters = False
+            return
         for srv in self.servers:  # type: ignore[attr-defined]
             if srv.info is not None:
-                require_lora(srv.info, srv.url, self.model.lora.rank)  # type: ignore[attr-defined]
+                require_lora(srv.info, srv.url, lora.rank)
 
     def _write_adapter(self, update: WeightUpdate) -> str:
         """The adapter as peft saves it, in ``weight_sync_dir/relayrl-v<version>`` (the two newest kept)."""
