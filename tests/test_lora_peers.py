@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -37,9 +38,7 @@ PEER_ARGS = {
 
 
 def remote(protocol: str, address: str, sync_dir: Path, sync: str = "auto") -> RemoteEngine:
-    cfg = InferenceConfig(
-        backend="remote", protocol=protocol, weight_sync_dir=str(sync_dir), batch_window_ms=0, health_interval=0.2
-    )
+    cfg = InferenceConfig(backend="remote", protocol=protocol, weight_sync_dir=str(sync_dir), health_interval=0.2)
     eng = RemoteEngine(cfg, addresses=[address], model=ModelConfig(lora=LoraConfig(rank=RANK, sync=sync)))
     eng.initialize()
     return eng
@@ -82,6 +81,13 @@ def test_adapters_reach_the_server_under_a_versioned_name(peer, tiny_model, tmp_
         old = (SGLangBackend() if peer == "sglang" else VLLMBackend("tiny")).generate("x", ps[0], g, 2, 0, "relayrl-v3")
         r = httpx.post(p.url + old.path, json=old.json, timeout=30)
         assert r.status_code == (400 if peer == "sglang" else 404) and "relayrl-v3" in r.text
+        if peer == "sglang":  # a server that comes back (restarted: no adapter) is given the current one
+            p.restart()
+            deadline = time.monotonic() + 60
+            while eng.stats["readmissions"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert eng.stats["evictions"] == 1 and eng.stats["readmissions"] == 1
+            check_serves(eng, trainer, ps, g, 4, "back-")
     finally:
         eng.destroy()
         p.stop()
