@@ -127,7 +127,7 @@ def detect_vllm(url: str, get: Getter) -> PeerInfo:
         "/weight_info" if "/weight_info" in routes else None,
         "/health",
         routes,
-        str(body.get("server", "vllm")),
+        server=str(body.get("server", "vllm")),  # by name: disk_transfer comes first
         # the runtime adapter routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
         lora=LORA_ROUTE in routes if routes else None,
     )

@@ -38,7 +38,7 @@ def adapter_name(version: int) -> str:
 
 
 class AdapterSync:
-    """Needs from ``RemoteEngine``: ``config``, ``model``, ``backend``, ``servers``, ``token``, ``_sync_client``."""
+    """Needs from ``RemoteEngine``: ``config``, ``model``, ``backend``, ``servers``, ``accepts_adapters``, ``_sync_client``."""
 
     def _adapter_mode(self) -> bool:
         """Whether this run sends adapters (``model.lora.sync``, resolved): checked at start-up."""
