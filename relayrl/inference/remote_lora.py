@@ -16,13 +16,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 import safetensors.torch
 
+from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.io import WeightUpdate
+from relayrl.inference.backends import Backend
 from relayrl.inference.peers import require_lora
 
 if TYPE_CHECKING:
@@ -40,19 +43,27 @@ def adapter_name(version: int) -> str:
 class AdapterSync:
     """Needs from ``RemoteEngine``: ``config``, ``model``, ``backend``, ``servers``, ``accepts_adapters``, ``_sync_client``."""
 
+    # what RemoteEngine provides (declared for the type checker)
+    config: InferenceConfig
+    model: ModelConfig
+    backend: Backend
+    servers: list[_Server]
+    accepts_adapters: bool
+    _sync_client: Callable[[float], httpx.Client]
+
     def _adapter_mode(self) -> bool:
         """Whether this run sends adapters (``model.lora.sync``, resolved): checked at start-up."""
-        lora = self.model.lora  # type: ignore[attr-defined]
+        lora = self.model.lora
         if lora.rank <= 0 or lora.sync == "merged":
             return False
-        peer = self.backend.name in ("sglang", "vllm")  # type: ignore[attr-defined]
-        shared = bool(self.config.weight_sync_dir)  # type: ignore[attr-defined]
+        peer = self.backend.name in ("sglang", "vllm")
+        shared = bool(self.config.weight_sync_dir)
         if lora.sync == "auto":
             return peer and shared
         if not peer:
             raise ValueError(
                 f"model.lora.sync=adapter needs SGLang or vLLM servers (inference.protocol is "
-                f"{self.backend.name}; relayrl servers take merged weights: model.lora.sync=merged)"  # type: ignore[attr-defined]
+                f"{self.backend.name}; relayrl servers take merged weights: model.lora.sync=merged)"
             )
         if not shared:
             raise ValueError(
@@ -63,21 +74,21 @@ class AdapterSync:
     def _resolve_adapters(self) -> None:
         """At connect: ``sync=auto`` keeps adapters only if every server says it loads them at run
         time (else merged weights, as before); ``sync=adapter`` refuses a server that does not."""
-        if not self.accepts_adapters:  # type: ignore[attr-defined]
+        if not self.accepts_adapters:
             return
-        lora = self.model.lora  # type: ignore[attr-defined]
-        if lora.sync == "auto" and not all(s.info is not None and s.info.lora for s in self.servers):  # type: ignore[attr-defined]
+        lora = self.model.lora
+        if lora.sync == "auto" and not all(s.info is not None and s.info.lora for s in self.servers):
             log.info("model.lora.sync=auto: a server does not load LoRA adapters at run time; sending merged weights")
             self.accepts_adapters = False
             return
-        for srv in self.servers:  # type: ignore[attr-defined]
+        for srv in self.servers:
             if srv.info is not None:
                 require_lora(srv.info, srv.url, lora.rank)
 
     def _write_adapter(self, update: WeightUpdate) -> str:
         """The adapter as peft saves it, in ``weight_sync_dir/relayrl-v<version>`` (the two newest kept)."""
         assert update.tensors is not None
-        root = Path(self.config.weight_sync_dir)  # type: ignore[attr-defined]
+        root = Path(self.config.weight_sync_dir)
         final = root / adapter_name(update.version)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         tmp.mkdir(parents=True, exist_ok=True)
@@ -96,7 +107,7 @@ class AdapterSync:
 
     def _adapter_call(self, srv: _Server, method: str, path: str, body: dict[str, object]) -> tuple[int, object]:
         """(status, JSON body or text): vLLM's adapter routes answer plain text."""
-        with self._sync_client(self.config.request_timeout) as c:  # type: ignore[attr-defined]
+        with self._sync_client(self.config.request_timeout) as c:
             r = c.request(method, srv.url + path, json=body)
         try:
             return r.status_code, r.json()
@@ -106,21 +117,21 @@ class AdapterSync:
     def _load_adapter(self, srv: _Server, path: str, version: int) -> None:
         """Load the adapter at ``path`` on ``srv`` as ``relayrl-v<version>``, then unload the one it replaces."""
         name = Path(path).name
-        call = self.backend.load_adapter(name, path)  # type: ignore[attr-defined]
+        call = self.backend.load_adapter(name, path)
         status, body = self._adapter_call(srv, call.method, call.path, call.json or {})
         if status == 404 and isinstance(body, dict) and body.get("detail") == "Not Found":
             raise RuntimeError(
                 f"{srv.url} has no {call.path}: start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
-                if self.backend.name == "vllm"  # type: ignore[attr-defined]
+                if self.backend.name == "vllm"
                 else f"{srv.url} has no {call.path}: an SGLang with runtime LoRA loading, run with --enable-lora"
             )
         if status >= 400 and "already" not in str(body):  # a returning server that kept it: loaded
             raise RuntimeError(f"{srv.url}{call.path} refused adapter {name} ({status}): {str(body)[:500]}")
         if status < 400:
-            self.backend.parse_adapter_load(name, body)  # type: ignore[attr-defined]
+            self.backend.parse_adapter_load(name, body)
         previous, srv.adapter, srv.version = srv.adapter, name, version
         if previous and previous != name:
-            unload = self.backend.unload_adapter(previous)  # type: ignore[attr-defined]
+            unload = self.backend.unload_adapter(previous)
             try:
                 status, body = self._adapter_call(srv, unload.method, unload.path, unload.json or {})
                 if status >= 400:

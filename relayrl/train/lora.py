@@ -136,9 +136,9 @@ def adapter_config_json(model: nn.Module, base_path: str) -> str:
     import tempfile
 
     config = model.peft_config[ADAPTER]  # type: ignore[index]
-    config.base_model_name_or_path = base_path
+    config.base_model_name_or_path = base_path  # type: ignore[union-attr]
     with tempfile.TemporaryDirectory() as d:
-        config.save_pretrained(d)
+        config.save_pretrained(d)  # type: ignore[union-attr]
         with open(os.path.join(d, "adapter_config.json")) as fh:
             return fh.read()
 
