@@ -28,13 +28,27 @@ from tests.test_remote import greedy, prompts, reference, run_all
 from tests.test_train_engine import LENGTHS, n_loss_tokens, pg_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peers import start  # noqa: E402
+from peers import Peer  # noqa: E402
 
-LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-PEER_ARGS = {
-    "sglang": ("--enable-lora", "--max-lora-rank", "16"),
-    "vllm": ("--enable-lora", "--max-lora-rank", "16", "--logprobs-mode", "processed_logprobs"),
-}
+PEERS = Path(__file__).parent / "peers"
+
+
+def launched(protocol: str, tmp_path: Path) -> RemoteEngine:
+    """One stand-in started by RemoteEngine itself (``inference.launch``): the LoRA flags and
+    environment are the launcher's."""
+    cfg = InferenceConfig(
+        backend="remote",
+        protocol=protocol,
+        launch=protocol,
+        n_servers=1,
+        launch_command=f"{sys.executable} {PEERS / f'{protocol}_server.py'}",
+        launch_log_dir=str(tmp_path / "logs"),
+        weight_sync_dir=str(tmp_path / "w"),
+        health_interval=0.2,
+    )
+    eng = RemoteEngine(cfg, model=ModelConfig(path="tiny", lora=LoraConfig(rank=RANK)))
+    eng.initialize()
+    return eng
 
 
 def remote(protocol: str, address: str, sync_dir: Path, sync: str = "auto") -> RemoteEngine:
@@ -55,11 +69,13 @@ def check_serves(remote_eng, trainer, ps, g, version, prefix):
 
 @pytest.mark.parametrize("peer", ["sglang", "vllm"])
 def test_adapters_reach_the_server_under_a_versioned_name(peer, tiny_model, tmp_path):
-    p = start(peer, *PEER_ARGS[peer], env=LORA_ENV if peer == "vllm" else None)
     trainer = lora_engine(tiny_model, lr=3e-2)
-    eng = remote(peer, p.address, tmp_path)
+    eng = launched(peer, tmp_path)
     try:
-        assert eng.accepts_adapters  # auto: SGLang / vLLM with a shared dir
+        assert eng.accepts_adapters  # auto: SGLang / vLLM that load adapters, with a shared dir
+        url = f"http://{eng.addresses[0]}"
+        argv = " ".join(httpx.get(url + "/stand_in", timeout=10).json()["argv"])
+        assert f"--enable-lora --max-lora-rank {RANK}" in argv
         ps, g = prompts(6), greedy(6)
         base = [o.output_tokens for o in run_all(eng, ps, g, prefix="base")]
         assert base == [o.output_tokens for o in reference(tiny_model, ps, g)]  # version 0: the base
@@ -67,7 +83,7 @@ def test_adapters_reach_the_server_under_a_versioned_name(peer, tiny_model, tmp_
         trainer.set_version(3)
         trainer.update_weights(eng)
         assert eng.get_version() == 3
-        saved = tmp_path / "relayrl-v3"  # the adapter as peft saves it
+        saved = tmp_path / "w" / "relayrl-v3"  # the adapter as peft saves it
         assert json.loads((saved / "adapter_config.json").read_text())["r"] == RANK
         served = PeftModel.from_pretrained(copy.deepcopy(tiny_model), str(saved)).merge_and_unload()
         assert [o.output_tokens for o in reference(served, ps, g)] != base  # the adapter changes generations
@@ -79,18 +95,22 @@ def test_adapters_reach_the_server_under_a_versioned_name(peer, tiny_model, tmp_
         check_serves(eng, trainer, ps, g, 4, "v4-")
         # the adapter it replaced is gone from the server
         old = (SGLangBackend() if peer == "sglang" else VLLMBackend("tiny")).generate("x", ps[0], g, 2, 0, "relayrl-v3")
-        r = httpx.post(p.url + old.path, json=old.json, timeout=30)
+        r = httpx.post(url + old.path, json=old.json, timeout=30)
         assert r.status_code == (400 if peer == "sglang" else 404) and "relayrl-v3" in r.text
         if peer == "sglang":  # a server that comes back (restarted: no adapter) is given the current one
-            p.restart()
-            deadline = time.monotonic() + 60
-            while eng.stats["readmissions"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert eng.stats["evictions"] == 1 and eng.stats["readmissions"] == 1
-            check_serves(eng, trainer, ps, g, 4, "back-")
+            eng._launched.procs[0].kill()  # type: ignore[union-attr]
+            port = int(eng.addresses[0].rsplit(":", 1)[1])
+            back = Peer("sglang", ["--enable-lora", "--max-lora-rank", str(RANK)]).start(port=port)
+            try:
+                deadline = time.monotonic() + 60
+                while eng.stats["readmissions"] < 1 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert eng.stats["evictions"] == 1 and eng.stats["readmissions"] == 1
+                check_serves(eng, trainer, ps, g, 4, "back-")
+            finally:
+                back.stop()
     finally:
         eng.destroy()
-        p.stop()
 
 
 def test_a_server_without_runtime_lora_is_refused_at_start_up():

@@ -24,7 +24,7 @@ while generation is paused or a weight update holds the model lock, and answer 5
 ``rank_offset + tp_rank`` for every TP rank (ranks > 0 in their own processes, as SGLang's
 schedulers are) and each ``/update_weights_from_distributed`` call loads its bucket at once.
 
-LoRA (``managers/io_struct.py``: ``LoadLoRAAdapterReqInput`` / ``UnloadLoRAAdapterReqInput``
+LoRA (SGLang v0.5.x ``managers/io_struct.py``: ``LoadLoRAAdapterReqInput`` / ``UnloadLoRAAdapterReqInput``
 ``{"lora_name", "lora_path", "pinned"}``, ``LoRAUpdateOutput`` ``{"success", "error_message",
 ``"loaded_adapters": {name: LoRARef}}`` answered 200 or 400; ``lora/lora_registry.py``): with
 ``--enable-lora`` (``--max-lora-rank``, ``--lora-target-modules``, ``--max-loras-per-batch`` are
