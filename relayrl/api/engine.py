@@ -69,6 +69,9 @@ class InferenceEngine(abc.ABC):
     """
 
     executor: RolloutExecutor | None = None
+    # True when the engine takes LoRA adapters (``WeightUpdate(kind="adapter")``) instead of merged
+    # weights: set by RemoteEngine at connect for SGLang / vLLM servers with ``model.lora.sync`` adapter
+    accepts_adapters: bool = False
 
     @abc.abstractmethod
     def initialize(self) -> None:

@@ -146,7 +146,7 @@ class StreamChunk:
     final: ModelResponse | None = None
 
 
-WeightKind = Literal["tensors", "disk"]
+WeightKind = Literal["tensors", "disk", "adapter"]
 
 
 @dataclass
@@ -156,7 +156,11 @@ class WeightUpdate:
     - ``tensors``: an in-memory state dict (in-process engines copy it; remote engines send it
       as ``inference.weight_sync`` says: HTTP upload, a versioned dir on shared disk, or a
       collective broadcast to the servers, NCCL on GPUs);
-    - ``disk``: a Hugging Face checkpoint directory at ``path`` (shared filesystem).
+    - ``disk``: a Hugging Face checkpoint directory at ``path`` (shared filesystem);
+    - ``adapter``: a LoRA adapter as peft saves it (``tensors`` named as in
+      ``adapter_model.safetensors``, ``adapter_config`` the text of ``adapter_config.json``), for
+      engines that declare ``accepts_adapters`` (SGLang / vLLM servers with LoRA on): they load it
+      next to the base weights they keep, instead of receiving merged full weights.
 
     ``version`` is the version the generators report once the update is applied.
     """
@@ -165,12 +169,15 @@ class WeightUpdate:
     version: int
     path: str = ""
     tensors: dict[str, torch.Tensor] | None = None
+    adapter_config: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("tensors", "disk"):
-            raise ValueError(f"WeightUpdate.kind must be 'tensors' or 'disk', got {self.kind!r}")
-        if self.kind == "tensors" and self.tensors is None:
-            raise ValueError("WeightUpdate(kind='tensors') needs `tensors` (a state dict)")
+        if self.kind not in ("tensors", "disk", "adapter"):
+            raise ValueError(f"WeightUpdate.kind must be 'tensors', 'disk' or 'adapter', got {self.kind!r}")
+        if self.kind in ("tensors", "adapter") and self.tensors is None:
+            raise ValueError(f"WeightUpdate(kind={self.kind!r}) needs `tensors` (a state dict)")
+        if self.kind == "adapter" and not self.adapter_config:
+            raise ValueError("WeightUpdate(kind='adapter') needs `adapter_config` (the adapter_config.json text)")
         if self.kind == "disk" and not self.path:
             raise ValueError(f"WeightUpdate(kind={self.kind!r}) needs `path`")
 

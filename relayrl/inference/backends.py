@@ -19,6 +19,10 @@ payloads documented by its project:
   has them), or, on a vLLM without it, a disk reload through the dev-mode ``/collective_rpc``.
   Sampled-token logprobs follow the temperature only with ``--logprobs-mode processed_logprobs``
   (``logprob_probe`` checks it at connect).
+- LoRA adapters (``model.lora.sync=adapter``): SGLang ``/load_lora_adapter`` and
+  ``/unload_lora_adapter`` ``{"lora_name", "lora_path"}``, the adapter named per request in
+  ``/generate``'s ``lora_path``; vLLM ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+  (same fields), the adapter named as the request's ``model``.
 
 Batches (``batch`` / ``split``): several generate calls to one server become one HTTP call in
 each project's documented batch form. SGLang's ``/generate`` takes lists (``rid``,
@@ -128,7 +132,9 @@ class SGLangBackend:
         max_new: int,
         min_new: int,
         images: list[str] | None = None,
+        adapter: str = "",
     ) -> Call:
+        """``adapter``: the name of a loaded LoRA adapter to generate with (SGLang's ``lora_path``)."""
         body: JsonDict = {
             "rid": rid,
             "input_ids": list(input_ids),
@@ -140,6 +146,8 @@ class SGLangBackend:
             body["return_routed_experts"] = True
         if images:  # SGLang's image_data: the prompt's images in order (data: URLs), pad tokens already expanded
             body["image_data"] = list(images)
+        if adapter:
+            body["lora_path"] = adapter
         return Call("POST", "/generate", body)
 
     def parse_generate(self, body: object) -> Parsed:
@@ -191,6 +199,8 @@ class SGLangBackend:
             body["return_routed_experts"] = True
         if any("image_data" in b for b in bodies):  # one list of images per item ([] for a text-only one)
             body["image_data"] = [b.get("image_data", []) for b in bodies]
+        if any("lora_path" in b for b in bodies):  # one adapter name (or None: the base) per item
+            body["lora_path"] = [b.get("lora_path") for b in bodies]
         return [(Call("POST", "/generate", body), list(range(len(calls))))]
 
     def split(self, body: object, n: int) -> list[object]:
@@ -240,6 +250,19 @@ class SGLangBackend:
         if version is not None:
             body["weight_version"] = str(version)
         return Call("POST", "/update_weights_from_distributed", body)
+
+    def load_adapter(self, name: str, path: str) -> Call:
+        """Load the peft adapter at ``path`` (read by the server) under ``name``."""
+        return Call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_adapter(self, name: str) -> Call:
+        return Call("POST", "/unload_lora_adapter", {"lora_name": name})
+
+    def parse_adapter_load(self, name: str, body: object) -> None:
+        """SGLang answers ``{"success", "error_message", "loaded_adapters": {name: path}}``."""
+        loaded = body.get("loaded_adapters") if isinstance(body, dict) else None
+        if not isinstance(loaded, dict) or name not in loaded:
+            raise ProtocolError(f"/load_lora_adapter of {name!r} answered without it in loaded_adapters: {body!r:.200}")
 
     def pause(self) -> Call:
         return Call("POST", "/pause_generation", {})
@@ -307,14 +330,16 @@ class VLLMBackend:
         max_new: int,
         min_new: int,
         images: list[str] | None = None,
+        adapter: str = "",
     ) -> Call:
+        """``adapter``: a loaded LoRA adapter to generate with (vLLM serves it as a model of that name)."""
         if images:
             raise ValueError(
                 f"request {rid!r}: vLLM's /v1/completions takes no images with a token-id prompt (its images come "
                 "through chat messages, re-rendered by the server); use inference.protocol=sglang or relayrl"
             )
         body: JsonDict = {
-            "model": self.model,
+            "model": adapter or self.model,
             "prompt": list(input_ids),
             "max_tokens": max_new,
             "min_tokens": min_new,
@@ -387,6 +412,16 @@ class VLLMBackend:
 
     def update_from_disk(self, path: str, version: int) -> Call:
         return Call("POST", "/collective_rpc", {"method": self.reload_method, "kwargs": {"weights_path": path}})
+
+    def load_adapter(self, name: str, path: str) -> Call:
+        """Runtime adapter loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); vLLM answers plain text."""
+        return Call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_adapter(self, name: str) -> Call:
+        return Call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
+    def parse_adapter_load(self, name: str, body: object) -> None:
+        """A 200 is the load (the body is a sentence); refusals are 4xx, raised by the caller."""
 
     def upload(self, version: int) -> Call:
         raise NotImplementedError("vLLM servers take no safetensors upload; use inference.weight_sync=disk")

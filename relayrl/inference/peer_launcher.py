@@ -14,6 +14,12 @@ Flags:
   processed_logprobs`` (logprobs of the distribution sampled), ``--weight-transfer-backend nccl``
   for weight_sync=broadcast, ``disk`` for weight_sync=disk; ``VLLM_SERVER_DEV_MODE=1`` for the RL
   router (pause, resume, weight transfer) and the ``/collective_rpc`` reload fallback.
+- LoRA adapters (``model.lora.sync=adapter``): SGLang ``--enable-lora --max-lora-rank R
+  --lora-target-modules M.. --max-loras-per-batch 2`` (``all`` when model.lora.target_modules is
+  empty: every linear projection, as relayrl's default); vLLM ``--enable-lora --max-lora-rank R
+  --max-loras 2`` (R rounded up to a rank vLLM accepts) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
+  for the runtime load/unload routes. Two adapters at once: the new one and the one it replaces,
+  while requests sent with it finish.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from relayrl.api.config import InferenceConfig, LoraConfig
 from relayrl.inference import launcher
 
 if TYPE_CHECKING:  # light to import: Ray's server actors run it
@@ -42,8 +49,26 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(kind: str, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1") -> list[str]:
-    """The command line of one launched server (listening on ``host``: a Ray node's address under Ray)."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig accepts only these max ranks
+
+
+def lora_flags(kind: str, lora: LoraConfig | None) -> list[str]:
+    """The flags that let a server load the trainer's adapters at run time (none without LoRA)."""
+    if lora is None or lora.rank <= 0:
+        return []
+    if kind == "sglang":
+        targets = list(lora.target_modules) or ["all"]
+        return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets,
+                "--max-loras-per-batch", "2"]  # fmt: skip
+    rank = next((r for r in VLLM_LORA_RANKS if r >= lora.rank), lora.rank)
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+
+
+def server_command(
+    kind: str, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1", lora: LoraConfig | None = None
+) -> list[str]:
+    """The command line of one launched server (listening on ``host``: a Ray node's address under Ray;
+    ``lora``: the adapters it will load, if any)."""
     if kind == "sglang":
         prefix = (
             shlex.split(cfg.launch_command) if cfg.launch_command else [sys.executable, "-m", "sglang.launch_server"]
@@ -58,7 +83,7 @@ def server_command(kind: str, cfg: InferenceConfig, model: str, port: int, host:
             "--tp-size",
             str(cfg.launch_tp_size),
         ]
-        return [*prefix, *flags, *cfg.launch_args]
+        return [*prefix, *flags, *lora_flags(kind, lora), *cfg.launch_args]
     if kind == "vllm":
         prefix = shlex.split(cfg.launch_command) if cfg.launch_command else ["vllm", "serve"]
         flags = [
@@ -74,11 +99,11 @@ def server_command(kind: str, cfg: InferenceConfig, model: str, port: int, host:
         sync = cfg.weight_sync if cfg.weight_sync != "auto" else ("disk" if cfg.weight_sync_dir else "http")
         transfer = {"broadcast": "nccl", "disk": "disk"}.get(sync)  # vLLM's weight-transfer engine for the mode
         flags += ["--weight-transfer-backend", transfer] if transfer else []
-        return [*prefix, model, *flags, *cfg.launch_args]
+        return [*prefix, model, *flags, *lora_flags(kind, lora), *cfg.launch_args]
     raise ValueError(f"inference.launch must be sglang or vllm here, got {kind!r}")
 
 
-def server_env(kind: str, cfg: InferenceConfig, i: int) -> dict[str, str]:
+def server_env(kind: str, cfg: InferenceConfig, i: int, lora: LoraConfig | None = None) -> dict[str, str]:
     env = dict(os.environ)
     k = cfg.launch_tp_size
     if cfg.launch_gpus:
@@ -93,14 +118,18 @@ def server_env(kind: str, cfg: InferenceConfig, i: int) -> dict[str, str]:
         env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
     else:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if lora_flags(kind, lora):
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return env
 
 
 class PeerServerGroup:
     """Launched SGLang / vLLM servers: ``addresses``, ``logs``, ``shutdown()``."""
 
-    def __init__(self, kind: str, cfg: InferenceConfig, model: str, host: str = "127.0.0.1") -> None:
-        self.kind, self.cfg, self.model, self.host = kind, cfg, model, host
+    def __init__(
+        self, kind: str, cfg: InferenceConfig, model: str, host: str = "127.0.0.1", lora: LoraConfig | None = None
+    ) -> None:
+        self.kind, self.cfg, self.model, self.host, self.lora = kind, cfg, model, host, lora
         self.log_dir = Path(cfg.launch_log_dir or tempfile.mkdtemp(prefix=f"relayrl-{kind}-"))
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
@@ -115,8 +144,8 @@ class PeerServerGroup:
             for i in range(self.cfg.n_servers):
                 port = ports[i] if ports else _free_port(self.host)
                 log = self.log_dir / f"server-{i}.log"
-                cmd = server_command(self.kind, self.cfg, self.model, port, self.host)
-                env = server_env(self.kind, self.cfg, i)
+                cmd = server_command(self.kind, self.cfg, self.model, port, self.host, self.lora)
+                env = server_env(self.kind, self.cfg, i, self.lora)
                 with open(log, "wb") as out:
                     out.write(f"$ {shlex.join(cmd)}\n".encode())
                     out.flush()

@@ -44,6 +44,8 @@ class PeerInfo:
     routes: set[str] = field(default_factory=set)  # published routes (vLLM's openapi.json), else empty
     disk_transfer: bool = False  # vLLM: disk updates through its weight-transfer API (else /collective_rpc)
     server: str = ""  # "relayrl" for `relayrl serve` (it speaks both protocols), else the peer's own
+    lora: bool | None = None  # loads LoRA adapters at run time (None: the server does not say)
+    max_lora_rank: int = 0  # the largest adapter rank it takes (0: not reported)
 
 
 def version_tuple(v: str) -> tuple[int, ...]:
@@ -98,6 +100,8 @@ def detect_sglang(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
         version_path,
         live[0] if live else "/health",
         server=server,
+        lora=bool(info["enable_lora"]) if "enable_lora" in info else None,  # SGLang's server args
+        max_lora_rank=int(info.get("max_lora_rank") or 0),  # type: ignore[call-overload]
     )
 
 
@@ -124,7 +128,9 @@ def detect_vllm(url: str, get: Getter) -> PeerInfo:
         "/weight_info" if "/weight_info" in routes else None,
         "/health",
         routes,
-        server=str(body.get("server", "vllm")),
+        server=str(body.get("server", "vllm")),  # by name: disk_transfer comes first
+        # the runtime adapter routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+        lora=LORA_ROUTE in routes if routes else None,
     )
 
 
@@ -135,6 +141,27 @@ def detect(protocol: str, url: str, get: Getter) -> PeerInfo:
 
 
 TRANSFER = "/init_weight_transfer_engine"
+LORA_ROUTE = "/v1/load_lora_adapter"
+
+
+def require_lora(info: PeerInfo, url: str, rank: int) -> None:
+    """Start-up check that ``url`` loads LoRA adapters of ``rank`` at run time (model.lora.sync=adapter)."""
+    if info.lora is False:
+        need = (
+            "--enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment"
+            if info.protocol == "vllm"
+            else "--enable-lora --max-lora-rank R"
+        )
+        raise UnsupportedServer(
+            f"{url} does not load LoRA adapters at run time, which model.lora.sync=adapter needs: start it with "
+            f"{need} (R >= model.lora.rank={rank}), or set model.lora.sync=merged"
+        )
+    if info.max_lora_rank and rank > info.max_lora_rank:
+        raise UnsupportedServer(
+            f"{url} takes LoRA adapters up to rank {info.max_lora_rank} (--max-lora-rank) but model.lora.rank={rank}"
+        )
+
+
 RL_ROUTER = "VLLM_SERVER_DEV_MODE=1: vLLM attaches its RL router only in dev mode"
 
 

@@ -15,6 +15,8 @@
 - Peers: each server's version and routes are read at connect (``peers.detect``): the served
   model name, where the weight version is read, its tensor-parallel ranks; a server that
   lacks what the run needs is refused at start-up with the version or flag that provides it.
+- LoRA (``remote_lora.AdapterSync``): with ``model.lora.sync=adapter`` SGLang / vLLM servers
+  load the trainer's adapter as ``relayrl-v<version>`` and requests name it.
 - Request ids: each HTTP request carries a fresh id (``<rid>-<n>``): SGLang refuses an id
   already in flight, and one episode may send several requests at once (ReMax).
 - Batching: requests headed to the same server within ``batch_window_ms`` share one HTTP
@@ -50,6 +52,7 @@ from relayrl.api.io import ModelRequest, ModelResponse, StopReason
 from relayrl.inference.backends import Call, ProtocolError, ServerError, VLLMBackend, make_backend, wire_image
 from relayrl.inference.batcher import MicroBatcher
 from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
+from relayrl.inference.remote_lora import AdapterSync
 from relayrl.inference.remote_vllm import VLLMWeightSync
 from relayrl.inference.remote_weights import DEAD_ERRORS
 from relayrl.inference.vllm_transfer import VLLMTransferGroup
@@ -70,6 +73,7 @@ class _Server:
     version: int = 0
     info: PeerInfo | None = None  # what it offers, read at connect
     updating: bool = False  # a weight update is under way (no health probes: SGLang's block then)
+    adapter: str = ""  # the LoRA adapter requests name (model.lora.sync=adapter); "" = the base weights
 
 
 def _check_status(url: str, call: Call, r: httpx.Response) -> None:
@@ -83,7 +87,7 @@ def _url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address}"
 
 
-class RemoteEngine(VLLMWeightSync, InferenceEngine):
+class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
     """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched
     serving ``model``, the policy's ModelConfig, so that its weights fit them)."""
 
@@ -128,6 +132,7 @@ class RemoteEngine(VLLMWeightSync, InferenceEngine):
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, wait_timeout: float = 60.0) -> None:
         launch = self.config.launch
+        self.accepts_adapters = self._adapter_mode()
         if not self.addresses and self.config.n_servers > 0 and launch in ("sglang", "vllm"):
             if self.backend.name != launch:
                 raise ValueError(
@@ -136,7 +141,8 @@ class RemoteEngine(VLLMWeightSync, InferenceEngine):
                 )
             from relayrl.inference.peer_launcher import PeerServerGroup
 
-            self._launched = PeerServerGroup(launch, self.config, self.model.path).start()
+            lora = self.model.lora if self.accepts_adapters else None
+            self._launched = PeerServerGroup(launch, self.config, self.model.path, lora=lora).start()
             self.addresses = self._launched.addresses
         if not self.addresses and self.config.n_servers > 0 and launch == "relayrl":
             from relayrl.inference.launcher import launch_servers, serve_overrides
@@ -189,7 +195,9 @@ class RemoteEngine(VLLMWeightSync, InferenceEngine):
         for srv in self.servers:
             srv.info = detect(self.backend.name, srv.url, self._get(srv))
         mode = self.config.weight_sync
-        if mode != "auto" or self.config.weight_sync_dir:
+        self._resolve_adapters()
+        # with adapters the adapter routes are what is needed, not the full-weight ones
+        if not self.accepts_adapters and (mode != "auto" or self.config.weight_sync_dir):
             mode = self._sync_mode()
             for srv in self.servers:
                 assert srv.info is not None  # (read at connect)
@@ -374,8 +382,10 @@ class RemoteEngine(VLLMWeightSync, InferenceEngine):
                 remaining,
                 max(0, g.min_new_tokens - len(tokens)),
                 images,
+                srv.adapter,
             )
             sent_version = srv.version  # what produced these tokens when the server reports no version
+            adapter = srv.adapter  # with an adapter, its name carries the version (the server's is the base's)
             self.counters["requests"] += 1
             try:
                 body = await self._generate_call(srv, call)
@@ -395,7 +405,7 @@ class RemoteEngine(VLLMWeightSync, InferenceEngine):
             part = self.backend.parse_generate(body)
             if part.tokens and not tokens:
                 ttft = time.perf_counter() - t0
-            v = part.weight_version if part.weight_version is not None else sent_version
+            v = part.weight_version if part.weight_version is not None and not adapter else sent_version
             tokens += part.tokens
             logps += part.logprobs
             routed = part.routed_experts  # the last call ran prompt + all output so far: its routing covers them
@@ -496,7 +506,7 @@ class RemoteEngine(VLLMWeightSync, InferenceEngine):
         with self._update_lock:
             try:
                 srv.info = detect(self.backend.name, srv.url, self._get(srv))  # it may be a new release
-                if self.config.weight_sync != "auto" or self.config.weight_sync_dir:
+                if not self.accepts_adapters and (self.config.weight_sync != "auto" or self.config.weight_sync_dir):
                     self._vllm_prepare(srv, self._sync_mode())
                 if srv.version == -1 and self._last_weights is None and self._version == 0:
                     srv.version = 0  # no update yet: its start-up weights are the engine's

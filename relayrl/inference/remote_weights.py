@@ -35,7 +35,7 @@ DEAD_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.Remo
 
 Weights = tuple[
     str, str | bytes | dict[str, torch.Tensor]
-]  # ("disk", path), ("http", payload) or ("broadcast", tensors)
+]  # ("disk", path), ("http", payload), ("broadcast", tensors) or ("adapter", adapter dir)
 
 
 class WeightSync:
@@ -58,6 +58,9 @@ class WeightSync:
 
     def _push(self, srv: _Server, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int) -> None:
         kind, data = weights
+        if kind == "adapter":
+            self._load_adapter(srv, str(data), version)  # type: ignore[attr-defined]
+            return
         if kind == "broadcast":  # a server (re)joining: the group is rebuilt with it in
             tensors = typing.cast(dict[str, torch.Tensor], data)
             self._broadcast(tensors, version, [s for s in self.servers if s.alive or s is srv])
@@ -228,6 +231,10 @@ class WeightSync:
     def _prepare(self, update: WeightUpdate) -> tuple[str, str | bytes | dict[str, torch.Tensor]]:
         if update.kind == "disk":
             return ("disk", update.path)
+        if update.kind == "adapter":
+            if not self.accepts_adapters:  # type: ignore[attr-defined]
+                raise ValueError("WeightUpdate(kind='adapter') needs model.lora.sync=adapter and SGLang / vLLM servers")
+            return ("adapter", self._write_adapter(update))  # type: ignore[attr-defined]
         assert update.tensors is not None
         mode = self._sync_mode()
         if mode == "broadcast":

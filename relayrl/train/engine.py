@@ -360,7 +360,8 @@ class TorchTrainEngine(TrainEngine):
 
     def update_weights(self, target: InferenceEngine | None) -> None:
         """Push the full weights to ``target`` as ``WeightUpdate(kind="tensors")`` from rank 0
-        (with LoRA: the base weights with the adapters merged in, under the base model's names).
+        (with LoRA: the base weights with the adapters merged in, under the base model's names; or,
+        to a target that ``accepts_adapters``, the adapter alone as ``kind="adapter"``).
 
         Every rank must call it (the weights are gathered collectively); only rank 0 talks to
         the target, which picks the transport (in-process copy; for servers a disk dir, an HTTP
@@ -375,6 +376,14 @@ class TorchTrainEngine(TrainEngine):
         if dist_utils.rank() == 0:
             if target is None:
                 raise ValueError("update_weights: rank 0 needs the inference engine to push to (None on other ranks)")
+            if self.lora and target.accepts_adapters:  # the adapter alone, as peft saves it
+                adapter = {k: v.detach().to("cpu").clone() for k, v in L.adapter_state_dict(tensors).items()}
+                config = L.adapter_config_json(model, self.model_config.path)
+                target.update_weights(
+                    WeightUpdate(kind="adapter", version=self.get_version(), tensors=adapter, adapter_config=config)
+                )
+                dist_utils.barrier()
+                return
             if self.lora:  # merged into new tensors: the base weights are never touched
                 tensors = L.merged_state_dict(tensors, L.lora_layers(model))
             tensors = {k: v.detach().clone() for k, v in tensors.items()}

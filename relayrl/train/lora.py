@@ -132,6 +132,18 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {adapter_key(k): v for k, v in state.items() if ".lora_" in k}
 
 
+def adapter_config_json(model: nn.Module, base_path: str) -> str:
+    """The ``adapter_config.json`` text peft writes for the trainer's adapter (written by peft itself)."""
+    import tempfile
+
+    config = model.peft_config[ADAPTER]  # type: ignore[index]
+    config.base_model_name_or_path = base_path  # type: ignore[union-attr]
+    with tempfile.TemporaryDirectory() as d:
+        config.save_pretrained(d)  # type: ignore[union-attr]
+        with open(os.path.join(d, "adapter_config.json")) as fh:
+            return fh.read()
+
+
 def read_adapter(path: str, model_keys: list[str]) -> dict[str, torch.Tensor]:
     """Adapter tensors saved at ``path`` renamed to the model's state-dict keys; every adapter key
     of the model must be there and nothing else."""

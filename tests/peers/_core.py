@@ -1,7 +1,11 @@
 """What both stand-ins share: the tiny model generating through relayrl's LocalEngine (what
 must be faithful is the protocol around it), logprobs recomputed from the logits (raw or after
-temperature, as vLLM's ``--logprobs-mode`` picks), weight loading, and serving on 127.0.0.1 with
-the port announced on stdout (``<name> listening on http://127.0.0.1:PORT``)."""
+temperature, as vLLM's ``--logprobs-mode`` picks), weight loading, LoRA adapters, and serving on
+127.0.0.1 with the port announced on stdout (``<name> listening on http://127.0.0.1:PORT``).
+
+An adapter is served by a model of its own: the current base weights with the adapter merged in
+by peft itself (``PeftModel.from_pretrained(base, dir).merge_and_unload()``), so what a server
+generates with an adapter is independent of relayrl's own merge code."""
 
 from __future__ import annotations
 
@@ -29,10 +33,13 @@ class TinyPeer:
     def __init__(self, seed: int = 0, model: str = "tiny") -> None:
         torch.set_num_threads(1)
         processor = None
+        self.seed, self.model_name = seed, model
         if model in VL_PRESETS:  # a vision-language model: requests may carry images
             self.model, processor = build_tiny_vl_model(model, seed=seed).eval(), build_image_processor()
         else:
             self.model = build_tiny_model(model, seed=seed).eval()
+        self.adapters: dict[str, tuple[torch.nn.Module, LocalEngine]] = {}  # name -> (merged model, its engine)
+        self.adapter_paths: dict[str, str] = {}
         self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.engine = LocalEngine(InferenceConfig(), model=self.model, image_processor=processor)
         self.engine.initialize()
@@ -40,11 +47,34 @@ class TinyPeer:
         self.lock = asyncio.Lock()  # held while weights load (SGLang: the model-update writer lock)
 
     async def generate(
-        self, rid: str, ids: list[int], g: GenerationConfig, images: list[str] | None = None
+        self, rid: str, ids: list[int], g: GenerationConfig, images: list[str] | None = None, adapter: str = ""
     ) -> ModelResponse:
         """One pass: an interrupted request ends as ``abort`` with its partial output, as the peers answer."""
+        engine = self.adapters[adapter][1] if adapter else self.engine
         req = ModelRequest(rid=rid, input_ids=ids, gconfig=g, image_data=list(images or []))
-        return await self.engine.agenerate_once(req)
+        return await engine.agenerate_once(req)
+
+    def load_adapter(self, name: str, path: str) -> int:
+        """Serve the peft adapter at ``path`` as ``name``; returns its rank."""
+        import json
+
+        from peft import PeftModel
+
+        with open(Path(path) / "adapter_config.json") as fh:
+            rank = int(json.load(fh)["r"])
+        base = build_tiny_model(self.model_name, seed=self.seed)
+        base.load_state_dict(self.state)
+        merged = PeftModel.from_pretrained(base, path).merge_and_unload().eval()
+        engine = LocalEngine(InferenceConfig(), model=merged)
+        engine.initialize()
+        self.adapters[name] = (merged, engine)
+        self.adapter_paths[name] = path
+        return rank
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget ``name`` (requests already running on it keep their engine to the end)."""
+        self.adapters.pop(name)
+        self.adapter_paths.pop(name)
 
     def abort_running(self) -> int:
         before = self.engine.counters["aborts"]
@@ -70,10 +100,11 @@ class TinyPeer:
         return len(tensors)
 
     @torch.inference_mode()
-    def logits(self, ids: list[int], out: list[int]) -> torch.Tensor:
+    def logits(self, ids: list[int], out: list[int], adapter: str = "") -> torch.Tensor:
         """Logits that produced each of ``out`` (one row per output token)."""
         seq = torch.tensor([ids + out])
-        return self.model(seq).logits[0, len(ids) - 1 : len(ids) + len(out) - 1].float()
+        model = self.adapters[adapter][0] if adapter else self.model
+        return model(seq).logits[0, len(ids) - 1 : len(ids) + len(out) - 1].float()
 
 
 def listen(app: object, name: str, host: str = "127.0.0.1", port: int = 0) -> None:

@@ -27,6 +27,15 @@ schedulers are) and each ``/update_weights_from_distributed`` call loads its buc
 Run: ``python tests/peers/sglang_server.py [--port 0] [--version 0.5.2] [--tp-size 1] [--load-delay 0]
 [--model-path tiny | tiny-vl]`` (a vision model takes ``GenerateReqInput.image_data``: one image or a list
 per request, one entry per item in a batch).
+
+LoRA (SGLang v0.5.x ``managers/io_struct.py``: ``LoadLoRAAdapterReqInput`` / ``UnloadLoRAAdapterReqInput``
+``{"lora_name", "lora_path", "pinned"}``, ``LoRAUpdateOutput`` ``{"success", "error_message",
+``"loaded_adapters": {name: LoRARef}}`` answered 200 or 400; ``lora/lora_registry.py``): with
+``--enable-lora`` (``--max-lora-rank``, ``--lora-target-modules``, ``--max-loras-per-batch`` are
+accepted and shown in the server info) adapters load at run time; a name already loaded or a
+rank above ``--max-lora-rank`` is refused; ``/generate``'s ``lora_path`` (one name, or one per
+item, ``None`` = the base) must name loaded adapters (else 400 ``The following requested LoRA
+adapters are not loaded``); an unload waits until no running request uses the adapter.
 """
 
 from __future__ import annotations
@@ -95,6 +104,21 @@ class GenerateReqInput:  # the fields RemoteEngine uses (others are accepted and
     stream: bool = False
     # SGLang: one image (URL, path, base64 or data: URL) or a list per request; in a batch, one entry per item
     image_data: str | list[str] | list[list[str]] | None = None
+    lora_path: str | list[str | None] | None = None
+
+
+@dataclass
+class LoadLoRAAdapterReqInput:
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    lora_name: str
+    lora_id: str | None = None
 
 
 @dataclass
@@ -144,8 +168,12 @@ class PauseGenerationReqInput:
 
 
 class SGLangStandIn:
-    def __init__(self, version: str, tp_size: int, load_delay: float, model: str = "tiny") -> None:
+    def __init__(
+        self, version: str, tp_size: int, load_delay: float, model: str = "tiny", lora: dict[str, object] | None = None
+    ) -> None:
         self.version, self.tp_size, self.load_delay = version, tp_size, load_delay
+        self.lora = lora or {"enable_lora": False}  # the LoRA server args
+        self.lora_use: dict[str, int] = {}  # adapter -> running requests (SGLang's per-adapter counters)
         self.new_layout = tuple(int(x) for x in version.split(".")[:3]) >= (0, 5, 10)
         self.peer = TinyPeer(model=model)
         self.weight_version = "default"
@@ -193,8 +221,13 @@ class SGLangStandIn:
             ignore_eos=bool(sp.get("ignore_eos", False)),
         )
 
-    async def one(self, rid: str, ids: list[int], sp: dict, logprob: bool, images: list[str]) -> dict:  # type: ignore[type-arg]
-        r = await self.peer.generate(rid, ids, self.gconfig(sp), images)
+    async def one(self, rid: str, ids: list[int], sp: dict, logprob: bool, images: list[str], lora: str | None) -> dict:  # type: ignore[type-arg]
+        g = self.gconfig(sp)
+        self.lora_use[lora or ""] = self.lora_use.get(lora or "", 0) + 1
+        try:
+            r = await self.peer.generate(rid, ids, g, images, lora or "")
+        finally:
+            self.lora_use[lora or ""] -= 1
         text = ""
         finish: dict[str, object] = {"type": r.stop_reason}
         if r.stop_reason == "length":
@@ -237,6 +270,13 @@ class SGLangStandIn:
         lps = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob] * n
         imgs = obj.image_data if batch and isinstance(obj.image_data, list) else [obj.image_data] * n
         imgs = [[x] if isinstance(x, str) else list(x or []) for x in imgs]
+        loras = obj.lora_path if isinstance(obj.lora_path, list) else [obj.lora_path] * n
+        for name in loras:
+            if name is not None and name not in self.peer.adapters:
+                return _err(
+                    f"The following requested LoRA adapters are not loaded: {name}\n"
+                    f"Loaded adapters: {set(self.peer.adapters)}."
+                )
         for rid in rids:
             if rid in self.in_flight:
                 return _err(f"Duplicate request ID detected: {rid}")
@@ -245,7 +285,10 @@ class SGLangStandIn:
             while self.paused:  # SGLang holds new requests while generation is paused
                 await asyncio.sleep(0.01)
             outs = await asyncio.gather(
-                *(self.one(r, p, s, lp, im) for r, p, s, lp, im in zip(rids, prompts, sps, lps, imgs, strict=True))
+                *(
+                    self.one(r, p, s, lp, im, a)
+                    for r, p, s, lp, im, a in zip(rids, prompts, sps, lps, imgs, loras, strict=True)
+                )
             )  # type: ignore[arg-type]
         except ValueError as e:
             return _err(str(e))
@@ -386,8 +429,46 @@ class SGLangStandIn:
         await asyncio.to_thread(self.peer.engine.resume)
         return JSONResponse({})
 
+    # ------------------------------------------------------------------ LoRA
+    def _lora_reply(self, error: str | None = None) -> JSONResponse:
+        loaded = {
+            n: {"lora_id": n, "lora_name": n, "lora_path": p, "pinned": False}
+            for n, p in self.peer.adapter_paths.items()
+        }
+        body = {"success": error is None, "error_message": error, "loaded_adapters": loaded}
+        return JSONResponse(body, status_code=200 if error is None else 400)
+
+    async def load_lora(self, obj: LoadLoRAAdapterReqInput) -> Response:
+        if not self.lora["enable_lora"]:
+            return self._lora_reply("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if obj.lora_name in self.peer.adapters:
+            return self._lora_reply(f"Failed to load LoRA adapter {obj.lora_name} because it is already loaded")
+        try:
+            with open(Path(obj.lora_path) / "adapter_config.json") as fh:
+                rank = int(json.load(fh)["r"])
+        except (OSError, ValueError, KeyError) as e:
+            return self._lora_reply(f"Failed to load LoRA adapter {obj.lora_name}: {e}")
+        max_rank = int(self.lora.get("max_lora_rank") or 0)  # type: ignore[call-overload]
+        if max_rank and rank > max_rank:
+            return self._lora_reply(
+                f"LoRA adapter {obj.lora_name} with rank {rank} is incompatible with the current LoRA memory pool "
+                f"configuration (max_lora_rank={max_rank})."
+            )
+        async with self.peer.lock:
+            await asyncio.to_thread(self.peer.load_adapter, obj.lora_name, obj.lora_path)
+        return self._lora_reply()
+
+    async def unload_lora(self, obj: UnloadLoRAAdapterReqInput) -> Response:
+        if obj.lora_name not in self.peer.adapters:
+            return self._lora_reply(f"LoRA adapter {obj.lora_name} is not loaded")
+        while self.lora_use.get(obj.lora_name, 0) > 0:  # SGLang waits for the requests using it
+            await asyncio.sleep(0.01)
+        self.peer.unload_adapter(obj.lora_name)
+        return self._lora_reply()
+
     def server_info(self) -> dict[str, object]:
         return {
+            **self.lora,
             "version": self.version,
             "tp_size": self.tp_size,
             "dp_size": 1,
@@ -416,6 +497,8 @@ def build_app(s: SGLangStandIn) -> FastAPI:
     app.post("/destroy_weights_update_group")(s.destroy_group)
     app.post("/pause_generation")(s.pause)
     app.post("/continue_generation")(s.resume)
+    app.post("/load_lora_adapter")(s.load_lora)
+    app.post("/unload_lora_adapter")(s.unload_lora)
 
     @app.get("/stand_in")
     async def stand_in() -> dict[str, object]:  # test introspection, not an SGLang route: how it was started
@@ -455,8 +538,18 @@ def main() -> None:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--load-delay", type=float, default=0.0, help="extra seconds each weight load holds the model lock")
     ap.add_argument("--model-path", default="tiny", help="tiny, or tiny-vl / tiny-vl2.5 (takes image_data)")
+    ap.add_argument("--enable-lora", action="store_true")
+    ap.add_argument("--max-lora-rank", type=int, default=None)
+    ap.add_argument("--lora-target-modules", nargs="*", default=None)
+    ap.add_argument("--max-loras-per-batch", type=int, default=8)
     args, _ = ap.parse_known_args()
-    stand_in = SGLangStandIn(args.version, args.tp_size, args.load_delay, args.model_path)
+    lora = {
+        "enable_lora": args.enable_lora,
+        "max_lora_rank": args.max_lora_rank,
+        "lora_target_modules": args.lora_target_modules,
+        "max_loras_per_batch": args.max_loras_per_batch,
+    }
+    stand_in = SGLangStandIn(args.version, args.tp_size, args.load_delay, args.model_path, lora)
     listen(build_app(stand_in), "sglang stand-in", args.host, args.port)
 
 

@@ -29,6 +29,16 @@ model path) is a 404 ``{"error": {"message", "type": "NotFoundError", "param": "
 replies carry no weight version; ``/metrics`` has ``vllm:generation_tokens_total``; a request aborted by ``/pause`` (mode ``abort``) ends with
 ``finish_reason`` ``abort`` and the tokens generated so far; ``/health`` does not generate.
 
+LoRA (``vllm/entrypoints/openai/serving_models.py`` and ``api_server.py`` at 075e9ba8):
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` ``{"lora_name", "lora_path"}`` exist only
+with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (else 404 ``{"detail": "Not Found"}``); a load answers
+200 with the plain-text ``Success: LoRA adapter '<name>' added successfully.``, a name already loaded
+400 ``InvalidUserInput`` (``The lora adapter '<name>' has already been loaded.``), an engine without
+``--enable-lora`` or an adapter above ``--max-lora-rank`` (default 16) 400 ``BadRequestError``; an
+unload of an unknown name 404 ``NotFoundError``; a loaded adapter is served as a model of its name
+(the request's ``model``) and listed by ``/v1/models`` with ``parent`` the base; an unload drops the
+name only (requests already running on it finish).
+
 Run: ``python tests/peers/vllm_server.py [--port 0] [--served-model-name NAME] [--logprobs-mode M]
 [--weight-transfer-backend nccl|disk] [--rl-router 0100a212|1ace43ed|none]``
 (``VLLM_SERVER_DEV_MODE=1`` in the environment adds the RL and ``/collective_rpc`` routes).
@@ -38,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -57,17 +68,25 @@ from relayrl.api.io import GenerationConfig  # noqa: E402
 VERSION = "0.15.0"
 
 
-def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
+def _error(message: str, status: int, param: str | None = None, kind: str | None = None) -> JSONResponse:
     kinds = {400: "BadRequestError", 404: "NotFoundError"}
     return JSONResponse(
-        {"error": {"message": message, "type": kinds.get(status, "Error"), "param": param, "code": status}},
+        {"error": {"message": message, "type": kind or kinds.get(status, "Error"), "param": param, "code": status}},
         status_code=status,
     )
 
 
 class VLLMStandIn:
-    def __init__(self, served: str, logprobs_mode: str, transfer: str | None = None, router: str = "0100a212") -> None:
+    def __init__(
+        self,
+        served: str,
+        logprobs_mode: str,
+        transfer: str | None = None,
+        router: str = "0100a212",
+        lora: tuple[bool, int] = (False, 16),
+    ) -> None:
         self.served, self.logprobs_mode = served, logprobs_mode
+        self.enable_lora, self.max_lora_rank = lora
         self.transfer, self.router = transfer, router
         self.peer = TinyPeer()
         self.paused = False
@@ -79,8 +98,10 @@ class VLLMStandIn:
 
     async def completions(self, request: Request) -> Response:
         body = await request.json()
-        if body.get("model") not in (None, self.served):
-            return _error(f"The model `{body.get('model')}` does not exist.", 404, "model")
+        model = body.get("model")
+        if model not in (None, self.served) and model not in self.peer.adapters:
+            return _error(f"The model `{model}` does not exist.", 404, "model")
+        adapter = model if model in self.peer.adapters else ""
         prompt = body.get("prompt")
         prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
         if not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
@@ -101,13 +122,13 @@ class VLLMStandIn:
         while self.paused:  # new requests wait while paused
             await asyncio.sleep(0.01)
         rid = body.get("request_id") or f"cmpl-{uuid.uuid4().hex}"
-        outs = await asyncio.gather(*(self.peer.generate(f"{rid}-{i}", p, g) for i, p in enumerate(prompts)))
+        outs = await asyncio.gather(*(self.peer.generate(f"{rid}-{i}", p, g, adapter) for i, p in enumerate(prompts)))
         k = body.get("logprobs")
         choices = []
         for i, (p, r) in enumerate(zip(prompts, outs, strict=True)):
             lp = None
             if k is not None:
-                token_lps, tops = self.logprobs(p, r.output_tokens, r.output_logprobs, t, int(k))
+                token_lps, tops = self.logprobs(p, r.output_tokens, r.output_logprobs, t, int(k), adapter)
                 names = [f"token_id:{x}" if body.get("return_tokens_as_token_ids") else str(x) for x in r.output_tokens]
                 lp = {
                     "tokens": names,
@@ -131,19 +152,19 @@ class VLLMStandIn:
                 "id": rid,
                 "object": "text_completion",
                 "created": int(time.time()),
-                "model": self.served,
+                "model": model or self.served,
                 "choices": choices,
                 "usage": {**usage, "total_tokens": sum(usage.values())},
             }
         )
 
     def logprobs(
-        self, ids: list[int], out: list[int], sampled: list[float], t: float, k: int
+        self, ids: list[int], out: list[int], sampled: list[float], t: float, k: int, adapter: str = ""
     ) -> tuple[list[float], list[dict[str, float]]]:
         """Sampled-token logprobs and top-k dicts: raw (before temperature) or processed (after)."""
         if not out:
             return [], []
-        logits = self.peer.logits(ids, out)
+        logits = self.peer.logits(ids, out, adapter)
         if self.logprobs_mode == "processed_logprobs" and t >= 1e-5:
             logits = logits / t
         logp = torch.log_softmax(logits, dim=-1)
@@ -189,7 +210,15 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
-        return {"object": "list", "data": [{"id": s.served, "object": "model", "owned_by": "vllm", "root": "tiny"}]}
+        base = [{"id": s.served, "object": "model", "owned_by": "vllm", "root": "tiny", "parent": None}]
+        loras = [
+            {"id": n, "object": "model", "owned_by": "vllm", "root": p, "parent": s.served}
+            for n, p in s.peer.adapter_paths.items()
+        ]
+        return {"object": "list", "data": base + loras}
+
+    if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"):
+        lora_routes(app, s)
 
     if not dev_mode:
         return app
@@ -237,6 +266,39 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
         transfer_routes(rl, s)
     app.include_router(rl)
     return app
+
+
+def lora_routes(app: FastAPI, s: VLLMStandIn) -> None:
+    """vLLM's runtime LoRA routes (attached with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load(request: Request) -> Response:
+        body = await request.json()
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return _error("Both 'lora_name' and 'lora_path' must be provided.", 400, kind="InvalidUserInput")
+        if name in s.peer.adapters:
+            return _error(f"The lora adapter '{name}' has already been loaded.", 400, kind="InvalidUserInput")
+        try:
+            if not s.enable_lora:
+                raise ValueError("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+            cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+            if int(cfg["r"]) > s.max_lora_rank:
+                raise ValueError(f"LoRA rank {cfg['r']} is greater than max_lora_rank {s.max_lora_rank}.")
+            await asyncio.to_thread(s.peer.load_adapter, name, path)
+        except (OSError, ValueError, KeyError) as e:
+            return _error(str(e), 400)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload(request: Request) -> Response:
+        name = (await request.json()).get("lora_name")
+        if not name:
+            return _error("either 'lora_name' and 'lora_int_id' needs to be provided.", 400, kind="InvalidUserInput")
+        if name not in s.peer.adapters:
+            return _error(f"The lora adapter '{name}' cannot be found.", 404)
+        s.peer.unload_adapter(name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
 
 def _fail(message: str, status: int = 500) -> JSONResponse:
@@ -340,13 +402,23 @@ def main() -> None:
     ap.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"])
     ap.add_argument("--weight-transfer-backend", default=None, choices=["nccl", "disk"])
     ap.add_argument("--rl-router", default="0100a212", choices=["0100a212", "1ace43ed", "none"])
+    ap.add_argument("--enable-lora", action="store_true")
+    ap.add_argument("--max-lora-rank", type=int, default=16)
+    ap.add_argument("--max-loras", type=int, default=1)
     args, _ = ap.parse_known_args()
     if args.weight_transfer_backend == "disk" and args.rl_router != "0100a212":
         ap.error(f"--weight-transfer-backend disk does not exist at {args.rl_router} (nccl only)")
     dev = os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
     listen(
         build_app(
-            VLLMStandIn(args.served_model_name, args.logprobs_mode, args.weight_transfer_backend, args.rl_router), dev
+            VLLMStandIn(
+                args.served_model_name,
+                args.logprobs_mode,
+                args.weight_transfer_backend,
+                args.rl_router,
+                (args.enable_lora, args.max_lora_rank),
+            ),
+            dev,
         ),
         "vllm stand-in",
         args.host,
