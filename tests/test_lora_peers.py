@@ -94,7 +94,9 @@ def test_adapters_reach_the_server_under_a_versioned_name(peer, tiny_model, tmp_
         trainer.update_weights(eng)
         check_serves(eng, trainer, ps, g, 4, "v4-")
         # the adapter it replaced is gone from the server
-        old = (SGLangBackend() if peer == "sglang" else VLLMBackend("tiny")).generate("x", ps[0], g, 2, 0, "relayrl-v3")
+        old = (SGLangBackend() if peer == "sglang" else VLLMBackend("tiny")).generate(
+            "x", ps[0], g, 2, 0, adapter="relayrl-v3"
+        )
         r = httpx.post(url + old.path, json=old.json, timeout=30)
         assert r.status_code == (400 if peer == "sglang" else 404) and "relayrl-v3" in r.text
         if peer == "sglang":  # a server that comes back (restarted: no adapter) is given the current one
@@ -103,9 +105,9 @@ def test_adapters_reach_the_server_under_a_versioned_name(peer, tiny_model, tmp_
             back = Peer("sglang", ["--enable-lora", "--max-lora-rank", str(RANK)]).start(port=port)
             try:
                 deadline = time.monotonic() + 60
-                while eng.stats["readmissions"] < 1 and time.monotonic() < deadline:
+                while eng.counters["readmissions"] < 1 and time.monotonic() < deadline:
                     time.sleep(0.1)
-                assert eng.stats["evictions"] == 1 and eng.stats["readmissions"] == 1
+                assert eng.counters["evictions"] == 1 and eng.counters["readmissions"] == 1
                 check_serves(eng, trainer, ps, g, 4, "back-")
             finally:
                 back.stop()
@@ -161,9 +163,9 @@ def test_config_errors_name_the_fields(tmp_path):
 def test_request_shapes():
     g = GenerationConfig(max_new_tokens=4, greedy=True)
     sg = SGLangBackend()
-    assert sg.generate("r", [1, 2], g, 4, 0, "relayrl-v7").json["lora_path"] == "relayrl-v7"  # type: ignore[index]
+    assert sg.generate("r", [1, 2], g, 4, 0, adapter="relayrl-v7").json["lora_path"] == "relayrl-v7"  # type: ignore[index]
     assert "lora_path" not in sg.generate("r", [1, 2], g, 4, 0).json  # type: ignore[operator]
-    [(batched, _)] = sg.batch([sg.generate("a", [1], g, 4, 0, "relayrl-v7"), sg.generate("b", [2], g, 4, 0)])
+    [(batched, _)] = sg.batch([sg.generate("a", [1], g, 4, 0, adapter="relayrl-v7"), sg.generate("b", [2], g, 4, 0)])
     assert batched.json["lora_path"] == ["relayrl-v7", None]  # type: ignore[index]
     load = sg.load_adapter("relayrl-v7", "/shared/relayrl-v7")
     assert (load.path, load.json) == (
@@ -178,7 +180,7 @@ def test_request_shapes():
         sg.parse_adapter_load("relayrl-v7", {"success": True, "loaded_adapters": {}})
 
     vl = VLLMBackend("Qwen/Qwen3-0.6B")
-    assert vl.generate("r", [1], g, 4, 0, "relayrl-v7").json["model"] == "relayrl-v7"  # type: ignore[index]
+    assert vl.generate("r", [1], g, 4, 0, adapter="relayrl-v7").json["model"] == "relayrl-v7"  # type: ignore[index]
     assert vl.generate("r", [1], g, 4, 0).json["model"] == "Qwen/Qwen3-0.6B"  # type: ignore[index]
     assert vl.load_adapter("n", "/p").path == "/v1/load_lora_adapter"
     assert vl.unload_adapter("n").json == {"lora_name": "n"}
@@ -187,11 +189,11 @@ def test_request_shapes():
 def test_launch_flags():
     cfg = InferenceConfig(weight_sync_dir="/shared")
     lora = LoraConfig(rank=12, target_modules=["q_proj", "v_proj"])
-    sg = server_command("sglang", cfg, "M", 30000, lora)
+    sg = server_command("sglang", cfg, "M", 30000, lora=lora)
     assert sg[sg.index("--max-lora-rank") + 1] == "12" and "--enable-lora" in sg
     assert sg[sg.index("--lora-target-modules") + 1 : sg.index("--lora-target-modules") + 3] == ["q_proj", "v_proj"]
-    assert "all" in server_command("sglang", cfg, "M", 1, LoraConfig(rank=4))
-    vl = server_command("vllm", cfg, "M", 30000, lora)
+    assert "all" in server_command("sglang", cfg, "M", 1, lora=LoraConfig(rank=4))
+    vl = server_command("vllm", cfg, "M", 30000, lora=lora)
     assert vl[vl.index("--max-lora-rank") + 1] == "16"  # rounded up to a rank vLLM accepts
     assert server_env("vllm", cfg, 0, lora)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert "--enable-lora" not in server_command("vllm", cfg, "M", 1)

@@ -122,7 +122,9 @@ class VLLMStandIn:
         while self.paused:  # new requests wait while paused
             await asyncio.sleep(0.01)
         rid = body.get("request_id") or f"cmpl-{uuid.uuid4().hex}"
-        outs = await asyncio.gather(*(self.peer.generate(f"{rid}-{i}", p, g, adapter) for i, p in enumerate(prompts)))
+        outs = await asyncio.gather(
+            *(self.peer.generate(f"{rid}-{i}", p, g, adapter=adapter) for i, p in enumerate(prompts))
+        )
         k = body.get("logprobs")
         choices = []
         for i, (p, r) in enumerate(zip(prompts, outs, strict=True)):
