@@ -14,7 +14,7 @@ import json
 import typing
 from collections.abc import Awaitable, Callable
 
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionMessageFunctionToolCall
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
@@ -58,7 +58,11 @@ def tool_agent_workflow(
             messages.append(message)
             for call in message.tool_calls:
                 try:
-                    expr = str(json.loads(call.function.arguments).get("expr", ""))  # type: ignore[union-attr]
+                    expr = str(
+                        json.loads(typing.cast(ChatCompletionMessageFunctionToolCall, call).function.arguments).get(
+                            "expr", ""
+                        )
+                    )
                 except (json.JSONDecodeError, AttributeError):
                     expr = ""
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import typing
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -282,7 +283,7 @@ class OpenAIClient:
                     "a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
                 )
             name = named
-            known = [t["function"]["name"] for t in tools or []]  # type: ignore[index]
+            known = [typing.cast(dict[str, str], t["function"])["name"] for t in tools or []]
             if name not in known:
                 raise RequestError(f"tool_choice names {name!r}, which is not among the tools {known}", "tool_choice")
         if name not in ("auto", "none") and not tools:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.chat import ChatCompletionChunk
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageFunctionToolCall
 from openai.types.chat.chat_completion_chunk import (
     Choice,
     ChoiceDelta,
@@ -145,9 +145,10 @@ async def stream_chat(client: OpenAIClient, plan: ChatPlan, include_usage: bool)
                 index=j,
                 id=t.id,
                 type="function",
-                function=ChoiceDeltaToolCallFunction(name=t.function.name, arguments=t.function.arguments),  # type: ignore[union-attr]
+                function=ChoiceDeltaToolCallFunction(name=t.function.name, arguments=t.function.arguments),
             )
             for j, t in enumerate(c.message.tool_calls or [])
+            if isinstance(t, ChatCompletionMessageFunctionToolCall)  # the client only makes function calls
         ]
         if rest or calls:
             yield chunk(c.index, ChoiceDelta(content=rest or None, tool_calls=calls or None))

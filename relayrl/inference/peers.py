@@ -101,7 +101,7 @@ def detect_sglang(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
         live[0] if live else "/health",
         server=server,
         lora=bool(info["enable_lora"]) if "enable_lora" in info else None,  # SGLang's server args
-        max_lora_rank=int(info.get("max_lora_rank") or 0),  # type: ignore[call-overload]
+        max_lora_rank=int(typing.cast(int, info.get("max_lora_rank") or 0)),
     )
 
 

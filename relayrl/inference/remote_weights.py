@@ -55,11 +55,15 @@ class WeightSync:
     _admin: Callable[..., object]
     _fan_out: Callable[..., None]
     _evict: Callable[..., None]
+    # from AdapterSync (remote_lora.py)
+    accepts_adapters: bool
+    _load_adapter: Callable[[_Server, str, int], None]
+    _write_adapter: Callable[[WeightUpdate], str]
 
     def _push(self, srv: _Server, weights: tuple[str, str | bytes | dict[str, torch.Tensor]], version: int) -> None:
         kind, data = weights
         if kind == "adapter":
-            self._load_adapter(srv, str(data), version)  # type: ignore[attr-defined]
+            self._load_adapter(srv, str(data), version)
             return
         if kind == "broadcast":  # a server (re)joining: the group is rebuilt with it in
             tensors = typing.cast(dict[str, torch.Tensor], data)
@@ -232,9 +236,9 @@ class WeightSync:
         if update.kind == "disk":
             return ("disk", update.path)
         if update.kind == "adapter":
-            if not self.accepts_adapters:  # type: ignore[attr-defined]
+            if not self.accepts_adapters:
                 raise ValueError("WeightUpdate(kind='adapter') needs model.lora.sync=adapter and SGLang / vLLM servers")
-            return ("adapter", self._write_adapter(update))  # type: ignore[attr-defined]
+            return ("adapter", self._write_adapter(update))
         assert update.tensors is not None
         mode = self._sync_mode()
         if mode == "broadcast":

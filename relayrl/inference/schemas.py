@@ -9,7 +9,7 @@ only against the form it was sent in, so an error is reported once, at its own p
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, model_validator
 
@@ -37,12 +37,13 @@ class SamplingParams(_Body):
     n: int = Field(1, ge=1, le=1, description="one sample per request")
 
 
-def _one_or_many(t: type) -> object:
-    """``t`` or a list of ``t`` (SGLang batch fields: one value for all items, or one per item)."""
-    return Annotated[
-        Annotated[t, Tag("<one>")] | Annotated[list[t], Tag("<many>")],  # type: ignore[valid-type]
-        Discriminator(lambda v: "<many>" if isinstance(v, list) else "<one>"),
-    ]
+def _one_or_many_tag(v: object) -> str:
+    return "<many>" if isinstance(v, list) else "<one>"
+
+
+_T = TypeVar("_T")
+# ``T`` or a list of ``T`` (SGLang batch fields: one value for all items, or one per item)
+OneOrMany = Annotated[Annotated[_T, Tag("<one>")] | Annotated[list[_T], Tag("<many>")], Discriminator(_one_or_many_tag)]
 
 
 ImageData = str  # SGLang's image item: base64 text, a data: URL or a file path on the server
@@ -71,10 +72,10 @@ class GenerateBatchRequest(_Body):
     input_ids: list[list[TokenId]] | None = Field(None, min_length=1)
     text: list[str] | None = Field(None, min_length=1)
     image_data: list[ImageData | list[ImageData] | None] | None = Field(None, description="one entry per item")
-    sampling_params: _one_or_many(SamplingParams) = Field(default_factory=SamplingParams)  # type: ignore[valid-type]
-    return_logprob: _one_or_many(bool) = False  # type: ignore[valid-type]
-    return_routed_experts: _one_or_many(bool) = False  # type: ignore[valid-type]
-    rid: _one_or_many(str) | None = Field(None, description="one per item, or a prefix (item i gets '<rid>-<i>')")  # type: ignore[valid-type]
+    sampling_params: OneOrMany[SamplingParams] = Field(default_factory=SamplingParams)
+    return_logprob: OneOrMany[bool] = False
+    return_routed_experts: OneOrMany[bool] = False
+    rid: OneOrMany[str] | None = Field(None, description="one per item, or a prefix (item i gets '<rid>-<i>')")
     stream: bool = Field(False, description="streaming is not supported")
     stream_items: bool = Field(
         False,

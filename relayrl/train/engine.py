@@ -44,6 +44,9 @@ from relayrl.utils.moe import RoutingReplay, routing_shape
 HEADS = ("lm", "value", "reward")
 TRAIN_STATE = "train_state.pt"
 
+if typing.TYPE_CHECKING:
+    from peft import PeftModel
+
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a NaN/inf loss or gradient."""
@@ -481,7 +484,7 @@ class AdapterOffReference(TorchTrainEngine):
 
     @torch.no_grad()
     def forward(self, batch: TensorDict, post_fn: PostFn | None = None, temperature: float = 1.0) -> torch.Tensor:
-        with self._require().disable_adapter():  # type: ignore[operator]
+        with typing.cast("PeftModel", self._require()).disable_adapter():
             return super().forward(batch, post_fn, temperature)
 
 

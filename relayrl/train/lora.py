@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import types
+import typing
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from relayrl.api.config import LoraConfig
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # the one adapter the trainer trains
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+if typing.TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def _peft() -> types.ModuleType:
@@ -136,10 +140,10 @@ def adapter_config_json(model: nn.Module, base_path: str) -> str:
     """The ``adapter_config.json`` text peft writes for the trainer's adapter (written by peft itself)."""
     import tempfile
 
-    config = model.peft_config[ADAPTER]  # type: ignore[index]
-    config.base_model_name_or_path = base_path  # type: ignore[union-attr]
+    config = typing.cast("PeftModel", model).peft_config[ADAPTER]
+    config.base_model_name_or_path = base_path
     with tempfile.TemporaryDirectory() as d:
-        config.save_pretrained(d)  # type: ignore[union-attr]
+        config.save_pretrained(d)
         with open(os.path.join(d, "adapter_config.json")) as fh:
             return fh.read()
 
