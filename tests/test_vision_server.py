@@ -1,5 +1,6 @@
 """Images over the wire: a real `relayrl serve` process (tiny Qwen2-VL) takes SGLang's ``image_data``
-and OpenAI image content parts; RemoteEngine sends ``ModelRequest.image_data`` in SGLang's form.
+and OpenAI image content parts; RemoteEngine sends ``ModelRequest.image_data`` in SGLang's form, and
+to vLLM (its stand-in) as rendered features on the token-in route.
 
 Every completion is checked against an independent reference: the same seeded model in this
 process, one teacher-forced Hugging Face forward over prompt + completion with the images.
@@ -19,6 +20,7 @@ from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.data.vision import build_image_processor, build_tiny_vl_model, build_vl_tokenizer, encode_prompt
 from relayrl.inference.backends import VLLMBackend, wire_image
 from relayrl.inference.launcher import launch_servers
+from relayrl.inference.peers import IMAGE_ROUTES, PeerInfo, UnsupportedServer, require_image_routes
 from relayrl.inference.remote import RemoteEngine
 from tests.test_vision import squares, teacher_forced_logprobs
 
@@ -110,9 +112,29 @@ def test_remote_engine_sends_image_data(served, local, protocol):
         eng.destroy()
 
 
-def test_vllm_backend_refuses_images_with_reason():
-    with pytest.raises(ValueError, match="vLLM's /v1/completions takes no images with a token-id prompt"):
+def test_vllm_image_features_placed_on_the_prompt():
+    """vLLM's rendered features move onto our prompt's placeholder runs; a run of another length is refused."""
+    rendered = {
+        "token_ids": [7, 9, 5, 5, 5, 8, 9, 5, 5, 8],
+        "features": {
+            "mm_hashes": {"image": ["a", "b"]},
+            "mm_placeholders": {"image": [{"offset": 2, "length": 3}, {"offset": 7, "length": 2}]},
+            "kwargs_data": {"image": ["A", "B"]},
+        },
+    }
+    ours = [1, 2, 3, 9, 5, 5, 5, 8, 4, 9, 5, 5, 8, 6]
+    f = VLLMBackend.image_features("r", ours, rendered)
+    assert f["mm_placeholders"] == {"image": [{"offset": 4, "length": 3}, {"offset": 10, "length": 2}]}
+    assert f["kwargs_data"] == {"image": ["A", "B"]} and f["mm_hashes"] == {"image": ["a", "b"]}
+    with pytest.raises(ValueError, match="request 'r': image 1 takes 2 placeholder tokens .* next run has 3 tokens"):
+        VLLMBackend.image_features("r", [9, 5, 5, 5, 8, 9, 5, 5, 5, 8], rendered)
+    with pytest.raises(ValueError, match="render_images first"):
         VLLMBackend().generate("r", [1, 2], GenerationConfig(), 4, 0, ["data:image/png;base64,AAAA"])
+    # a vLLM whose openapi.json lacks the routes is refused at the first image request, naming them
+    old = PeerInfo("vllm", "0.8.5", routes={"/v1/completions", "/pause"})
+    with pytest.raises(UnsupportedServer, match="lacks /v1/chat/completions/render, /inference/v1/generate"):
+        require_image_routes(old, "http://h:1")
+    require_image_routes(PeerInfo("vllm", "0.20", routes={*IMAGE_ROUTES}), "http://h:1")
 
 
 def test_remote_engine_to_the_sglang_stand_in_with_images(local):
@@ -137,6 +159,45 @@ def test_remote_engine_to_the_sglang_stand_in_with_images(local):
 
         for vp, resp in zip(vps, asyncio.run(go()), strict=True):
             check(model, vp, resp.output_tokens, resp.output_logprobs)
+    finally:
+        eng.destroy()
+        peer.stop()
+
+
+def test_remote_engine_to_the_vllm_stand_in_with_images(local):
+    """The vLLM stand-in (render + /inference/v1/generate) behind RemoteEngine(protocol=vllm): image
+    prompts generate through the token-in route; text prompts still go to /v1/completions."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from peers import start
+
+    tok, proc, model = local
+    peer = start("vllm", "--model-path", "tiny-vl", "--logprobs-mode", "processed_logprobs")
+    eng = RemoteEngine(InferenceConfig(backend="remote", protocol="vllm"), addresses=[peer.address])
+    eng.initialize()
+    try:
+        assert set(IMAGE_ROUTES) <= eng.servers[0].info.routes  # read from the stand-in's /openapi.json at connect
+        vps = [encode_prompt(tok, proc, [{"role": "user", "content": "n?"}], [squares(k, seed=k)]) for k in (1, 3)]
+        vps.append(encode_prompt(tok, proc, [{"role": "user", "content": "two"}], [squares(1), squares(2, seed=4)]))
+        g = GenerationConfig(max_new_tokens=5, temperature=0.7, ignore_eos=True)
+
+        async def go():
+            reqs = [ModelRequest(f"m{i}", vp.input_ids, g, image_data=vp.image_data) for i, vp in enumerate(vps)]
+            return await asyncio.gather(*(eng.agenerate(r) for r in reqs))
+
+        calls = eng.counters["http_calls"]
+        for vp, resp in zip(vps, asyncio.run(go()), strict=True):
+            assert resp.output_len == 5
+            check(model, vp, resp.output_tokens, resp.output_logprobs, 0.7)
+        assert eng.counters["http_calls"] - calls == 2 * len(vps)  # one render + one generate per prompt
+        # an image prompt whose placeholder runs differ from vLLM's render: refused, naming the request
+        ids, pad = vps[0].input_ids, tok.convert_tokens_to_ids("<|image_pad|>")
+        cut = ids[: ids.index(pad)] + ids[ids.index(pad) + 1 :]  # one placeholder token short
+        short = ModelRequest("bad", cut, g, image_data=vps[0].image_data)
+        with pytest.raises(ValueError, match="request 'bad': image 0 takes"):
+            asyncio.run(eng.agenerate(short))
     finally:
         eng.destroy()
         peer.stop()

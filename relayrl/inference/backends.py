@@ -23,6 +23,11 @@ payloads documented by its project:
   ``/unload_lora_adapter`` ``{"lora_name", "lora_path"}``, the adapter named per request in
   ``/generate``'s ``lora_path``; vLLM ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
   (same fields), the adapter named as the request's ``model``.
+- Images: SGLang (and relayrl) take ``image_data`` beside ``input_ids``. vLLM's ``/v1/completions``
+  takes none with a token-id prompt, so a prompt with images is two calls: ``/v1/chat/completions/render``
+  of a message holding only the images (its ``features``: per image a hash, a placeholder range and
+  the processed tensors, opaque here), then ``/inference/v1/generate`` with our ``token_ids``, those
+  features placed on our prompt's placeholder runs, and vLLM's ``sampling_params``.
 
 Batches (``batch`` / ``split``): several generate calls to one server become one HTTP call in
 each project's documented batch form. SGLang's ``/generate`` takes lists (``rid``,
@@ -76,6 +81,8 @@ class Call:
 
 
 WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
+RENDER_CHAT = "/v1/chat/completions/render"  # vLLM: messages -> token ids + multimodal features
+GENERATE_TOKENS = "/inference/v1/generate"  # vLLM: token ids (+ features) -> token ids + logprobs
 
 
 def wire_image(image: str | bytes) -> str:
@@ -133,8 +140,10 @@ class SGLangBackend:
         min_new: int,
         images: list[str] | None = None,
         adapter: str = "",
+        features: JsonDict | None = None,
     ) -> Call:
-        """``adapter``: the name of a loaded LoRA adapter to generate with (SGLang's ``lora_path``)."""
+        """``adapter``: the name of a loaded LoRA adapter to generate with (SGLang's ``lora_path``).
+        ``features`` is vLLM's (rendered images); SGLang takes the images themselves."""
         body: JsonDict = {
             "rid": rid,
             "input_ids": list(input_ids),
@@ -331,13 +340,15 @@ class VLLMBackend:
         min_new: int,
         images: list[str] | None = None,
         adapter: str = "",
+        features: JsonDict | None = None,
     ) -> Call:
-        """``adapter``: a loaded LoRA adapter to generate with (vLLM serves it as a model of that name)."""
-        if images:
-            raise ValueError(
-                f"request {rid!r}: vLLM's /v1/completions takes no images with a token-id prompt (its images come "
-                "through chat messages, re-rendered by the server); use inference.protocol=sglang or relayrl"
-            )
+        """``adapter``: a loaded LoRA adapter to generate with (vLLM serves it as a model of that name).
+        A prompt with images goes to the token-in route with their rendered ``features``
+        (``render_images`` then ``image_features``): ``/v1/completions`` takes no images with token ids."""
+        if images and features is None:
+            raise ValueError(f"request {rid!r}: images go to vLLM as rendered features (render_images first)")
+        if features is not None:
+            return self._generate_tokens(rid, input_ids, g, max_new, min_new, features, adapter)
         body: JsonDict = {
             "model": adapter or self.model,
             "prompt": list(input_ids),
@@ -359,11 +370,91 @@ class VLLMBackend:
         }
         return Call("POST", "/v1/completions", body)
 
+    def _generate_tokens(
+        self,
+        rid: str,
+        input_ids: list[int],
+        g: GenerationConfig,
+        max_new: int,
+        min_new: int,
+        features: JsonDict,
+        adapter: str,
+    ) -> Call:
+        """vLLM's token-in/token-out route: ``token_ids`` with the images' ``features`` and vLLM's own
+        ``SamplingParams`` fields; the reply's choices carry ``token_ids`` and chat-style logprobs."""
+        sp: JsonDict = {
+            "max_tokens": max_new,
+            "min_tokens": min_new,
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "top_p": g.top_p,
+            "top_k": -1 if g.top_k == 0 else g.top_k,
+            "stop": list(g.stop),
+            "stop_token_ids": list(g.stop_token_ids),
+            "ignore_eos": g.ignore_eos,
+            **_penalties(g),
+            "logprobs": 0,
+            "skip_special_tokens": False,
+            "n": 1,
+        }
+        body: JsonDict = {
+            "model": adapter or self.model,
+            "request_id": rid,
+            "token_ids": list(input_ids),
+            "features": features,
+            "sampling_params": sp,
+            "stream": False,
+        }
+        return Call("POST", GENERATE_TOKENS, body)
+
+    def render_images(self, images: list[str], adapter: str = "") -> Call:
+        """vLLM's render step for a prompt's images (one user message of image content parts): its
+        ``features`` carry each image's hash, placeholder range and processed tensors."""
+        parts: list[object] = [{"type": "image_url", "image_url": {"url": u}} for u in images]
+        messages: list[object] = [{"role": "user", "content": parts}]
+        return Call("POST", RENDER_CHAT, {"model": adapter or self.model, "messages": messages})
+
+    @staticmethod
+    def image_features(rid: str, input_ids: list[int], body: object) -> JsonDict:
+        """The rendered ``features`` placed on this prompt: image ``j``'s range is the ``j``-th run of its
+        placeholder token in ``input_ids`` (the render's own prompt is vLLM's chat template, not ours),
+        which must be as long as vLLM's (same processor); else a ``ValueError`` naming the image."""
+        feats = body.get("features") if isinstance(body, dict) else None
+        ids = body.get("token_ids") if isinstance(body, dict) else None
+        if not isinstance(feats, dict) or not isinstance(ids, list):
+            raise ProtocolError(f"{RENDER_CHAT} reply lacks token_ids / features: {str(body)[:200]}")
+        try:
+            ranges = [(int(p["offset"]), int(p["length"])) for p in feats["mm_placeholders"]["image"]]
+            hashes, kwargs = list(feats["mm_hashes"]["image"]), list(feats["kwargs_data"]["image"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"{RENDER_CHAT} features lack image hashes / placeholders / kwargs_data: {e!r}") from e
+        if not len(ranges) == len(hashes) == len(kwargs):
+            raise ProtocolError(f"{RENDER_CHAT}: {len(ranges)} placeholders, {len(hashes)} hashes, {len(kwargs)} items")
+        placed: list[object] = []
+        pos = 0
+        for j, (offset, length) in enumerate(ranges):
+            token = int(ids[offset])
+            start = next((i for i in range(pos, len(input_ids)) if input_ids[i] == token), len(input_ids))
+            end = start
+            while end < len(input_ids) and input_ids[end] == token:
+                end += 1
+            if end - start != length:
+                got = f"{end - start} tokens" if end > start else "none"
+                raise ValueError(
+                    f"request {rid!r}: image {j} takes {length} placeholder tokens (id {token}) in vLLM's render, "
+                    f"the prompt's next run has {got} (a different image processor or too few image blocks)"
+                )
+            placed.append({"offset": start, "length": length})
+            pos = end
+        return {"mm_hashes": {"image": hashes}, "mm_placeholders": {"image": placed}, "kwargs_data": {"image": kwargs}}
+
     def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
         """Calls that differ only in their prompt share one call (vLLM takes one set of sampling
         parameters per request): (call, indices of the items it carries)."""
         groups: dict[str, list[int]] = {}
         for i, c in enumerate(calls):
+            if c.path != "/v1/completions":  # the token-in route takes one prompt per call
+                groups[f"{i}"] = [i]
+                continue
             key = repr([(k, v) for k, v in (c.json or {}).items() if k not in ("prompt", "request_id")])
             groups.setdefault(key, []).append(i)
         out = []
@@ -396,6 +487,8 @@ class VLLMBackend:
         choice = body["choices"][0]
         lp = choice.get("logprobs") or {}
         token_logprobs = lp.get("token_logprobs") or []
+        if "content" in lp:  # the token-in route: chat-style entries, one per output token
+            token_logprobs = [c.get("logprob") for c in lp["content"] or []]
         tokens = choice.get("token_ids")
         if tokens is None:
             texts = lp.get("tokens") or []

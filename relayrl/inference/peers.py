@@ -184,3 +184,18 @@ def require_routes(info: PeerInfo, url: str, sync: str) -> None:
         raise UnsupportedServer(
             f"{url} (vLLM {info.version}) lacks {', '.join(missing)}, which weight_sync={sync} needs"
         )
+
+
+IMAGE_ROUTES = ("/v1/chat/completions/render", "/inference/v1/generate")
+
+
+def require_image_routes(info: PeerInfo | None, url: str) -> None:
+    """A request with images to a vLLM server needs its render and token-in generate routes."""
+    if info is None or info.protocol != "vllm" or not info.routes:
+        return
+    missing = [r for r in IMAGE_ROUTES if r not in info.routes]
+    if missing:
+        raise UnsupportedServer(
+            f"{url} (vLLM {info.version}) lacks {', '.join(missing)}, which requests with images need "
+            "(vLLM's render + token-in generate; /v1/completions takes no images with token ids)"
+        )

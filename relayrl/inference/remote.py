@@ -49,9 +49,9 @@ import torch
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, StopReason
-from relayrl.inference.backends import Call, ProtocolError, ServerError, VLLMBackend, make_backend, wire_image
+from relayrl.inference.backends import Call, JsonDict, ProtocolError, ServerError, VLLMBackend, make_backend, wire_image
 from relayrl.inference.batcher import MicroBatcher
-from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_routes
+from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_image_routes, require_routes
 from relayrl.inference.remote_lora import AdapterSync
 from relayrl.inference.remote_vllm import VLLMWeightSync
 from relayrl.inference.remote_weights import DEAD_ERRORS
@@ -356,6 +356,7 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
         logps: list[float] = []
         versions: list[int] = []
         routed: torch.Tensor | None = None
+        features: JsonDict | None = None  # vLLM: the images rendered by the server (once per request)
         ttft, attempt = 0.0, 0
         stop: StopReason | None = None
         while stop is None:
@@ -374,20 +375,25 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
                 self._release(srv)
                 await asyncio.sleep(0.005)
                 continue
-            # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
-            call = self.backend.generate(
-                f"{req.rid}-{next(self._wire_ids)}",
-                req.input_ids + tokens,
-                g,
-                remaining,
-                max(0, g.min_new_tokens - len(tokens)),
-                images,
-                srv.adapter,
-            )
             sent_version = srv.version  # what produced these tokens when the server reports no version
             adapter = srv.adapter  # with an adapter, its name carries the version (the server's is the base's)
             self.counters["requests"] += 1
             try:
+                if images and features is None and isinstance(self.backend, VLLMBackend):
+                    require_image_routes(srv.info, srv.url)  # vLLM: render the images once, then token-in
+                    rendered = await self._send(srv.url, self.backend.render_images(images, srv.adapter))
+                    features = self.backend.image_features(req.rid, req.input_ids, rendered)
+                # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
+                call = self.backend.generate(
+                    f"{req.rid}-{next(self._wire_ids)}",
+                    req.input_ids + tokens,
+                    g,
+                    remaining,
+                    max(0, g.min_new_tokens - len(tokens)),
+                    images,
+                    srv.adapter,
+                    features,
+                )
                 body = await self._generate_call(srv, call)
             except DEAD_ERRORS as e:
                 self._evict(srv, repr(e))

@@ -39,8 +39,15 @@ unload of an unknown name 404 ``NotFoundError``; a loaded adapter is served as a
 (the request's ``model``) and listed by ``/v1/models`` with ``parent`` the base; an unload drops the
 name only (requests already running on it finish).
 
+Images (``vllm/entrypoints/serve/disagg/protocol.py`` and ``serving.py``, read at 0001948b; the
+routes are in ``tests/peers/vllm_tokens.py``): ``/v1/chat/completions/render`` turns chat messages
+with image content parts into ``token_ids`` and ``features`` (``mm_hashes``, ``mm_placeholders``
+``{offset, length}``, ``kwargs_data``: one base64 item per image); ``/inference/v1/generate`` takes
+``token_ids``, ``features`` and ``sampling_params`` and answers ``choices`` with ``token_ids`` and
+chat-style ``logprobs.content``. A text model (``--model-path tiny``) refuses images.
+
 Run: ``python tests/peers/vllm_server.py [--port 0] [--served-model-name NAME] [--logprobs-mode M]
-[--weight-transfer-backend nccl|disk] [--rl-router 0100a212|1ace43ed|none]``
+[--weight-transfer-backend nccl|disk] [--rl-router 0100a212|1ace43ed|none] [--model-path tiny|tiny-vl]``
 (``VLLM_SERVER_DEV_MODE=1`` in the environment adds the RL and ``/collective_rpc`` routes).
 """
 
@@ -60,10 +67,9 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_tokens  # noqa: E402
 import vllm_transfer  # noqa: E402
 from _core import TinyPeer, listen  # noqa: E402
-
-from relayrl.api.io import GenerationConfig  # noqa: E402
 
 VERSION = "0.15.0"
 
@@ -84,11 +90,12 @@ class VLLMStandIn:
         transfer: str | None = None,
         router: str = "0100a212",
         lora: tuple[bool, int] = (False, 16),
+        model: str = "tiny",
     ) -> None:
         self.served, self.logprobs_mode = served, logprobs_mode
         self.enable_lora, self.max_lora_rank = lora
         self.transfer, self.router = transfer, router
-        self.peer = TinyPeer()
+        self.peer = TinyPeer(model=model)
         self.paused = False
         self.version = 0  # weights loaded so far
         self.weight_version: str | None = None  # what /finish_weight_update set (0100a212 layout)
@@ -106,19 +113,7 @@ class VLLMStandIn:
         prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
         if not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
             return _error("the stand-in takes token-id prompts only", 400, "prompt")
-        t = float(body.get("temperature", 1.0))
-        stop = body.get("stop") or []
-        g = GenerationConfig(
-            max_new_tokens=int(body.get("max_tokens") or 16),
-            min_new_tokens=int(body.get("min_tokens", 0)),
-            greedy=t < 1e-5,
-            temperature=1.0 if t < 1e-5 else t,
-            top_p=float(body.get("top_p", 1.0)),
-            top_k=max(0, int(body.get("top_k", -1) or -1)),
-            stop=[stop] if isinstance(stop, str) else list(stop),
-            stop_token_ids=list(body.get("stop_token_ids") or []),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-        )
+        t, g = vllm_tokens.sampling(body)
         while self.paused:  # new requests wait while paused
             await asyncio.sleep(0.01)
         rid = body.get("request_id") or f"cmpl-{uuid.uuid4().hex}"
@@ -185,6 +180,7 @@ class VLLMStandIn:
 def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
     app = FastAPI()
     app.post("/v1/completions")(s.completions)
+    vllm_tokens.token_routes(app, s)
 
     @app.get("/stand_in")
     async def stand_in() -> dict[str, object]:  # test introspection, not a vLLM route: how it was started
@@ -407,6 +403,7 @@ def main() -> None:
     ap.add_argument("--enable-lora", action="store_true")
     ap.add_argument("--max-lora-rank", type=int, default=16)
     ap.add_argument("--max-loras", type=int, default=1)
+    ap.add_argument("--model-path", default="tiny", help="tiny, or tiny-vl / tiny-vl2.5 (takes images)")
     args, _ = ap.parse_known_args()
     if args.weight_transfer_backend == "disk" and args.rl_router != "0100a212":
         ap.error(f"--weight-transfer-backend disk does not exist at {args.rl_router} (nccl only)")
@@ -419,6 +416,7 @@ def main() -> None:
                 args.weight_transfer_backend,
                 args.rl_router,
                 (args.enable_lora, args.max_lora_rank),
+                args.model_path,
             ),
             dev,
         ),
