@@ -347,11 +347,7 @@ class VLLMBackend:
         (``render_images`` then ``image_features``): ``/v1/completions`` takes no images with token ids."""
         if images and features is None:
             raise ValueError(f"request {rid!r}: images go to vLLM as rendered features (render_images first)")
-        if features is not None:
-            return self._generate_tokens(rid, input_ids, g, max_new, min_new, features, adapter)
-        body: JsonDict = {
-            "model": adapter or self.model,
-            "prompt": list(input_ids),
+        sp: JsonDict = {  # vLLM's SamplingParams fields, also CompletionRequest's
             "max_tokens": max_new,
             "min_tokens": min_new,
             "temperature": 0.0 if g.greedy else g.temperature,
@@ -362,49 +358,15 @@ class VLLMBackend:
             "ignore_eos": g.ignore_eos,
             **_penalties(g),
             "logprobs": 0,  # the sampled token's logprob only
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-            "request_id": rid,
-            "n": 1,
-            "stream": False,
-        }
-        return Call("POST", "/v1/completions", body)
-
-    def _generate_tokens(
-        self,
-        rid: str,
-        input_ids: list[int],
-        g: GenerationConfig,
-        max_new: int,
-        min_new: int,
-        features: JsonDict,
-        adapter: str,
-    ) -> Call:
-        """vLLM's token-in/token-out route: ``token_ids`` with the images' ``features`` and vLLM's own
-        ``SamplingParams`` fields; the reply's choices carry ``token_ids`` and chat-style logprobs."""
-        sp: JsonDict = {
-            "max_tokens": max_new,
-            "min_tokens": min_new,
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "top_p": g.top_p,
-            "top_k": -1 if g.top_k == 0 else g.top_k,
-            "stop": list(g.stop),
-            "stop_token_ids": list(g.stop_token_ids),
-            "ignore_eos": g.ignore_eos,
-            **_penalties(g),
-            "logprobs": 0,
             "skip_special_tokens": False,
             "n": 1,
         }
-        body: JsonDict = {
-            "model": adapter or self.model,
-            "request_id": rid,
-            "token_ids": list(input_ids),
-            "features": features,
-            "sampling_params": sp,
-            "stream": False,
-        }
-        return Call("POST", GENERATE_TOKENS, body)
+        model = adapter or self.model
+        if features is not None:  # the token-in route: choices carry token_ids and chat-style logprobs
+            body: JsonDict = {"model": model, "request_id": rid, "token_ids": list(input_ids), "features": features}
+            return Call("POST", GENERATE_TOKENS, {**body, "sampling_params": sp, "stream": False})
+        body = {"model": model, "prompt": list(input_ids), **sp, "return_tokens_as_token_ids": True}
+        return Call("POST", "/v1/completions", {**body, "request_id": rid, "stream": False})
 
     def render_images(self, images: list[str], adapter: str = "") -> Call:
         """vLLM's render step for a prompt's images (one user message of image content parts): its
