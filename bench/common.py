@@ -30,13 +30,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` from the repo root
 
+from relayrl.api.commands import SFTConfig, SFTDataConfig  # noqa: E402
 from relayrl.api.config import (  # noqa: E402
     InferenceConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
-    SFTConfig,
-    SFTDataConfig,
     TrainEngineConfig,
 )
 from relayrl.api.io import GenerationConfig  # noqa: E402

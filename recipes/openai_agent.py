@@ -111,13 +111,12 @@ def main(argv: list[str]) -> dict[str, float]:
 
     from relayrl.agents import OpenAIAgentWorkflow, OpenAIClient
     from relayrl.agents.templates import tool_tokenizer
+    from relayrl.api.commands import SFTConfig, SFTDataConfig
     from relayrl.api.config import (
         InferenceConfig,
         LoggingConfig,
         OptimizerConfig,
         RunConfig,
-        SFTConfig,
-        SFTDataConfig,
         TrainEngineConfig,
         load_config,
     )

@@ -73,7 +73,8 @@ def _serve(argv: list[str]) -> int:
     ):
         if value is not None:
             overrides.append(f"{key}={value}")
-    from relayrl.api.config import ConfigError, ServerConfig, load_config
+    from relayrl.api.commands import ServerConfig
+    from relayrl.api.config import ConfigError, load_config
 
     try:
         cfg = load_config(ServerConfig, path, overrides)
@@ -97,7 +98,8 @@ def _sft(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     overrides = [a for a in ns.args if a is not path]
-    from relayrl.api.config import ConfigError, SFTConfig, load_config
+    from relayrl.api.commands import SFTConfig
+    from relayrl.api.config import ConfigError, load_config
 
     try:
         cfg = load_config(SFTConfig, path, overrides)

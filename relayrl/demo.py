@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from relayrl.api.commands import SFTConfig, SFTDataConfig
 from relayrl.api.config import (
     ActorConfig,
     CheckpointConfig,
@@ -42,8 +43,6 @@ from relayrl.api.config import (
     OptimizerConfig,
     RolloutConfig,
     RunConfig,
-    SFTConfig,
-    SFTDataConfig,
     TrainEngineConfig,
 )
 from relayrl.api.io import GenerationConfig

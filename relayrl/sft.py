@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from relayrl.api.config import SFTConfig, SFTDataConfig, save_config
+from relayrl.api.commands import SFTConfig, SFTDataConfig
+from relayrl.api.config import save_config
 from relayrl.api.engine import TensorDict
 from relayrl.api.io import SaveLoadMeta
 from relayrl.data.datasets import read_records

@@ -440,7 +440,7 @@ async def _timed(coro):
 
 
 def test_sft_rows_of_agent_conversations_learn_every_assistant_turn():
-    from relayrl.api.config import SFTDataConfig
+    from relayrl.api.commands import SFTDataConfig
     from relayrl.sft import encode_row
 
     tok = tool_tokenizer("hermes", default_system="You are Qwen.")

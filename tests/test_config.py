@@ -18,14 +18,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relayrl.api.config import (
-    ConfigError,
-    RunConfig,
-    ServerConfig,
-    config_reference,
-    load_config,
-    save_config,
-)
+from relayrl.api.commands import ServerConfig
+from relayrl.api.config import ConfigError, RunConfig, config_reference, load_config, save_config
 from relayrl.api.io import GenerationConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "config.md"

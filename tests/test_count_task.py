@@ -126,7 +126,8 @@ def test_demonstration_errors_are_the_documented_kinds() -> None:
 
 
 def test_config_and_sft_wiring() -> None:
-    from relayrl.api.config import RunConfig, SFTConfig, load_config
+    from relayrl.api.commands import SFTConfig
+    from relayrl.api.config import RunConfig, load_config
     from relayrl.sft import sft_rows
     from relayrl.wiring import load_rows, reward_fn_for
 

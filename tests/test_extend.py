@@ -161,7 +161,7 @@ def test_bad_extension_values_fail_in_one_line_naming_field_and_path(user_pkg, t
 
 
 def test_sft_task_by_path(user_pkg):
-    from relayrl.api.config import SFTDataConfig
+    from relayrl.api.commands import SFTDataConfig
     from relayrl.sft import sft_rows
 
     train, held_out = sft_rows(SFTDataConfig(task="my_pkg.extras:tiny_add", n_train=3, n_eval=1), seed=0)

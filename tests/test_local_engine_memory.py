@@ -20,7 +20,8 @@ import httpx
 import pytest
 import torch
 
-from relayrl.api.config import ConfigError, InferenceConfig, ServerConfig, load_config
+from relayrl.api.commands import ServerConfig
+from relayrl.api.config import ConfigError, InferenceConfig, load_config
 from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.data.families import save_tiny_family
 from relayrl.inference.local import LocalEngine

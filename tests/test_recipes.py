@@ -198,14 +198,8 @@ def test_grpo_moe_recipe_reward_rises(tmp_path: Path):
     """recipes/algorithms/grpo_moe.yaml (Qwen3-MoE `tiny-moe`, routed-experts replay, aux loss) from a
     60-step SFT warm start on imperfect demonstrations (30% wrong): 40 GRPO steps raise the sampled
     accuracy on the training prompts (measured 0.53 -> 0.69 with seed 1)."""
-    from relayrl.api.config import (
-        LoggingConfig,
-        ModelConfig,
-        OptimizerConfig,
-        SFTConfig,
-        SFTDataConfig,
-        TrainEngineConfig,
-    )
+    from relayrl.api.commands import SFTConfig, SFTDataConfig
+    from relayrl.api.config import LoggingConfig, ModelConfig, OptimizerConfig, TrainEngineConfig
     from relayrl.data.models import build_tiny_model, build_tokenizer
     from relayrl.data.tasks import demonstrations, make_task
     from relayrl.rewards.tasks import task_reward_fn

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from relayrl.api.config import ModelConfig, SFTConfig, SFTDataConfig, TrainEngineConfig, load_config
+from relayrl.api.commands import SFTConfig, SFTDataConfig
+from relayrl.api.config import ModelConfig, TrainEngineConfig, load_config
 from relayrl.data.models import chat_ids
 from relayrl.sft import collate, encode_row, encode_rows, run_sft, sft_loss_fn, sft_loss_weight
 from relayrl.train.engine import TorchTrainEngine

@@ -3,7 +3,8 @@
 Importing this package is cheap: it needs torch and PyYAML, never transformers.
 """
 
-from relayrl.api.config import ConfigError, RunConfig, ServerConfig, load_config
+from relayrl.api.commands import ServerConfig
+from relayrl.api.config import ConfigError, RunConfig, load_config
 from relayrl.api.engine import DataItem, InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, SaveLoadMeta, WeightUpdate
 from relayrl.api.workflow import (

@@ -47,7 +47,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from relayrl.api.config import ServerConfig
+from relayrl.api.commands import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
 from relayrl.inference import LISTEN_PREFIX
 from relayrl.inference.local import LocalEngine

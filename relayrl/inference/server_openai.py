@@ -29,7 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from relayrl.api.config import ServerConfig
+from relayrl.api.commands import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelResponse
 from relayrl.inference.schemas import CompletionRequest, SamplingParams
 from relayrl.inference.server_common import _bad, _json, _usage, error_body, trim_stop

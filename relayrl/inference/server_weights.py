@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 from fastapi import Request
 
-from relayrl.api.config import ServerConfig
+from relayrl.api.commands import ServerConfig
 from relayrl.api.io import WeightUpdate
 from relayrl.inference.local import LocalEngine
 from relayrl.inference.schemas import DestroyWeightGroup, DiskUpdate, DistributedUpdate, InitWeightGroup
