@@ -239,6 +239,8 @@ class Trainer:
         if self.driver:
             self.driver.report_step(self.step, batch, seconds)
             bad = report_steps(actor_stats, "actor")
+            with stats.scope("mismatch"):  # the generator–trainer gap of this step's batch (docs/mismatch.md)
+                stats.gauge(**self.actor.mismatch)
             if bad:
                 logger.warning(
                     "step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "

@@ -28,6 +28,7 @@ from relayrl.api.fields import (
     validate_config,
 )
 from relayrl.api.io import GenerationConfig
+from relayrl.api.mismatch import RolloutCorrectionConfig
 
 __all__ = ["ConfigError", "config_reference", "load_config", "parse_override", "save_config", "validate_config"]
 
@@ -107,6 +108,9 @@ class TrainEngineConfig:
         8192, help="Token budget of one packed micro-batch (an image's vision patches count as tokens).", ge=16
     )
     bf16: bool = f(False, help="bf16 autocast (GPU only; ignored on CPU).")
+    dropout: bool = f(
+        False, help="Keep the model config's dropout while training (RL: off, so the trainer scores what was sampled)."
+    )
     fsdp: bool = f(True, help="Shard with FSDP2 when torch.distributed runs with more than one rank.")
     max_nan_skips: int = f(3, help="Consecutive non-finite steps skipped before the run stops.", ge=0)
     total_steps: int = f(0, help="Optimizer steps for the LR schedule (0 = taken from the trainer).", ge=0)
@@ -369,6 +373,10 @@ class ActorConfig:
         help="MoE models: the trainer's forward uses the experts the generator chose for each token (the batch's "
         "routed_experts) instead of its own top-k; gate weights still come from the trainer's router. No effect on "
         "dense models or batches without routed_experts.",
+    )
+    rollout_correction: RolloutCorrectionConfig = f(
+        RolloutCorrectionConfig(),
+        help="Truncated / masked importance sampling against the generator (docs/mismatch.md).",
     )
     moe_aux_loss_coef: float = f(
         0.0,

@@ -28,6 +28,7 @@ from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, Te
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.train import lora as L
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
+from relayrl.train.mismatch import disable_dropout
 from relayrl.train.packing import (
     model_inputs,
     pack,
@@ -109,6 +110,8 @@ class TorchTrainEngine(TrainEngine):
         torch.manual_seed(self.seed)
         model = self._build_model()
         model.config.use_cache = False
+        if not self.config.dropout:  # before LoRA: the adapters' own dropout is model.lora.dropout's
+            disable_dropout(model)
         model.set_attn_implementation(resolve_attn_impl(self.model_config.attn_impl, self.device))
         if self.model_config.gradient_checkpointing and self.trainable:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
@@ -214,6 +217,7 @@ class TorchTrainEngine(TrainEngine):
         moved = {k: v.to(self.device) for k, v in packed.items()}
         if self._moe is not None:
             self._moe.ids = moved.get("routed_experts")
+            self._moe.recorded = moved.get("recorded_experts")
         model, inputs = self._require(), model_inputs(moved)
         images: contextlib.AbstractContextManager[dict[str, object]] = (
             vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
@@ -222,6 +226,7 @@ class TorchTrainEngine(TrainEngine):
             out = model(**{**inputs, **extra})
         if self._moe is not None:
             packed["moe_aux_loss"] = self._moe.aux_loss()
+            packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
         return out.logits[0]
 
     def _to_device(self, packed: TensorDict) -> TensorDict:
