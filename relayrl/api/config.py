@@ -453,6 +453,9 @@ class LoggingConfig:
     wandb_mode: str = f("offline", help="W&B mode.", choices=["online", "offline", "disabled"])
     wandb_project: str = f("relayrl", help="W&B project.")
     rollouts_per_step: int = f(4, help="Rollouts (prompt, completion, reward, version) saved per step.", ge=0)
+    doctor_every: int = f(
+        50, help="Save what `relayrl doctor` replays (weights + batch) at step 1 and every N-th step (0 = never).", ge=0
+    )
     progress: str = f(
         "auto",
         help="Progress display: auto (a live bar on a terminal, lines otherwise), bar, lines, off.",
