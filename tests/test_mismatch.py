@@ -254,3 +254,46 @@ def test_rollout_correction_config_is_range_checked():
         load_config(RunConfig, None, ["actor.rollout_correction.mode=tis"])
     cfg = load_config(RunConfig, None, ["actor.rollout_correction.mode=mask", "actor.rollout_correction.low=0.5"])
     assert cfg.actor.rollout_correction.low == 0.5
+
+
+def test_fp16_trains_with_loss_scaling_and_generates_in_fp16(tmp_path):
+    """model.dtype=float16: the generator runs fp16 weights, the trainer fp32 master weights under fp16
+    autocast with a dynamic loss scale; its gap to the generator is logged and far below bf16's."""
+    from relayrl.api.config import RunConfig, load_config
+    from relayrl.trainer import Trainer
+
+    gaps = {}
+    for dtype in ("float16", "bfloat16"):
+        cfg = load_config(
+            RunConfig,
+            None,
+            [
+                f"run_dir={tmp_path / dtype}",
+                "total_steps=2",
+                "rollout.batch_size=2",
+                "rollout.group_size=2",
+                "gconfig.max_new_tokens=8",
+                "data.n_train=32",
+                "train.optimizer.lr=1e-3",
+                "actor.entropy_coef=0.01",
+                "logging.tensorboard=false",
+                "logging.progress=off",
+                "logging.doctor_every=0",
+                "eval.before_training=false",
+                f"model.dtype={dtype}",
+            ],
+        )
+        trainer = Trainer(cfg)
+        before = {k: v.clone() for k, v in trainer.actor_engine.model.state_dict().items()}
+        last = trainer.fit()
+        gaps[dtype] = last["mismatch/abs_diff_mean"]
+        params = dict(trainer.actor_engine.model.named_parameters())
+        if dtype == "float16":
+            assert all(p.dtype == torch.float32 for p in params.values())  # master weights
+            assert trainer.actor_engine.scaler is not None and last["actor/loss_scale"] > 0
+            assert next(trainer.engine.model.parameters()).dtype == torch.float16  # the generator
+            assert last["actor/skipped_steps"] == 0
+            moved = [k for k, p in params.items() if not torch.equal(p.detach(), before[k].float())]
+            assert moved  # it trained
+        trainer.close()
+    assert 0 < gaps["float16"] < gaps["bfloat16"] / 2, gaps

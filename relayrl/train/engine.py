@@ -101,6 +101,9 @@ class TorchTrainEngine(TrainEngine):
         self._nan_skips = 0  # consecutive skipped steps
         self.lora = head == "lm" and trainable and model_config.lora.rank > 0
         self._moe: RoutingReplay | None = None  # MoE models: routed-experts replay and the router statistics
+        # model.dtype=float16, trainable: fp32 master weights, fp16 autocast and dynamic loss scaling
+        self.fp16 = trainable and model_config.dtype == "float16"
+        self.scaler: torch.amp.GradScaler | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -123,6 +126,9 @@ class TorchTrainEngine(TrainEngine):
         typing.cast(nn.Module, model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         if not self.trainable:
             model.requires_grad_(False)
+        if self.fp16:  # fp16 parameters cannot take small AdamW updates: the optimizer keeps fp32 ones
+            typing.cast(nn.Module, model).float()
+            self.scaler = torch.amp.GradScaler(self.device.type)
         if dist_utils.is_distributed() and self.config.fsdp:
             dist_utils.apply_fsdp2(model)
         elif dist_utils.is_distributed():  # replicated: start from rank 0's weights
@@ -202,6 +208,8 @@ class TorchTrainEngine(TrainEngine):
             yield (pack(batch, rows), False) if rows else (pack(batch, [0]), True)
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.fp16:
+            return torch.autocast(self.device.type, dtype=torch.float16)
         if self.config.bf16 and self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
@@ -312,7 +320,8 @@ class TorchTrainEngine(TrainEngine):
             if fsdp:
                 typing.cast(FSDPModule, model).set_requires_gradient_sync(i == len(mbs) - 1)
             loss = loss_fn(self._logits(packed), packed)
-            (loss * (0.0 if dummy else w / total_w * scale)).backward()
+            part = loss * (0.0 if dummy else w / total_w * scale)
+            (part if self.scaler is None else self.scaler.scale(part)).backward()
             if not dummy:
                 loss_sum += float(loss.detach()) * w
                 n_tokens += int(packed["input_ids"].numel())
@@ -321,6 +330,8 @@ class TorchTrainEngine(TrainEngine):
             for p in params:
                 if p.grad is not None:
                     dist_utils.all_reduce_tensor_(p.grad)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
@@ -328,21 +339,27 @@ class TorchTrainEngine(TrainEngine):
         loss_value = dist_utils.all_reduce_sum(loss_sum) / total_w
         lr = float(self.optimizer.param_groups[0]["lr"])
         finite = math.isfinite(float(grad_norm)) and math.isfinite(loss_value)
+        # fp16: an overflowed step (finite loss, inf gradient) is skipped and the loss scale halved, no error
+        overflow = self.scaler is not None and math.isfinite(loss_value) and not finite
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # (skips the step itself when the gradients overflowed)
+            self.scaler.update()
         if finite:
-            self.optimizer.step()
+            if self.scaler is None:
+                self.optimizer.step()
             if self.scheduler is not None:  # stepped where the optimizer steps: no training loop can forget it
                 self.scheduler.step()
             self._steps += 1
             self._nan_skips = 0
         else:
             self.optimizer.zero_grad(set_to_none=True)
-            self._nan_skips += 1
+            self._nan_skips += 0 if overflow else 1
             if self._nan_skips > self.config.max_nan_skips:
                 raise NonFiniteError(
                     f"{self._nan_skips} consecutive steps had a non-finite loss ({loss_value}) or grad norm "
                     f"({float(grad_norm)}); train.max_nan_skips={self.config.max_nan_skips}"
                 )
-        return {
+        out = {
             "loss": loss_value,
             "grad_norm": float(grad_norm),
             "lr": lr,
@@ -350,6 +367,9 @@ class TorchTrainEngine(TrainEngine):
             "n_tokens": dist_utils.all_reduce_sum(n_tokens),
             "n_mbs": float(len(mbs)),
         }
+        if self.scaler is not None:
+            out["loss_scale"] = float(self.scaler.get_scale())
+        return out
 
     def get_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
