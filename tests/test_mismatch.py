@@ -297,3 +297,18 @@ def test_fp16_trains_with_loss_scaling_and_generates_in_fp16(tmp_path):
             assert moved  # it trained
         trainer.close()
     assert 0 < gaps["float16"] < gaps["bfloat16"] / 2, gaps
+
+
+def test_moe_expert_flips_counted_against_the_recorded_routing():
+    """Mixtral: the generator's recorded experts against the trainer's own top-k. As recorded (fp32,
+    same weights) nothing flips; with every recorded choice moved and replay off, every one does."""
+    model = build_tiny_family("mixtral", seed=1)
+    batch = generate_batch(model)
+    assert "routed_experts" in batch
+    same = ppo_gap(model, dict(batch), dropout=False, replay_routing=False)
+    assert same.mismatch["expert_flip_frac"] == 0.0
+    moved = dict(batch)
+    moved["routed_experts"] = torch.where(batch["routed_experts"] >= 0, (batch["routed_experts"] + 1) % 4, -1)
+    flipped = ppo_gap(model, moved, dropout=False, replay_routing=False)
+    assert flipped.mismatch["expert_flip_frac"] == 1.0
+    assert flipped.mismatch["abs_diff_max"] < 1e-5  # not replayed: the trainer's logprobs are its own routing's
