@@ -30,9 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("plot", help="PNG learning curves of one or more run directories.", add_help=False)
     sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
-    sub.add_parser(
-        "inspect", help="A local web page over runs' rollouts (token by token) and curves.", add_help=False
-    )
+    sub.add_parser("inspect", help="A local web page over runs' rollouts (token by token) and curves.", add_help=False)
     sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
     args, rest = parser.parse_known_args(argv)
     handlers = {"train": _train, "eval": _eval, "plot": _plot, "show": _show, "inspect": _inspect, "demo": _demo}

@@ -6,8 +6,7 @@ what ``relayrl inspect`` colours tokens by: from the first generated token to th
 episode, per token its id, decoded piece, loss mask (0 on tool / environment tokens between turns),
 the generator's logprob, the trainer's when the batch holds one (``prox_logp`` / ``old_logp``), the
 advantage, the weight version and the entropy when saved. Floats are rounded (4 decimals) to keep
-the files small; a token-level quantity that is the same on every token (GRPO's advantage) is
-stored once as a number. The index lets a viewer list steps and their sizes without opening them.
+the files small; an advantage that is the same on every token (GRPO's) is stored once as a number. The index lets a viewer list steps and their sizes without opening them.
 """
 
 from __future__ import annotations
@@ -15,11 +14,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # the inspector reads saved rollouts without loading torch
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
-TensorDict = dict[str, torch.Tensor]
+    TensorDict = dict[str, torch.Tensor]
 Row = dict[str, object]
 # batch key -> saved token field; trainer logprobs: the first of these the batch holds
 TOKEN_FIELDS = {"logprobs": "logp", "advantages": "adv", "versions": "ver", "entropy": "ent"}
@@ -42,9 +43,10 @@ def sample_rows(batch: TensorDict, k: int) -> list[int]:
     return rows[:k]
 
 
-def _rounded(values: list[float], digits: int = 4) -> list[float] | float:
-    out = [round(v, digits) for v in values]
-    return out[0] if out and all(v == out[0] for v in out) else out
+def _rounded(values: list[float], once: bool = False) -> list[float] | float:
+    """Floats to 4 decimals; with ``once``, a list of one repeated value as that value."""
+    out = [round(v, 4) for v in values]
+    return out[0] if once and out and all(v == out[0] for v in out) else out
 
 
 class RolloutWriter:
@@ -57,10 +59,9 @@ class RolloutWriter:
         self._pieces: dict[int, str] = {}
 
     def piece(self, token_id: int) -> str:
-        text = self._pieces.get(token_id)
-        if text is None:
-            text = self._pieces[token_id] = self.tokenizer.decode([token_id])
-        return text
+        if token_id not in self._pieces:
+            self._pieces[token_id] = str(self.tokenizer.decode([token_id]))
+        return self._pieces[token_id]
 
     def rollout(self, batch: TensorDict, i: int, step: int) -> Row | None:
         """Rollout ``i`` of ``batch`` trained at ``step`` as a saved line (None without generated tokens)."""
@@ -83,7 +84,7 @@ class RolloutWriter:
         for key, name in TOKEN_FIELDS.items():
             if key in batch and batch[key].dim() == 2:
                 values = batch[key][i][first:end].tolist()
-                tokens[name] = [int(v) for v in values] if key == "versions" else _rounded(values)
+                tokens[name] = [int(v) for v in values] if key == "versions" else _rounded(values, key == "advantages")
         trainer = next((k for k in TRAINER_LOGP if k in batch and batch[k] is not batch.get("logprobs")), None)
         if trainer is not None:
             tokens["tlogp"] = _rounded(batch[trainer][i][first:end].tolist())
@@ -107,7 +108,8 @@ class RolloutWriter:
 
     def write(self, step: int, batch: TensorDict, k: int) -> Path | None:
         """Save up to ``k`` rollouts of ``batch`` as ``step_NNNNNN.jsonl`` and append its index line."""
-        rows = [r for i in sample_rows(batch, k) if (r := self.rollout(batch, i, step)) is not None]
+        picked = [(i, r) for i in sample_rows(batch, k) if (r := self.rollout(batch, i, step)) is not None]
+        rows = [r for _, r in picked]
         if not rows:
             return None
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +120,7 @@ class RolloutWriter:
             "file": out.name,
             "n": len(rows),
             "of": int(batch["rewards"].shape[0]),
-            "reward": round(sum(float(r["reward"]) for r in rows) / len(rows), 6),  # type: ignore[arg-type]
+            "reward": round(sum(float(batch["rewards"][i]) for i, _ in picked) / len(rows), 6),
         }
         with (self.dir / "index.jsonl").open("a") as fh:
             fh.write(json.dumps(summary) + "\n")

@@ -47,7 +47,7 @@ function prepare(r) {
     m++;
     adv += at(t.adv, k) ?? 0;
     lp += at(t.logp, k) ?? 0;
-    if (t.tlogp !== undefined) dmax = Math.max(dmax, Math.abs(at(t.tlogp, k) - at(t.logp, k)));
+    if (t.tlogp !== undefined && generated(t, k)) dmax = Math.max(dmax, Math.abs(at(t.tlogp, k) - at(t.logp, k)));
   }
   r.adv = m ? adv / m : 0;
   r.logp = m ? lp / m : 0;
@@ -58,7 +58,11 @@ function prepare(r) {
   return r;
 }
 
+// Tokens the policy did not generate (tool / environment turns: version -1) have no generator logprob.
+const generated = (t, k) => at(t.ver, k) === undefined || at(t.ver, k) >= 0;
+
 function tokenValue(t, k, q) {
+  if ((q === "logp" || q === "delta") && !generated(t, k)) return undefined;
   if (q === "delta") return t.tlogp === undefined ? undefined : Math.abs(at(t.tlogp, k) - at(t.logp, k));
   return at(t[q], k);
 }
@@ -230,7 +234,7 @@ function showTip(ev) {
   const r = span.closest(".rollout").rollout, t = r.tokens, k = Number(span.dataset.k);
   const lines = [`token ${JSON.stringify(t.text[k])}  id ${t.ids[k]}  #${k}`, t.mask[k] ? "trained (loss mask 1)" : "masked: not trained (prompt / tool / environment)"];
   const add = (name, v) => { if (v !== undefined && v !== null) lines.push(`${name.padEnd(16)}${fmt(v, 4)}`); };
-  add("logprob (gen)", at(t.logp, k));
+  add("logprob (gen)", tokenValue(t, k, "logp"));
   add("logprob (train)", at(t.tlogp, k));
   add("|Δ logprob|", tokenValue(t, k, "delta"));
   add("advantage", at(t.adv, k));
@@ -248,7 +252,8 @@ function runSteps() { return state.manifest.runs[state.run].steps.map((e) => e.s
 
 async function openStep(run, step) {
   const runs = state.manifest.runs;
-  if (run !== state.run) { state.run = run; $("run").value = String(run); }
+  state.run = run;
+  $("run").value = String(run);
   const steps = runSteps();
   if (!steps.length) { state.rows = []; $("step-label").textContent = "no rollouts saved"; render(); return; }
   const nearest = steps.reduce((a, s) => (Math.abs(s - step) < Math.abs(a - step) ? s : a), steps[0]);

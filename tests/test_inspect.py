@@ -1,0 +1,305 @@
+"""``relayrl inspect``: the rollouts a real run saves, and the page over them driven in headless Chromium.
+
+Two short runs of the tiny model are the data: a synchronous single-turn GRPO run whose reward (a
+digit anywhere in the completion) a random model earns about half the time, and an asynchronous
+multi-turn run (feedback turns masked out of the loss, decoupled PPO: the trainer's proximal
+logprobs are saved next to the generator's, one version behind).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from relayrl.api.config import RunConfig, load_config
+from relayrl.trainer import train
+from relayrl.utils.rollouts import read_index, read_step
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+RUN = [
+    "rollout.batch_size=3",
+    "rollout.group_size=4",
+    "gconfig.max_new_tokens=10",
+    "data.n_train=64",
+    "data.n_eval=4",
+    "train.optimizer.lr=1e-3",
+    "logging.tensorboard=false",
+    "logging.progress=off",
+    "eval.gconfig.max_new_tokens=6",
+    "total_steps=3",
+    "eval.every_n_steps=3",
+]
+needs_browser = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (scripts/test.sh installs it)"
+)
+
+
+def digit_reward(completions: str, **_: object) -> float:
+    """1 when the completion holds a digit: a random tiny model earns it about half the time."""
+    return float(any(c.isdigit() for c in completions))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("inspect")
+    single = load_config(RunConfig, None, [f"run_dir={root / 'single'}", *RUN])
+    train(single, reward_fn=digit_reward)
+    multi = load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={root / 'multi'}",
+            *RUN,
+            "workflow=multi_turn",
+            "rollout.max_staleness=1",
+            "actor.loss=decoupled_ppo",
+            "actor.n_minibatches=2",
+            "actor.entropy_coef=0.01",  # no reward, no advantage: the entropy bonus moves the weights
+        ],
+    )
+    train(multi, reward_fn=lambda **_: 0.0)  # never right: every episode takes both turns
+    return Path(single.run_dir), Path(multi.run_dir)
+
+
+def test_saved_rollouts_carry_every_token_quantity(runs: tuple[Path, Path]) -> None:
+    single, multi = runs
+    assert [e["step"] for e in read_index(single)] == [1, 2, 3]
+    for step in (1, 2, 3):
+        rows = list(read_step(single, step))
+        assert len(rows) == 12  # the default sample keeps every rollout of a small run
+        for r in rows:
+            t = r["tokens"]
+            n = len(t["ids"])
+            assert len(t["text"]) == len(t["mask"]) == len(t["logp"]) == len(t["ver"]) == n == r["len"]
+            assert "".join(t["text"]) == r["completion"]
+            assert r["reward"] == digit_reward(r["completion"])
+            assert r["versions"] == [step - 1] and r["lag"] == 0  # synchronous
+            assert r["stop"] == ("length" if n == 10 else "stop")
+            assert all(lp <= 0 for lp in t["logp"])
+        for g in {r["group_id"] for r in rows}:  # GRPO: each member's advantage against its group's mean reward
+            members = [r for r in rows if r["group_id"] == g]
+            mean = sum(r["reward"] for r in members) / len(members)
+            for r in members:
+                assert isinstance(r["tokens"]["adv"], float)  # one value for every token: stored once
+                assert (r["tokens"]["adv"] > 0) == (r["reward"] > mean) and (r["tokens"]["adv"] < 0) == (
+                    r["reward"] < mean
+                )
+            assert abs(sum(r["tokens"]["adv"] for r in members)) < 1e-3
+    rows = [r for s in (2, 3) for r in read_step(multi, s)]
+    assert any(0 in r["tokens"]["mask"] for r in rows)  # the feedback turn, masked
+    assert all(r["num_turns"] == 2 for r in rows)
+    assert max(r["lag"] for r in rows) == 1  # generated one version behind
+    for r in rows:
+        t = r["tokens"]
+        assert len(t["tlogp"]) == len(t["ids"])  # the trainer's (proximal) logprobs next to the generator's
+        assert all(v == -1 for v, m in zip(t["ver"], t["mask"], strict=True) if not m)
+    gap: dict[bool, list[float]] = {True: [], False: []}  # generator vs trainer (the weights of step - 1)
+    for step in (1, 2, 3):
+        for r in read_step(multi, step):
+            t = r["tokens"]
+            for a, b, v, m in zip(t["tlogp"], t["logp"], t["ver"], t["mask"], strict=True):
+                if m:
+                    gap[v == step - 1].append(abs(a - b))
+    assert max(gap[True]) < 2e-3  # the same weights: the same logprobs (fp32)
+    assert max(gap[False]) > 1e-2  # a version behind: the entropy bonus moved the trainer's weights since
+
+
+def test_show_prints_the_saved_rollouts(runs: tuple[Path, Path]) -> None:
+    single, _ = runs
+    out = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "show", str(single), "--step", "2"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    first = next(read_step(single, 2))
+    assert f"completion: {first['completion']!r}" in out.stdout and out.stdout.count("--- reward") == 12
+
+
+def test_a_parent_directory_is_refused_naming_the_runs_inside(runs: tuple[Path, Path]) -> None:
+    single, _ = runs
+    out = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "inspect", str(single.parent)], capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("relayrl inspect:") and str(single) in out.stderr
+
+
+# ---------------------------------------------------------------------- the page in Chromium
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    profile = tempfile.mkdtemp(prefix="relayrl-chromium-")
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(
+            profile,
+            executable_path=CHROMIUM,
+            args=CHROMIUM_FLAGS,  # the fresh profile is passed as --user-data-dir
+            headless=True,
+            viewport={"width": 1400, "height": 1000},
+        )
+        yield ctx
+        ctx.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def served(runs: tuple[Path, Path]) -> Iterator[str]:
+    """``relayrl inspect`` over both runs, a real server process on a free port."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "inspect", *map(str, runs), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    url = re.search(r"http://127\.0\.0\.1:\d+/", line)
+    assert url, line
+    yield url.group(0)
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def open_page(browser, url: str):  # type: ignore[no-untyped-def]
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']", timeout=20_000)
+    page.errors = errors
+    return page
+
+
+def shown(page) -> list[int]:  # type: ignore[no-untyped-def]
+    return [int(i) for i in page.eval_on_selector_all(".rollout", "els => els.map(e => e.dataset.i)")]
+
+
+@needs_browser
+def test_filters_change_the_rows_shown(browser, served: str, runs: tuple[Path, Path]) -> None:
+    rows = list(read_step(runs[0], 3))
+    page = open_page(browser, served)
+    assert page.text_content("#step-label").startswith("step 3")
+    assert sorted(shown(page)) == sorted(r["i"] for r in rows)
+    page.select_option("#f-correct", "correct")
+    assert sorted(shown(page)) == sorted(r["i"] for r in rows if r["reward"] > 0)
+    page.select_option("#f-correct", "wrong")
+    assert sorted(shown(page)) == sorted(r["i"] for r in rows if r["reward"] == 0)
+    page.select_option("#f-correct", "")
+    page.fill("#f-len-max", "9")
+    assert sorted(shown(page)) == sorted(r["i"] for r in rows if r["len"] <= 9)
+    page.fill("#f-len-max", "")
+    page.select_option("#f-stop", "length")
+    assert sorted(shown(page)) == sorted(r["i"] for r in rows if r["stop"] == "length")
+    page.select_option("#f-stop", "")
+    needle = rows[5]["completion"][2:6]
+    page.fill("#f-search", needle)
+    found = [r["i"] for r in rows if needle.lower() in (r["prompt"] + "\n" + r["completion"]).lower()]
+    assert sorted(shown(page)) == sorted(found) and len(found) < len(rows)
+    page.fill("#f-search", "")
+    page.uncheck("#grouped")
+    page.select_option("#sort", "len")
+    by_i = {r["i"]: r for r in rows}
+    assert [by_i[i]["len"] for i in shown(page)] == sorted((r["len"] for r in rows), reverse=True)
+    assert page.text_content("#count") == f"{len(rows)} of {len(rows)} rollouts"
+    assert page.errors == []
+
+
+@needs_browser
+def test_a_token_hover_shows_its_values(browser, served: str, runs: tuple[Path, Path]) -> None:
+    page = open_page(browser, served + "#run=1&step=3")
+    r = next(read_step(runs[1], 3))
+    card = page.locator(f".rollout[data-i='{r['i']}']")
+    k = r["tokens"]["mask"].index(1) + 1
+    card.locator(f".tok[data-k='{k}']").hover()
+    tip = page.text_content("#tip")
+    t = r["tokens"]
+    assert page.is_visible("#tip")
+    assert f"id {t['ids'][k]}" in tip and "trained (loss mask 1)" in tip
+    assert re.search(rf"logprob \(gen\)\s+{t['logp'][k]:.4f}", tip), tip
+    assert re.search(rf"logprob \(train\)\s+{t['tlogp'][k]:.4f}", tip), tip
+    assert re.search(rf"version\s+{t['ver'][k]}\b", tip), tip
+    masked = t["mask"].index(0)
+    card.locator(f".tok[data-k='{masked}']").hover()
+    assert "masked: not trained" in page.text_content("#tip")
+    assert page.locator(".rollout .turn").count() >= 1  # the second turn is marked
+
+
+@needs_browser
+def test_a_curve_click_opens_that_step(browser, served: str, runs: tuple[Path, Path]) -> None:
+    page = open_page(browser, served)
+    chart = page.locator(".chart[data-metric='rollout/reward']")
+    assert chart.locator("polyline").count() == 2  # both runs overlaid
+    chart.locator("circle[data-run='0'][data-step='1']").click()
+    page.wait_for_function("document.querySelector('#step-label').textContent.startsWith('step 1')")
+    assert sorted(shown(page)) == sorted(r["i"] for r in read_step(runs[0], 1))
+    prompts = {r["prompt"] for r in read_step(runs[0], 1)}
+    assert set(page.eval_on_selector_all(".group .head .prompt", "els => els.map(e => e.textContent)")) == prompts
+    chart.locator("circle[data-run='1'][data-step='2']").click()
+    page.wait_for_function("document.querySelector('#step-label').textContent.startsWith('step 2')")
+    assert page.input_value("#run") == "1"
+
+
+def _coloured_pixels(png: bytes) -> int:
+    """Pixels clearly tinted (the token colouring), as opposed to white, grey and black."""
+    import io
+
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    return sum(1 for r, g, b in img.getdata() if max(r, g, b) - min(r, g, b) > 40)
+
+
+@needs_browser
+def test_exported_page_works_from_files_and_screenshot_shows_tokens_and_curves(
+    browser, runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "inspect", *map(str, runs), "--export", str(tmp_path / "site")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    index = tmp_path / "site" / "index.html"
+    assert sorted(p.name for p in (tmp_path / "site" / "data" / "r0").iterdir()) == [
+        "step_000001.js",
+        "step_000002.js",
+        "step_000003.js",
+    ]
+    page = open_page(browser, index.as_uri())
+    assert len(shown(page)) == 12
+    page.select_option("#colour", "adv")
+    page.fill("#f-reward-min", "1")
+    assert sorted(shown(page)) == sorted(r["i"] for r in read_step(runs[0], 3) if r["reward"] >= 1)
+    page.fill("#f-reward-min", "")
+    page.locator("#step").fill("0")  # the slider to the first saved step
+    page.wait_for_function("document.querySelector('#step-label').textContent.startsWith('step 1')")
+    assert page.errors == []
+    assert page.locator(".chart").count() >= 4 and page.locator(".tok").count() > 50
+    scored = max(read_step(runs[0], 1), key=lambda r: abs(r["tokens"]["adv"]))
+    assert abs(scored["tokens"]["adv"]) > 0.3
+    tokens = page.locator(f".rollout[data-i='{scored['i']}'] .tokens").screenshot()
+    assert _coloured_pixels(tokens) > 100  # coloured by advantage
+    page.select_option("#f-correct", "wrong")
+    page.select_option("#f-correct", "")
+    shot = page.screenshot(full_page=True)
+    assert _coloured_pixels(shot) > 2000  # curves and tokens
