@@ -287,7 +287,7 @@ function drawCharts() {
 }
 
 function chart(key) {
-  const W = 300, H = 130, L = 40, R = 8, T = 6, B = 18, NS = "http://www.w3.org/2000/svg";
+  const W = 300, H = 130, L = 46, R = 8, T = 6, B = 18, NS = "http://www.w3.org/2000/svg";
   const series = state.manifest.runs.map((run) => run.metrics.filter((m) => m[key] !== undefined).map((m) => [m.step, m[key]]));
   const pts = series.flat();
   const wrap = el("div", "chart");
@@ -306,7 +306,8 @@ function chart(key) {
   const sx = (x) => L + ((x - x0) / (x1 - x0 || 1)) * (W - L - R), sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
   svg.append(mk("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }), mk("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }));
   const label = (x, y, text, anchor) => { const t = mk("text", { x, y, "text-anchor": anchor }); t.textContent = text; svg.append(t); };
-  label(L - 3, T + 8, fmt(y1, 3), "end"); label(L - 3, H - B, fmt(y0, 3), "end");
+  const short = (v) => (Math.abs(v) >= 1000 ? v.toFixed(0) : String(Number(v.toPrecision(3))));
+  label(L - 3, T + 8, short(y1), "end"); label(L - 3, H - B, short(y0), "end");
   label(L, H - 4, String(x0), "start"); label(W - R, H - 4, String(x1), "end");
   if (state.step !== null) svg.append(mk("line", { class: "cursor", x1: sx(state.step), y1: T, x2: sx(state.step), y2: H - B }));
   series.forEach((s, run) => {
