@@ -448,7 +448,7 @@ class LoggingConfig:
         256,
         help="Rollouts saved per step (whole GRPO groups first) with per-token ids, logprobs, advantages and "
         "versions, for `relayrl show` and `relayrl inspect`; 0 saves none. The default keeps every rollout of "
-        "small runs (about 1 KB per 16 tokens).",
+        "small runs (about 30 bytes a token).",
         ge=0,
         le=1_000_000,
     )
