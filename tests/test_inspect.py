@@ -303,3 +303,39 @@ def test_exported_page_works_from_files_and_screenshot_shows_tokens_and_curves(
     page.select_option("#f-correct", "")
     shot = page.screenshot(full_page=True)
     assert _coloured_pixels(shot) > 2000  # curves and tokens
+
+
+@needs_browser
+@pytest.mark.slow
+def test_the_demo_run_shows_its_rollouts_token_by_token(browser, tmp_path: Path) -> None:
+    """The README's promise: `relayrl inspect runs/demo/grpo` after the demo (here its --quick run)."""
+    demo = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "demo", "--quick", "--run-dir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    refused = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "inspect", str(tmp_path / "demo")], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and str(tmp_path / "demo" / "grpo") in refused.stderr  # the hint names it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "inspect", str(tmp_path / "demo" / "grpo"), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = re.search(r"http://127\.0\.0\.1:\d+/", proc.stdout.readline())
+        assert url
+        page = open_page(browser, url.group(0))
+        saved = list(read_step(tmp_path / "demo" / "grpo", 4))
+        assert page.text_content("#step-label").startswith("step 4") and len(shown(page)) == len(saved) == 16
+        colours = page.eval_on_selector_all(".tok:not(.masked)", "els => els.map(e => e.style.background)")
+        assert len(colours) == sum(len(r["tokens"]["ids"]) for r in saved)
+        assert len({c for c in colours if c}) > 5  # coloured by logprob, shade by shade
+        assert page.errors == []
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
