@@ -8,6 +8,7 @@ logprobs are saved next to the generator's, one version behind).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -48,7 +49,8 @@ RUN = [
     "eval.every_n_steps=3",
 ]
 needs_browser = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (scripts/test.sh installs it)"
+    not Path(CHROMIUM).exists() or importlib.util.find_spec("playwright") is None,
+    reason="Debian's chromium (scripts/test.sh installs it) or playwright (the dev extra) is missing",
 )
 
 
@@ -192,6 +194,18 @@ def open_page(browser, url: str):  # type: ignore[no-untyped-def]
 
 def shown(page) -> list[int]:  # type: ignore[no-untyped-def]
     return [int(i) for i in page.eval_on_selector_all(".rollout", "els => els.map(e => e.dataset.i)")]
+
+
+def test_server_answers_unknown_paths_with_404(served: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    with urllib.request.urlopen(served + "data/manifest.js") as ok:
+        assert ok.read().decode().startswith('relayrlData("manifest",')
+    for path in ("data/r7/step_000001.js", "data/r0/step_000099.js", "..%2fpyproject.toml", "static/../app.js", "x"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(served + path)
+        assert e.value.code == 404, path
 
 
 @needs_browser
