@@ -32,19 +32,8 @@ from common import write_result
 
 from relayrl.data.models import build_tokenizer
 from relayrl.inspector.data import manifest_script, step_script
+from relayrl.inspector.headless import CHROMIUM, chromium
 from relayrl.utils.rollouts import RolloutWriter, read_index, step_file
-
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 def synthetic_batch(step: int, n: int, max_len: int, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -99,21 +88,15 @@ def parse_seconds(run_dir: Path) -> tuple[float, float]:
 
 
 def browser_seconds(run_dir: Path, repeats: int) -> list[float]:
-    from playwright.sync_api import sync_playwright
-
     server = subprocess.Popen(
         [sys.executable, "-m", "relayrl.cli", "inspect", str(run_dir), "--port", "0"], stdout=subprocess.PIPE, text=True
     )
-    profile = tempfile.mkdtemp(prefix="relayrl-bench-chromium-")
     try:
         assert server.stdout is not None
         url = re.search(r"http://\S+/", server.stdout.readline())
         assert url, "relayrl inspect printed no URL"
-        with sync_playwright() as p:
-            ctx = p.chromium.launch_persistent_context(
-                profile, executable_path=CHROMIUM, args=FLAGS, headless=True, viewport={"width": 1400, "height": 1000}
-            )
-            out = []
+        out = []
+        with chromium() as ctx:
             for _ in range(repeats + 1):  # the first warms Chromium up and is not counted
                 page = ctx.new_page()
                 t0 = time.perf_counter()
@@ -121,12 +104,10 @@ def browser_seconds(run_dir: Path, repeats: int) -> list[float]:
                 page.wait_for_selector("body[data-ready='1']", timeout=60_000)
                 out.append(time.perf_counter() - t0)
                 page.close()
-            ctx.close()
         return out[1:]
     finally:
         server.terminate()
         server.wait(timeout=10)
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def main() -> None:

@@ -9,32 +9,21 @@ logprobs are saved next to the generator's, one version behind).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from relayrl.api.config import RunConfig, load_config
+from relayrl.inspector.headless import CHROMIUM, chromium
 from relayrl.trainer import train
 from relayrl.utils.rollouts import read_index, read_step
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 RUN = [
     "rollout.batch_size=3",
     "rollout.group_size=4",
@@ -148,20 +137,8 @@ def test_a_parent_directory_is_refused_naming_the_runs_inside(runs: tuple[Path, 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    from playwright.sync_api import sync_playwright
-
-    profile = tempfile.mkdtemp(prefix="relayrl-chromium-")
-    with sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(
-            profile,
-            executable_path=CHROMIUM,
-            args=CHROMIUM_FLAGS,  # the fresh profile is passed as --user-data-dir
-            headless=True,
-            viewport={"width": 1400, "height": 1000},
-        )
+    with chromium() as ctx:
         yield ctx
-        ctx.close()
-    shutil.rmtree(profile, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -353,3 +330,20 @@ def test_the_demo_run_shows_its_rollouts_token_by_token(browser, tmp_path: Path)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@needs_browser
+@pytest.mark.slow
+def test_open_time_benchmark_runs_quick(tmp_path: Path) -> None:
+    """bench/inspect_load.py --quick end to end (its figure is recorded, not asserted: timings are noisy)."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "inspect_load.py"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--quick"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "BENCH_RESULTS_DIR": str(tmp_path)},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "inspect.json").read_text())
+    assert result["rollouts"] == 1000 and len(result["browser_open_s"]) == 2 and result["figure"] > 0
