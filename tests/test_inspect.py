@@ -347,3 +347,38 @@ def test_open_time_benchmark_runs_quick(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads((tmp_path / "inspect.json").read_text())
     assert result["rollouts"] == 1000 and len(result["browser_open_s"]) == 2 and result["figure"] > 0
+
+
+@needs_browser
+def test_a_partial_rollout_shows_where_the_weights_changed(browser, tokenizer, tmp_path: Path) -> None:
+    """A completion whose first 3 tokens came from version 4 and the rest from version 5 (generation
+    interrupted by a weight update), saved by the trainer's writer and coloured by version."""
+    import torch
+
+    from relayrl.utils.rollouts import RolloutWriter
+
+    ids = tokenizer.encode("<|user|>1+1=<|assistant|>", add_special_tokens=False)
+    out = tokenizer.encode("2 and 2", add_special_tokens=False)
+    n, p = len(ids) + len(out), len(ids)
+    versions = torch.full((1, n), -1)
+    versions[0, p : p + 3], versions[0, p + 3 :] = 4, 5
+    batch = {
+        "input_ids": torch.tensor([ids + out]),
+        "attention_mask": torch.ones(1, n, dtype=torch.bool),
+        "loss_mask": (versions >= 0).long(),
+        "logprobs": torch.where(versions >= 0, -0.5, 0.0),
+        "versions": versions,
+        "advantages": torch.where(versions >= 0, 1.0, 0.0),
+        "rewards": torch.tensor([1.0]),
+    }
+    RolloutWriter(tmp_path, tokenizer).write(6, batch, 8)
+    (row,) = read_step(tmp_path, 6)
+    assert row["versions"] == [4, 5] and row["lag"] == 1 and row["tokens"]["ver"] == [4, 4, 4] + [5] * (len(out) - 3)
+    subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "inspect", str(tmp_path), "--export", str(tmp_path / "site")], check=True
+    )
+    page = open_page(browser, (tmp_path / "site" / "index.html").as_uri())
+    page.select_option("#colour", "ver")
+    assert page.eval_on_selector_all(".tok.verchange", "els => els.map(e => Number(e.dataset.k))") == [3]
+    backgrounds = page.eval_on_selector_all(".tok", "els => els.map(e => e.style.background)")
+    assert len(set(backgrounds[:3])) == 1 and len(set(backgrounds[3:])) == 1 and backgrounds[0] != backgrounds[3]
