@@ -4,7 +4,8 @@ line per step in ``RUN_DIR/rollouts/index.jsonl``.
 A line holds what ``relayrl show`` prints (``prompt``, ``completion``, ``reward``, ``versions``) and
 what ``relayrl inspect`` colours tokens by: from the first generated token to the end of the
 episode, per token its id, decoded piece, loss mask (0 on tool / environment tokens between turns),
-the generator's logprob, the trainer's when the batch holds one (``prox_logp`` / ``old_logp``), the
+the generator's logprob, the trainer's when the batch holds one (``trainer_logp``: the update's own
+forward; else a recomputed ``prox_logp`` / ``old_logp``), the
 advantage, the weight version and the entropy when saved. Floats are rounded (4 decimals) to keep
 the files small; an advantage that is the same on every token (GRPO's) is stored once as a number. The index lets a viewer list steps and their sizes without opening them.
 """
@@ -24,7 +25,7 @@ if TYPE_CHECKING:  # the inspector reads saved rollouts without loading torch
 Row = dict[str, object]
 # batch key -> saved token field; trainer logprobs: the first of these the batch holds
 TOKEN_FIELDS = {"logprobs": "logp", "advantages": "adv", "versions": "ver", "entropy": "ent"}
-TRAINER_LOGP = ("prox_logp", "old_logp")
+TRAINER_LOGP = ("trainer_logp", "prox_logp", "old_logp")
 
 
 def step_file(run_dir: Path, step: int) -> Path:
