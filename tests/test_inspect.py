@@ -370,9 +370,14 @@ def test_a_partial_rollout_shows_where_the_weights_changed(browser, tokenizer, t
         "versions": versions,
         "advantages": torch.where(versions >= 0, 1.0, 0.0),
         "rewards": torch.tensor([1.0]),
+        "trainer_logp": torch.where(versions >= 0, -0.25, 0.0),  # the update's forward: preferred
+        "prox_logp": torch.where(versions >= 0, -0.75, 0.0),
+        "entropy": torch.linspace(0.0, 1.0, n)[None],
     }
     RolloutWriter(tmp_path, tokenizer).write(6, batch, 8)
     (row,) = read_step(tmp_path, 6)
+    assert row["tokens"]["tlogp"] == [-0.25] * len(out) and row["tokens"]["logp"] == [-0.5] * len(out)
+    assert row["tokens"]["ent"] == [round(float(v), 4) for v in batch["entropy"][0, p:]]
     assert row["versions"] == [4, 5] and row["lag"] == 1 and row["tokens"]["ver"] == [4, 4, 4] + [5] * (len(out) - 3)
     subprocess.run(
         [sys.executable, "-m", "relayrl.cli", "inspect", str(tmp_path), "--export", str(tmp_path / "site")], check=True
