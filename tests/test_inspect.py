@@ -387,3 +387,22 @@ def test_a_partial_rollout_shows_where_the_weights_changed(browser, tokenizer, t
     assert page.eval_on_selector_all(".tok.verchange", "els => els.map(e => Number(e.dataset.k))") == [3]
     backgrounds = page.eval_on_selector_all(".tok", "els => els.map(e => e.style.background)")
     assert len(set(backgrounds[:3])) == 1 and len(set(backgrounds[3:])) == 1 and backgrounds[0] != backgrounds[3]
+
+
+@needs_browser
+def test_rollouts_saved_in_the_older_format_still_open(browser, tmp_path: Path) -> None:
+    """Runs saved before per-token fields (prompt, completion, reward, versions only) list and filter."""
+    (tmp_path / "rollouts").mkdir()
+    rows = [
+        {"prompt": "1+1=", "completion": "2", "reward": 1.0, "versions": [0]},
+        {"prompt": "1+2=", "completion": "4", "reward": 0.0, "versions": [0]},
+    ]
+    (tmp_path / "rollouts" / "step_000001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "inspect", str(tmp_path), "--export", str(tmp_path / "site")], check=True
+    )
+    page = open_page(browser, (tmp_path / "site" / "index.html").as_uri())
+    assert page.text_content("#count") == "2 of 2 rollouts"
+    page.select_option("#f-correct", "correct")
+    assert page.eval_on_selector_all(".rollout .tok", "els => els.map(e => e.textContent)") == ["2"]
+    assert page.errors == []

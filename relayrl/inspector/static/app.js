@@ -39,7 +39,11 @@ const el = (tag, cls, text) => { const e = document.createElement(tag); if (cls)
 
 // ------------------------------------------------------------------ rollouts: derived fields
 
-function prepare(r) {
+function prepare(r, index) {
+  if (!r.tokens) { // saved before token-level fields existed: the completion as one piece
+    r.tokens = { ids: [null], text: [r.completion], mask: [1] };
+    r.i ??= index; r.len ??= r.completion.length; r.lag ??= 0; r.stop ??= "?";
+  }
   const t = r.tokens, n = t.ids.length;
   let adv = 0, lp = 0, m = 0, dmax = 0;
   for (let k = 0; k < n; k++) {
@@ -265,7 +269,7 @@ async function openStep(run, step) {
   location.hash = `run=${run}&step=${nearest}`;
   const rows = await load(`r${run}/${nearest}`, `data/r${run}/step_${pad6(nearest)}.js`);
   if (state.step !== nearest || state.run !== run) return; // another step was opened meanwhile
-  rows.forEach((r) => { if (r.adv === undefined || r.search === undefined) prepare(r); });
+  rows.forEach((r, index) => { if (r.search === undefined) prepare(r, index); });
   state.rows = rows;
   state.shown = PAGE;
   render();
