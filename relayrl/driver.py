@@ -7,6 +7,7 @@ None elsewhere, so no part of the trainer is an optional attribute that exists o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from relayrl.api.config import RunConfig
 from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader
+from relayrl.data.vision import png_data_urls, vision_processor
 from relayrl.evaluation import evaluate
 from relayrl.rewards.pool import RewardPool
 from relayrl.rollout.executor import WorkflowExecutor
@@ -97,7 +99,9 @@ class Driver:
         ``relayrl inspect`` (format: ``relayrl.utils.rollouts``)."""
         if self.cfg.logging.rollouts_per_step > 0:
             if self.rollout_writer is None:
-                self.rollout_writer = RolloutWriter(self.run_dir, self.tokenizer)
+                processor = vision_processor(self.cfg.model) if "pixel_values" in batch else None
+                images = functools.partial(png_data_urls, processor) if processor is not None else None
+                self.rollout_writer = RolloutWriter(self.run_dir, self.tokenizer, images)
             self.rollout_writer.write(step, batch, self.cfg.logging.rollouts_per_step)
 
     def state_dict(self) -> dict[str, Any]:

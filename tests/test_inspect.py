@@ -406,3 +406,59 @@ def test_rollouts_saved_in_the_older_format_still_open(browser, tmp_path: Path) 
     page.select_option("#f-correct", "correct")
     assert page.eval_on_selector_all(".rollout .tok", "els => els.map(e => e.textContent)") == ["2"]
     assert page.errors == []
+
+
+@needs_browser
+def test_vision_episodes_show_the_images_the_model_saw(browser, tmp_path: Path) -> None:
+    """A tiny Qwen2-VL run on count_squares: each step saves each prompt's picture once, rebuilt from the
+    processor's patches pixel for pixel, and the page shows it above the group."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from relayrl.data.tasks import make_task
+    from relayrl.data.vision import load_image
+
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'vl'}",
+            "model.path=tiny-vl",
+            "data.task=count_squares",
+            "data.n_train=16",
+            "data.n_eval=2",
+            "total_steps=2",
+            "rollout.batch_size=2",
+            "rollout.group_size=2",
+            "gconfig.max_new_tokens=2",
+            "eval.gconfig.max_new_tokens=2",
+            "logging.tensorboard=false",
+            "logging.progress=off",
+            "checkpoint.save_final=false",
+        ],
+    )
+    train(cfg)
+    d = cfg.data  # the run's rows, as relayrl.wiring makes them
+    pictures = [
+        np.asarray(load_image(row["images"][0])) for row in make_task(d.task, d.n_train, 0, d.difficulty, cfg.seed)[0]
+    ]
+    rows = list(read_step(Path(cfg.run_dir), 2))
+    owners = [r for r in rows if "images" in r]
+    assert len(owners) == len({r["group_id"] for r in rows}) == 2  # once per prompt
+    assert all(r["images_of"] in {o["i"] for o in owners} for r in rows if r not in owners)
+    for r in owners:
+        (url,) = r["images"]
+        saved = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
+        assert any(saved.shape == p.shape and (saved == p).all() for p in pictures)
+    subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "inspect", cfg.run_dir, "--export", str(tmp_path / "site")], check=True
+    )
+    page = open_page(browser, (tmp_path / "site" / "index.html").as_uri())
+    widths = page.eval_on_selector_all(".group .head .images img", "els => els.map(e => e.naturalWidth)")
+    assert widths == [56, 56]
+    page.uncheck("#grouped")  # flat: every card shows its prompt's picture
+    assert page.locator(".rollout .images img").count() == len(rows)
+    assert page.errors == []

@@ -12,8 +12,9 @@ the files small; an advantage that is the same on every token (GRPO's) is stored
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,10 +55,19 @@ class RolloutWriter:
     """Writes a step's sampled rollouts (``sample_rows``) and its index line; token pieces are decoded
     once per token id."""
 
-    def __init__(self, run_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        tokenizer: PreTrainedTokenizerBase,
+        images: Callable[[torch.Tensor, torch.Tensor], list[str]] | None = None,
+    ) -> None:
+        """``images``: an episode's ``pixel_values`` and ``image_grid_thw`` -> image URLs to save
+        (``relayrl.data.vision.png_data_urls``); without it, vision episodes save their image count."""
         self.dir = run_dir / "rollouts"
         self.tokenizer = tokenizer
+        self.images = images
         self._pieces: dict[int, str] = {}
+        self._seen: dict[str, int] = {}  # digest of an episode's patches -> the row holding its images
 
     def piece(self, token_id: int) -> str:
         if token_id not in self._pieces:
@@ -104,11 +114,20 @@ class RolloutWriter:
             if key in batch and batch[key].dim() == 1:
                 row[key] = round(float(batch[key][i]), 6) if batch[key].is_floating_point() else int(batch[key][i])
         if "image_grid_thw" in batch:
-            row["images"] = int((batch["image_grid_thw"][i].abs().sum(-1) > 0).sum())
+            grid = batch["image_grid_thw"][i]
+            row["n_images"] = int((grid.prod(-1) > 0).sum())
+            pixels = batch["pixel_values"][i][: int(grid.prod(-1).sum())]
+            seen = hashlib.sha1(pixels.contiguous().numpy().tobytes()).hexdigest()
+            if seen in self._seen:  # a group's members share their prompt's images: saved once a step
+                row["images_of"] = self._seen[seen]
+            elif self.images is not None:
+                row["images"] = self.images(pixels, grid)
+                self._seen[seen] = i
         return row
 
     def write(self, step: int, batch: TensorDict, k: int) -> Path | None:
         """Save up to ``k`` rollouts of ``batch`` as ``step_NNNNNN.jsonl`` and append its index line."""
+        self._seen.clear()
         picked = [(i, r) for i in sample_rows(batch, k) if (r := self.rollout(batch, i, step)) is not None]
         rows = [r for _, r in picked]
         if not rows:

@@ -12,7 +12,7 @@ const DEFAULT_CURVES = [
 const PAGE = 120; // rollouts rendered at a time (more on demand)
 const pending = {};
 const cache = {};
-const state = { manifest: null, run: 0, step: null, rows: [], shown: PAGE, curves: [] };
+const state = { manifest: null, run: 0, step: null, rows: [], byI: new Map(), shown: PAGE, curves: [] };
 
 window.relayrlData = (key, value) => {
   const waiting = pending[key];
@@ -157,11 +157,25 @@ function rolloutCard(r, s, q, withPrompt) {
   stat("v", r.versions.join(","));
   if (r.delta !== null) stat("max|Δ|", fmt(r.delta));
   if (r.num_turns !== undefined) stat("turns", String(r.num_turns));
-  if (r.images) stat("images", String(r.images));
+  if (r.n_images) stat("images", String(r.n_images));
   card.append(stats);
   if (withPrompt) card.append(el("div", "prompt", r.prompt));
+  if (withPrompt && imagesOf(r).length) card.append(imageStrip(imagesOf(r)));
   card.append(tokensView(r, s, q));
   return card;
+}
+
+// A group's members share their prompt's images, saved with the first of them (images_of: its index).
+function imagesOf(r) {
+  if (r.images) return r.images;
+  const owner = r.images_of === undefined ? undefined : state.byI.get(r.images_of);
+  return (owner && owner.images) || [];
+}
+
+function imageStrip(urls) {
+  const strip = el("div", "images");
+  for (const url of urls) { const img = el("img"); img.src = url; img.alt = "episode image"; strip.append(img); }
+  return strip;
 }
 
 function passes(r, f) {
@@ -213,6 +227,7 @@ function render() {
       const mean = all.reduce((a, r) => a + r.reward, 0) / all.length;
       head.append(el("span", "prompt", members[0].prompt), el("span", "badge", `group ${members[0].group_id ?? ""}`.trim()),
         el("span", "badge", `${all.filter((r) => r.correct).length}/${all.length} correct`), el("span", "badge", "mean reward " + fmt(mean)));
+      if (imagesOf(members[0]).length) head.append(imageStrip(imagesOf(members[0])));
       const grid = el("div", "members");
       for (const r of members) grid.append(rolloutCard(r, s, q, false));
       g.append(head, grid);
@@ -271,6 +286,7 @@ async function openStep(run, step) {
   if (state.step !== nearest || state.run !== run) return; // another step was opened meanwhile
   rows.forEach((r, index) => { if (r.search === undefined) prepare(r, index); });
   state.rows = rows;
+  state.byI = new Map(rows.map((r) => [r.i, r]));
   state.shown = PAGE;
   render();
   drawCharts();
