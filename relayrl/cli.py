@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("plot", help="PNG learning curves of one or more run directories.", add_help=False)
     sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
     sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
+    sub.add_parser(
+        "selftest", help="A minute-long check of this machine's engine, training and weight sync.", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
     handlers = {"train": _train, "eval": _eval, "plot": _plot, "show": _show, "demo": _demo}
     if args.command in handlers:
@@ -44,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(rest)
     if args.command == "sft":
         return _sft(rest)
+    if args.command == "selftest":
+        from relayrl.selftest import main as selftest
+
+        return selftest(rest)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -475,6 +475,7 @@ class AdapterOffReference(TorchTrainEngine):
 
     def initialize(self) -> None:
         self.model, self.device = self.policy._require(), self.policy.device
+        self._checked = self.policy._checked  # the same model: the same fast paths
 
     def train(self, mode: bool = True) -> None:
         """The shared model's mode is the policy's to set."""
