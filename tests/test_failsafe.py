@@ -9,6 +9,7 @@ stand-in passes its check and stays in use.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import logging
@@ -17,7 +18,11 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
+from relayrl.api.config import InferenceConfig, ModelConfig, OptimizerConfig, TrainEngineConfig
+from relayrl.api.io import GenerationConfig, ModelRequest
+from relayrl.inference.decode import FastDecoder, SlabLayer
+from relayrl.inference.graphs import CUDA_GRAPHS, FLASH_DECODE, Kernels, StaticDecoder
+from relayrl.inference.local import LocalEngine
 from relayrl.train import fastpath, packing
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.utils import failsafe
@@ -139,3 +144,170 @@ def test_a_corrupting_bf16_autocast_fails_its_check(tiny_model, monkeypatch, cap
     assert got[1] == expected[1]
     (message,) = warnings_of(caplog)
     assert fastpath.BF16_AUTOCAST in message and "differs from the tested path's by" in message
+
+
+# ---------------------------------------------------------------- LocalEngine's static decode step
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 50)), [3, 4, 5, 6], [40, 41, 42, 43, 44]]
+NEW = (30, 7, 19, 3, 25)  # rows leave at different steps: the batch is laid out again each time
+
+
+def generate(model, static: bool, kernels: Kernels | None = None, cuda_graphs: bool = True):
+    eng = LocalEngine(
+        InferenceConfig(cuda_graphs=cuda_graphs), copy.deepcopy(model), static_steps=static, kernels=kernels
+    )
+    eng.initialize()
+
+    async def go():
+        reqs = [
+            ModelRequest(str(i), p, GenerationConfig(max_new_tokens=n, greedy=True, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(PROMPTS, NEW, strict=True))
+        ]
+        return await asyncio.gather(*(eng.agenerate(r) for r in reqs))
+
+    try:
+        return asyncio.run(go()), eng._static
+    finally:
+        eng.destroy()
+
+
+def same_as(a, b) -> None:
+    assert [r.output_tokens for r in a] == [r.output_tokens for r in b]
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(torch.tensor(x.output_logprobs), torch.tensor(y.output_logprobs), atol=1e-5, rtol=0)
+
+
+def eager_capture(device):
+    """A capture that works: the "graph" replays the step eagerly into the same output buffer."""
+
+    def capture(run):
+        out = run()
+        return (lambda: out.copy_(run())), out
+
+    return capture
+
+
+def capture_raises(device):
+    def capture(run):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    return capture
+
+
+def capture_stale(device):
+    """A graph that replays nothing: its output buffer keeps the warm-up's logits (a capture that
+    recorded the wrong stream)."""
+
+    def capture(run):
+        out = run().clone().fill_(0.0)
+        return (lambda: None), out
+
+    return capture
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal):
+    """Stand-in for flash-attn 2.7.4's ``flash_attn_with_kvcache`` (decode, no new k/v passed):
+    q [b, 1, H, D], caches [b, L, H_kv, D]; row i attends to cache columns [cache_leftpad[i],
+    cache_seqlens[i]); query head h reads kv head h // (H / H_kv)."""
+    b, _, heads, d = q.shape
+    k = k_cache.repeat_interleave(heads // k_cache.shape[2], dim=2)
+    v = v_cache.repeat_interleave(heads // v_cache.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * softmax_scale
+    cols = torch.arange(k.shape[1], device=q.device)
+    keep = (cols[None] >= cache_leftpad[:, None]) & (cols[None] < cache_seqlens[:, None])
+    probs = scores.masked_fill(~keep[:, None, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).to(q.dtype)
+
+
+def flash_import_fails():
+    raise ImportError("libcudart.so.12: cannot open shared object file: No such file or directory")
+
+
+def flash_ignores_left_padding():
+    """A kernel (or a call) without ``cache_leftpad``: rows attend to their padding columns too."""
+
+    def kernel(q, k_cache, v_cache, cache_leftpad, **kw):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_leftpad=torch.zeros_like(cache_leftpad), **kw)
+
+    return kernel
+
+
+@pytest.mark.parametrize("capture", [capture_raises, capture_stale], ids=["raises", "stale_output"])
+def test_a_failing_graph_capture_falls_back_to_eager_steps(tiny_model, caplog, capture):
+    eager, _ = generate(tiny_model, static=False)
+    got, dec = generate(tiny_model, static=True, kernels=Kernels(capture=capture))
+    same_as(got, eager)
+    assert dec.capture is False and dec.graphs == {}
+    (message,) = warnings_of(caplog)
+    assert message.startswith(CUDA_GRAPHS + " failed at first use")
+    assert ("operation not permitted" if capture is capture_raises else "differs from eager steps's by") in message
+    # inference.cuda_graphs=false: the capture is never tried
+    got, dec = generate(tiny_model, static=True, kernels=Kernels(capture=capture), cuda_graphs=False)
+    same_as(got, eager)
+    assert dec.captures == 0 and len(warnings_of(caplog)) == 1
+
+
+def test_a_working_capture_is_replayed_for_every_bucket(tiny_model, caplog):
+    eager, _ = generate(tiny_model, static=False)
+    got, dec = generate(tiny_model, static=True, kernels=Kernels(capture=eager_capture))
+    same_as(got, eager)
+    assert dec.capture is True and dec.captures == len(dec.graphs) >= 3  # 5, 4, 2 and 1 rows: buckets 8, 4, 2, 1
+    assert not warnings_of(caplog)
+
+
+def test_flash_decode_stand_in_equals_sdpa_with_left_padded_rows(tiny_model, caplog):
+    """flash-attn's argument layout, GQA head order and per-row left padding, checked on CPU."""
+    eager, _ = generate(tiny_model, static=False)
+    got, dec = generate(tiny_model, static=True, kernels=Kernels(flash_decode=lambda: flash_attn_with_kvcache))
+    assert dec.attention == "flash_attn"
+    same_as(got, eager)
+    assert not warnings_of(caplog)
+
+
+@pytest.mark.parametrize("loader", [flash_import_fails, flash_ignores_left_padding], ids=["import_fails", "wrong_numbers"])
+def test_a_failing_flash_decode_kernel_falls_back_to_sdpa(tiny_model, caplog, loader):
+    eager, _ = generate(tiny_model, static=False)
+    got, dec = generate(tiny_model, static=True, kernels=Kernels(capture=eager_capture, flash_decode=loader))
+    same_as(got, eager)
+    assert dec.attention == "sdpa" and dec.capture is True  # the graphs passed their own check
+    (message,) = warnings_of(caplog)
+    assert message.startswith(FLASH_DECODE + " failed at first use")
+    assert ("libcudart" if loader is flash_import_fails else "differs from SDPA's by") in message
+
+
+def static_decoder(model, kernels: Kernels) -> StaticDecoder:
+    return StaticDecoder(FastDecoder(copy.deepcopy(model)), kernels)
+
+
+def slab(model, n: int, width: int) -> list[SlabLayer]:
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    shape = (n, cfg.num_key_value_heads, width, d)
+    return [
+        SlabLayer(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for _ in range(cfg.num_hidden_layers)
+    ]
+
+
+def test_flash_decode_needs_left_padded_rows_else_sdpa(tiny_model, caplog):
+    """A row whose cached columns are not its right end (a hole) cannot be told to flash-attn by a
+    left padding: the decoder says so once and uses SDPA, which reads the mask."""
+    mask = torch.tensor([[False, True, True, True], [True, False, True, True]])
+    dec = static_decoder(tiny_model, Kernels(flash_decode=lambda: flash_attn_with_kvcache))
+    dec.load(slab(tiny_model, 2, 4), mask, torch.tensor([3, 3]))
+    assert dec.attention == "sdpa"
+    (message,) = warnings_of(caplog)
+    assert "the batch's cached columns are not each row's right end" in message
+    ok = static_decoder(tiny_model, Kernels(flash_decode=lambda: flash_attn_with_kvcache))
+    ok.load(slab(tiny_model, 2, 4), torch.tensor([[False, True, True, True], [True] * 4]), torch.tensor([3, 4]))
+    assert ok.attention == "flash_attn" and ok._rows[2 * ok.b : 2 * ok.b + 2].tolist() == [1, 0]  # left padding
+
+
+def test_padding_rows_do_not_reuse_a_former_rows_ids(tiny_model):
+    dec = static_decoder(tiny_model, Kernels())
+    layers = dec.load(slab(tiny_model, 4, 5), torch.ones(4, 5, dtype=torch.bool), torch.full((4,), 5))
+    with torch.inference_mode():
+        dec.step(torch.tensor([7, 8, 9, 10]), torch.full((4,), 5), layers)
+    dec.load(slab(tiny_model, 3, 5), torch.ones(3, 5, dtype=torch.bool), torch.full((3,), 5))  # bucket 4, row 3 pads
+    assert dec.b == 4 and dec._rows[3].item() == 0 and dec._rows[dec.b + 3].item() == 0  # token and position

@@ -45,7 +45,7 @@ from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
 from relayrl.data.vision import is_vision_config, load_image_processor
 from relayrl.inference.decode import FastDecoder
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
-from relayrl.inference.graphs import StaticDecoder, choose_attention
+from relayrl.inference.graphs import Kernels, StaticDecoder
 from relayrl.inference.local_requests import RequestControl
 from relayrl.inference.sampling import RowParams, penalized, sample
 from relayrl.inference.seq import Seq, load_hf_state_dict, resolver, validate_request
@@ -69,9 +69,12 @@ class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
         model_config: ModelConfig | None = None,
         static_steps: bool | None = None,
         image_processor: BaseImageProcessor | None = None,
+        kernels: Kernels | None = None,
     ) -> None:
         """``static_steps``: decode over ``StaticDecoder``'s bucketed buffers (None: on CUDA with
-        ``inference.cuda_graphs``; True on CPU runs the same step eagerly, as tests do)."""
+        ``inference.cuda_graphs``; True on CPU runs the same step eagerly, as tests do).
+        ``kernels``: the static step's CUDA graph capture and flash-attn kernel (None: what the
+        device has, ``Kernels.for_device``; capture only with ``inference.cuda_graphs``)."""
         if model is None and model_config is None:
             raise ValueError("LocalEngine needs a `model` or a `model_config` to load one from")
         self.config = config
@@ -120,6 +123,7 @@ class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
         self._router_shape = (0, 0)
         self.routing_shape: tuple[int, int] | None = None  # (n_moe_layers, top_k) of an MoE model
         self._route: torch.Tensor | None = None  # experts of each row's newest token (from the last decode)
+        self.kernels = kernels
         self._static: StaticDecoder | None = None
         self._static_stale = True  # the batch changed since the static buffers were loaded
 
@@ -156,8 +160,11 @@ class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
             self.device.type == "cuda" and self.config.cuda_graphs if self.static_steps is None else self.static_steps
         )
         if static and self._fast is not None:
-            attention = choose_attention(self.device, next(self.model.parameters()).dtype)
-            self._static = StaticDecoder(self._fast, attention, capture=self.device.type == "cuda")
+            dtype, graphs = next(self.model.parameters()).dtype, self.config.cuda_graphs
+            kernels = self.kernels or Kernels.for_device(self.device, dtype, graphs)
+            if not graphs:
+                kernels = Kernels(None, kernels.flash_decode)
+            self._static = StaticDecoder(self._fast, kernels)
         # generic path: a ready 4D mask where the model takes one, else transformers builds masks from the 2D one
         self._mask_dict = (
             self._fast is None and self._full_attention_only and accepts_mask_dict(self.model, self.device)
