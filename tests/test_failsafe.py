@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 
 from relayrl.api.config import InferenceConfig, ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.io import GenerationConfig, ModelRequest
+from relayrl.inference import local_memory
 from relayrl.inference.decode import FastDecoder, SlabLayer
 from relayrl.inference.graphs import CUDA_GRAPHS, FLASH_DECODE, Kernels, StaticDecoder
 from relayrl.inference.local import LocalEngine
@@ -264,7 +265,9 @@ def test_flash_decode_stand_in_equals_sdpa_with_left_padded_rows(tiny_model, cap
     assert not warnings_of(caplog)
 
 
-@pytest.mark.parametrize("loader", [flash_import_fails, flash_ignores_left_padding], ids=["import_fails", "wrong_numbers"])
+@pytest.mark.parametrize(
+    "loader", [flash_import_fails, flash_ignores_left_padding], ids=["import_fails", "wrong_numbers"]
+)
 def test_a_failing_flash_decode_kernel_falls_back_to_sdpa(tiny_model, caplog, loader):
     eager, _ = generate(tiny_model, static=False)
     got, dec = generate(tiny_model, static=True, kernels=Kernels(capture=eager_capture, flash_decode=loader))
@@ -311,3 +314,62 @@ def test_padding_rows_do_not_reuse_a_former_rows_ids(tiny_model):
         dec.step(torch.tensor([7, 8, 9, 10]), torch.full((4,), 5), layers)
     dec.load(slab(tiny_model, 3, 5), torch.ones(3, 5, dtype=torch.bool), torch.full((3,), 5))  # bucket 4, row 3 pads
     assert dec.b == 4 and dec._rows[3].item() == 0 and dec._rows[dec.b + 3].item() == 0  # token and position
+
+
+# ---------------------------------------------------------------- release_memory(weights=True)
+
+
+def released_and_resumed(model, mover=None, monkeypatch=None):
+    """Greedy outputs of PROMPTS with a release_memory(weights=True) / resume_memory() between two halves."""
+    if mover is not None:
+        monkeypatch.setattr(local_memory, "move_weights", mover)
+    eng = LocalEngine(InferenceConfig(), copy.deepcopy(model))
+    eng.initialize()
+    g = GenerationConfig(max_new_tokens=6, greedy=True, ignore_eos=True)
+
+    def half(tag):
+        async def go():
+            return await asyncio.gather(
+                *(eng.agenerate(ModelRequest(f"{tag}{i}", p, g)) for i, p in enumerate(PROMPTS))
+            )
+
+        return asyncio.run(go())
+
+    try:
+        first = half("a")
+        eng.release_memory(weights=True)
+        eng.resume_memory()
+        return first + half("b"), eng
+    finally:
+        eng.destroy()
+
+
+def test_a_failing_move_off_the_device_keeps_the_weights_in_place(tiny_model, monkeypatch, caplog):
+    expected, _ = released_and_resumed(tiny_model)
+    moves = []
+
+    def pinned_memory_exhausted(model, device):
+        moves.append(device.type)
+        if len(moves) == 1:  # the move to host memory (here the engine's device is the CPU too)
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc, pinned host memory)")
+        model.to(device)
+
+    got, eng = released_and_resumed(tiny_model, pinned_memory_exhausted, monkeypatch)
+    same_as(got, expected)
+    assert moves == ["cpu", "cpu"]  # the failed move, then the weights put back where they were
+    (message,) = warnings_of(caplog)
+    assert message.startswith(local_memory.OFFLOAD + " failed at first use (RuntimeError: CUDA error: out of memory")
+    eng.release_memory(weights=True)  # not tried again
+    assert moves == ["cpu", "cpu"] and len(warnings_of(caplog)) == 1
+
+
+def test_weights_that_come_back_changed_stop_generation_with_a_clear_error(tiny_model, monkeypatch):
+    def lossy(model, device):  # e.g. a copy through a wrong dtype: the weights come back rounded
+        model.to(device)
+        if device.type == "cpu":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16).float())
+
+    with pytest.raises(RuntimeError, match=r"moving weights off the device .* the weights came back changed"):
+        released_and_resumed(tiny_model, lossy, monkeypatch)

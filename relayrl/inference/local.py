@@ -46,6 +46,7 @@ from relayrl.data.vision import is_vision_config, load_image_processor
 from relayrl.inference.decode import FastDecoder
 from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
 from relayrl.inference.graphs import Kernels, StaticDecoder
+from relayrl.inference.local_memory import MemoryRelease
 from relayrl.inference.local_requests import RequestControl
 from relayrl.inference.sampling import RowParams, penalized, sample
 from relayrl.inference.seq import Seq, load_hf_state_dict, resolver, validate_request
@@ -58,7 +59,7 @@ if typing.TYPE_CHECKING:
     from transformers.image_processing_utils import BaseImageProcessor
 
 
-class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
+class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
     """Continuous-batching ``InferenceEngine`` in this process (see module docstring)."""
 
     def __init__(
@@ -359,40 +360,6 @@ class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
     def resume(self) -> None:
         with self._wake:
             self._paused = False
-            self._wake.notify_all()
-
-    def release_memory(self, weights: bool = False) -> None:
-        """Free the KV cache (and with ``weights=True`` move the weights to host memory) so a
-        trainer on the same GPU can use it; generation stops until ``resume_memory()``.
-        Running requests are set aside and continue afterwards (their futures stay pending)."""
-
-        def apply() -> None:
-            self._preempt_all()
-            self._released = True
-            if self._static is not None:
-                self._static.reset()
-            if weights and self.device.type != "cpu":
-                typing.cast(nn.Module, self.model).to("cpu")
-                if self._fast is not None:
-                    self._fast.layers = []  # drop the fused copies too
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-        self._call_in_loop(apply)
-
-    def resume_memory(self) -> None:
-        """Undo ``release_memory()``: weights back on the device, generation continues."""
-
-        def apply() -> None:
-            assert self.model is not None
-            if next(self.model.parameters()).device != self.device:
-                typing.cast(nn.Module, self.model).to(self.device)
-                if self._fast is not None:
-                    self._fast.refresh()
-            self._released = False
-
-        self._call_in_loop(apply)
-        with self._wake:
             self._wake.notify_all()
 
     # ------------------------------------------------------------------ the loop
