@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from relayrl.api.io import GenerationConfig
-from relayrl.inference.backends import ProtocolError, RelayrlBackend, SGLangBackend, VLLMBackend, make_backend
+from relayrl.inference.remote.sglang import ProtocolError, RelayrlBackend, SGLangBackend, VLLMBackend, make_backend
 
 G = GenerationConfig(
     max_new_tokens=16,
@@ -312,7 +312,7 @@ def _getter(routes: dict[str, object]):
 
 
 def test_peer_detection_picks_the_routes_each_version_has():
-    from relayrl.inference.peers import UnsupportedServer, detect, require_routes, version_tuple
+    from relayrl.inference.remote.protocol import UnsupportedServer, detect, require_routes, version_tuple
 
     assert version_tuple("0.5.3.post1") == (0, 5, 3) and version_tuple("0.4.10rc1") == (0, 4, 10)
     old_layout = {

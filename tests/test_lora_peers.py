@@ -18,10 +18,10 @@ from peft import PeftModel
 
 from relayrl.api.config import InferenceConfig, LoraConfig, ModelConfig
 from relayrl.api.io import GenerationConfig
-from relayrl.inference.backends import SGLangBackend, VLLMBackend
-from relayrl.inference.peer_launcher import server_command, server_env
-from relayrl.inference.peers import UnsupportedServer, detect_sglang, detect_vllm, require_lora
 from relayrl.inference.remote import RemoteEngine, _Server
+from relayrl.inference.remote.launch import server_command, server_env
+from relayrl.inference.remote.protocol import UnsupportedServer, detect_sglang, detect_vllm, require_lora
+from relayrl.inference.remote.sglang import SGLangBackend, VLLMBackend
 from tests.test_lora import RANK, lora_engine
 from tests.test_packing import make_batch
 from tests.test_remote import greedy, prompts, reference, run_all

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from relayrl.inference.launcher import ServerGroup
-from relayrl.inference.peer_launcher import PeerServerGroup
+from relayrl.inference.remote.launch import PeerServerGroup
+from relayrl.inference.server.launcher import ServerGroup
 
 if TYPE_CHECKING:  # server actors stay light (the trainer ranks import the trainer when they run)
     from relayrl.api.config import InferenceConfig, RunConfig

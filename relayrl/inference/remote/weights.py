@@ -23,12 +23,12 @@ import torch
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import WeightUpdate
-from relayrl.inference.backends import WEIGHT_GROUP, Backend, Call, SGLangBackend
-from relayrl.inference.vllm_transfer import VLLMTransferGroup
+from relayrl.inference.remote.sglang import WEIGHT_GROUP, Backend, Call, SGLangBackend
+from relayrl.inference.remote.vllm_transfer import VLLMTransferGroup
 from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 
 if TYPE_CHECKING:
-    from relayrl.inference.remote import _Server
+    from relayrl.inference.remote.engine import _Server
 
 # Errors after which a server is presumed dead (refused, reset, closed mid-reply).
 DEAD_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)

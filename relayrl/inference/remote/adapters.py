@@ -25,11 +25,11 @@ import safetensors.torch
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.io import WeightUpdate
-from relayrl.inference.backends import Backend
-from relayrl.inference.peers import require_lora
+from relayrl.inference.remote.protocol import require_lora
+from relayrl.inference.remote.sglang import Backend
 
 if TYPE_CHECKING:
-    from relayrl.inference.remote import _Server
+    from relayrl.inference.remote.engine import _Server
 
 log = logging.getLogger(__name__)
 

@@ -43,14 +43,14 @@ from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
 from relayrl.data.vision import is_vision_config, load_image_processor
-from relayrl.inference.decode import FastDecoder
-from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
-from relayrl.inference.graphs import StaticDecoder, choose_attention
-from relayrl.inference.local_requests import RequestControl
-from relayrl.inference.sampling import RowParams, penalized, sample
-from relayrl.inference.seq import Seq, load_hf_state_dict, resolver, validate_request
-from relayrl.inference.slab import SlabBatch
-from relayrl.inference.vision import image_key, request_vision
+from relayrl.inference.local.decode import FastDecoder
+from relayrl.inference.local.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
+from relayrl.inference.local.graphs import StaticDecoder, choose_attention
+from relayrl.inference.local.requests import RequestControl
+from relayrl.inference.local.sampling import RowParams, penalized, sample
+from relayrl.inference.local.seq import Seq, load_hf_state_dict, resolver, validate_request
+from relayrl.inference.local.slab import SlabBatch
+from relayrl.inference.local.vision import image_key, request_vision
 from relayrl.utils.batching import length_groups
 from relayrl.utils.moe import RoutingRecorder, routing_shape
 

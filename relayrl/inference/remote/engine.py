@@ -49,18 +49,26 @@ import torch
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, StopReason
-from relayrl.inference.backends import Call, JsonDict, ProtocolError, ServerError, VLLMBackend, make_backend, wire_image
-from relayrl.inference.batcher import MicroBatcher
-from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_image_routes, require_routes
-from relayrl.inference.remote_lora import AdapterSync
-from relayrl.inference.remote_vllm import VLLMWeightSync
-from relayrl.inference.remote_weights import DEAD_ERRORS
-from relayrl.inference.vllm_transfer import VLLMTransferGroup
+from relayrl.inference.remote.adapters import AdapterSync
+from relayrl.inference.remote.batcher import MicroBatcher
+from relayrl.inference.remote.protocol import PeerInfo, UnsupportedServer, detect, require_image_routes, require_routes
+from relayrl.inference.remote.sglang import (
+    Call,
+    JsonDict,
+    ProtocolError,
+    ServerError,
+    VLLMBackend,
+    make_backend,
+    wire_image,
+)
+from relayrl.inference.remote.vllm import VLLMWeightSync
+from relayrl.inference.remote.vllm_transfer import VLLMTransferGroup
+from relayrl.inference.remote.weights import DEAD_ERRORS
 from relayrl.inference.weight_group import WeightBroadcastGroup
 
 if TYPE_CHECKING:
-    from relayrl.inference.launcher import ServerGroup
-    from relayrl.inference.peer_launcher import PeerServerGroup
+    from relayrl.inference.remote.launch import PeerServerGroup
+    from relayrl.inference.server.launcher import ServerGroup
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +147,13 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
                     f"inference.launch={launch} starts {launch} servers: set inference.protocol={launch} "
                     f"(it is {self.backend.name})"
                 )
-            from relayrl.inference.peer_launcher import PeerServerGroup
+            from relayrl.inference.remote.launch import PeerServerGroup
 
             lora = self.model.lora if self.accepts_adapters else None
             self._launched = PeerServerGroup(launch, self.config, self.model.path, lora=lora).start()
             self.addresses = self._launched.addresses
         if not self.addresses and self.config.n_servers > 0 and launch == "relayrl":
-            from relayrl.inference.launcher import launch_servers, serve_overrides
+            from relayrl.inference.server.launcher import launch_servers, serve_overrides
 
             group = launch_servers(
                 self.config.n_servers,

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 
-from relayrl.inference.backends import VLLMBackend
-from relayrl.inference.peers import UnsupportedServer
-from relayrl.inference.remote_weights import WeightSync
-from relayrl.inference.vllm_transfer import VLLMTransferGroup
+from relayrl.inference.remote.protocol import UnsupportedServer
+from relayrl.inference.remote.sglang import VLLMBackend
+from relayrl.inference.remote.vllm_transfer import VLLMTransferGroup
+from relayrl.inference.remote.weights import WeightSync
 from relayrl.inference.weight_group import address_towards, dtype_name
 
 if TYPE_CHECKING:
-    from relayrl.inference.remote import _Server
+    from relayrl.inference.remote.engine import _Server
 
 log = logging.getLogger(__name__)
 

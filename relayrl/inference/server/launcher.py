@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from relayrl.inference import LISTEN_PREFIX
+from relayrl.inference.server import LISTEN_PREFIX
 
 if TYPE_CHECKING:  # the launcher stays light: Ray's server actors import it
     from relayrl.api.config import InferenceConfig, ModelConfig

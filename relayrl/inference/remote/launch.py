@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from relayrl.api.config import InferenceConfig, LoraConfig
-from relayrl.inference import launcher
+from relayrl.inference.server import launcher
 
 if TYPE_CHECKING:  # light to import: Ray's server actors run it
     from relayrl.api.config import InferenceConfig
