@@ -11,10 +11,10 @@ The running batch is left-padded: row ``i`` holds its tokens at the right end of
 cache, ``attention_mask`` marks real columns and ``position_ids`` are passed explicitly, so
 prompts of any length share a batch with correct positions. Columns that no remaining row
 uses are trimmed when rows leave. Everything lives on ``inference.device``; the slab's
-rows x columns stay within ``kv_capacity`` (``inference/device.py``): when it would not, the
+rows x columns stay within ``kv_capacity`` (``device.py``): when it would not, the
 latest rows are preempted, set aside and continued later from prompt + output. The batch's
-prefill / merge / trim / decode step live in ``inference/slab.py``; on CUDA the decode step runs
-over ``inference/graphs.py``'s static buffers as captured CUDA graphs.
+prefill / merge / trim / decode step live in ``slab.py``; on CUDA the decode step runs
+over ``graphs.py``'s static buffers as captured CUDA graphs.
 
 ``agenerate`` is callable from any thread and asyncio loop: it queues the request and awaits
 a future the loop thread resolves through ``loop.call_soon_threadsafe``. A weight update

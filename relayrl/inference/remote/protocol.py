@@ -1,36 +1,60 @@
-"""What a server offers, found out when RemoteEngine connects: version, routes, served model.
+"""What every peer module shares: an HTTP call, a parsed generate reply, what a server offers
+(``PeerInfo``, read at connect by the peer's ``detect``) and the errors that name what is wrong.
 
 SGLang and vLLM move and add routes between versions; RemoteEngine asks each server once and
 uses the routes it has, and refuses at start-up (naming what is missing and the version or
 flag that provides it) where a server cannot do what the run needs.
-
-- SGLang: ``/get_server_info`` (``/server_info`` in newer releases) gives ``version`` and the
-  server arguments (``tp_size``); the weight version is read from ``/get_weight_version``
-  (added mid-2025) or, where that route is gone, from ``/model_info``'s ``weight_version``;
-  liveness is probed on the model-info route, which never generates (SGLang's ``/health``
-  runs a one-token generation and blocks while generation is paused or weights load).
-- vLLM: ``/version``; the served model name from ``/v1/models`` (vLLM answers 404 for any
-  other name); the routes from ``/openapi.json``: the RL router (``/pause``, ``/resume``, the
-  weight-transfer routes ``/init_weight_transfer_engine`` and ``/update_weights``; later also
-  ``/start_weight_update``, ``/finish_weight_update`` and ``/weight_info``, which reports the
-  weight version) is attached only with ``VLLM_SERVER_DEV_MODE=1``, as is ``/collective_rpc``
-  (the reload fallback for a vLLM without the transfer API); ``/get_world_size`` gives the
-  ranks a server's workers take in a transfer group.
 """
 
 from __future__ import annotations
 
-import typing
+import base64
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import httpx
+import torch
+
+from relayrl.api.io import GenerationConfig, StopReason
+
+JsonDict = dict[str, object]
 Getter = Callable[[str], tuple[int, object]]  # GET path -> (status, JSON body or None)
 
-MIN_SGLANG = (0, 5, 0)  # weight_version on weight updates, /pause_generation with modes, /get_server_info
+# Errors after which a server is presumed dead (refused, reset, closed mid-reply).
+DEAD_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
+
+
+class ProtocolError(ValueError):
+    """A server reply that does not have the documented shape."""
+
+
+class ServerError(RuntimeError):
+    """A server answered 5xx (retried elsewhere)."""
 
 
 class UnsupportedServer(RuntimeError):
     """A server that lacks what this run needs (the message says what, and what provides it)."""
+
+
+@dataclass
+class Parsed:
+    """One generate reply, protocol-independent."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+    versions: list[int] | None = None  # per-token versions when the server reports them
+    weight_version: int | None = None  # the server's version when it answered
+    routed_experts: torch.Tensor | None = None  # MoE: [input + output - 1, layers, top_k] when asked and given
+
+
+@dataclass
+class Call:
+    """An HTTP call: method, path (with query), JSON body."""
+
+    method: str
+    path: str
+    json: JsonDict | None = None
 
 
 @dataclass
@@ -46,6 +70,21 @@ class PeerInfo:
     server: str = ""  # "relayrl" for `relayrl serve` (it speaks both protocols), else the peer's own
     lora: bool | None = None  # loads LoRA adapters at run time (None: the server does not say)
     max_lora_rank: int = 0  # the largest adapter rank it takes (0: not reported)
+    lora_flags: str = "--enable-lora --max-lora-rank R"  # how this peer is started to load adapters
+
+
+@dataclass
+class Server:
+    """One server RemoteEngine sends to, and what it knows of it."""
+
+    url: str
+    alive: bool = True
+    in_flight: int = 0
+    version: int = 0
+    info: PeerInfo | None = None  # what it offers, read at connect
+    updating: bool = False  # a weight update is under way (no health probes: SGLang's block then)
+    adapter: str = ""  # the LoRA adapter requests name (model.lora.sync=adapter); "" = the base weights
+    evictions: int = 0  # times evicted: a weight group with it in is rebuilt once it was
 
 
 def version_tuple(v: str) -> tuple[int, ...]:
@@ -59,7 +98,8 @@ def version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _first(get: Getter, paths: tuple[str, ...]) -> tuple[str, dict[str, object]] | None:
+def first_page(get: Getter, paths: tuple[str, ...]) -> tuple[str, dict[str, object]] | None:
+    """The first of ``paths`` that answers 200 with a JSON object: (path, body)."""
     for p in paths:
         status, body = get(p)
         if status == 200 and isinstance(body, dict):
@@ -67,94 +107,12 @@ def _first(get: Getter, paths: tuple[str, ...]) -> tuple[str, dict[str, object]]
     return None
 
 
-def detect_sglang(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
-    found = _first(get, ("/get_server_info", "/server_info"))
-    if found is None:
-        raise UnsupportedServer(
-            f"{url} answers neither /get_server_info nor /server_info: not an SGLang server, or "
-            f"one older than {'.'.join(map(str, MIN_SGLANG))} (relayrl needs SGLang >= "
-            f"{'.'.join(map(str, MIN_SGLANG))}: pip install 'sglang>={'.'.join(map(str, MIN_SGLANG))}')"
-        )
-    _, info = found
-    version = str(info.get("version", ""))
-    server = str(info.get("server", "sglang"))
-    if server != "relayrl" and version_tuple(version) < MIN_SGLANG:
-        need = ".".join(map(str, MIN_SGLANG))
-        raise UnsupportedServer(
-            f"{url} runs SGLang {version or '(no version)'}; relayrl needs SGLang >= {need} "
-            f"(weight_version on weight updates, /pause_generation modes): pip install 'sglang>={need}'"
-        )
-    tp = int(typing.cast(int, info.get("tp_size", 1) or 1))
-    version_path = None
-    for p in ("/get_weight_version", "/model_info", "/get_model_info"):
-        status, body = get(p)
-        if status == 200 and isinstance(body, dict) and "weight_version" in body:
-            version_path = p
-            break
-    live = _first(get, ("/get_model_info", "/model_info"))
-    return PeerInfo(
-        protocol,
-        version,
-        tp,
-        str(info.get("served_model_name") or "default"),
-        version_path,
-        live[0] if live else "/health",
-        server=server,
-        lora=bool(info["enable_lora"]) if "enable_lora" in info else None,  # SGLang's server args
-        max_lora_rank=int(typing.cast(int, info.get("max_lora_rank") or 0)),
-    )
-
-
-def detect_vllm(url: str, get: Getter) -> PeerInfo:
-    status, body = get("/version")
-    if status != 200 or not isinstance(body, dict):
-        raise UnsupportedServer(f"{url} answers no /version ({status}): not a vLLM OpenAI server (`vllm serve`)")
-    status, models = get("/v1/models")
-    data = models.get("data") if isinstance(models, dict) else None
-    if status != 200 or not isinstance(data, list) or not data or not isinstance(data[0], dict):
-        raise UnsupportedServer(f"{url}/v1/models lists no served model ({status}); relayrl sends the served name")
-    status, spec = get("/openapi.json")
-    paths = spec.get("paths") if isinstance(spec, dict) else None
-    routes = set(paths) if isinstance(paths, dict) else set()
-    ranks = 1
-    if "/get_world_size" in routes:  # the server's workers (TP x PP x DP), each a rank of the transfer group
-        status, size = get("/get_world_size")
-        ranks = int(size.get("world_size", 1)) if status == 200 and isinstance(size, dict) else 1
-    return PeerInfo(
-        "vllm",
-        str(body.get("version", "")),
-        ranks,
-        str(data[0]["id"]),
-        "/weight_info" if "/weight_info" in routes else None,
-        "/health",
-        routes,
-        server=str(body.get("server", "vllm")),  # by name: disk_transfer comes first
-        # the runtime adapter routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
-        lora=LORA_ROUTE in routes if routes else None,
-    )
-
-
-def detect(protocol: str, url: str, get: Getter) -> PeerInfo:
-    if protocol == "vllm":
-        return detect_vllm(url, get)
-    return detect_sglang(url, get, protocol)
-
-
-TRANSFER = "/init_weight_transfer_engine"
-LORA_ROUTE = "/v1/load_lora_adapter"
-
-
 def require_lora(info: PeerInfo, url: str, rank: int) -> None:
     """Start-up check that ``url`` loads LoRA adapters of ``rank`` at run time (model.lora.sync=adapter)."""
     if info.lora is False:
-        need = (
-            "--enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment"
-            if info.protocol == "vllm"
-            else "--enable-lora --max-lora-rank R"
-        )
         raise UnsupportedServer(
             f"{url} does not load LoRA adapters at run time, which model.lora.sync=adapter needs: start it with "
-            f"{need} (R >= model.lora.rank={rank}), or set model.lora.sync=merged"
+            f"{info.lora_flags} (R >= model.lora.rank={rank}), or set model.lora.sync=merged"
         )
     if info.max_lora_rank and rank > info.max_lora_rank:
         raise UnsupportedServer(
@@ -162,40 +120,30 @@ def require_lora(info: PeerInfo, url: str, rank: int) -> None:
         )
 
 
-RL_ROUTER = "VLLM_SERVER_DEV_MODE=1: vLLM attaches its RL router only in dev mode"
+def wire_image(image: str | bytes) -> str:
+    """An image of ``ModelRequest.image_data`` as JSON text: encoded bytes become a base64 ``data:`` URL
+    (SGLang, vLLM and relayrl all read those); text (a data: URL, base64, a server-side path) is sent as is."""
+    if isinstance(image, str):
+        return image
+    kind = "png" if image[:4] == b"\x89PNG" else "jpeg" if image[:2] == b"\xff\xd8" else "octet-stream"
+    mime = f"image/{kind}" if kind != "octet-stream" else "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(bytes(image)).decode()}"
 
 
-def require_routes(info: PeerInfo, url: str, sync: str) -> None:
-    """Start-up check that ``url`` has the routes weight_sync=``sync`` needs (vLLM)."""
-    if info.protocol != "vllm" or not info.routes or info.server == "relayrl":
-        return
-    missing = [] if "/pause" in info.routes else [f"/pause ({RL_ROUTER})"]
-    if sync == "broadcast" and not {TRANSFER, "/update_weights"} <= info.routes:
-        missing.append(
-            f"{TRANSFER} and /update_weights (vLLM's weight-transfer API: a vLLM that has it, run with "
-            f"--weight-transfer-backend nccl and {RL_ROUTER})"
-        )
-    if sync == "disk" and "/start_weight_update" not in info.routes and "/collective_rpc" not in info.routes:
-        missing.append(
-            f"/collective_rpc ({RL_ROUTER}; for reload_weights) or vLLM's disk weight transfer "
-            "(--weight-transfer-backend disk, a vLLM with /start_weight_update)"
-        )
-    if missing:
-        raise UnsupportedServer(
-            f"{url} (vLLM {info.version}) lacks {', '.join(missing)}, which weight_sync={sync} needs"
-        )
+def int_or_none(v: object) -> int | None:
+    if not isinstance(v, (int, float, str)):
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
 
 
-IMAGE_ROUTES = ("/v1/chat/completions/render", "/inference/v1/generate")
+def penalties(g: GenerationConfig) -> JsonDict:
+    """OpenAI's penalties under SGLang's and vLLM's names, sent only when set."""
+    return {k: getattr(g, k) for k in ("frequency_penalty", "presence_penalty") if getattr(g, k)}
 
 
-def require_image_routes(info: PeerInfo | None, url: str) -> None:
-    """A request with images to a vLLM server needs its render and token-in generate routes."""
-    if info is None or info.protocol != "vllm" or not info.routes:
-        return
-    missing = [r for r in IMAGE_ROUTES if r not in info.routes]
-    if missing:
-        raise UnsupportedServer(
-            f"{url} (vLLM {info.version}) lacks {', '.join(missing)}, which requests with images need "
-            "(vLLM's render + token-in generate; /v1/completions takes no images with token ids)"
-        )
+def version_of(body: object) -> int | None:
+    """The ``weight_version`` of a version route's reply (SGLang's and vLLM's field)."""
+    return int_or_none(body.get("weight_version")) if isinstance(body, dict) else None

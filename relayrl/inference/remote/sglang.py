@@ -1,120 +1,88 @@
-"""Request/response mapping for the servers RemoteEngine talks to: relayrl, SGLang, vLLM.
+"""SGLang (>= 0.5): everything RemoteEngine knows of it.
 
-Pure functions over JSON-like dicts (no I/O), so each protocol is unit-tested against the
-payloads documented by its project:
-
-- SGLang native API: ``POST /generate`` with ``input_ids``, ``sampling_params`` and
+- Detection: ``/get_server_info`` (``/server_info`` in newer releases) gives ``version`` and the
+  server arguments (``tp_size``, ``enable_lora``, ``max_lora_rank``); the weight version is read
+  from ``/get_weight_version`` (added mid-2025) or, where that route is gone, from
+  ``/model_info``'s ``weight_version``; liveness is probed on the model-info route, which never
+  generates (SGLang's ``/health`` runs a one-token generation and blocks while generation is
+  paused or weights load).
+- Requests: the native ``POST /generate`` with ``input_ids``, ``sampling_params`` and
   ``return_logprob``; the reply's ``meta_info`` holds ``output_token_logprobs`` as
   ``[logprob, token_id, text]`` triples, ``finish_reason`` ``{"type": ...}`` and
-  ``weight_version``. Weights: ``/update_weights_from_disk`` ``{"model_path", ...}``.
-- relayrl: the SGLang protocol plus per-token ``output_token_versions``, an HTTP weight
-  upload (``/update_weights_from_tensor``, a safetensors body), and batches answered item by
-  item as they finish (``stream_items``: NDJSON lines ``{"index": i, ...}``).
-- vLLM: OpenAI ``/v1/completions`` with token-id ``prompt`` and ``logprobs=0``;
-  ``return_tokens_as_token_ids`` makes every returned token read ``"token_id:<id>"``. Pause
-  and resume are the RL routes ``/pause?mode=abort`` (in-flight requests end with
-  ``finish_reason`` ``abort`` and their partial tokens, so every token's version is known) and
-  ``/resume``; weights go through vLLM's weight-transfer API (``/init_weight_transfer_engine``,
-  ``/update_weights``, and ``/start_weight_update`` / ``/finish_weight_update`` where the server
-  has them), or, on a vLLM without it, a disk reload through the dev-mode ``/collective_rpc``.
-  Sampled-token logprobs follow the temperature only with ``--logprobs-mode processed_logprobs``
-  (``logprob_probe`` checks it at connect).
-- LoRA adapters (``model.lora.sync=adapter``): SGLang ``/load_lora_adapter`` and
-  ``/unload_lora_adapter`` ``{"lora_name", "lora_path"}``, the adapter named per request in
-  ``/generate``'s ``lora_path``; vLLM ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
-  (same fields), the adapter named as the request's ``model``.
-- Images: SGLang (and relayrl) take ``image_data`` beside ``input_ids``. vLLM's ``/v1/completions``
-  takes none with a token-id prompt, so a prompt with images is two calls: ``/v1/chat/completions/render``
-  of a message holding only the images (its ``features``: per image a hash, a placeholder range and
-  the processed tensors, opaque here), then ``/inference/v1/generate`` with our ``token_ids``, those
-  features placed on our prompt's placeholder runs, and vLLM's ``sampling_params``.
-
-Batches (``batch`` / ``split``): several generate calls to one server become one HTTP call in
-each project's documented batch form. SGLang's ``/generate`` takes lists (``rid``,
-``input_ids`` as a list of lists, one ``sampling_params`` dict per item) and answers a list
-of per-item replies; vLLM's ``/v1/completions`` takes a list of token-id prompts sharing one
-set of sampling parameters and answers one choice per prompt, in prompt order.
+  ``weight_version``. Images go as ``image_data`` beside ``input_ids``. Batches: ``/generate``
+  takes lists (``rid``, ``input_ids`` as a list of lists, one ``sampling_params`` per item) and
+  answers a list of per-item replies.
+- Weights: ``/update_weights_from_disk`` ``{"model_path", ...}`` (weight_sync=disk), or a
+  broadcast over a process group of its own (``/init_weights_update_group``,
+  ``/update_weights_from_distributed`` in buckets of ``weight_bucket_mb``; the group laid out as
+  SGLang builds it: ``relayrl.inference.weight_group``). LoRA adapters (``model.lora.sync=adapter``):
+  ``/load_lora_adapter`` and ``/unload_lora_adapter`` ``{"lora_name", "lora_path"}``, the adapter
+  named per request in ``/generate``'s ``lora_path``.
+- Launch (``inference.launch=sglang``): ``python -m sglang.launch_server --model-path M --host
+  127.0.0.1 --port P --tp-size K``; ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` keeps
+  ``/health`` from generating; with adapters ``--enable-lora --max-lora-rank R
+  --lora-target-modules M.. --max-loras-per-batch 2`` (``all`` when model.lora.target_modules is
+  empty: every linear projection, as relayrl's default; two adapters at once: the new one and the
+  one it replaces, while requests sent with it finish).
 """
 
 from __future__ import annotations
 
-import base64
-import typing
-from dataclasses import dataclass
-from typing import Any
+import functools
+import itertools
+import shlex
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
+import httpx
 import torch
 
-from relayrl.api.io import GenerationConfig, StopReason
+from relayrl.api.io import GenerationConfig, WeightUpdate
+from relayrl.inference.remote.launch import Launched, PeerServerGroup, gpu_env
+from relayrl.inference.remote.protocol import (
+    Call,
+    Getter,
+    JsonDict,
+    Parsed,
+    PeerInfo,
+    ProtocolError,
+    Server,
+    UnsupportedServer,
+    first_page,
+    int_or_none,
+    penalties,
+    version_of,
+    version_tuple,
+)
+from relayrl.inference.remote.weights import (
+    DiskSync,
+    Fleet,
+    UploadSync,
+    WeightSync,
+    broadcast_tensors,
+    members,
+    settle,
+    tensors_of,
+)
+from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 from relayrl.utils.moe import decode_routed_experts
 
-JsonDict = dict[str, object]
+if TYPE_CHECKING:
+    from relayrl.api.config import InferenceConfig, LoraConfig, ModelConfig
 
-
-class ProtocolError(ValueError):
-    """A server reply that does not have the documented shape."""
-
-
-class ServerError(RuntimeError):
-    """A server answered 5xx (retried elsewhere)."""
-
-
-@dataclass
-class Parsed:
-    """One /generate reply, protocol-independent."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: StopReason
-    versions: list[int] | None = None  # per-token versions when the server reports them
-    weight_version: int | None = None  # the server's version when it answered
-    routed_experts: torch.Tensor | None = None  # MoE: [input + output - 1, layers, top_k] when asked and given
-
-
-@dataclass
-class Call:
-    """An HTTP call: method, path (with query), JSON body."""
-
-    method: str
-    path: str
-    json: JsonDict | None = None
-
-
+MIN_SGLANG = (0, 5, 0)  # weight_version on weight updates, /pause_generation with modes, /get_server_info
 WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
-RENDER_CHAT = "/v1/chat/completions/render"  # vLLM: messages -> token ids + multimodal features
-GENERATE_TOKENS = "/inference/v1/generate"  # vLLM: token ids (+ features) -> token ids + logprobs
-
-
-def wire_image(image: str | bytes) -> str:
-    """An image of ``ModelRequest.image_data`` as JSON text: encoded bytes become a base64 ``data:`` URL
-    (SGLang, vLLM and relayrl all read those); text (a data: URL, base64, a server-side path) is sent as is."""
-    if isinstance(image, str):
-        return image
-    kind = "png" if image[:4] == b"\x89PNG" else "jpeg" if image[:2] == b"\xff\xd8" else "octet-stream"
-    mime = f"image/{kind}" if kind != "octet-stream" else "application/octet-stream"
-    return f"data:{mime};base64,{base64.b64encode(bytes(image)).decode()}"
-
-
-def _int_or_none(v: object) -> int | None:
-    if not isinstance(v, (int, float, str)):
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
-
-
-def _penalties(g: GenerationConfig) -> JsonDict:
-    """OpenAI's penalties under SGLang's and vLLM's names, sent only when set."""
-    return {k: getattr(g, k) for k in ("frequency_penalty", "presence_penalty") if getattr(g, k)}
 
 
 class SGLangBackend:
     """SGLang's native HTTP protocol."""
 
     name = "sglang"
+    loads_adapters = True  # LoRA adapters at run time (model.lora.sync=adapter)
     supports_upload = False
     streams_items = False  # batched replies come as one list
+    records_experts = True  # MoE: can return the routed experts
     return_routed_experts = False  # ask for the routed experts (inference.return_routed_experts)
 
     def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
@@ -128,7 +96,7 @@ class SGLangBackend:
             "stop_token_ids": list(g.stop_token_ids),
             "ignore_eos": g.ignore_eos,
             "skip_special_tokens": False,
-            **_penalties(g),
+            **penalties(g),
         }
 
     def generate(
@@ -187,7 +155,7 @@ class SGLangBackend:
             logprobs=[float(t[0]) for t in triples],
             stop_reason=kind,
             versions=[int(v) for v in versions] if isinstance(versions, list) else None,
-            weight_version=_int_or_none(meta.get("weight_version")),
+            weight_version=int_or_none(meta.get("weight_version")),
             routed_experts=routed,
         )
 
@@ -283,7 +251,7 @@ class SGLangBackend:
         return Call("GET", "/get_weight_version")
 
     def parse_version(self, body: object) -> int | None:
-        return _int_or_none(body.get("weight_version")) if isinstance(body, dict) else None
+        return version_of(body)
 
     def parse_update(self, body: object) -> None:
         if isinstance(body, dict) and body.get("success") is False:
@@ -291,281 +259,175 @@ class SGLangBackend:
 
     health_path = "/health"
 
+    # ------------------------------------------------------------------ detection, weights, launch
+    def detect(self, url: str, get: Getter) -> PeerInfo:
+        """What the server at ``url`` offers (``get``: GET path -> (status, JSON))."""
+        return detect(url, get, self.name)
 
-class RelayrlBackend(SGLangBackend):
-    """relayrl's server: SGLang's protocol, per-token versions, and an HTTP weight upload."""
+    def connected(self, fleet: Fleet) -> None:
+        """Once every server is detected: nothing more to check."""
 
-    name = "relayrl"
-    supports_upload = True
-    streams_items = True  # batched replies come item by item as they finish (NDJSON)
+    def weight_sync(self, fleet: Fleet, mode: str) -> WeightSync:
+        """The sync of weight_sync=``mode`` (disk, http, broadcast) with this peer's routes."""
+        if mode == "broadcast":
+            return SGLangBroadcast(fleet, self)
+        if mode == "http":
+            return UploadSync(fleet, self.upload, self)
+        return DiskSync(fleet, self.update_from_disk, self)
 
-    def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
-        groups = super().batch(calls)
-        for call, idx in groups:
-            if len(idx) > 1 and call.json is not None:
-                call.json["stream_items"] = True
-        return groups
+    def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
+        """``inference.launch=sglang``: ``cfg.n_servers`` servers of ``model``, healthy."""
+        return PeerServerGroup(self, cfg, model.path, lora=lora).start()
 
-    def update_from_disk(self, path: str, version: int) -> Call:
-        return Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version})
+    def server_command(
+        self, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1", lora: LoraConfig | None = None
+    ) -> list[str]:
+        """One launched server's command line (listening on ``host``: a Ray node's address under Ray;
+        ``lora``: the adapters it will load, if any)."""
+        prefix = (
+            shlex.split(cfg.launch_command) if cfg.launch_command else [sys.executable, "-m", "sglang.launch_server"]
+        )
+        flags = ["--model-path", model, "--host", host, "--port", str(port), "--tp-size", str(cfg.launch_tp_size)]
+        return [*prefix, *flags, *lora_flags(lora), *cfg.launch_args]
 
-    def pause(self) -> Call:
-        return Call(
-            "POST", "/pause_generation", {"mode": "in_place"}
-        )  # in-flight requests are interrupted by the update
-
-    def upload(self, version: int) -> Call:
-        return Call("POST", f"/update_weights_from_tensor?weight_version={version}")
+    def server_env(self, cfg: InferenceConfig, i: int, lora: LoraConfig | None = None) -> dict[str, str]:
+        env = gpu_env(cfg, i)
+        env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+        return env
 
 
-class VLLMBackend:
-    """vLLM's OpenAI-compatible server with its RL routes."""
+def detect(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
+    """An SGLang server's version, ranks, served name and routes (``relayrl serve`` answers the same)."""
+    need = ".".join(map(str, MIN_SGLANG))
+    found = first_page(get, ("/get_server_info", "/server_info"))
+    if found is None:
+        raise UnsupportedServer(
+            f"{url} answers neither /get_server_info nor /server_info: not an SGLang server, or "
+            f"one older than {need} (relayrl needs SGLang >= {need}: pip install 'sglang>={need}')"
+        )
+    _, info = found
+    version = str(info.get("version", ""))
+    server = str(info.get("server", "sglang"))
+    if server != "relayrl" and version_tuple(version) < MIN_SGLANG:
+        raise UnsupportedServer(
+            f"{url} runs SGLang {version or '(no version)'}; relayrl needs SGLang >= {need} "
+            f"(weight_version on weight updates, /pause_generation modes): pip install 'sglang>={need}'"
+        )
+    version_path = None
+    for p in ("/get_weight_version", "/model_info", "/get_model_info"):
+        status, body = get(p)
+        if status == 200 and isinstance(body, dict) and "weight_version" in body:
+            version_path = p
+            break
+    live = first_page(get, ("/get_model_info", "/model_info"))
+    return PeerInfo(
+        protocol,
+        version,
+        int(str(info.get("tp_size", 1) or 1)),
+        str(info.get("served_model_name") or "default"),
+        version_path,
+        live[0] if live else "/health",
+        server=server,
+        lora=bool(info["enable_lora"]) if "enable_lora" in info else None,  # SGLang's server args
+        max_lora_rank=int(str(info.get("max_lora_rank") or 0)),
+    )
 
-    name = "vllm"
-    supports_upload = False
-    streams_items = False
-    health_path = "/health"
-    reload_method = "reload_weights"
-    return_routed_experts = False  # vLLM's replies carry no routed experts; RemoteEngine refuses the option
 
-    def __init__(self, model: str = "default") -> None:
-        self.model = model
+def lora_flags(lora: LoraConfig | None) -> list[str]:
+    """The flags that let a server load the trainer's adapters at run time (none without LoRA)."""
+    if lora is None or lora.rank <= 0:
+        return []
+    targets = list(lora.target_modules) or ["all"]
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets,
+            "--max-loras-per-batch", "2"]  # fmt: skip
 
-    def generate(
-        self,
-        rid: str,
-        input_ids: list[int],
-        g: GenerationConfig,
-        max_new: int,
-        min_new: int,
-        images: list[str] | None = None,
-        adapter: str = "",
-        features: JsonDict | None = None,
-    ) -> Call:
-        """``adapter``: a loaded LoRA adapter to generate with (vLLM serves it as a model of that name).
-        A prompt with images goes to the token-in route with their rendered ``features``
-        (``render_images`` then ``image_features``): ``/v1/completions`` takes no images with token ids."""
-        if images and features is None:
-            raise ValueError(f"request {rid!r}: images go to vLLM as rendered features (render_images first)")
-        sp: JsonDict = {  # vLLM's SamplingParams fields, also CompletionRequest's
-            "max_tokens": max_new,
-            "min_tokens": min_new,
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "top_p": g.top_p,
-            "top_k": -1 if g.top_k == 0 else g.top_k,
-            "stop": list(g.stop),
-            "stop_token_ids": list(g.stop_token_ids),
-            "ignore_eos": g.ignore_eos,
-            **_penalties(g),
-            "logprobs": 0,  # the sampled token's logprob only
-            "skip_special_tokens": False,
-            "n": 1,
-        }
-        model = adapter or self.model
-        if features is not None:  # the token-in route: choices carry token_ids and chat-style logprobs
-            body: JsonDict = {"model": model, "request_id": rid, "token_ids": list(input_ids), "features": features}
-            return Call("POST", GENERATE_TOKENS, {**body, "sampling_params": sp, "stream": False})
-        body = {"model": model, "prompt": list(input_ids), **sp, "return_tokens_as_token_ids": True}
-        return Call("POST", "/v1/completions", {**body, "request_id": rid, "stream": False})
 
-    def render_images(self, images: list[str], adapter: str = "") -> Call:
-        """vLLM's render step for a prompt's images (one user message of image content parts): its
-        ``features`` carry each image's hash, placeholder range and processed tensors."""
-        parts: list[object] = [{"type": "image_url", "image_url": {"url": u}} for u in images]
-        messages: list[object] = [{"role": "user", "content": parts}]
-        return Call("POST", RENDER_CHAT, {"model": adapter or self.model, "messages": messages})
+class SGLangBroadcast(WeightSync):
+    """weight_sync=broadcast: every server receives the tensors from one collective broadcast.
 
-    @staticmethod
-    def image_features(rid: str, input_ids: list[int], body: object) -> JsonDict:
-        """The rendered ``features`` placed on this prompt: image ``j``'s range is the ``j``-th run of its
-        placeholder token in ``input_ids`` (the render's own prompt is vLLM's chat template, not ours),
-        which must be as long as vLLM's (same processor); else a ``ValueError`` naming the image."""
-        feats = body.get("features") if isinstance(body, dict) else None
-        ids = body.get("token_ids") if isinstance(body, dict) else None
-        if not isinstance(feats, dict) or not isinstance(ids, list):
-            raise ProtocolError(f"{RENDER_CHAT} reply lacks token_ids / features: {str(body)[:200]}")
+    The group (this process = rank 0, server i = ranks from its ``rank_offset``, one per
+    tensor-parallel rank) is built on first use and rebuilt whenever its members change: a dead
+    server leaves it, a returning one rejoins. A server that fails mid-way is evicted (dead) or
+    its error raised; either way the group is dropped, to be rebuilt at the next update."""
+
+    def __init__(self, fleet: Fleet, backend: SGLangBackend) -> None:
+        super().__init__(fleet)
+        self.backend = backend
+        self.group: WeightBroadcastGroup | None = None
+        self.members: list[tuple[str, int]] = []
+
+    def prepare(self, update: WeightUpdate) -> object:
+        return broadcast_tensors(update)
+
+    def send(self, data: object, version: int, servers: list[Server]) -> None:
         try:
-            ranges = [(int(p["offset"]), int(p["length"])) for p in feats["mm_placeholders"]["image"]]
-            hashes, kwargs = list(feats["mm_hashes"]["image"]), list(feats["kwargs_data"]["image"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProtocolError(f"{RENDER_CHAT} features lack image hashes / placeholders / kwargs_data: {e!r}") from e
-        if not len(ranges) == len(hashes) == len(kwargs):
-            raise ProtocolError(f"{RENDER_CHAT}: {len(ranges)} placeholders, {len(hashes)} hashes, {len(kwargs)} items")
-        placed: list[object] = []
-        pos = 0
-        for j, (offset, length) in enumerate(ranges):
-            token = int(ids[offset])
-            start = next((i for i in range(pos, len(input_ids)) if input_ids[i] == token), len(input_ids))
-            end = start
-            while end < len(input_ids) and input_ids[end] == token:
-                end += 1
-            if end - start != length:
-                got = f"{end - start} tokens" if end > start else "none"
-                raise ValueError(
-                    f"request {rid!r}: image {j} takes {length} placeholder tokens (id {token}) in vLLM's render, "
-                    f"the prompt's next run has {got} (a different image processor or too few image blocks)"
+            self._broadcast(tensors_of(data), version, servers)
+        except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
+            live = [s for s in self.fleet.servers if s.alive]
+            if not live:
+                raise
+            self._broadcast(tensors_of(data), version, live)
+
+    def rejoin(self, srv: Server, data: object, version: int) -> None:
+        """A server (re)joining: the group is rebuilt with it in."""
+        self._broadcast(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
+
+    def _join(self, servers: list[Server], ex: ThreadPoolExecutor, errors: list[BaseException]) -> WeightBroadcastGroup:
+        admin, sglang = self.fleet.admin, self.backend
+        # members leave any group of that name first (this engine's old one, or one left by an earlier
+        # trainer): SGLang refuses a second group of the same name
+        for s in servers:
+            try:
+                admin(s, sglang.destroy_weight_group(), timeout=30)
+            except (httpx.HTTPError, RuntimeError):
+                pass  # a server that never joined, or one too old for the route (then init fails, named)
+        self.group, self.members = None, []
+        host = address_towards(httpx.URL(servers[0].url).host)
+        # NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU)
+        backend = "nccl" if torch.cuda.is_available() and sglang.name != "relayrl" else "gloo"
+        # a server of tensor-parallel size k takes ranks rank_offset .. rank_offset + k - 1 (SGLang: rank_offset + tp_rank)
+        sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
+        offsets = list(itertools.accumulate([1, *sizes[:-1]]))
+        world = 1 + sum(sizes)
+        timeout = self.fleet.config.request_timeout
+        group = WeightBroadcastGroup(host, 0, world, 0, backend, WEIGHT_GROUP, timeout)
+        calls = [sglang.init_weight_group(host, group.port, off, world, backend) for off in offsets]
+        joins = [ex.submit(admin, s, c) for s, c in zip(servers, calls, strict=True)]
+        settle(self.fleet, servers, joins, group.join, errors)
+        if errors:
+            raise errors[0]
+        self.group, self.members = group, members(servers)
+        return group
+
+    def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+        errors: list[BaseException] = []
+        ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
+        try:
+            group = self.group
+            if group is None or self.members != members(servers):
+                group = self._join(servers, ex, errors)
+            names = list(tensors)
+            limit = int(self.fleet.config.weight_bucket_mb * (1 << 20))
+            parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
+            for b, idx in enumerate(parts):  # one bounded bucket per call: the servers allocate one bucket at a time
+                bucket = {names[i]: tensors[names[i]] for i in idx}
+                call = self.backend.update_distributed(
+                    list(bucket),
+                    [dtype_name(t.dtype) for t in bucket.values()],
+                    [list(t.shape) for t in bucket.values()],
+                    version if b == len(parts) - 1 else None,
+                    abort=b == 0,
                 )
-            placed.append({"offset": start, "length": length})
-            pos = end
-        return {"mm_hashes": {"image": hashes}, "mm_placeholders": {"image": placed}, "kwargs_data": {"image": kwargs}}
-
-    def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
-        """Calls that differ only in their prompt share one call (vLLM takes one set of sampling
-        parameters per request): (call, indices of the items it carries)."""
-        groups: dict[str, list[int]] = {}
-        for i, c in enumerate(calls):
-            if c.path != "/v1/completions":  # the token-in route takes one prompt per call
-                groups[f"{i}"] = [i]
-                continue
-            key = repr([(k, v) for k, v in (c.json or {}).items() if k not in ("prompt", "request_id")])
-            groups.setdefault(key, []).append(i)
-        out = []
-        for idx in groups.values():
-            if len(idx) == 1:
-                out.append((calls[idx[0]], idx))
-                continue
-            first = calls[idx[0]].json or {}
-            body: JsonDict = {
-                **first,
-                "prompt": [(calls[i].json or {})["prompt"] for i in idx],
-                "request_id": f"{first.get('request_id')}+{len(idx) - 1}",
-            }
-            out.append((Call("POST", "/v1/completions", body), idx))
-        return out
-
-    def split(self, body: object, n: int) -> list[object]:
-        """One reply per prompt: choice ``i`` (n=1 per prompt) is prompt ``i``'s."""
-        choices = body.get("choices") if isinstance(body, dict) else None
-        if not isinstance(choices, list) or len(choices) != n:
-            got = len(choices) if isinstance(choices, list) else "no"
-            raise ProtocolError(f"batched /v1/completions of {n} prompts answered {got} choices")
-        order = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
-        assert isinstance(body, dict)
-        return [{**body, "choices": [c]} for c in order]
-
-    def parse_generate(self, body: object) -> Parsed:
-        if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
-            raise ProtocolError(f"/v1/completions reply lacks choices: {str(body)[:200]}")
-        choice = body["choices"][0]
-        lp = choice.get("logprobs") or {}
-        token_logprobs = lp.get("token_logprobs") or []
-        if "content" in lp:  # the token-in route: chat-style entries, one per output token
-            token_logprobs = [c.get("logprob") for c in lp["content"] or []]
-        tokens = choice.get("token_ids")
-        if tokens is None:
-            texts = lp.get("tokens") or []
-            if not all(isinstance(t, str) and t.startswith("token_id:") for t in texts):
-                raise ProtocolError("vLLM reply has no token_ids; start the server so that tokens read 'token_id:<id>'")
-            tokens = [int(t.split(":", 1)[1]) for t in texts]
-        if len(tokens) != len(token_logprobs):
-            raise ProtocolError(f"{len(tokens)} tokens but {len(token_logprobs)} token_logprobs")
-        finish = choice.get("finish_reason")
-        kind = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(finish))
-        if kind is None:
-            raise ProtocolError(f"unknown finish_reason {finish!r}")
-        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], typing.cast(StopReason, kind))
-
-    def update_from_disk(self, path: str, version: int) -> Call:
-        return Call("POST", "/collective_rpc", {"method": self.reload_method, "kwargs": {"weights_path": path}})
-
-    def load_adapter(self, name: str, path: str) -> Call:
-        """Runtime adapter loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); vLLM answers plain text."""
-        return Call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-
-    def unload_adapter(self, name: str) -> Call:
-        return Call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
-
-    def parse_adapter_load(self, name: str, body: object) -> None:
-        """A 200 is the load (the body is a sentence); refusals are 4xx, raised by the caller."""
-
-    def upload(self, version: int) -> Call:
-        raise NotImplementedError("vLLM servers take no safetensors upload; use inference.weight_sync=disk")
-
-    def init_transfer(self, host: str, port: int, rank_offset: int, world_size: int) -> Call:
-        """Join vLLM's weight-transfer group (``--weight-transfer-backend nccl``): this server's
-        workers take ranks ``rank_offset`` .. ``rank_offset + world size - 1``."""
-        info: JsonDict = {
-            "master_address": host,
-            "master_port": port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-        }
-        return Call("POST", "/init_weight_transfer_engine", {"init_info": info})
-
-    def init_disk_transfer(self) -> Call:
-        """vLLM's disk transfer backend (``--weight-transfer-backend disk``) takes no init fields."""
-        return Call("POST", "/init_weight_transfer_engine", {"init_info": {}})
-
-    def transfer_update(self, names: list[str], dtypes: list[str], shapes: list[list[int]], bucket: int) -> Call:
-        """Every tensor in one call, sent in packed buffers of ``bucket`` bytes (bounded receive memory)."""
-        info: JsonDict = {
-            "names": names,
-            "dtype_names": dtypes,
-            "shapes": shapes,
-            "packed": True,
-            "packed_buffer_size_bytes": bucket,
-        }
-        return Call("POST", "/update_weights", {"update_info": info})
-
-    def disk_update(self, path: str) -> Call:
-        return Call("POST", "/update_weights", {"update_info": {"path": path}})
-
-    def start_update(self) -> Call:
-        return Call("POST", "/start_weight_update")
-
-    def finish_update(self, version: int) -> Call:
-        return Call("POST", "/finish_weight_update", {"weight_version": str(version)})
-
-    def set_version(self, version: int) -> Call:
-        return Call("POST", "/update_weight_version", {"new_version": str(version)})
-
-    def pause(self) -> Call:
-        return Call("POST", "/pause?mode=abort")
-
-    def logprob_probe(self, temperature: float) -> Call:
-        """One greedy-free token with the top logprob: with ``raw_logprobs`` (vLLM's default) its value
-        does not change with the temperature; with ``processed_logprobs`` it does."""
-        body: JsonDict = {
-            "model": self.model,
-            "prompt": [0, 1, 2],
-            "max_tokens": 1,
-            "temperature": temperature,
-            "logprobs": 1,
-            "seed": 0,
-            "return_tokens_as_token_ids": True,
-        }
-        return Call("POST", "/v1/completions", body)
-
-    @staticmethod
-    def top_logprob(body: object) -> float:
-        try:
-            top = typing.cast(dict[str, Any], body)["choices"][0]["logprobs"]["top_logprobs"][0]
-            return max(float(v) for v in top.values())
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-            raise ProtocolError(f"/v1/completions reply has no top_logprobs: {str(body)[:200]}") from e
-
-    def resume(self) -> Call:
-        return Call("POST", "/resume")
-
-    def get_version(self) -> Call | None:
-        return Call("GET", "/weight_info")  # vLLM's RL router since 0100a212; before it, none (the client's count)
-
-    def parse_version(self, body: object) -> int | None:
-        return _int_or_none(body.get("weight_version")) if isinstance(body, dict) else None
-
-    def parse_update(self, body: object) -> None:
-        if isinstance(body, dict) and "error" in body:
-            raise RuntimeError(f"weight update refused: {body['error']}")
-
-
-Backend = SGLangBackend | VLLMBackend
-
-
-def make_backend(protocol: str) -> Backend:
-    if protocol == "relayrl":
-        return RelayrlBackend()
-    if protocol == "sglang":
-        return SGLangBackend()
-    if protocol == "vllm":
-        return VLLMBackend()
-    raise ValueError(f"inference.protocol must be relayrl, sglang or vllm, got {protocol!r}")
+                replies = [ex.submit(self.fleet.admin, s, call) for s in servers]
+                settle(self.fleet, servers, replies, functools.partial(group.broadcast, bucket), errors)
+                if errors:
+                    break
+        finally:
+            ex.shutdown(wait=False)
+            if errors:
+                self.group = None
+        if errors:
+            raise errors[0]
+        for s, f in zip(servers, replies, strict=True):
+            self.backend.parse_update(f.result())
+            self.confirm(s, version)

@@ -25,8 +25,8 @@ Where an SGLang client would notice, it answers as SGLang does: ``/pause_generat
 in-flight requests (``mode`` ``abort``; ``in_place`` / ``retract`` keep them), an interrupted
 ``/generate`` request ends as ``abort`` with its partial output, ``weight_version`` is a string,
 matched stop strings are cut from ``text``. Errors are OpenAI error objects
-(``server_common.error_body``). Weight routes live in ``server_weights``, OpenAI routes in
-``server_openai``.
+(``common.error_body``). Weight routes live in ``weights``, OpenAI routes in
+``openai_routes``.
 """
 
 from __future__ import annotations
