@@ -35,8 +35,8 @@ from relayrl.api.config import InferenceConfig, ModelConfig, OptimizerConfig, Tr
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
 from relayrl.api.workflow import concat_trajectories, trajectory_from_response
 from relayrl.data.models import build_tiny_model
-from relayrl.inference.device import resolve_device
 from relayrl.inference.local import LocalEngine
+from relayrl.inference.local.device import resolve_device
 from relayrl.inference.weight_group import WeightBroadcastGroup
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.utils import failsafe

@@ -20,10 +20,10 @@ from transformers import AttentionInterface
 
 from relayrl.api.config import InferenceConfig, ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.io import GenerationConfig, ModelRequest
-from relayrl.inference import local_memory
-from relayrl.inference.decode import FastDecoder, SlabLayer
-from relayrl.inference.graphs import CUDA_GRAPHS, FLASH_DECODE, Kernels, StaticDecoder
 from relayrl.inference.local import LocalEngine
+from relayrl.inference.local import memory as local_memory
+from relayrl.inference.local.decode import FastDecoder, SlabLayer
+from relayrl.inference.local.graphs import CUDA_GRAPHS, FLASH_DECODE, Kernels, StaticDecoder
 from relayrl.train import fastpath, packing
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.utils import failsafe

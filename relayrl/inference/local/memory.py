@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from relayrl.inference.decode import FastDecoder
-from relayrl.inference.graphs import StaticDecoder
+from relayrl.inference.local.decode import FastDecoder
+from relayrl.inference.local.graphs import StaticDecoder
 from relayrl.utils import failsafe
 
 OFFLOAD = "moving weights off the device (release_memory(weights=True))"

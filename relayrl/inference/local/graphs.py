@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from relayrl.inference.decode import FastDecoder, SlabLayer
+from relayrl.inference.local.decode import FastDecoder, SlabLayer
 from relayrl.utils.failsafe import check, fall_back, reason
 
 if typing.TYPE_CHECKING:
