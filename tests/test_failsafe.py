@@ -19,11 +19,15 @@ import torch
 from transformers import AttentionInterface
 
 from relayrl.api.config import InferenceConfig, ModelConfig, OptimizerConfig, TrainEngineConfig
-from relayrl.api.io import GenerationConfig, ModelRequest
+from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
+from relayrl.data.models import build_tiny_model
 from relayrl.inference.local import LocalEngine
 from relayrl.inference.local import memory as local_memory
 from relayrl.inference.local.decode import FastDecoder, SlabLayer
 from relayrl.inference.local.graphs import CUDA_GRAPHS, FLASH_DECODE, Kernels, StaticDecoder
+from relayrl.inference.remote import sglang as sglang_peer
+from relayrl.inference.remote.engine import RemoteEngine
+from relayrl.inference.server.launcher import launch_servers
 from relayrl.train import fastpath, packing
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.utils import failsafe
@@ -373,3 +377,45 @@ def test_weights_that_come_back_changed_stop_generation_with_a_clear_error(tiny_
 
     with pytest.raises(RuntimeError, match=r"moving weights off the device .* the weights came back changed"):
         released_and_resumed(tiny_model, lossy, monkeypatch)
+
+
+# ---------------------------------------------------------------- NCCL weight group
+
+
+def test_a_failing_nccl_weight_group_falls_back_to_gloo(tiny_model, monkeypatch, caplog):
+    """NCCL put in the way through the seam: on CPU it fails at first use (no CUDA), as a broken NCCL
+    would; the group is built again over gloo with the real server, and the weights arrive."""
+    monkeypatch.setattr(sglang_peer, "broadcast_backend", lambda peer: "nccl")
+    group = launch_servers(1, admin_token="tok")
+    cfg = InferenceConfig(backend="remote", admin_token="tok", weight_sync="broadcast", request_timeout=60)
+    eng = RemoteEngine(cfg, addresses=group.addresses)
+    new = build_tiny_model("tiny", seed=2).eval()
+    g = GenerationConfig(max_new_tokens=8, greedy=True, ignore_eos=True)
+
+    async def outputs(engine):
+        return [
+            r.output_tokens
+            for r in await asyncio.gather(
+                *(engine.agenerate(ModelRequest(str(i), p, g)) for i, p in enumerate(PROMPTS))
+            )
+        ]
+
+    try:
+        eng.initialize()
+        eng.update_weights(WeightUpdate(kind="tensors", version=5, tensors=new.state_dict()))
+        got = asyncio.run(outputs(eng))
+        eng.update_weights(WeightUpdate(kind="tensors", version=6, tensors=new.state_dict()))  # the gloo group again
+        assert eng.get_version() == 6
+    finally:
+        eng.destroy()
+        group.shutdown()
+    local = LocalEngine(InferenceConfig(), copy.deepcopy(new))
+    local.initialize()
+    try:
+        assert got == asyncio.run(outputs(local))
+    finally:
+        local.destroy()
+    (message,) = warnings_of(caplog)
+    assert message.startswith(
+        sglang_peer.NCCL_GROUP + " failed at first use (RuntimeError: a weight group with backend='nccl' needs CUDA"
+    )
