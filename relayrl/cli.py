@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
     sub.add_parser("inspect", help="A local web page over runs' rollouts (token by token) and curves.", add_help=False)
     sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
+    sub.add_parser(
+        "selftest", help="A minute-long check of this machine's engine, training and weight sync.", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
     handlers = {"train": _train, "eval": _eval, "plot": _plot, "show": _show, "inspect": _inspect, "demo": _demo}
     if args.command in handlers:
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(rest)
     if args.command == "sft":
         return _sft(rest)
+    if args.command == "selftest":
+        from relayrl.selftest import main as selftest
+
+        return selftest(rest)
     parser.error(f"unknown command {args.command}")
     return 2
 
@@ -82,7 +89,7 @@ def _serve(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"relayrl serve: {e}", file=sys.stderr)
         return 2
-    from relayrl.inference.server import run_server
+    from relayrl.inference.server.app import run_server
 
     run_server(cfg)
     return 0
