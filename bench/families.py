@@ -33,9 +33,9 @@ from relayrl.train.engine import TorchTrainEngine  # noqa: E402
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 50)), [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 
 
-def bf16_gap(path: str, device: str = "cpu", new: int = 24) -> float:
-    """Mean |LocalEngine logprob - train engine logprob| over generated tokens, both in bf16."""
-    mc = ModelConfig(path=path, dtype="bfloat16")
+def bf16_gap(path: str, device: str = "cpu", new: int = 24, dtype: str = "bfloat16") -> float:
+    """Mean |LocalEngine logprob - train engine logprob| over generated tokens, both in ``dtype`` (bf16)."""
+    mc = ModelConfig(path=path, dtype=dtype)
     engine = LocalEngine(InferenceConfig(device=device, admit_window_ms=0, seed=3), load_model(mc))
     engine.initialize()
     g = GenerationConfig(max_new_tokens=new, temperature=1.0, ignore_eos=True)

@@ -31,12 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("plot", help="PNG learning curves of one or more run directories.", add_help=False)
     sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
     sub.add_parser("inspect", help="A local web page over runs' rollouts (token by token) and curves.", add_help=False)
+    sub.add_parser("doctor", help="Where a run's generator-trainer logprob gap comes from.", add_help=False)
     sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
     sub.add_parser(
         "selftest", help="A minute-long check of this machine's engine, training and weight sync.", add_help=False
     )
     args, rest = parser.parse_known_args(argv)
-    handlers = {"train": _train, "eval": _eval, "plot": _plot, "show": _show, "inspect": _inspect, "demo": _demo}
+    handlers = {
+        "train": _train,
+        "eval": _eval,
+        "plot": _plot,
+        "show": _show,
+        "inspect": _inspect,
+        "demo": _demo,
+        "doctor": _doctor,
+    }
     if args.command in handlers:
         return handlers[args.command](rest)
     if args.command == "config-reference":
@@ -287,6 +296,21 @@ def _plot(argv: list[str]) -> int:
         print(plot_runs(ns.run_dirs, ns.out))
     except FileNotFoundError as e:
         print(f"relayrl plot: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _doctor(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="relayrl doctor", description="Attribute the generator-trainer gap to causes.")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, help="the recorded step to replay (default: the latest)")
+    ns = p.parse_args(argv)
+    from relayrl.doctor.replay import run
+
+    try:
+        run(ns.run_dir, ns.step)
+    except FileNotFoundError as e:
+        print(f"relayrl doctor: {e}", file=sys.stderr)
         return 2
     return 0
 

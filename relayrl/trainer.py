@@ -32,6 +32,7 @@ from relayrl.api.io import SaveLoadMeta
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader
 from relayrl.data.models import load_model, load_tokenizer
+from relayrl.doctor.record import DoctorRecorder
 from relayrl.driver import Driver
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.train.actor import Critic, PPOActor, needs_critic, needs_reference, report_steps
@@ -106,6 +107,7 @@ class Trainer:
             )
             ref_engine.initialize()
         self.actor = PPOActor(cfg.actor, self.actor_engine, ref_engine=ref_engine, seed=cfg.seed)
+        self.doctor = DoctorRecorder(cfg, self.actor_engine)  # what `relayrl doctor` replays
         if cfg.rollout.max_staleness > 0 and self.actor.loss.needs_prox_logp and self.actor.logp_from_update:
             logger.warning(
                 "actor.loss=%s (needs_prox_logp, as decoupled_ppo) with one optimizer step per batch: its clip is "
@@ -182,10 +184,12 @@ class Trainer:
                     self.compute_logp(batch)
                 with stats.record_timing("compute_advantages"):
                     self.actor.compute_advantages(batch)
+                self.doctor.before_update(self.step + 1)
                 with stats.record_timing("ppo_update"), stats.scope("actor"):
                     actor_stats = self.actor.ppo_update(batch)
                     if self.critic is not None:
                         self._critic_stats = self.critic.update(batch)
+                self.doctor.after_update(batch, self.actor)
                 with stats.record_timing("update_weights"):
                     if d:
                         d.executor.pause()  # no new episodes until this step's bookkeeping is done
@@ -239,6 +243,8 @@ class Trainer:
         if self.driver:
             self.driver.report_step(self.step, batch, seconds)
             bad = report_steps(actor_stats, "actor")
+            with stats.scope("mismatch"):  # the generator–trainer gap of this step's batch (docs/mismatch.md)
+                stats.gauge(**self.actor.mismatch)
             if bad:
                 logger.warning(
                     "step %d: %d of %d optimizer steps skipped for a non-finite loss (%s) or grad norm (%s); "

@@ -70,8 +70,10 @@ class SFTConfig:
     save_final: bool = f(True, help="Save an HF checkpoint (and tokenizer) to run_dir/final at the end.")
     model: ModelConfig = f(ModelConfig(), help="Model to fine-tune.")
     train: TrainEngineConfig = f(
-        TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-4, lr_schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)),
-        help="Train engine (optimizer, schedule, micro-batch token budget).",
+        TrainEngineConfig(
+            optimizer=OptimizerConfig(lr=1e-4, lr_schedule="cosine", warmup_steps=10, min_lr_ratio=0.1), dropout=True
+        ),
+        help="Train engine (optimizer, schedule, micro-batch token budget); SFT keeps the model's dropout.",
     )
     data: SFTDataConfig = f(SFTDataConfig(), help="SFT data.")
     logging: LoggingConfig = f(LoggingConfig(tensorboard=False), help="Metrics sinks.")

@@ -28,6 +28,7 @@ from relayrl.api.fields import (
     validate_config,
 )
 from relayrl.api.io import GenerationConfig
+from relayrl.api.mismatch import RolloutCorrectionConfig
 
 __all__ = ["ConfigError", "config_reference", "load_config", "parse_override", "save_config", "validate_config"]
 
@@ -107,6 +108,9 @@ class TrainEngineConfig:
         8192, help="Token budget of one packed micro-batch (an image's vision patches count as tokens).", ge=16
     )
     bf16: bool = f(False, help="bf16 autocast (GPU only; ignored on CPU).")
+    dropout: bool = f(
+        False, help="Keep the model config's dropout while training (RL: off, so the trainer scores what was sampled)."
+    )
     fsdp: bool = f(True, help="Shard with FSDP2 when torch.distributed runs with more than one rank.")
     max_nan_skips: int = f(3, help="Consecutive non-finite steps skipped before the run stops.", ge=0)
     total_steps: int = f(0, help="Optimizer steps for the LR schedule (0 = taken from the trainer).", ge=0)
@@ -370,6 +374,10 @@ class ActorConfig:
         "routed_experts) instead of its own top-k; gate weights still come from the trainer's router. No effect on "
         "dense models or batches without routed_experts.",
     )
+    rollout_correction: RolloutCorrectionConfig = f(
+        RolloutCorrectionConfig(),
+        help="Truncated / masked importance sampling against the generator (docs/mismatch.md).",
+    )
     moe_aux_loss_coef: float = f(
         0.0,
         help="MoE models: coefficient of the load-balancing auxiliary loss added to the policy loss (logged as "
@@ -451,6 +459,9 @@ class LoggingConfig:
         "small runs (about 30 bytes a token).",
         ge=0,
         le=1_000_000,
+    )
+    doctor_every: int = f(
+        50, help="Save what `relayrl doctor` replays (weights + batch) at step 1 and every N-th step (0 = never).", ge=0
     )
     progress: str = f(
         "auto",

@@ -24,7 +24,9 @@ from relayrl.api.config import ActorConfig, ConfigError, validate_config
 from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.train import algorithms as A
 from relayrl.train.engine import TorchTrainEngine
-from relayrl.train.packing import segment_ids, token_entropy, token_logprobs
+from relayrl.train.mismatch import correction_weights, mismatch_metrics
+from relayrl.train.packing import segment_ids, token_entropy, token_logprobs, unpack
+from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats as tracker
 
 
@@ -70,6 +72,38 @@ class _StatsSink:
     def result(self) -> dict[str, float]:
         w = max(self.weight, 1e-12)
         return {**{k: v / w for k, v in self.sums.items()}, **self.maxes}
+
+
+class _GapSink:
+    """The trainer's logprobs ``[B, L]`` of the update's first pass, scattered back from its packed
+    micro-batches (rows by ``batch_row``), and the MoE expert flips the engine counted."""
+
+    def __init__(self, batch: TensorDict) -> None:
+        self.shape = tuple(batch["input_ids"].shape)
+        self.sum = torch.zeros(self.shape, dtype=torch.float64)
+        self.count = torch.zeros(self.shape, dtype=torch.float64)
+        self.flips = (0.0, 0.0)
+
+    def add(self, before: torch.Tensor, packed: TensorDict) -> None:
+        where = {k: packed[k].cpu() for k in ("cu_seqlens", "position_ids")}
+        where["row_index"] = packed["batch_row"].cpu()
+        b, seqlen = self.shape
+        values = before.double().cpu()
+        self.sum += unpack(values, where, b, seqlen)
+        self.count += unpack(torch.ones_like(values), where, b, seqlen)
+        if "moe_expert_flips" in packed:
+            f = packed["moe_expert_flips"].tolist()
+            self.flips = (self.flips[0] + f[0], self.flips[1] + f[1])
+
+    def result(self) -> torch.Tensor:
+        """Every rank's share summed (a dummy micro-batch repeats a row: averaged away)."""
+        total, count = self.sum, self.count
+        if dist_utils.is_distributed():
+            both = dist_utils.all_reduce_tensor_(torch.stack([total, count]))
+            total, count = both[0], both[1]
+            flips = dist_utils.all_reduce_tensor_(torch.tensor(self.flips, dtype=torch.float64)).tolist()
+            self.flips = (flips[0], flips[1])
+        return (total / count.clamp(min=1.0)).float()
 
 
 def check_actor_config(config: ActorConfig) -> None:
@@ -119,6 +153,10 @@ class PPOActor:
         self.temperature = 1.0 if config.temperature is None else config.temperature
         self.generator = torch.Generator().manual_seed(seed)
         self.adv_stats: dict[str, float] = {}
+        # the generator–trainer gap of the latest ppo_update (``mismatch/`` metrics) and the trainer's
+        # logprobs it was measured on: the update's own forward before its first optimizer step
+        self.mismatch: dict[str, float] = {}
+        self.trainer_logp: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- forward passes
 
@@ -142,7 +180,9 @@ class PPOActor:
         replay = self.config.replay_routing if replay is None else replay
         if replay or "routed_experts" not in batch:
             return batch
-        return {k: v for k, v in batch.items() if k != "routed_experts"}
+        # kept under another name: the engine still counts where its own routing differs (expert flips)
+        out = {k: v for k, v in batch.items() if k != "routed_experts"}
+        return {**out, "recorded_experts": batch["routed_experts"]}
 
     def prepare(self, batch: TensorDict, critic: Critic | None = None) -> TensorDict:
         """Fill in every trainer-side key the configured algorithm needs, then the advantages."""
@@ -230,24 +270,43 @@ class PPOActor:
             return float(packed["loss_mask"].bool().sum())
         return float(len(packed["cu_seqlens"]) - 1)
 
-    def _loss_fn(self, sink: _StatsSink):
+    def _loss_fn(self, sink: _StatsSink, gap: _GapSink | None = None):
         cfg = self.config
         policy_loss = self.loss.fn
         agg_mode, norm_len = cfg.loss_agg_mode, float(cfg.loss_norm_len)
+        corr = cfg.rollout_correction
 
         def loss_fn(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
             logp = token_logprobs(logits, packed, self.temperature)
             mask = packed["loss_mask"].bool()
             cu = packed["cu_seqlens"]
             before = logp.detach()  # the policy before this update, when logp_from_update
+            if gap is not None:
+                gap.add(before, packed)
             if self.loss.needs_prox_logp:
                 old, prox = packed["logprobs"], packed.get("prox_logp", before)
             else:
                 old, prox = packed.get("old_logp", before), None
+            advantages = packed["advantages"]
+            if corr.mode != "off":  # the trainer's policy before the update over the generator's
+                w, keep = correction_weights(
+                    old if prox is None else prox,
+                    packed["logprobs"],
+                    mask,
+                    cu,
+                    corr.mode,
+                    corr.level,
+                    corr.low,
+                    corr.high,
+                )
+                advantages = advantages * w
+                mask = mask if corr.masked_in_norm else keep
+                stats_w = {"weight_mean": A.masked_mean(w, packed["loss_mask"].bool())}
+                stats_w["dropped_frac"] = A.masked_mean((~keep).float(), packed["loss_mask"].bool())
             loss, stats = policy_loss(
                 logp=logp,
                 old_logp=old,
-                advantages=packed["advantages"],
+                advantages=advantages,
                 loss_mask=mask,
                 cu_seqlens=cu,
                 prox_logp=prox,
@@ -263,6 +322,8 @@ class PPOActor:
                 norm_len=norm_len,
             )
             stats["policy_loss"] = loss.detach()
+            if corr.mode != "off":
+                stats.update({f"correction_{k}": v for k, v in stats_w.items()})
             # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
             # that generated them (staleness in async runs; any inference/training mismatch always)
             r = before - packed["logprobs"]
@@ -302,7 +363,7 @@ class PPOActor:
         (every loss token generated by the current weights). Otherwise the generator's logprobs are
         the old policy: the clip is then a trust region around the policy that generated the tokens."""
         c = self.config
-        if self.loss.needs_prox_logp:
+        if self.loss.needs_prox_logp or c.rollout_correction.mode != "off":
             return True
         if c.recompute_logp is not None:
             return c.recompute_logp
@@ -344,14 +405,27 @@ class PPOActor:
         common = {**self.adv_stats, **self.staleness_stats(batch)}
         self.engine.train()
         all_stats = []
+        gap = _GapSink(batch)
+        rows = {**batch, "batch_row": torch.arange(batch["input_ids"].shape[0])}
         for epoch in range(cfg.ppo_epochs):
-            for mb in minibatches(batch, cfg.n_minibatches, self.generator):
+            for mb in minibatches(rows, cfg.n_minibatches, self.generator):
                 if not bool(mb["loss_mask"].bool().any()):
                     all_stats.append({**common, "epoch": float(epoch), "skipped": 1.0, "empty_minibatch": 1.0})
                     continue
                 sink = _StatsSink()
-                stats = self.engine.train_batch(self._routing(mb), self._loss_fn(sink), self.loss_weight)
+                loss_fn = self._loss_fn(sink, gap if epoch == 0 else None)
+                stats = self.engine.train_batch(self._routing(mb), loss_fn, self.loss_weight)
                 all_stats.append({**common, **sink.result(), **stats, "epoch": float(epoch)})
+        self.trainer_logp = gap.result()
+        self.mismatch = mismatch_metrics(
+            batch["logprobs"],
+            self.trainer_logp,
+            batch["loss_mask"],
+            batch.get("versions"),
+            self.engine.get_version(),
+            batch.get("truncated"),
+            gap.flips if gap.flips[1] > 0 else None,
+        )
         return all_stats
 
 

@@ -29,6 +29,7 @@ from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.train import lora as L
 from relayrl.train.fastpath import CheckedForward
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
+from relayrl.train.mismatch import disable_dropout
 from relayrl.train.packing import (
     model_inputs,
     pack,
@@ -101,6 +102,9 @@ class TorchTrainEngine(TrainEngine):
         self._nan_skips = 0  # consecutive skipped steps
         self.lora = head == "lm" and trainable and model_config.lora.rank > 0
         self._moe: RoutingReplay | None = None  # MoE models: routed-experts replay and the router statistics
+        # model.dtype=float16, trainable: fp32 master weights, fp16 autocast and dynamic loss scaling
+        self.fp16 = trainable and model_config.dtype == "float16"
+        self.scaler: torch.amp.GradScaler | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -110,6 +114,8 @@ class TorchTrainEngine(TrainEngine):
         torch.manual_seed(self.seed)
         model = self._build_model()
         model.config.use_cache = False
+        if not self.config.dropout:  # before LoRA: the adapters' own dropout is model.lora.dropout's
+            disable_dropout(model)
         model.set_attn_implementation(resolve_attn_impl(self.model_config.attn_impl, self.device))
         if self.model_config.gradient_checkpointing and self.trainable:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
@@ -121,6 +127,9 @@ class TorchTrainEngine(TrainEngine):
         typing.cast(nn.Module, model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         if not self.trainable:
             model.requires_grad_(False)
+        if self.fp16:  # fp16 parameters cannot take small AdamW updates: the optimizer keeps fp32 ones
+            typing.cast(nn.Module, model).float()
+            self.scaler = torch.amp.GradScaler(self.device.type)
         if dist_utils.is_distributed() and self.config.fsdp:
             dist_utils.apply_fsdp2(model)
         elif dist_utils.is_distributed():  # replicated: start from rank 0's weights
@@ -211,14 +220,19 @@ class TorchTrainEngine(TrainEngine):
         moved = {k: v.to(self.device) for k, v in packed.items()}
         if self._moe is not None:
             self._moe.ids = moved.get("routed_experts")
+            self._moe.recorded = moved.get("recorded_experts")
         model, inputs = self._require(), model_inputs(moved)
         images: contextlib.AbstractContextManager[dict[str, object]] = (
             vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
         )
-        with images as extra:
+        fp16: contextlib.AbstractContextManager[None] = (
+            torch.autocast(self.device.type, dtype=torch.float16) if self.fp16 else contextlib.nullcontext()
+        )
+        with fp16, images as extra:
             logits = self._checked(lambda: model(**{**inputs, **extra}).logits[0])
         if self._moe is not None:
             packed["moe_aux_loss"] = self._moe.aux_loss()
+            packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
         return logits
 
     def _to_device(self, packed: TensorDict) -> TensorDict:
@@ -304,7 +318,8 @@ class TorchTrainEngine(TrainEngine):
             if fsdp:
                 typing.cast(FSDPModule, model).set_requires_gradient_sync(i == len(mbs) - 1)
             loss = loss_fn(self._logits(packed), packed)
-            (loss * (0.0 if dummy else w / total_w * scale)).backward()
+            part = loss * (0.0 if dummy else w / total_w * scale)
+            (part if self.scaler is None else self.scaler.scale(part)).backward()
             if not dummy:
                 loss_sum += float(loss.detach()) * w
                 n_tokens += int(packed["input_ids"].numel())
@@ -313,6 +328,8 @@ class TorchTrainEngine(TrainEngine):
             for p in params:
                 if p.grad is not None:
                     dist_utils.all_reduce_tensor_(p.grad)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
@@ -320,21 +337,27 @@ class TorchTrainEngine(TrainEngine):
         loss_value = dist_utils.all_reduce_sum(loss_sum) / total_w
         lr = float(self.optimizer.param_groups[0]["lr"])
         finite = math.isfinite(float(grad_norm)) and math.isfinite(loss_value)
+        # fp16: an overflowed step (finite loss, inf gradient) is skipped and the loss scale halved, no error
+        overflow = self.scaler is not None and math.isfinite(loss_value) and not finite
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # (skips the step itself when the gradients overflowed)
+            self.scaler.update()
         if finite:
-            self.optimizer.step()
+            if self.scaler is None:
+                self.optimizer.step()
             if self.scheduler is not None:  # stepped where the optimizer steps: no training loop can forget it
                 self.scheduler.step()
             self._steps += 1
             self._nan_skips = 0
         else:
             self.optimizer.zero_grad(set_to_none=True)
-            self._nan_skips += 1
+            self._nan_skips += 0 if overflow else 1
             if self._nan_skips > self.config.max_nan_skips:
                 raise NonFiniteError(
                     f"{self._nan_skips} consecutive steps had a non-finite loss ({loss_value}) or grad norm "
                     f"({float(grad_norm)}); train.max_nan_skips={self.config.max_nan_skips}"
                 )
-        return {
+        out = {
             "loss": loss_value,
             "grad_norm": float(grad_norm),
             "lr": lr,
@@ -342,6 +365,9 @@ class TorchTrainEngine(TrainEngine):
             "n_tokens": dist_utils.all_reduce_sum(n_tokens),
             "n_mbs": float(len(mbs)),
         }
+        if self.scaler is not None:
+            out["loss_scale"] = float(self.scaler.get_scale())
+        return out
 
     def get_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0

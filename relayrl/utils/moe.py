@@ -117,6 +117,9 @@ class RoutingReplay:
         self.num_experts = int(getattr(self.routers[0], "num_experts", 0)) if self.routers else 0
         self.top_k = _top_k(self.routers[0]) if self.routers else 0
         self.ids: torch.Tensor | None = None
+        # the generator's recorded ids, compared (not replayed) when ``ids`` is None: expert flips
+        self.recorded: torch.Tensor | None = None
+        self.flips = [0, 0]  # (token, layer) routings of the latest forward: own top-k != recorded, recorded
         self.logits: list[torch.Tensor] = []  # router logits of the latest forward, per layer
         self.chosen: list[torch.Tensor] = []  # expert ids actually used, per layer
         self._handles: list[RemovableHandle] = [
@@ -127,8 +130,14 @@ class RoutingReplay:
         def hook(module: nn.Module, args: object, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
             logits, scores, own = out[0], out[1], out[2]
             if i == 0:
-                self.logits, self.chosen = [], []
+                self.logits, self.chosen, self.flips = [], [], [0, 0]
             self.logits.append(logits)
+            seen = self.ids if self.ids is not None else self.recorded
+            if seen is not None and seen.shape[0] == own.shape[0]:
+                rec = seen[:, i].to(own.device, torch.long)
+                has = (rec >= 0).all(-1)
+                differ = (rec.sort(-1).values != own.sort(-1).values).any(-1) & has
+                self.flips = [self.flips[0] + int(differ.sum()), self.flips[1] + int(has.sum())]
             if self.ids is None:
                 self.chosen.append(own)
                 return None

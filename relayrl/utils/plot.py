@@ -21,6 +21,7 @@ PANELS = (
     ("entropy", ("actor/entropy",)),
     ("throughput (samples/s)", ("perf/samples_per_s",)),
     ("staleness (max)", ("rollout/staleness_max",)),
+    ("generator-trainer gap (mean |Δ logprob|)", ("mismatch/abs_diff_mean",)),  # docs/mismatch.md
 )
 
 
@@ -40,8 +41,10 @@ def run_labels(run_dirs: list[str | Path]) -> list[str]:
 def figure(run_dirs: list[str | Path]) -> matplotlib.figure.Figure:
     """The learning curves of ``run_dirs`` overlaid: one panel per metric family, one line per run."""
     runs = {label: read_metrics(d) for label, d in zip(run_labels(run_dirs), run_dirs, strict=True)}
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
-    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+    fig, axes = plt.subplots(2, (len(PANELS) + 1) // 2, figsize=(18, 7))
+    for ax in axes.flat[len(PANELS) :]:
+        fig.delaxes(ax)
+    for ax, (title, keys) in zip(axes.flat, PANELS, strict=False):
         for name, rows in runs.items():
             series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
             logged = [k for k in keys if series[k]]
