@@ -190,6 +190,8 @@ class Trainer:
                     if self.critic is not None:
                         self._critic_stats = self.critic.update(batch)
                 self.doctor.after_update(batch, self.actor)
+                if self.actor.trainer_logp is not None:  # saved rollouts show the generator-trainer gap per token
+                    batch["trainer_logp"] = self.actor.trainer_logp
                 with stats.record_timing("update_weights"):
                     if d:
                         d.executor.pause()  # no new episodes until this step's bookkeeping is done

@@ -85,6 +85,8 @@ def test_saved_rollouts_carry_every_token_quantity(runs: tuple[Path, Path]) -> N
             assert r["versions"] == [step - 1] and r["lag"] == 0  # synchronous
             assert r["stop"] == ("length" if n == 10 else "stop")
             assert all(lp <= 0 for lp in t["logp"])
+            gaps = [abs(a - b) for a, b, m in zip(t["tlogp"], t["logp"], t["mask"], strict=True) if m]
+            assert max(gaps) < 2e-3  # the update's own logprobs, saved by default: same weights, fp32
         for g in {r["group_id"] for r in rows}:  # GRPO: each member's advantage against its group's mean reward
             members = [r for r in rows if r["group_id"] == g]
             mean = sum(r["reward"] for r in members) / len(members)

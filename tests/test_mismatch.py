@@ -67,6 +67,19 @@ def test_gpt2_dropout_off_trainer_logprobs_equal_the_generators():
     assert on.mismatch["abs_diff_mean"] > 0.05, on.mismatch
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_gap_is_measured_at_the_weights_before_any_optimizer_step(recompute):
+    """With several minibatches, later minibatches run their forward after an optimizer step: the
+    gap must still come from the weights the generator had (1e-5 in fp32), whether the old
+    logprobs are the generator's (recompute_logp=false) or the trainer's."""
+    model = build_tiny_family("gpt2", seed=1)
+    batch = generate_batch(model)
+    a = ppo_gap(model, dict(batch), dropout=False, n_minibatches=3, recompute_logp=recompute)
+    gap = (a.trainer_logp - batch["logprobs"])[batch["loss_mask"].bool()].abs()
+    assert float(gap.max()) < 1e-5, float(gap.max())
+    assert a.mismatch["abs_diff_max"] < 1e-5
+
+
 # ---------------------------------------------------------------- mismatch/ metrics vs a reference
 
 

@@ -394,6 +394,19 @@ class PPOActor:
             else:
                 batch["old_logp"] = batch["prox_logp"] if "prox_logp" in batch else self.compute_logp(batch)
 
+    def _logp_before_update(self, batch: TensorDict) -> torch.Tensor | None:
+        """The trainer's logprobs at the weights before this update, for the ``mismatch/`` metrics:
+        the proximal / recomputed old logprobs when the batch has them; None when the update's
+        first pass gives them (one minibatch: no optimizer step before any row's forward); else one
+        forward now, since a later minibatch's forward runs after the first optimizer step."""
+        if "prox_logp" in batch:
+            return batch["prox_logp"]
+        if "old_logp" in batch and batch["old_logp"] is not batch["logprobs"]:
+            return batch["old_logp"]
+        if self.config.n_minibatches == 1:
+            return None
+        return self.compute_logp(batch)
+
     def ppo_update(self, batch: TensorDict) -> list[dict[str, float]]:
         """``ppo_epochs`` passes of ``n_minibatches`` optimizer steps each; one stats dict per step."""
         cfg = self.config
@@ -403,6 +416,7 @@ class PPOActor:
         if missing:
             raise ValueError(f"ppo_update: batch is missing {missing}; call actor.prepare(batch) first")
         common = {**self.adv_stats, **self.staleness_stats(batch)}
+        before = self._logp_before_update(batch)
         self.engine.train()
         all_stats = []
         gap = _GapSink(batch)
@@ -416,7 +430,8 @@ class PPOActor:
                 loss_fn = self._loss_fn(sink, gap if epoch == 0 else None)
                 stats = self.engine.train_batch(self._routing(mb), loss_fn, self.loss_weight)
                 all_stats.append({**common, **sink.result(), **stats, "epoch": float(epoch)})
-        self.trainer_logp = gap.result()
+        from_update = gap.result()  # (every rank joins its all-reduce)
+        self.trainer_logp = from_update if before is None else before
         self.mismatch = mismatch_metrics(
             batch["logprobs"],
             self.trainer_logp,
