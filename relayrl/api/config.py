@@ -7,7 +7,7 @@ Load a run config from YAML plus dotted overrides::
 
 How fields are declared, loaded and checked is ``relayrl.api.fields`` (its public functions are
 importable from here too). ``docs/config.md`` is generated from these classes by
-``config_reference()``.
+``relayrl.api.commands.config_reference()``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from relayrl.api.fields import (
 )
 from relayrl.api.io import GenerationConfig
 
-__all__ = ["ConfigError", "config_reference", "load_config", "parse_override", "save_config", "validate_config"]
+__all__ = ["ConfigError", "load_config", "parse_override", "save_config", "validate_config"]
 
 
 def sampling_temperature(g: GenerationConfig) -> float:
@@ -566,14 +566,3 @@ class RunConfig:
                 f"(actor.overlong_max_len or gconfig.max_new_tokens = {limit})"
             )
 
-
-def config_reference(classes: tuple[type, ...] = ()) -> str:
-    """Markdown reference of every field of ``classes`` (default: the run, server and SFT configs;
-    the content of ``docs/config.md``)."""
-    from relayrl.api.commands import ServerConfig, SFTConfig
-
-    return fields.config_reference(classes or (RunConfig, ServerConfig, SFTConfig))
-
-
-if __name__ == "__main__":
-    print(config_reference(), end="")
