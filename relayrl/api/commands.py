@@ -89,4 +89,3 @@ def config_reference(classes: tuple[type, ...] = ()) -> str:
     """Markdown reference of every field of ``classes`` (default: the run, server and SFT configs;
     the content of ``docs/config.md``)."""
     return fields.config_reference(classes or (RunConfig, ServerConfig, SFTConfig))
-

@@ -16,7 +16,6 @@ import re
 import typing
 from dataclasses import dataclass
 
-from relayrl.api import fields
 from relayrl.api.fields import (
     ConfigError,
     YamlValue,
@@ -565,4 +564,3 @@ class RunConfig:
                 f"actor.overlong_buffer={self.actor.overlong_buffer} must be below the generation limit "
                 f"(actor.overlong_max_len or gconfig.max_new_tokens = {limit})"
             )
-
