@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import shlex
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 
-from relayrl.api.io import GenerationConfig
+from relayrl.api.io import GenerationConfig, WeightUpdate
 from relayrl.inference.remote.launch import Launched, PeerServerGroup, gpu_env
 from relayrl.inference.remote.protocol import (
     Call,
@@ -55,14 +56,16 @@ from relayrl.inference.remote.protocol import (
     version_tuple,
 )
 from relayrl.inference.remote.weights import (
-    BroadcastSync,
     DiskSync,
     Fleet,
     UploadSync,
     WeightSync,
+    broadcast_tensors,
+    members,
     settle,
+    tensors_of,
 )
-from relayrl.inference.weight_group import WeightBroadcastGroup, buckets, dtype_name
+from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 from relayrl.utils.moe import decode_routed_experts
 
 if TYPE_CHECKING:
@@ -339,13 +342,35 @@ def lora_flags(lora: LoraConfig | None) -> list[str]:
             "--max-loras-per-batch", "2"]  # fmt: skip
 
 
-class SGLangBroadcast(BroadcastSync):
-    """weight_sync=broadcast over SGLang's weight-update group, in buckets of ``weight_bucket_mb``."""
+class SGLangBroadcast(WeightSync):
+    """weight_sync=broadcast: every server receives the tensors from one collective broadcast.
+
+    The group (this process = rank 0, server i = ranks from its ``rank_offset``, one per
+    tensor-parallel rank) is built on first use and rebuilt whenever its members change: a dead
+    server leaves it, a returning one rejoins. A server that fails mid-way is evicted (dead) or
+    its error raised; either way the group is dropped, to be rebuilt at the next update."""
 
     def __init__(self, fleet: Fleet, backend: SGLangBackend) -> None:
         super().__init__(fleet)
         self.backend = backend
         self.group: WeightBroadcastGroup | None = None
+        self.members: list[tuple[str, int]] = []
+
+    def prepare(self, update: WeightUpdate) -> object:
+        return broadcast_tensors(update)
+
+    def send(self, data: object, version: int, servers: list[Server]) -> None:
+        try:
+            self._broadcast(tensors_of(data), version, servers)
+        except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
+            live = [s for s in self.fleet.servers if s.alive]
+            if not live:
+                raise
+            self._broadcast(tensors_of(data), version, live)
+
+    def rejoin(self, srv: Server, data: object, version: int) -> None:
+        """A server (re)joining: the group is rebuilt with it in."""
+        self._broadcast(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
 
     def _join(self, servers: list[Server], ex: ThreadPoolExecutor, errors: list[BaseException]) -> WeightBroadcastGroup:
         admin, sglang = self.fleet.admin, self.backend
@@ -357,22 +382,29 @@ class SGLangBroadcast(BroadcastSync):
             except (httpx.HTTPError, RuntimeError):
                 pass  # a server that never joined, or one too old for the route (then init fails, named)
         self.group, self.members = None, []
-        host, offsets, world = self.ranks(servers)
+        host = address_towards(httpx.URL(servers[0].url).host)
         # NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU)
         backend = "nccl" if torch.cuda.is_available() and sglang.name != "relayrl" else "gloo"
+        # a server of tensor-parallel size k takes ranks rank_offset .. rank_offset + k - 1 (SGLang: rank_offset + tp_rank)
+        sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
+        offsets = list(itertools.accumulate([1, *sizes[:-1]]))
+        world = 1 + sum(sizes)
         timeout = self.fleet.config.request_timeout
         group = WeightBroadcastGroup(host, 0, world, 0, backend, WEIGHT_GROUP, timeout)
         calls = [sglang.init_weight_group(host, group.port, off, world, backend) for off in offsets]
-        self.join(servers, calls, group.join, ex, errors)
-        self.group = group
+        joins = [ex.submit(admin, s, c) for s, c in zip(servers, calls, strict=True)]
+        settle(self.fleet, servers, joins, group.join, errors)
+        if errors:
+            raise errors[0]
+        self.group, self.members = group, members(servers)
         return group
 
-    def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+    def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
         errors: list[BaseException] = []
         ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
         try:
             group = self.group
-            if group is None or self.stale(servers):
+            if group is None or self.members != members(servers):
                 group = self._join(servers, ex, errors)
             names = list(tensors)
             limit = int(self.fleet.config.weight_bucket_mb * (1 << 20))

@@ -24,6 +24,7 @@ included), which bounds the server's receive memory.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -38,15 +39,19 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from relayrl.api.io import WeightUpdate
 from relayrl.inference.remote.protocol import Call, JsonDict, PeerInfo, Server, UnsupportedServer
 from relayrl.inference.remote.weights import (
-    BroadcastSync,
     DiskSync,
     Fleet,
     Replies,
+    WeightSync,
+    broadcast_tensors,
+    members,
     settle,
+    tensors_of,
 )
-from relayrl.inference.weight_group import dtype_name
+from relayrl.inference.weight_group import address_towards, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -277,35 +282,56 @@ class VLLMDisk(DiskSync):
         self.confirm(srv, version)
 
 
-class VLLMBroadcast(BroadcastSync):
+class VLLMBroadcast(WeightSync):
     """weight_sync=broadcast through vLLM's weight-transfer API (NCCL, or gloo with the stand-in)."""
 
     def __init__(self, fleet: Fleet, backend: Controls) -> None:
         super().__init__(fleet)
         self.backend = backend
         self.group: VLLMTransferGroup | None = None
+        self.members: list[tuple[str, int]] = []
 
     def connect(self, srv: Server) -> None:
         if srv.info is not None:
             require_routes(srv.info, srv.url, "broadcast")
 
+    def prepare(self, update: WeightUpdate) -> object:
+        return broadcast_tensors(update)
+
+    def send(self, data: object, version: int, servers: list[Server]) -> None:
+        try:
+            self._broadcast(tensors_of(data), version, servers)
+        except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
+            live = [s for s in self.fleet.servers if s.alive]
+            if not live:
+                raise
+            self._broadcast(tensors_of(data), version, live)
+
+    def rejoin(self, srv: Server, data: object, version: int) -> None:
+        self._broadcast(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
+
     def _join(self, servers: list[Server], ex: ThreadPoolExecutor, errors: list[BaseException]) -> VLLMTransferGroup:
         self.group, self.members = None, []
-        host, offsets, world = self.ranks(servers)
+        host = address_towards(httpx.URL(servers[0].url).host)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        group = VLLMTransferGroup(host, 0, world, backend, self.fleet.config.request_timeout)
-        calls = [init_transfer(host, group.port, off, world) for off in offsets]
-        self.join(servers, calls, group.join, ex, errors)
-        self.group = group
+        sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
+        offsets = list(itertools.accumulate([1, *sizes[:-1]]))
+        group = VLLMTransferGroup(host, 0, 1 + sum(sizes), backend, self.fleet.config.request_timeout)
+        calls = [init_transfer(host, group.port, off, 1 + sum(sizes)) for off in offsets]
+        joins = [ex.submit(self.fleet.admin, s, c) for s, c in zip(servers, calls, strict=True)]
+        settle(self.fleet, servers, joins, group.join, errors)
+        if errors:
+            raise errors[0]
+        self.group, self.members = group, members(servers)
         return group
 
-    def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+    def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
         admin, vllm = self.fleet.admin, self.backend
         errors: list[BaseException] = []
         ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
         try:
             group = self.group
-            if group is None or self.stale(servers):
+            if group is None or self.members != members(servers):
                 group = self._join(servers, ex, errors)
             limit = int(self.fleet.config.weight_bucket_mb * (1 << 20))
             call = transfer_update(

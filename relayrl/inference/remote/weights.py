@@ -11,13 +11,12 @@ theirs (the broadcast syncs live in the peer modules: each peer builds its group
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,7 +26,6 @@ import torch
 
 from relayrl.api.io import WeightUpdate
 from relayrl.inference.remote.protocol import DEAD_ERRORS, Call, Server, version_of
-from relayrl.inference.weight_group import address_towards
 
 if TYPE_CHECKING:
     from relayrl.api.config import InferenceConfig
@@ -162,6 +160,12 @@ class UploadSync(PerServerSync):
         self.confirm(srv, version)
 
 
+def broadcast_tensors(update: WeightUpdate) -> dict[str, torch.Tensor]:
+    """weight_sync=broadcast: the update's tensors where they are, in name order (both sides' order)."""
+    assert update.tensors is not None
+    return {k: v.detach().contiguous() for k, v in sorted(update.tensors.items())}
+
+
 def settle(
     fleet: Fleet,
     servers: list[Server],
@@ -201,72 +205,12 @@ def settle(
     errors.extend(failed)
 
 
-class BroadcastSync(WeightSync):
-    """weight_sync=broadcast: every server receives the tensors from one collective broadcast.
+def members(servers: list[Server]) -> list[tuple[str, int]]:
+    """A weight group's members: a server evicted since the group was built (it may have restarted
+    and left it) makes the group stale."""
+    return [(s.url, s.evictions) for s in servers]
 
-    The group (this process = rank 0, each server the ranks from its ``rank_offset``, one per
-    worker) is built on first use and rebuilt whenever its members change: a dead server leaves
-    it, a returning one rejoins (``members`` counts evictions). A server that fails mid-way is
-    evicted (dead) or its error raised; either way the group is dropped, to be rebuilt at the next
-    update. Each peer builds and drives its group its own way (``broadcast``)."""
 
-    def __init__(self, fleet: Fleet) -> None:
-        super().__init__(fleet)
-        self.members: list[tuple[str, int]] = []  # the group's: (url, evictions) of each server
-
-    def prepare(self, update: WeightUpdate) -> object:
-        """The update's tensors where they are, in name order (both sides' order)."""
-        assert update.tensors is not None
-        return {k: v.detach().contiguous() for k, v in sorted(update.tensors.items())}
-
-    def send(self, data: object, version: int, servers: list[Server]) -> None:
-        assert isinstance(data, dict)
-        try:
-            self.broadcast(data, version, servers)
-        except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
-            live = [s for s in self.fleet.servers if s.alive]
-            if not live:
-                raise
-            self.broadcast(data, version, live)
-
-    def rejoin(self, srv: Server, data: object, version: int) -> None:
-        """A server (re)joining: the group is rebuilt with it in."""
-        assert isinstance(data, dict)
-        self.broadcast(data, version, [s for s in self.fleet.servers if s.alive or s is srv])
-
-    @abstractmethod
-    def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None: ...
-
-    def stale(self, servers: list[Server]) -> bool:
-        """Whether the group must be (re)built for ``servers``."""
-        return self.members != self.roster(servers)
-
-    def join(
-        self,
-        servers: list[Server],
-        calls: list[Call],
-        collective: Callable[[], object],
-        ex: ThreadPoolExecutor,
-        errors: list[BaseException],
-    ) -> None:
-        """Each server's join ``call`` while this side joins (``collective``); the members recorded once all did."""
-        joins = [ex.submit(self.fleet.admin, s, c) for s, c in zip(servers, calls, strict=True)]
-        settle(self.fleet, servers, joins, collective, errors)
-        if errors:
-            raise errors[0]
-        self.members = self.roster(servers)
-
-    @staticmethod
-    def roster(servers: list[Server]) -> list[tuple[str, int]]:
-        return [(s.url, s.evictions) for s in servers]
-
-    @staticmethod
-    def ranks(servers: list[Server]) -> tuple[str, list[int], int]:
-        """This machine's address towards the servers, each server's first rank, and the world size
-        (a server of k workers, e.g. tensor-parallel ranks, takes ranks rank_offset .. rank_offset + k - 1)."""
-        sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
-        return (
-            address_towards(httpx.URL(servers[0].url).host),
-            list(itertools.accumulate([1, *sizes[:-1]])),
-            1 + sum(sizes),
-        )
+def tensors_of(data: object) -> dict[str, torch.Tensor]:
+    assert isinstance(data, dict)
+    return data
