@@ -42,6 +42,7 @@ ORDER = [
     "overhead",
     "overhead_count",
     "gpu",
+    "inspect",
 ]
 OPTIONAL = {
     "decode_cost",
@@ -66,6 +67,7 @@ NEW = {
     "overhead",
     "overhead_count",
     "gpu",
+    "inspect",
 }
 SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
     "grpo_vs_trl_count": ("grpo_vs_trl", ["--task", "count"]),
@@ -78,6 +80,7 @@ SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
         ["--task", "count", "--repeats", "4", "--first-seed", "3", "--tag", "seeds3to6"],
     ),
     "overhead_count": ("overhead", ["--task", "count", "--steps", "8"]),
+    "inspect": ("inspect_load", []),  # not bench/inspect.py: it would shadow the standard library's inspect
     "async_vs_sync_count": ("async_vs_sync", ["--task", "count", "--steps", "12"]),
 }
 RL_BENCHES = {
@@ -237,6 +240,14 @@ def describe(r: dict) -> tuple[str, str, str]:
             "≥ 5; batch-1 ≥ 50% roofline; MFU ≥ 35%",
             f"{r['device']}: batch-1 decode {_f(r.get('batch1_roofline'), '{:.0%}')} of the HBM roofline, training packed ÷ "
             f"padded {_f(r.get('training_ratio'))}, train MFU {_f(r.get('train_mfu'), '{:.1%}')}",
+        )
+    if n == "inspect":
+        return (
+            "seconds for `relayrl inspect` to show a 10,000-rollout run in headless Chromium",
+            "< 1 s",
+            f"{r['rollouts']} rollouts, {r['bytes_per_rollout']} B each; opening reads {r['server_open_s'] * 1e3:.1f} ms "
+            f"of data vs {r['eager_parse_s']:.2f} s to parse every step ({r['eager_ratio']:.0f}x); page "
+            f"{min(r['browser_open_s']):.2f}–{max(r['browser_open_s']):.2f} s over {len(r['browser_open_s'])} opens",
         )
     return "ratio", "–", ""
 

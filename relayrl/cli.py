@@ -1,4 +1,4 @@
-"""The ``relayrl`` command: train | sft | serve | eval | plot | show | demo.
+"""The ``relayrl`` command: train | sft | serve | eval | plot | show | inspect | demo.
 
 Each subcommand imports its heavy modules lazily so ``relayrl --help`` is instant.
 """
@@ -30,9 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("plot", help="PNG learning curves of one or more run directories.", add_help=False)
     sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
+    sub.add_parser("inspect", help="A local web page over runs' rollouts (token by token) and curves.", add_help=False)
     sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
+    sub.add_parser(
+        "selftest", help="A minute-long check of this machine's engine, training and weight sync.", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
-    handlers = {"train": _train, "eval": _eval, "plot": _plot, "show": _show, "demo": _demo}
+    handlers = {"train": _train, "eval": _eval, "plot": _plot, "show": _show, "inspect": _inspect, "demo": _demo}
     if args.command in handlers:
         return handlers[args.command](rest)
     if args.command == "config-reference":
@@ -44,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(rest)
     if args.command == "sft":
         return _sft(rest)
+    if args.command == "selftest":
+        from relayrl.selftest import main as selftest
+
+        return selftest(rest)
     parser.error(f"unknown command {args.command}")
     return 2
 
@@ -302,6 +310,43 @@ def _show(argv: list[str]) -> int:
         print(f"--- reward {r['reward']:.3f}  versions {r['versions']}")
         print(f"prompt:     {r['prompt']!r}")
         print(f"completion: {r['completion']!r}")
+    return 0
+
+
+def _inspect(argv: list[str]) -> int:
+    """``relayrl inspect RUN_DIR [RUN_DIR ...] [--port P] [--export DIR]`` (docs/inspect.md)."""
+    p = argparse.ArgumentParser(
+        prog="relayrl inspect", description="Serve (or export) the rollout inspector page over run directories."
+    )
+    p.add_argument("run_dirs", nargs="+", help="run directories (their curves are overlaid)")
+    p.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0 picks a free one)")
+    p.add_argument("--export", metavar="DIR", help="write the page and its data as static files to DIR instead")
+    ns = p.parse_args(argv)
+    from pathlib import Path
+
+    from relayrl.inspector.data import RunDirError, check_run_dir
+    from relayrl.inspector.server import export, make_server
+
+    try:
+        run_dirs = [check_run_dir(Path(d)) for d in ns.run_dirs]
+    except RunDirError as e:
+        print(f"relayrl inspect: {e}", file=sys.stderr)
+        return 2
+    if ns.export:
+        print(f"wrote {export(run_dirs, Path(ns.export))} (open it in a browser)", flush=True)
+        return 0
+    try:
+        server = make_server(run_dirs, port=ns.port)
+    except OSError as e:
+        print(f"relayrl inspect: cannot listen on 127.0.0.1:{ns.port} ({e}); try --port 0", file=sys.stderr)
+        return 2
+    print(f"relayrl inspect: http://127.0.0.1:{server.server_address[1]}/  (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
     return 0
 
 

@@ -7,7 +7,7 @@ None elsewhere, so no part of the trainer is an optional attribute that exists o
 
 from __future__ import annotations
 
-import json
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,11 +18,14 @@ from relayrl.api.config import RunConfig
 from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader
+from relayrl.data.models import vision_processor
+from relayrl.data.vision import png_data_urls
 from relayrl.evaluation import evaluate
 from relayrl.rewards.pool import RewardPool
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.utils import stats
 from relayrl.utils.logging import MetricLogger
+from relayrl.utils.rollouts import RolloutWriter
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Driver:
     workflow: RolloutWorkflow
     eval_workflow: RolloutWorkflow
     samples: int = field(default=0)
+    rollout_writer: RolloutWriter | None = field(default=None)
 
     def report_step(self, step: int, batch: TensorDict, seconds: float) -> None:
         """This step's gauges from the batch, speed, executor, generators, reward pool and (when
@@ -75,7 +79,7 @@ class Driver:
 
     def log(self, step: int, metrics: dict[str, float], batch: TensorDict) -> None:
         """metrics.jsonl (with the row ids this step trained on: audits see nothing lost or repeated)
-        and a few decoded rollouts."""
+        and the step's saved rollouts."""
         row: dict[str, object] = {**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}
         self.metrics.log(row, step=step)
         self.save_rollouts(step, batch)
@@ -92,24 +96,14 @@ class Driver:
                 self.executor.resume()
 
     def save_rollouts(self, step: int, batch: TensorDict) -> None:
-        k = min(self.cfg.logging.rollouts_per_step, int(batch["rewards"].shape[0]))
-        if k == 0:
-            return
-        out = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w") as fh:
-            for i in range(k):
-                ids, lm = batch["input_ids"][i], batch["loss_mask"][i].bool()
-                attn = batch["attention_mask"][i].bool()
-                first = int(lm.nonzero()[0])
-                versions = batch["versions"][i][lm]
-                row = {
-                    "prompt": self.tokenizer.decode(ids[:first]),
-                    "completion": self.tokenizer.decode(ids[first:][attn[first:]]),
-                    "reward": float(batch["rewards"][i]),
-                    "versions": sorted({int(v) for v in versions}),
-                }
-                fh.write(json.dumps(row) + "\n")
+        """``logging.rollouts_per_step`` of this step's rollouts, token by token, for ``relayrl show`` and
+        ``relayrl inspect`` (format: ``relayrl.utils.rollouts``)."""
+        if self.cfg.logging.rollouts_per_step > 0:
+            if self.rollout_writer is None:
+                processor = vision_processor(self.cfg.model) if "pixel_values" in batch else None
+                images = functools.partial(png_data_urls, processor) if processor is not None else None
+                self.rollout_writer = RolloutWriter(self.run_dir, self.tokenizer, images)
+            self.rollout_writer.write(step, batch, self.cfg.logging.rollouts_per_step)
 
     def state_dict(self) -> dict[str, Any]:
         """The driver's part of a checkpoint: data order and what the executor had not trained on."""

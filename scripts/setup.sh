@@ -11,6 +11,6 @@ stamp=.venv/.relayrl-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[dev]"
+  python -m pip install -q -e ".[dev,bench]"  # bench: trl for tests/test_bench.py (it pulls no other torch)
   touch "$stamp"
 fi

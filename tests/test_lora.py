@@ -23,10 +23,10 @@ from tests.test_train_engine import LENGTHS, n_loss_tokens, pg_loss
 RANK = 8
 
 
-def lora_engine(model, rank=RANK, targets=(), budget=64, dropout=0.0, **opt) -> TorchTrainEngine:
+def lora_engine(model, rank=RANK, target_modules=(), budget=64, dropout=0.0, alpha=16.0, **opt) -> TorchTrainEngine:
     opt.setdefault("lr", 1e-2)
     cfg = TrainEngineConfig(mb_max_tokens=budget, optimizer=OptimizerConfig(**opt), total_steps=10)
-    lora = LoraConfig(rank=rank, alpha=16.0, dropout=dropout, target_modules=list(targets))
+    lora = LoraConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=list(target_modules))
     eng = TorchTrainEngine(cfg, ModelConfig(lora=lora), model=copy.deepcopy(model), seed=0)
     eng.initialize()
     return eng
@@ -128,6 +128,27 @@ def test_checkpoint_is_a_peft_adapter_and_resumes_exactly(tiny_model, tmp_path):
     merged = load_model(ModelConfig(path="tiny", lora=LoraConfig(adapter_path=str(ckpt))), seed=0)
     assert type(merged) is type(tiny_model)
     assert (model_logp(merged, b1) - c.forward(b1)).abs().max() <= 1e-4
+    assert (model_logp(tiny_model, b1) - c.forward(b1)).abs().max() > 1e-2  # the adapter's effect, not the base
+
+
+def test_alpha_scales_the_adapters_update(tiny_model):
+    """The merged update is (alpha / rank) * B @ A: doubling alpha doubles every weight's change."""
+    batch = make_batch(LENGTHS, seed=2)
+    engines = [lora_engine(tiny_model, alpha=alpha) for alpha in (16.0, 32.0)]
+    for eng in engines:
+        eng.train_batch(batch, pg_loss, n_loss_tokens)
+        with torch.no_grad():  # the same adapters in both (Adam's step does not scale with alpha)
+            for p, q in zip(eng.model.parameters(), engines[0].model.parameters(), strict=True):
+                p.copy_(q)
+    base = tiny_model.state_dict()
+    deltas = [
+        {k: v - base[k] for k, v in merged_state_dict(dict(e.model.state_dict()), lora_layers(e.model)).items()}
+        for e in engines
+    ]
+    changed = [k for k in base if deltas[0][k].abs().max() > 0]
+    assert len(changed) == 7 * 4
+    for k in changed:
+        torch.testing.assert_close(deltas[1][k], 2 * deltas[0][k], atol=1e-6, rtol=1e-4)
 
 
 def test_dropout_acts_on_the_adapters_in_training_mode_only(tiny_model):
@@ -141,10 +162,10 @@ def test_dropout_acts_on_the_adapters_in_training_mode_only(tiny_model):
 
 
 def test_target_modules_are_checked_at_start_up(tiny_model):
-    eng = lora_engine(tiny_model, targets=["q_proj", "v_proj"])
+    eng = lora_engine(tiny_model, target_modules=["q_proj", "v_proj"])
     assert len([p for p in eng.model.parameters() if p.requires_grad]) == 2 * 4 * 2
     with pytest.raises(ValueError) as e:
-        lora_engine(tiny_model, targets=["q_proj", "qkv"])
+        lora_engine(tiny_model, target_modules=["q_proj", "qkv"])
     msg = str(e.value)
     assert "model.lora.target_modules: 'qkv' matches no linear module" in msg
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):

@@ -125,7 +125,13 @@ def test_bf16_engine_vs_train_engine(checkpoints, family):
     from families import bf16_gap
 
     gap = bf16_gap(checkpoints[family])
-    assert 0.0 < gap < 0.05, gap
+    low, high = BF16_GAPS[family]
+    assert low <= gap < high, gap
+
+
+# measured mean |generator - trainer| logprob gap in bf16 on CPU (bench/families.py): qwen2 0.0051,
+# mistral 0.0057, gpt2 0.0048; gemma2 8.8e-8 (the same bf16 sums on both sides). Bounds: ~2.5x either side.
+BF16_GAPS = {"qwen2": (0.002, 0.013), "mistral": (0.002, 0.015), "gpt2": (0.002, 0.012), "gemma2": (0.0, 1e-6)}
 
 
 @pytest.mark.gpu

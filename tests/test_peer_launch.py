@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,7 @@ PEERS = Path(__file__).parent / "peers"
 
 
 def _engine(kind: str, tmp_path: Path, **kw) -> RemoteEngine:
-    cfg = InferenceConfig(
+    fields = dict(
         backend="remote",
         protocol=kind,
         launch=kind,
@@ -32,8 +33,8 @@ def _engine(kind: str, tmp_path: Path, **kw) -> RemoteEngine:
         weight_sync_dir=str(tmp_path / "w"),
         launch_timeout=120,
         health_interval=0.2,
-        **kw,
     )
+    cfg = InferenceConfig(**{**fields, **kw})
     return RemoteEngine(cfg, model=ModelConfig(path="tiny"))
 
 
@@ -71,6 +72,15 @@ def test_a_server_that_fails_to_start_is_an_error_quoting_its_log(tmp_path):
     eng = _engine("sglang", tmp_path, launch_args=["--version", "not-a-version"])
     with pytest.raises(RuntimeError, match=r"server 0 exited with code .*server-0\.log ends with"):
         eng.initialize()
+
+
+def test_a_server_not_healthy_within_launch_timeout_is_an_error_naming_it(tmp_path):
+    t0 = time.monotonic()
+    never = f"{sys.executable} -c 'import time; time.sleep(60)'"  # starts, never listens
+    eng = _engine("sglang", tmp_path, n_servers=1, launch_tp_size=1, launch_command=never, launch_timeout=2)
+    with pytest.raises(TimeoutError, match=r"sglang server 0 not healthy after 2s \(inference.launch_timeout\)"):
+        eng.initialize()
+    assert time.monotonic() - t0 < 30
 
 
 def test_launch_needs_the_matching_protocol(tmp_path):

@@ -206,6 +206,7 @@ def test_killed_server_actor_is_restarted_and_readmitted_with_nothing_lost(clust
         "inference.health_interval=0.2",
         "inference.max_retries=12",
         "inference.request_timeout=60",
+        "ray.server_max_restarts=1",  # one restart: the one this test sees (0 would leave the server dead)
         *RAY,
         "launcher=ray",
     )
@@ -299,6 +300,8 @@ def test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing(cl
     cases = {
         "ray.trainer_gpus=1": r"needs 1 GPU \(ray.trainer_ranks=1 x ray.trainer_gpus=1 \+ inference.n_servers=1 x "
         r"ray.server_gpus=0\) but the cluster has 0$",
+        "ray.server_gpus=1": r"needs 1 GPU \(ray.trainer_ranks=1 x ray.trainer_gpus=0 \+ inference.n_servers=1 x "
+        r"ray.server_gpus=1\) but the cluster has 0$",
         "ray.trainer_cpus=3": r"needs 3.5 CPU \(.*\) but the cluster has 2$",
         "ray.trainer_cpus=1.5": r"needs \{'CPU': 1.5\} for a trainer rank on one node, and no node has it$",
         "ray.strategy=STRICT_SPREAD": r"needs 3 nodes \(ray.strategy=STRICT_SPREAD\) but it has 2$",

@@ -36,15 +36,15 @@ def group(shared):
     g.shutdown()
 
 
-def make_engine(group, shared, **kw) -> RemoteEngine:
+def make_engine(group, shared, max_retries=10, **kw) -> RemoteEngine:
     cfg = InferenceConfig(
         **{
             "backend": "remote",
             "admin_token": TOKEN,
             "health_interval": 0.2,
             "request_timeout": 60,
-            "max_retries": 10,
             "weight_sync_dir": str(shared),
+            "max_retries": max_retries,
             **kw,
         }
     )
@@ -310,7 +310,7 @@ def test_weight_updates_reach_every_server(group, shared, tiny_model):
 
 
 def test_killed_server_requests_complete_and_server_is_readmitted(group, shared, tiny_model):
-    eng = make_engine(group, shared)
+    eng = make_engine(group, shared, max_retries=4)  # a request retried on the other server after the kill
     ps = prompts(40)
     g = greedy(24)
     refs = reference(tiny_model, ps, g)

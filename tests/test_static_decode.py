@@ -119,9 +119,10 @@ def test_cuda_graphs_equal_eager_on_cuda(tiny_model, dtype):
     assert dec is not None and dec.captures >= 1
     flash = importlib.util.find_spec("flash_attn") is not None and dtype == torch.bfloat16
     assert dec.attention == ("flash_attn" if flash else "sdpa")  # the KV-cache kernel where installed
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
     same = sum(a.output_tokens == b.output_tokens for a, b in zip(plain, static, strict=True))
-    assert same == len(PROMPTS) or dtype == torch.bfloat16
+    # fp32: every row; bf16: at most one row may part at a near-tie (CPU static vs plain steps: 5 of 5, gap 0.0098)
+    assert same >= len(PROMPTS) - (dtype == torch.bfloat16)
     for a, b in zip(plain, static, strict=True):
         k = next(
             (i for i, (x, y) in enumerate(zip(a.output_tokens, b.output_tokens, strict=True)) if x != y),

@@ -117,7 +117,8 @@ def test_lr_schedules(tiny_model, schedule):
 
 def test_nan_guard_skips_and_then_stops(tiny_model):
     batch = make_batch(LENGTHS[:3])
-    eng = make_engine(tiny_model)  # max_nan_skips = 3
+    eng = make_engine(tiny_model)
+    eng.config.max_nan_skips = 3  # (the default is 5)
     eng.train_batch(batch, pg_loss, n_loss_tokens)
     params = [p.detach().clone() for p in eng.model.parameters()]
     opt_state = copy.deepcopy(eng.optimizer.state_dict())

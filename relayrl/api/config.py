@@ -443,7 +443,14 @@ class LoggingConfig:
     wandb: bool = f(False, help="Log to Weights & Biases.")
     wandb_mode: str = f("offline", help="W&B mode.", choices=["online", "offline", "disabled"])
     wandb_project: str = f("relayrl", help="W&B project.")
-    rollouts_per_step: int = f(4, help="Rollouts (prompt, completion, reward, version) saved per step.", ge=0)
+    rollouts_per_step: int = f(
+        256,
+        help="Rollouts saved per step (whole GRPO groups first) with per-token ids, logprobs, advantages and "
+        "versions, for `relayrl show` and `relayrl inspect`; 0 saves none. The default keeps every rollout of "
+        "small runs (about 30 bytes a token).",
+        ge=0,
+        le=1_000_000,
+    )
     progress: str = f(
         "auto",
         help="Progress display: auto (a live bar on a terminal, lines otherwise), bar, lines, off.",

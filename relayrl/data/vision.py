@@ -136,6 +136,45 @@ def process_images(image_processor: BaseImageProcessor, images: list[Image.Image
     return VisionInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
 
 
+def images_from_patches(
+    image_processor: BaseImageProcessor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+) -> list[Image.Image]:
+    """The images back from one episode's patches (``[P, C*T*p*p]``, zero rows after its own) and grids
+    (``[N, 3]``, zero rows after its own): the inverse of Qwen2-VL's patch layout and normalisation,
+    for ``relayrl inspect`` to show what the model saw."""
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # Qwen2-VL's defaults
+
+    ps, ms = int(getattr(image_processor, "patch_size", 14)), merge_size(image_processor)
+    tps = int(getattr(image_processor, "temporal_patch_size", 1))
+    mean = torch.tensor(getattr(image_processor, "image_mean", OPENAI_CLIP_MEAN), dtype=torch.float64)[:, None, None]
+    std = torch.tensor(getattr(image_processor, "image_std", OPENAI_CLIP_STD), dtype=torch.float64)[:, None, None]
+    scale = float(getattr(image_processor, "rescale_factor", 1 / 255))
+    out, start = [], 0
+    for t, h, w in image_grid_thw.tolist():
+        if t * h * w == 0:
+            break
+        x = pixel_values[start : start + t * h * w].double()
+        start += t * h * w
+        c = x.shape[1] // (tps * ps * ps)
+        # patches are (t, h/m, w/m, m, m) x (c, tps, p, p): back to frames (t*tps, c, h*p, w*p)
+        x = x.reshape(t, h // ms, w // ms, ms, ms, c, tps, ps, ps).permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
+        frame = x.reshape(t * tps, c, h * ps, w * ps)[0] * std + mean
+        pixels = (frame / scale).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+        out.append(Image.fromarray(pixels))
+    return out
+
+
+def png_data_urls(
+    image_processor: BaseImageProcessor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, longest: int = 384
+) -> list[str]:
+    """``images_from_patches`` as PNG ``data:`` URLs, shrunk to ``longest`` pixels on their longer side."""
+    urls = []
+    for image in images_from_patches(image_processor, pixel_values, image_grid_thw):
+        image.thumbnail((longest, longest))
+        urls.append("data:image/png;base64," + base64.b64encode(png_bytes(image)).decode())
+    return urls
+
+
 def merge_size(image_processor: BaseImageProcessor) -> int:
     return int(getattr(image_processor, "merge_size", 2))
 

@@ -27,6 +27,7 @@ from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.train import lora as L
+from relayrl.train.fastpath import CheckedForward
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
 from relayrl.train.packing import (
     model_inputs,
@@ -126,6 +127,7 @@ class TorchTrainEngine(TrainEngine):
             for p in model.parameters():
                 torch.distributed.broadcast(p.data, src=0)
         self.model = model
+        self._checked = CheckedForward(model, self.config.bf16, self.device)  # flash-attn / bf16: checked at first use
         self.model.train(self.trainable)
         # the policy's MoE routers replay the generator's experts (a value/reward head routes on its own)
         self._moe = RoutingReplay(model) if self.head == "lm" and routing_shape(model) is not None else None
@@ -198,11 +200,6 @@ class TorchTrainEngine(TrainEngine):
         for rows in self._plan(batch):
             yield (pack(batch, rows), False) if rows else (pack(batch, [0]), True)
 
-    def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        if self.config.bf16 and self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _logits(self, packed: TensorDict) -> torch.Tensor:
         """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch.
 
@@ -218,11 +215,11 @@ class TorchTrainEngine(TrainEngine):
         images: contextlib.AbstractContextManager[dict[str, object]] = (
             vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
         )
-        with self._autocast(), images as extra:
-            out = model(**{**inputs, **extra})
+        with images as extra:
+            logits = self._checked(lambda: model(**{**inputs, **extra}).logits[0])
         if self._moe is not None:
             packed["moe_aux_loss"] = self._moe.aux_loss()
-        return out.logits[0]
+        return logits
 
     def _to_device(self, packed: TensorDict) -> TensorDict:
         return {k: v.to(self.device) for k, v in packed.items()}
@@ -478,6 +475,7 @@ class AdapterOffReference(TorchTrainEngine):
 
     def initialize(self) -> None:
         self.model, self.device = self.policy._require(), self.policy.device
+        self._checked = self.policy._checked  # the same model: the same fast paths
 
     def train(self, mode: bool = True) -> None:
         """The shared model's mode is the policy's to set."""

@@ -323,6 +323,12 @@ def register_varlen_attention() -> str:
     return VARLEN_ATTN
 
 
+def flash_varlen_impl(device: torch.device) -> str | None:
+    """transformers' name for flash-attn's varlen kernel where it can run (CUDA, flash-attn installed),
+    else None: the seam tests replace to put a failing kernel in its place on CPU."""
+    return "flash_attention_2" if device.type == "cuda" and flash_attn_available() else None
+
+
 def flash_attn_available() -> bool:
     """flash-attn installed and a CUDA device present."""
     if not torch.cuda.is_available():
@@ -336,10 +342,12 @@ def flash_attn_available() -> bool:
 
 def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:
     """ModelConfig.attn_impl -> a transformers attention implementation name."""
-    if attn_impl == "flash" or (attn_impl == "auto" and device.type == "cuda" and flash_attn_available()):
-        if not flash_attn_available():
+    if attn_impl in ("flash", "auto"):
+        flash = flash_varlen_impl(device)
+        if flash is not None:
+            return flash  # checked against relayrl_varlen at first use (train/fastpath.py)
+        if attn_impl == "flash":
             raise RuntimeError("model.attn_impl='flash' needs flash-attn and a CUDA device; use 'varlen' or 'auto'")
-        return "flash_attention_2"
     if attn_impl == "sdpa":
         return "sdpa"
     return register_varlen_attention()

@@ -45,7 +45,8 @@ from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
 from relayrl.data.vision import is_vision_config, load_image_processor
 from relayrl.inference.local.decode import FastDecoder
 from relayrl.inference.local.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
-from relayrl.inference.local.graphs import StaticDecoder, choose_attention
+from relayrl.inference.local.graphs import Kernels, StaticDecoder
+from relayrl.inference.local.memory import MemoryRelease
 from relayrl.inference.local.requests import RequestControl
 from relayrl.inference.local.sampling import RowParams, penalized, sample
 from relayrl.inference.local.seq import Seq, load_hf_state_dict, resolver, validate_request
@@ -58,7 +59,7 @@ if typing.TYPE_CHECKING:
     from transformers.image_processing_utils import BaseImageProcessor
 
 
-class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
+class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
     """Continuous-batching ``InferenceEngine`` in this process (see module docstring)."""
 
     def __init__(
@@ -69,9 +70,12 @@ class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
         model_config: ModelConfig | None = None,
         static_steps: bool | None = None,
         image_processor: BaseImageProcessor | None = None,
+        kernels: Kernels | None = None,
     ) -> None:
         """``static_steps``: decode over ``StaticDecoder``'s bucketed buffers (None: on CUDA with
-        ``inference.cuda_graphs``; True on CPU runs the same step eagerly, as tests do)."""
+        ``inference.cuda_graphs``; True on CPU runs the same step eagerly, as tests do).
+        ``kernels``: the static step's CUDA graph capture and flash-attn kernel (None: what the
+        device has, ``Kernels.for_device``; capture only with ``inference.cuda_graphs``)."""
         if model is None and model_config is None:
             raise ValueError("LocalEngine needs a `model` or a `model_config` to load one from")
         self.config = config
@@ -120,6 +124,7 @@ class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
         self._router_shape = (0, 0)
         self.routing_shape: tuple[int, int] | None = None  # (n_moe_layers, top_k) of an MoE model
         self._route: torch.Tensor | None = None  # experts of each row's newest token (from the last decode)
+        self.kernels = kernels
         self._static: StaticDecoder | None = None
         self._static_stale = True  # the batch changed since the static buffers were loaded
 
@@ -156,8 +161,11 @@ class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
             self.device.type == "cuda" and self.config.cuda_graphs if self.static_steps is None else self.static_steps
         )
         if static and self._fast is not None:
-            attention = choose_attention(self.device, next(self.model.parameters()).dtype)
-            self._static = StaticDecoder(self._fast, attention, capture=self.device.type == "cuda")
+            dtype, graphs = next(self.model.parameters()).dtype, self.config.cuda_graphs
+            kernels = self.kernels or Kernels.for_device(self.device, dtype, graphs)
+            if not graphs:
+                kernels = Kernels(None, kernels.flash_decode)
+            self._static = StaticDecoder(self._fast, kernels)
         # generic path: a ready 4D mask where the model takes one, else transformers builds masks from the 2D one
         self._mask_dict = (
             self._fast is None and self._full_attention_only and accepts_mask_dict(self.model, self.device)
@@ -352,40 +360,6 @@ class LocalEngine(RequestControl, SlabBatch, InferenceEngine):
     def resume(self) -> None:
         with self._wake:
             self._paused = False
-            self._wake.notify_all()
-
-    def release_memory(self, weights: bool = False) -> None:
-        """Free the KV cache (and with ``weights=True`` move the weights to host memory) so a
-        trainer on the same GPU can use it; generation stops until ``resume_memory()``.
-        Running requests are set aside and continue afterwards (their futures stay pending)."""
-
-        def apply() -> None:
-            self._preempt_all()
-            self._released = True
-            if self._static is not None:
-                self._static.reset()
-            if weights and self.device.type != "cpu":
-                typing.cast(nn.Module, self.model).to("cpu")
-                if self._fast is not None:
-                    self._fast.layers = []  # drop the fused copies too
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-        self._call_in_loop(apply)
-
-    def resume_memory(self) -> None:
-        """Undo ``release_memory()``: weights back on the device, generation continues."""
-
-        def apply() -> None:
-            assert self.model is not None
-            if next(self.model.parameters()).device != self.device:
-                typing.cast(nn.Module, self.model).to(self.device)
-                if self._fast is not None:
-                    self._fast.refresh()
-            self._released = False
-
-        self._call_in_loop(apply)
-        with self._wake:
             self._wake.notify_all()
 
     # ------------------------------------------------------------------ the loop

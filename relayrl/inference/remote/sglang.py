@@ -66,6 +66,7 @@ from relayrl.inference.remote.weights import (
     tensors_of,
 )
 from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
+from relayrl.utils.failsafe import fall_back, reason
 from relayrl.utils.moe import decode_routed_experts
 
 if TYPE_CHECKING:
@@ -342,35 +343,64 @@ def lora_flags(lora: LoraConfig | None) -> list[str]:
             "--max-loras-per-batch", "2"]  # fmt: skip
 
 
+NCCL_GROUP = "NCCL weight group (inference.weight_sync=broadcast)"
+
+
+def broadcast_backend(peer: str) -> str:
+    """NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU).
+    The seam tests replace to put NCCL, which cannot start on CPU, in the way."""
+    return "nccl" if torch.cuda.is_available() and peer != "relayrl" else "gloo"
+
+
 class SGLangBroadcast(WeightSync):
     """weight_sync=broadcast: every server receives the tensors from one collective broadcast.
 
     The group (this process = rank 0, server i = ranks from its ``rank_offset``, one per
     tensor-parallel rank) is built on first use and rebuilt whenever its members change: a dead
     server leaves it, a returning one rejoins. A server that fails mid-way is evicted (dead) or
-    its error raised; either way the group is dropped, to be rebuilt at the next update."""
+    its error raised; either way the group is dropped, to be rebuilt at the next update.
+
+    NCCL fails safe (``relayrl.utils.failsafe``): if the first NCCL broadcast fails for another
+    reason than a dead server, the group is built again over gloo (both sides are told through
+    SGLang's ``/init_weights_update_group``) and stays gloo, with one warning."""
 
     def __init__(self, fleet: Fleet, backend: SGLangBackend) -> None:
         super().__init__(fleet)
         self.backend = backend
         self.group: WeightBroadcastGroup | None = None
         self.members: list[tuple[str, int]] = []
+        self.collective = broadcast_backend(backend.name)
+        self.proven = False  # a broadcast over ``collective`` succeeded
 
     def prepare(self, update: WeightUpdate) -> object:
         return broadcast_tensors(update)
 
     def send(self, data: object, version: int, servers: list[Server]) -> None:
         try:
-            self._broadcast(tensors_of(data), version, servers)
+            self._checked(tensors_of(data), version, servers)
         except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
             live = [s for s in self.fleet.servers if s.alive]
             if not live:
                 raise
-            self._broadcast(tensors_of(data), version, live)
+            self._checked(tensors_of(data), version, live)
 
     def rejoin(self, srv: Server, data: object, version: int) -> None:
         """A server (re)joining: the group is rebuilt with it in."""
-        self._broadcast(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
+        self._checked(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
+
+    def _checked(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+        """``_broadcast``; at the first use of NCCL, a failure switches the group to gloo and retries."""
+        try:
+            self._broadcast(tensors, version, servers)
+        except ConnectionError:
+            raise
+        except Exception as e:
+            if self.proven or self.collective != "nccl":
+                raise
+            fall_back(NCCL_GROUP, reason(e), "gloo")
+            self.collective, self.group = "gloo", None
+            self._broadcast(tensors, version, servers)
+        self.proven = True
 
     def _join(self, servers: list[Server], ex: ThreadPoolExecutor, errors: list[BaseException]) -> WeightBroadcastGroup:
         admin, sglang = self.fleet.admin, self.backend
@@ -383,8 +413,7 @@ class SGLangBroadcast(WeightSync):
                 pass  # a server that never joined, or one too old for the route (then init fails, named)
         self.group, self.members = None, []
         host = address_towards(httpx.URL(servers[0].url).host)
-        # NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU)
-        backend = "nccl" if torch.cuda.is_available() and sglang.name != "relayrl" else "gloo"
+        backend = self.collective
         # a server of tensor-parallel size k takes ranks rank_offset .. rank_offset + k - 1 (SGLang: rank_offset + tp_rank)
         sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
         offsets = list(itertools.accumulate([1, *sizes[:-1]]))

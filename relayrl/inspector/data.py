@@ -1,0 +1,97 @@
+"""What the inspector page reads, as small JavaScript files that hand JSON to the page.
+
+The page loads ``data/manifest.js`` (each run's steps and metrics curves) at once and
+``data/r{R}/step_{N}.js`` (one step's saved rollouts) when that step is opened, so opening a run
+reads its index and metrics only, whatever its size. Data travels as scripts rather than fetched
+JSON so the exported page works from ``file://`` too (browsers refuse ``fetch`` there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from relayrl.utils.rollouts import read_index, step_file
+
+CALLBACK = "relayrlData"
+
+
+class RunDirError(ValueError):
+    """A path that is not a run directory the inspector can show."""
+
+
+def check_run_dir(path: Path) -> Path:
+    """``path`` if it holds ``metrics.jsonl`` or saved rollouts, else a one-line error (naming the run
+    directories inside it, as ``runs/demo`` holds ``grpo`` and ``sft``)."""
+    if (path / "metrics.jsonl").exists() or (path / "rollouts").is_dir():
+        return path
+    if not path.is_dir():
+        raise RunDirError(f"{path}: no such directory")
+    inner = sorted(str(p.parent) for p in path.glob("*/metrics.jsonl"))
+    hint = f" (run directories inside it: {', '.join(inner)})" if inner else ""
+    raise RunDirError(f"{path} has neither metrics.jsonl nor rollouts/: not a run directory{hint}")
+
+
+def metrics_rows(run_dir: Path) -> list[dict[str, float]]:
+    """metrics.jsonl's numeric fields per row (the row ids a step trained on stay out)."""
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                raw = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            row = {
+                k: float(v)
+                for k, v in raw.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            }
+            if "step" in row:
+                rows.append(row)
+    return rows
+
+
+def run_names(run_dirs: list[Path]) -> list[str]:
+    """Short distinct labels: the last path parts that tell the runs apart (``demo/grpo``)."""
+    for depth in range(1, 6):
+        names = ["/".join(p.resolve().parts[-depth:]) for p in run_dirs]
+        if len(set(names)) == len(names):
+            return names
+    return [str(p) for p in run_dirs]
+
+
+def manifest(run_dirs: list[Path]) -> dict[str, object]:
+    """Every run's name, saved steps (index entries) and metrics rows."""
+    names = run_names(run_dirs)
+    return {
+        "runs": [
+            {"name": name, "dir": str(d), "steps": read_index(d), "metrics": metrics_rows(d)}
+            for name, d in zip(names, run_dirs, strict=True)
+        ]
+    }
+
+
+def script(key: str, payload_json: str) -> str:
+    return f"{CALLBACK}({json.dumps(key)},{payload_json});\n"
+
+
+def manifest_script(run_dirs: list[Path]) -> str:
+    return script("manifest", json.dumps(manifest(run_dirs), separators=(",", ":")))
+
+
+def step_script(run_dirs: list[Path], run: int, step: int) -> str | None:
+    """One step's rollouts (the saved lines as they are, not re-parsed); None if not saved."""
+    if not 0 <= run < len(run_dirs):
+        return None
+    path = step_file(run_dirs[run], step)
+    if not path.exists():
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return script(f"r{run}/{step}", "[" + ",".join(lines) + "]")
+
+
+def step_path(run: int, step: int) -> str:
+    """Where the page finds a step's script, relative to the page."""
+    return f"data/r{run}/step_{step:06d}.js"

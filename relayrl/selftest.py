@@ -1,0 +1,382 @@
+"""``relayrl selftest [--out FILE]``: a minute-long check of this machine's engine, training and
+weight-sync paths on a tiny model, with figures.
+
+Each check compares a path against the tested one it must agree with: LocalEngine's static
+decode steps, CUDA graphs and flash-attn decode against eager steps; packed training against one
+forward per sequence; the generator's bf16 logprobs against the trainer's; a weight broadcast
+(NCCL with two GPUs, else gloo) between two processes; release/resume of GPU memory; the KV budget
+(preempting and continuing rows gives the same tokens). A fast path that fell back at first use
+(``relayrl.utils.failsafe``) fails its check. Paths this machine lacks are skipped with the reason.
+The table goes to stdout, everything to ``--out`` as JSON; the exit code is 1 when a check failed.
+``bench/gpu.py`` is the performance counterpart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import dataclasses
+import importlib.util
+import json
+import platform
+import sys
+import time
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from transformers import PreTrainedModel
+
+from relayrl.api.config import InferenceConfig, ModelConfig, OptimizerConfig, TrainEngineConfig
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.api.workflow import concat_trajectories, trajectory_from_response
+from relayrl.data.models import build_tiny_model
+from relayrl.inference.local import LocalEngine
+from relayrl.inference.local.device import resolve_device
+from relayrl.inference.weight_group import WeightBroadcastGroup
+from relayrl.train.engine import TorchTrainEngine
+from relayrl.utils import failsafe
+
+PROMPTS = [[3, 10 + i, 20 + 2 * i, 7, 9 + i, 40 - i][: 2 + i % 5] for i in range(8)]  # lengths 2..6: left padding
+GEN = GenerationConfig(max_new_tokens=24, greedy=True, ignore_eos=True)
+BF16_MEAN, BF16_MAX = 0.01, 0.05  # generator (bf16 weights) vs trainer, nats per token (CPU: 0.0025, 0.008)
+
+
+@dataclasses.dataclass
+class Check:
+    """One row of the table: ``status`` is pass, fail or skip."""
+
+    name: str
+    status: str
+    figure: str
+    detail: str = ""
+    values: dict[str, float] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def generate(
+    model: PreTrainedModel, device: str, static: bool, prompts: list[list[int]], **cfg: object
+) -> tuple[list[ModelResponse], LocalEngine]:
+    """Greedy responses of a LocalEngine over a copy of ``model`` (destroyed before returning)."""
+    eng = LocalEngine(InferenceConfig(device=device, **cfg), model=copy.deepcopy(model), static_steps=static)  # type: ignore[arg-type]
+    eng.initialize()
+    try:
+
+        async def go() -> list[ModelResponse]:
+            reqs = [ModelRequest(f"r{i}", p, GEN) for i, p in enumerate(prompts)]
+            return list(await asyncio.gather(*(eng.agenerate(r) for r in reqs)))
+
+        return asyncio.run(go()), eng
+    finally:
+        eng.destroy()
+
+
+def as_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """A copy of ``model`` in ``dtype``."""
+    return typing.cast(PreTrainedModel, typing.cast(nn.Module, copy.deepcopy(model)).to(dtype))
+
+
+def compare(a: list[ModelResponse], b: list[ModelResponse]) -> tuple[int, float]:
+    """(rows whose tokens are identical, largest logprob difference over the tokens they share)."""
+    same, gap = 0, 0.0
+    for x, y in zip(a, b, strict=True):
+        same += x.output_tokens == y.output_tokens
+        n = next(
+            (i for i, (s, t) in enumerate(zip(x.output_tokens, y.output_tokens, strict=False)) if s != t),
+            len(x.output_tokens),
+        )
+        if n:
+            gap = max(
+                gap, float((torch.tensor(x.output_logprobs[:n]) - torch.tensor(y.output_logprobs[:n])).abs().max())
+            )
+    return same, gap
+
+
+def _fell_back(before: set[str]) -> str:
+    new = {k: v for k, v in failsafe.FALLBACKS.items() if k not in before}
+    return "; ".join(f"{k} fell back: {v}" for k, v in new.items())
+
+
+def check_decode(model: PreTrainedModel, device: torch.device) -> list[Check]:
+    """Static decode steps (and on CUDA the captured graphs, flash-attn) against eager steps."""
+    dev = str(device)
+    out: list[Check] = []
+    eager, _ = generate(model, dev, False, PROMPTS, cuda_graphs=False)
+    variants: list[tuple[str, str, PreTrainedModel, dict[str, object], str]] = [
+        ("decode: static steps = eager", "static", model, {"cuda_graphs": False}, "")
+    ]
+    graphs_skip = "" if device.type == "cuda" else "no CUDA device"
+    variants.append(("decode: CUDA graphs = eager", "graphs", model, {"cuda_graphs": True}, graphs_skip))
+    flash_skip = graphs_skip or ("" if importlib.util.find_spec("flash_attn") else "flash-attn is not installed")
+    half = as_dtype(model, torch.bfloat16)
+    variants.append(("decode: flash-attn = SDPA (bf16)", "flash", half, {"cuda_graphs": True}, flash_skip))
+    eager_half = None
+    for name, kind, m, cfg, skip in variants:
+        if skip:
+            out.append(Check(name, "skip", "-", skip))
+            continue
+        t0, before = time.perf_counter(), set(failsafe.FALLBACKS)
+        got, eng = generate(m, dev, True, PROMPTS, **cfg)
+        ref = eager
+        if kind == "flash":
+            eager_half = eager_half or generate(half, dev, False, PROMPTS, cuda_graphs=False)[0]
+            ref = eager_half
+        same, gap = compare(got, ref)
+        tol = 0.1 if kind == "flash" else 1e-4
+        need = len(PROMPTS) - (1 if kind == "flash" else 0)  # bf16: a near-tie may flip one greedy row
+        fell = _fell_back(before)
+        ok = same >= need and gap <= tol and not fell
+        used = ""
+        if eng._static is not None:
+            used = f"attention={eng._static.attention}, graphs captured={eng._static.captures}"
+        detail = fell or used
+        out.append(
+            Check(
+                name,
+                "pass" if ok else "fail",
+                f"{same}/{len(PROMPTS)} rows equal, max |dlogp| {gap:.2g} (bound {tol:g})",
+                detail,
+                {"rows_equal": same, "max_logprob_gap": gap},
+                time.perf_counter() - t0,
+            )
+        )
+    return out
+
+
+def train_engine(model: PreTrainedModel, attn: str = "varlen", bf16: bool = False) -> TorchTrainEngine:
+    cfg = TrainEngineConfig(mb_max_tokens=4096, optimizer=OptimizerConfig(lr=1e-4), total_steps=1, bf16=bf16)
+    eng = TorchTrainEngine(cfg, ModelConfig(attn_impl=attn), model=copy.deepcopy(model))
+    eng.initialize()
+    return eng
+
+
+def batch_of(responses: list[ModelResponse]) -> dict[str, torch.Tensor]:
+    return concat_trajectories([trajectory_from_response(r, 0.0) for r in responses])
+
+
+def check_packed(model: PreTrainedModel, device: torch.device, batch: dict[str, torch.Tensor]) -> Check:
+    """Packed micro-batches (relayrl_varlen attention) against one plain forward per sequence."""
+    t0 = time.perf_counter()
+    packed = train_engine(model).forward(batch)
+    ref = typing.cast(nn.Module, copy.deepcopy(model)).to(device).eval()
+    gap = 0.0
+    with torch.no_grad():
+        for i, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+            ids = batch["input_ids"][i : i + 1, :n].to(device)
+            logp = torch.log_softmax(ref(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+            gap = max(gap, float((packed[i, 1:n] - logp.cpu()).abs().max()))
+    tol = 1e-4
+    ok = gap <= tol
+    return Check(
+        "train: packed = per sequence",
+        "pass" if ok else "fail",
+        f"max |dlogp| {gap:.2g} (bound {tol:g})",
+        f"{len(batch['input_ids'])} sequences",
+        {"max_logprob_gap": gap},
+        time.perf_counter() - t0,
+    )
+
+
+def check_bf16_gap(model: PreTrainedModel, device: torch.device) -> Check:
+    """The generator on bf16 weights against the trainer (bf16 autocast on CUDA, fp32 elsewhere)."""
+    t0, before = time.perf_counter(), set(failsafe.FALLBACKS)
+    responses, _ = generate(as_dtype(model, torch.bfloat16), str(device), False, PROMPTS, cuda_graphs=False)
+    batch = batch_of(responses)
+    trainer = train_engine(model, attn="auto", bf16=True).forward(batch)
+    mask = batch["loss_mask"].bool()
+    diff = (trainer[mask] - batch["logprobs"][mask]).abs()
+    mean, top = float(diff.mean()), float(diff.max())
+    fell = _fell_back(before)
+    ok = mean <= BF16_MEAN and top <= BF16_MAX and not fell
+    figure = f"mean |dlogp| {mean:.3g} (bound {BF16_MEAN:g}), max {top:.3g} (bound {BF16_MAX:g})"
+    return Check(
+        "logprobs: generator bf16 vs trainer",
+        "pass" if ok else "fail",
+        figure,
+        fell or f"{int(mask.sum())} tokens",
+        {"mean_gap": mean, "max_gap": top},
+        time.perf_counter() - t0,
+    )
+
+
+def _receiver(port: int, backend: str, result: mp.SimpleQueue) -> None:
+    """Rank 1 of the weight group: receives into a differently seeded model, reports the largest difference."""
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(1)
+    model = build_tiny_model("tiny", seed=1)
+    group = WeightBroadcastGroup("127.0.0.1", port, 2, 1, backend=backend, timeout_s=60)
+    state = dict(model.state_dict())
+    group.broadcast(state)
+    sent = build_tiny_model("tiny", seed=0).state_dict()
+    result.put(max(float((state[k] - v).abs().max()) for k, v in sent.items()))
+
+
+def check_broadcast() -> Check:
+    """A weight broadcast from this process (rank 0, the trainer) to a second one (rank 1, a server)."""
+    t0 = time.perf_counter()
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    why = "NCCL between 2 GPUs" if backend == "nccl" else "gloo (NCCL needs 2 GPUs: one per rank)"
+    ctx = mp.get_context("spawn")
+    result = ctx.SimpleQueue()
+    model = build_tiny_model("tiny", seed=0)
+    group = WeightBroadcastGroup("127.0.0.1", 0, 2, 0, backend=backend, timeout_s=60)
+    child = ctx.Process(target=_receiver, args=(group.port, backend, result), daemon=True)
+    child.start()
+    try:
+        t1 = time.perf_counter()
+        group.broadcast(dict(model.state_dict()))
+        sent_s = time.perf_counter() - t1
+        child.join(timeout=120)
+        gap = result.get() if child.exitcode == 0 else float("inf")
+    finally:
+        if child.is_alive():
+            child.kill()
+    mb = sum(p.numel() * p.element_size() for p in model.state_dict().values()) / 2**20
+    ok = gap == 0.0
+    figure = f"{mb:.1f} MB in {sent_s:.2f}s (the receiver's start included), max |diff| after {gap:g}"
+    return Check(
+        f"weights: broadcast ({backend})",
+        "pass" if ok else "fail",
+        figure,
+        why,
+        {"mb": mb, "seconds": sent_s, "max_diff": gap},
+        time.perf_counter() - t0,
+    )
+
+
+def check_release(model: PreTrainedModel, device: torch.device) -> Check:
+    """release_memory(weights=True) then resume_memory(): the same tokens, memory freed on CUDA."""
+    t0, before = time.perf_counter(), set(failsafe.FALLBACKS)
+    eng = LocalEngine(InferenceConfig(device=str(device)), model=copy.deepcopy(model))
+    eng.initialize()
+    try:
+
+        async def run() -> list[ModelResponse]:
+            return list(
+                await asyncio.gather(*(eng.agenerate(ModelRequest(f"m{i}", p, GEN)) for i, p in enumerate(PROMPTS)))
+            )
+
+        first = asyncio.run(run())
+        held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        eng.release_memory(weights=True)
+        freed = (held - torch.cuda.memory_allocated(device)) / 2**20 if device.type == "cuda" else 0.0
+        eng.resume_memory()
+        again = asyncio.run(run())
+    finally:
+        eng.destroy()
+    same, gap = compare(again, first)
+    fell = _fell_back(before)
+    ok = same == len(PROMPTS) and gap <= 1e-5 and not fell and (device.type != "cuda" or freed > 0)
+    where = f"{freed:.1f} MB freed while released" if device.type == "cuda" else "CPU: weights stay in place"
+    return Check(
+        "memory: release/resume",
+        "pass" if ok else "fail",
+        f"{same}/{len(PROMPTS)} rows equal after resume, {where}",
+        fell,
+        {"rows_equal": same, "freed_mb": freed},
+        time.perf_counter() - t0,
+    )
+
+
+def check_kv_budget(model: PreTrainedModel, device: torch.device) -> Check:
+    """The KV budget this machine gets, and a budget too small for the batch: rows are preempted and
+    continued with the same tokens."""
+    t0 = time.perf_counter()
+    full, eng = generate(model, str(device), False, PROMPTS)
+    capacity, by = eng.kv_capacity, eng.kv_capacity_by
+    small = LocalEngine(InferenceConfig(device=str(device)), model=copy.deepcopy(model))
+    small.initialize()
+    small.kv_capacity = 96  # fewer cells than the 8 rows need: some wait or are preempted
+    try:
+
+        async def run() -> list[ModelResponse]:
+            return list(
+                await asyncio.gather(*(small.agenerate(ModelRequest(f"k{i}", p, GEN)) for i, p in enumerate(PROMPTS)))
+            )
+
+        tight = asyncio.run(run())
+    finally:
+        small.destroy()
+    same, gap = compare(tight, full)
+    peak, pre = small.counters["kv_peak"], small.counters["preemptions"]
+    ok = same == len(PROMPTS) and gap <= 1e-4 and peak <= 96 + len(PROMPTS)
+    figure = (
+        f"budget {capacity} tokens ({by}); at 96: peak {peak} cells, {pre} preempted, {same}/{len(PROMPTS)} rows equal"
+    )
+    return Check(
+        "KV budget",
+        "pass" if ok else "fail",
+        figure,
+        "",
+        {"capacity": capacity, "peak": peak, "preemptions": pre},
+        time.perf_counter() - t0,
+    )
+
+
+def run_checks(device: torch.device) -> list[Check]:
+    model = build_tiny_model("tiny", seed=0).eval()
+    checks = check_decode(model, device)
+    responses, _ = generate(model, str(device), False, PROMPTS, cuda_graphs=False)
+    steps: list[tuple[str, Callable[[], Check]]] = [
+        ("train: packed = per sequence", lambda: check_packed(model, device, batch_of(responses))),
+        ("logprobs: generator bf16 vs trainer", lambda: check_bf16_gap(model, device)),
+        ("weights: broadcast", check_broadcast),
+        ("memory: release/resume", lambda: check_release(model, device)),
+        ("KV budget", lambda: check_kv_budget(model, device)),
+    ]
+    for name, step in steps:
+        try:
+            checks.append(step())
+        except Exception as e:  # noqa: BLE001 - a check that crashes is a failed check, the others still run
+            checks.append(Check(name, "fail", "raised", failsafe.reason(e)))
+    return checks
+
+
+def table(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    rows = [
+        f"{c.status.upper():5} {c.name:<{width}}  {c.figure}" + (f"  [{c.detail}]" if c.detail else "") for c in checks
+    ]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="relayrl selftest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="relayrl-selftest.json", help="where the JSON report goes")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    ns = p.parse_args(argv)
+    torch.set_num_threads(1)
+    device = resolve_device(ns.device)
+    t0 = time.perf_counter()
+    print(f"relayrl selftest on {device} (torch {torch.__version__}); about a minute", flush=True)
+    checks = run_checks(device)
+    failed = [c.name for c in checks if c.status == "fail"]
+    report = {
+        "ok": not failed,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "flash_attn": importlib.util.find_spec("flash_attn") is not None,
+        "seconds": time.perf_counter() - t0,
+        "fallbacks": dict(failsafe.FALLBACKS),
+        "checks": [dataclasses.asdict(c) for c in checks],
+    }
+    Path(ns.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(table(checks))
+    print(
+        f"{len(checks) - len(failed)} of {len(checks)} checks passed or skipped in {report['seconds']:.0f}s; report: {ns.out}"
+    )
+    if failed:
+        print(
+            f"FAILED: {', '.join(failed)}. Please attach {ns.out} to a relayrl issue (it names the machine and every figure)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
