@@ -28,9 +28,10 @@ import torch
 
 from relayrl.api.config import ModelConfig, OptimizerConfig, RunConfig, TrainEngineConfig, load_config
 from relayrl.api.workflow import concat_trajectories
+from relayrl.data.datasets import attach_vision
 from relayrl.data.models import load_model, load_tokenizer
 from relayrl.data.tasks import make_task
-from relayrl.data.vision import VL_PRESETS, attach_vision, build_image_processor
+from relayrl.data.vision import VL_PRESETS, build_image_processor
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import token_logprobs
 from relayrl.trainer import train

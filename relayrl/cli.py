@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in handlers:
         return handlers[args.command](rest)
     if args.command == "config-reference":
-        from relayrl.api.config import config_reference
+        from relayrl.api.commands import config_reference
 
         print(config_reference(), end="")
         return 0

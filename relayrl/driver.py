@@ -18,7 +18,8 @@ from relayrl.api.config import RunConfig
 from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader
-from relayrl.data.vision import png_data_urls, vision_processor
+from relayrl.data.models import vision_processor
+from relayrl.data.vision import png_data_urls
 from relayrl.evaluation import evaluate
 from relayrl.rewards.pool import RewardPool
 from relayrl.rollout.executor import WorkflowExecutor

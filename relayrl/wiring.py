@@ -16,10 +16,10 @@ from relayrl.api.config import ConfigError, RunConfig
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
-from relayrl.data.datasets import RLDataLoader, load_rows_from_file
-from relayrl.data.models import load_model
+from relayrl.data.datasets import RLDataLoader, attach_vision, load_rows_from_file
+from relayrl.data.models import load_model, vision_processor
 from relayrl.data.tasks import make_task, task_fn
-from relayrl.data.vision import attach_vision, has_images, vision_processor
+from relayrl.data.vision import has_images
 from relayrl.rewards.pool import RewardPool
 from relayrl.rewards.registry import resolve_reward_fn
 from relayrl.train.engine import TorchTrainEngine

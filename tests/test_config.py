@@ -18,8 +18,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relayrl.api.commands import ServerConfig
-from relayrl.api.config import ConfigError, RunConfig, config_reference, load_config, save_config
+from relayrl.api.commands import ServerConfig, config_reference
+from relayrl.api.config import ConfigError, RunConfig, load_config, save_config
 from relayrl.api.io import GenerationConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "config.md"
@@ -171,7 +171,7 @@ def test_save_config_round_trips(tmp_path):
 def test_docs_config_md_is_in_sync():
     expected = config_reference()
     assert DOCS.exists() and DOCS.read_text() == expected, (
-        "docs/config.md is out of date; regenerate it with `python -m relayrl.api.config > docs/config.md`"
+        "docs/config.md is out of date; regenerate it with `relayrl config-reference > docs/config.md`"
     )
     for name in ("actor.c_clip", "rollout.max_staleness", "train.optimizer.lr", "eval.gconfig.top_p"):
         assert f"`{name}`" in expected

@@ -16,7 +16,8 @@ from PIL import Image
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
-from relayrl.data.vision import build_image_processor, build_tiny_vl_model, build_vl_tokenizer, encode_prompt
+from relayrl.data.models import build_tiny_vl_model, build_vl_tokenizer
+from relayrl.data.vision import build_image_processor, encode_prompt
 from relayrl.inference.local import LocalEngine
 
 PRESETS = ["tiny-vl", "tiny-vl2.5"]

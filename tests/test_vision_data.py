@@ -11,15 +11,9 @@ import json
 import pytest
 import torch
 
-from relayrl.data.datasets import DatasetError, load_rows_from_file
-from relayrl.data.vision import (
-    IMAGE_BLOCK,
-    attach_vision,
-    build_image_processor,
-    build_vl_tokenizer,
-    encode_prompt,
-    squares_image,
-)
+from relayrl.data.datasets import DatasetError, attach_vision, load_rows_from_file
+from relayrl.data.models import build_vl_tokenizer
+from relayrl.data.vision import IMAGE_BLOCK, build_image_processor, encode_prompt, squares_image
 from relayrl.rollout.workflows.rlvr import RLVRWorkflow
 from tests.test_vision import squares
 
@@ -107,7 +101,7 @@ def test_rlvr_episode_carries_vision_inputs(tp):
     from relayrl.api.config import InferenceConfig
     from relayrl.api.io import GenerationConfig
     from relayrl.api.workflow import validate_trajectory
-    from relayrl.data.vision import build_tiny_vl_model
+    from relayrl.data.models import build_tiny_vl_model
     from relayrl.inference.local import LocalEngine
 
     tok, proc = tp

@@ -21,7 +21,8 @@ STEPS = 2
 
 @functools.cache
 def tokenizer_and_processor():
-    from relayrl.data.vision import build_image_processor, build_vl_tokenizer
+    from relayrl.data.models import build_vl_tokenizer
+    from relayrl.data.vision import build_image_processor
 
     return build_vl_tokenizer(), build_image_processor()
 
@@ -50,7 +51,7 @@ def pg_loss(logits, packed):
 
 
 def engine() -> TorchTrainEngine:
-    from relayrl.data.vision import build_tiny_vl_model
+    from relayrl.data.models import build_tiny_vl_model
 
     cfg = TrainEngineConfig(mb_max_tokens=48, optimizer=OptimizerConfig(lr=1e-3))
     eng = TorchTrainEngine(cfg, ModelConfig(path="tiny-vl"), model=build_tiny_vl_model("tiny-vl", seed=0))

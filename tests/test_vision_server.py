@@ -17,7 +17,8 @@ import torch
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest
-from relayrl.data.vision import build_image_processor, build_tiny_vl_model, build_vl_tokenizer, encode_prompt
+from relayrl.data.models import build_tiny_vl_model, build_vl_tokenizer
+from relayrl.data.vision import build_image_processor, encode_prompt
 from relayrl.inference.remote import RemoteEngine
 from relayrl.inference.remote.protocol import PeerInfo, UnsupportedServer, wire_image
 from relayrl.inference.remote.vllm import IMAGE_ROUTES, VLLMBackend, require_image_routes

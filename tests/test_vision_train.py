@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from relayrl.api.config import ModelConfig, TrainEngineConfig
 from relayrl.api.workflow import TrajectoryError, concat_trajectories, validate_trajectory
-from relayrl.data.vision import build_image_processor, build_tiny_vl_model, build_vl_tokenizer, encode_prompt
+from relayrl.data.models import build_tiny_vl_model, build_vl_tokenizer
+from relayrl.data.vision import build_image_processor, encode_prompt
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import pack, split_by_token_budget, vision_tokens
 from tests.test_vision import squares

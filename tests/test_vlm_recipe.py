@@ -36,8 +36,7 @@ def test_grpo_raises_the_reward_on_pictures(tmp_path):
 def test_warm_start_stops_at_its_target(tmp_path):
     """A low target is reached after a few steps: the checkpoint loads as a vision model with its processor."""
     from relayrl.api.config import ModelConfig
-    from relayrl.data.models import load_model
-    from relayrl.data.vision import vision_processor
+    from relayrl.data.models import load_model, vision_processor
 
     out = _recipe().warm_start(tmp_path / "warm", target=0.2, max_steps=10)
     cfg = ModelConfig(path=str(out), tokenizer_path="tiny-vl")

@@ -6,7 +6,8 @@
 - ``tool_parsers``: Hermes / Qwen2.5 and Llama-3.1 tool calls; ``templates``: chat templates in those formats.
 """
 
-from relayrl.agents.client import CallRecord, OpenAIClient
+from relayrl.agents.calls import CallRecord
+from relayrl.agents.client import OpenAIClient
 from relayrl.agents.messages import RequestError
 from relayrl.agents.tool_parsers import ParsedOutput, ToolCall, detect_parser, parse_tool_calls
 from relayrl.agents.workflow import OpenAIAgentWorkflow

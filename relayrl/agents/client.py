@@ -22,12 +22,9 @@ return of its first completion.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import typing
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -49,55 +46,22 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from openai.types.completion_choice import Logprobs
 from transformers import PreTrainedTokenizerBase
 
+from relayrl.agents.calls import (
+    CallRecord,
+    ChatPlan,
+    CompletionPlan,
+    check_tool_choice,
+    request_settings,
+    tool_prefill,
+)
 from relayrl.agents.messages import Message, RequestError, normalize_messages, normalize_tools, same_message
-from relayrl.agents.streaming import ChatPlan, CompletionPlan, stream_chat, stream_completion
+from relayrl.agents.streaming import stream_chat, stream_completion
 from relayrl.agents.tool_parsers import ParsedOutput, detect_parser, parse_tool_calls
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
 from relayrl.api.workflow import Trajectory, concat_trajectories
 from relayrl.data.chat import continuation_ids, encode, render
 from relayrl.rollout.workflows.multi_turn import TokenBuffer
-
-# Accepted and ignored: they change nothing about what a local policy generates.
-_IGNORED = {
-    "model",
-    "user",
-    "metadata",
-    "seed",
-    "store",
-    "parallel_tool_calls",
-    "service_tier",
-    "extra_headers",
-    "extra_query",
-    "extra_body",
-    "timeout",
-    "reasoning_effort",
-    "prompt_cache_key",
-    "safety_identifier",
-}
-
-
-@dataclass
-class CallRecord:
-    """One completion (one choice of one call) with everything training needs."""
-
-    id: str
-    index: int
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    stop_reason: str
-    messages: list[Message] | None = None  # chat calls: the request's turns, normalized
-    tools: list[Message] | None = None
-    reply: Message | None = None  # the reply as the agent will send it back
-    prompt_text: str | None = None  # completion calls
-    text: str = ""
-    parent: CallRecord | None = None  # the call whose prompt + output this prompt extends
-    tool_calls: int = 0
-    malformed_tool_calls: int = 0
-    reward: float | None = None
-    created: float = field(default_factory=time.monotonic)
 
 
 class _ChatCompletions:
@@ -154,77 +118,6 @@ class OpenAIClient:
         self.completions = _Completions(self)
 
     # ------------------------------------------------------------------ requests
-    def _gconfig(self, params: dict[str, object]) -> tuple[GenerationConfig, int, bool, int]:
-        """The generation config of a request, its ``n``, whether logprobs were asked for, and how
-        many alternatives (``top_logprobs``)."""
-        p = dict(params)
-        for key in _IGNORED:
-            p.pop(key, None)
-        changes: dict[str, object] = {}
-        n = p.pop("n", 1) or 1
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
-            raise RequestError(f"n must be an integer in [1, 64], got {n!r}", "n")
-        temperature = p.pop("temperature", None)
-        if temperature is not None:
-            if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
-                raise RequestError(f"temperature must be in [0, 2], got {temperature!r}", "temperature")
-            changes.update(greedy=True) if temperature == 0 else changes.update(
-                temperature=float(temperature), greedy=False
-            )
-        top_p = p.pop("top_p", None)
-        if top_p is not None:
-            if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-                raise RequestError(f"top_p must be in (0, 1], got {top_p!r}", "top_p")
-            changes["top_p"] = float(top_p)
-        for key in ("max_tokens", "max_completion_tokens"):
-            value = p.pop(key, None)
-            if value is not None:
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise RequestError(f"{key} must be a positive integer, got {value!r}", key)
-                changes["max_new_tokens"] = value
-                changes["min_new_tokens"] = min(self.gconfig.min_new_tokens, value)
-        stop = p.pop("stop", None)
-        if stop is not None:
-            stops = [stop] if isinstance(stop, str) else stop
-            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-                raise RequestError("stop must be a string or a list of up to 4 non-empty strings", "stop")
-            changes["stop"] = [*self.gconfig.stop, *stops]
-        logprobs = p.pop("logprobs", None)
-        top = p.pop("top_logprobs", None) or 0
-        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
-            raise RequestError(f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
-        if top and not logprobs:
-            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-        for key in ("frequency_penalty", "presence_penalty"):
-            value = p.pop(key, None)
-            if value is not None:
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
-                    raise RequestError(f"{key} must be a number in [-2, 2], got {value!r}", key)
-                changes[key] = float(value)
-        fmt = p.pop("response_format", None)
-        kind = (dict(fmt) if isinstance(fmt, dict) else {}).get("type") if fmt is not None else "text"
-        if kind not in ("text", "json_object"):
-            raise RequestError(
-                f"response_format {kind!r} is not supported: 'text' and 'json_object' (not enforced: relayrl does "
-                "not constrain decoding) are",
-                "response_format",
-            )
-        p.pop("tools", None), p.pop("tool_choice", None)  # read by the chat call itself
-        for key in ("echo", "suffix", "logit_bias"):
-            if p.pop(key, None):
-                raise RequestError(f"{key} is not supported", key, code="unsupported_parameter")
-        if p.pop("best_of", None) not in (None, 1):
-            raise RequestError("best_of is not supported", "best_of", code="unsupported_parameter")
-        if p:
-            name = sorted(p)[0]
-            raise RequestError(f"unsupported parameter {name!r}", name, code="unsupported_parameter")
-        gconfig = self.gconfig.new(**changes)
-        try:
-            gconfig.validate()
-        except ValueError as e:
-            raise RequestError(str(e), "max_tokens") from None
-        return gconfig, n, bool(logprobs), top
-
     async def generate(
         self, ids: list[int], gconfig: GenerationConfig, n: int, images: list[str | bytes] | None = None
     ) -> list[ModelResponse]:
@@ -264,49 +157,13 @@ class OpenAIClient:
                 best = rec
         return best
 
-    def _tool_choice(self, choice: object, tools: list[Message] | None) -> str:
-        """``auto``, ``none``, ``required`` or the name of the one function to call."""
-        if choice is None:
-            return "auto"
-        if isinstance(choice, str):
-            if choice not in ("auto", "none", "required"):
-                raise RequestError(
-                    f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}",
-                    "tool_choice",
-                )
-            name = choice
-        else:
-            fn = (dict(choice) if isinstance(choice, dict) else {}).get("function")
-            named = (dict(fn) if isinstance(fn, dict) else {}).get("name")
-            if not isinstance(named, str):
-                raise RequestError(
-                    "a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
-                )
-            name = named
-            known = [typing.cast(dict[str, str], t["function"])["name"] for t in tools or []]
-            if name not in known:
-                raise RequestError(f"tool_choice names {name!r}, which is not among the tools {known}", "tool_choice")
-        if name not in ("auto", "none") and not tools:
-            raise RequestError(f"tool_choice={name!r} needs tools", "tool_choice")
-        return name
-
-    def _prefill(self, tool_choice: str) -> str:
-        """``required``: the reply starts with the parser's tool-call opening; a named function: the
-        opening up to the function's name, as the Hermes / Llama-3.1 templates write a call. Written
-        into the prompt (vLLM and SGLang constrain decoding to a call instead)."""
-        if tool_choice in ("auto", "none"):
-            return ""
-        if self.tool_parser == "llama3":
-            return "{" if tool_choice == "required" else f'{{"name": {json.dumps(tool_choice)}'
-        return "<tool_call>" if tool_choice == "required" else f'<tool_call>\n{{"name": {json.dumps(tool_choice)}'
-
     def plan_chat(self, messages_in: Iterable[object], params: dict[str, object]) -> ChatPlan:
         """A chat request validated and tokenised (``RequestError`` names a bad field); ``chat_result``
         turns the plan's responses into the completion, ``stream_chat`` into chunks."""
         messages = normalize_messages(messages_in)
         tools = normalize_tools(params.get("tools"))
-        tool_choice = self._tool_choice(params.get("tool_choice"), tools)
-        gconfig, n, want_logprobs, top = self._gconfig(params)
+        choice = check_tool_choice(params.get("tool_choice"), tools)
+        gconfig, n, want_logprobs, top = request_settings(self.gconfig, params)
         parent, ids = self._find_parent(messages, tools), None
         if parent is not None:
             k = len(parent.messages or []) + 1
@@ -323,9 +180,9 @@ class OpenAIClient:
                 ids = encode(self.tokenizer, render(self.tokenizer, messages, tools))
             except ValueError as e:
                 raise RequestError(str(e), "tools" if tools else "messages") from None
-        prefill = self._prefill(tool_choice)
+        prefill = tool_prefill(self.tool_parser, choice)
         ids = ids + (encode(self.tokenizer, prefill) if prefill else [])
-        return ChatPlan(messages, tools, tool_choice, gconfig, n, want_logprobs, top, parent, ids, prefill)
+        return ChatPlan(messages, tools, choice, gconfig, n, want_logprobs, top, parent, ids, prefill)
 
     async def _chat(
         self, messages_in: Iterable[object], params: dict[str, object]
@@ -391,7 +248,7 @@ class OpenAIClient:
             usage=_usage(len(plan.ids), resps),
         )
 
-    async def _stream(
+    async def stream_samples(
         self, ids: list[int], gconfig: GenerationConfig, n: int
     ) -> AsyncIterator[tuple[int, StreamChunk]]:
         """The ``n`` samples' chunks as they come: (sample index, chunk); errors raised at the end."""
@@ -421,7 +278,7 @@ class OpenAIClient:
         if k is not None and (not isinstance(k, int) or not 0 <= k <= 20):
             raise RequestError(f"logprobs must be an integer in [0, 20], got {k!r}", "logprobs")
         top = 0 if isinstance(k, bool) or k is None else int(k)
-        gconfig, n, want_logprobs, _ = self._gconfig(params)
+        gconfig, n, want_logprobs, _ = request_settings(self.gconfig, params)
         parent, ids = None, None
         if isinstance(prompt, list):
             if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):

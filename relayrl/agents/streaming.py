@@ -16,11 +16,10 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageFunctionToolCall
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageFunctionToolCall
 from openai.types.chat.chat_completion_chunk import (
     Choice,
     ChoiceDelta,
@@ -29,42 +28,37 @@ from openai.types.chat.chat_completion_chunk import (
     ChoiceLogprobs,
 )
 from pydantic import BaseModel
+from transformers import PreTrainedTokenizerBase
 
+from relayrl.agents.calls import ChatPlan, CompletionPlan
 from relayrl.agents.messages import RequestError
-from relayrl.api.io import GenerationConfig, ModelResponse
-
-if TYPE_CHECKING:
-    from relayrl.agents.client import CallRecord, Message, OpenAIClient
+from relayrl.api.io import GenerationConfig, ModelResponse, StreamChunk
 
 HERMES_OPEN = "<tool_call>"
+
+
+class Source(Protocol):
+    """What streaming uses of ``client.OpenAIClient``: its samples as they come, and the completion
+    it records once they are done."""
+
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    tool_parser: str
+
+    def stream_samples(
+        self, ids: list[int], gconfig: GenerationConfig, n: int
+    ) -> AsyncIterator[tuple[int, StreamChunk]]: ...
+
+    async def chat_result(
+        self, plan: ChatPlan, resps: list[ModelResponse], cid: str | None = None
+    ) -> ChatCompletion: ...
+
+    async def completion_result(
+        self, plan: CompletionPlan, resps: list[ModelResponse], cid: str | None = None
+    ) -> Completion: ...
+
+
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
-
-
-@dataclass
-class ChatPlan:
-    """A chat call once validated and tokenised: what to generate and how to answer."""
-
-    messages: list[Message]
-    tools: list[Message] | None
-    tool_choice: str  # auto | none | required | a function's name
-    gconfig: GenerationConfig
-    n: int
-    logprobs: bool
-    top: int
-    parent: CallRecord | None
-    ids: list[int]
-    prefill: str  # the tool-call opening written into the prompt (tool_choice required / named)
-
-
-@dataclass
-class CompletionPlan:
-    prompt_text: str | None
-    ids: list[int]
-    gconfig: GenerationConfig
-    n: int
-    logprobs: bool
-    top: int
-    parent: CallRecord | None
 
 
 def _partial(text: str, marks: list[str]) -> int:
@@ -84,7 +78,7 @@ def safe_prefix(text: str, stops: list[str], parser: str | None) -> str:
     return safe.rstrip()
 
 
-def _visible(client: OpenAIClient, tokens: list[int], g: GenerationConfig) -> str:
+def _visible(client: Source, tokens: list[int], g: GenerationConfig) -> str:
     """The decoded reply so far without a final stop token."""
     stops = set(g.stop_token_ids) | (
         {int(client.tokenizer.eos_token_id)} if client.tokenizer.eos_token_id is not None else set()
@@ -95,13 +89,13 @@ def _visible(client: OpenAIClient, tokens: list[int], g: GenerationConfig) -> st
 
 
 async def _collect(
-    client: OpenAIClient, ids: list[int], g: GenerationConfig, n: int, prefix: str, parser: str | None
+    client: Source, ids: list[int], g: GenerationConfig, n: int, prefix: str, parser: str | None
 ) -> AsyncIterator[tuple[int, str] | list[ModelResponse]]:
     """(choice, new content) as it becomes safe to send; finally the list of responses."""
     tokens: list[list[int]] = [[] for _ in range(n)]
     sent = [""] * n
     finals: list[ModelResponse | None] = [None] * n
-    async for i, chunk in client._stream(ids, g, n):
+    async for i, chunk in client.stream_samples(ids, g, n):
         tokens[i] += chunk.tokens
         if chunk.final is not None:
             finals[i] = chunk.final
@@ -113,7 +107,7 @@ async def _collect(
     yield [f for f in finals if f is not None]
 
 
-async def stream_chat(client: OpenAIClient, plan: ChatPlan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+async def stream_chat(client: Source, plan: ChatPlan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
 
     def chunk(
@@ -165,9 +159,7 @@ async def stream_chat(client: OpenAIClient, plan: ChatPlan, include_usage: bool)
         )
 
 
-async def stream_completion(
-    client: OpenAIClient, plan: CompletionPlan, include_usage: bool
-) -> AsyncIterator[Completion]:
+async def stream_completion(client: Source, plan: CompletionPlan, include_usage: bool) -> AsyncIterator[Completion]:
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
 
     def chunk(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:

@@ -1,12 +1,20 @@
 """Configs of the commands besides ``relayrl train``: ``relayrl serve`` (``ServerConfig``) and
 ``relayrl sft`` (``SFTConfig``). They reuse the run config's sections (model, inference, train
-engine, logging); ``docs/config.md`` lists them after the run config."""
+engine, logging); ``docs/config.md`` lists them after the run config (``config_reference``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relayrl.api.config import InferenceConfig, LoggingConfig, ModelConfig, OptimizerConfig, TrainEngineConfig
+from relayrl.api import fields
+from relayrl.api.config import (
+    InferenceConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RunConfig,
+    TrainEngineConfig,
+)
 from relayrl.api.fields import f
 
 
@@ -77,3 +85,9 @@ class SFTConfig:
     )
     data: SFTDataConfig = f(SFTDataConfig(), help="SFT data.")
     logging: LoggingConfig = f(LoggingConfig(tensorboard=False), help="Metrics sinks.")
+
+
+def config_reference(classes: tuple[type, ...] = ()) -> str:
+    """Markdown reference of every field of ``classes`` (default: the run, server and SFT configs;
+    the content of ``docs/config.md``)."""
+    return fields.config_reference(classes or (RunConfig, ServerConfig, SFTConfig))

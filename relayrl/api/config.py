@@ -7,7 +7,7 @@ Load a run config from YAML plus dotted overrides::
 
 How fields are declared, loaded and checked is ``relayrl.api.fields`` (its public functions are
 importable from here too). ``docs/config.md`` is generated from these classes by
-``config_reference()``.
+``relayrl.api.commands.config_reference()``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import re
 import typing
 from dataclasses import dataclass
 
-from relayrl.api import fields
 from relayrl.api.fields import (
     ConfigError,
     YamlValue,
@@ -30,7 +29,7 @@ from relayrl.api.fields import (
 from relayrl.api.io import GenerationConfig
 from relayrl.api.mismatch import RolloutCorrectionConfig
 
-__all__ = ["ConfigError", "config_reference", "load_config", "parse_override", "save_config", "validate_config"]
+__all__ = ["ConfigError", "load_config", "parse_override", "save_config", "validate_config"]
 
 
 def sampling_temperature(g: GenerationConfig) -> float:
@@ -583,15 +582,3 @@ class RunConfig:
                 f"actor.overlong_buffer={self.actor.overlong_buffer} must be below the generation limit "
                 f"(actor.overlong_max_len or gconfig.max_new_tokens = {limit})"
             )
-
-
-def config_reference(classes: tuple[type, ...] = ()) -> str:
-    """Markdown reference of every field of ``classes`` (default: the run, server and SFT configs;
-    the content of ``docs/config.md``)."""
-    from relayrl.api.commands import ServerConfig, SFTConfig
-
-    return fields.config_reference(classes or (RunConfig, ServerConfig, SFTConfig))
-
-
-if __name__ == "__main__":
-    print(config_reference(), end="")

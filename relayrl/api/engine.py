@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, SaveLoadMeta, StreamChunk, WeightUpdate
-
-if TYPE_CHECKING:
-    from relayrl.api.workflow import RolloutWorkflow
 
 TensorDict = dict[str, torch.Tensor]
 """A batch: token-level tensors ``[B, L]`` and sequence-level tensors ``[B]`` (see workflow.py)."""
@@ -45,16 +42,23 @@ PostFn = Callable[[torch.Tensor, TensorDict], torch.Tensor]
 """``post_fn(logits, packed_batch) -> [T]`` token-aligned values (see ``TrainEngine.forward``)."""
 
 
+class Workflow(Protocol):
+    """What the rollout verbs need of a workflow: ``workflow.RolloutWorkflow`` is one (declared here
+    as a protocol so that this module and ``workflow`` do not import each other)."""
+
+    async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> TensorDict | None: ...
+
+
 class RolloutExecutor(Protocol):
     """What an inference engine delegates its rollout verbs to (``rollout.WorkflowExecutor``)."""
 
-    def submit(self, data: DataItem, workflow: RolloutWorkflow) -> None: ...
+    def submit(self, data: DataItem, workflow: Workflow) -> None: ...
 
     def wait(self, count: int, timeout: float | None = None) -> TensorDict: ...
 
-    def rollout_batch(self, data: list[DataItem], workflow: RolloutWorkflow) -> TensorDict: ...
+    def rollout_batch(self, data: list[DataItem], workflow: Workflow) -> TensorDict: ...
 
-    def prepare_batch(self, dataloader: Iterator[list[DataItem]], workflow: RolloutWorkflow) -> TensorDict: ...
+    def prepare_batch(self, dataloader: Iterator[list[DataItem]], workflow: Workflow) -> TensorDict: ...
 
 
 class InferenceEngine(abc.ABC):
@@ -160,16 +164,16 @@ class InferenceEngine(abc.ABC):
             )
         return self.executor
 
-    def submit(self, data: DataItem, workflow: RolloutWorkflow) -> None:
+    def submit(self, data: DataItem, workflow: Workflow) -> None:
         self._executor().submit(data, workflow)
 
     def wait(self, count: int, timeout: float | None = None) -> TensorDict:
         return self._executor().wait(count, timeout)
 
-    def rollout_batch(self, data: list[DataItem], workflow: RolloutWorkflow) -> TensorDict:
+    def rollout_batch(self, data: list[DataItem], workflow: Workflow) -> TensorDict:
         return self._executor().rollout_batch(data, workflow)
 
-    def prepare_batch(self, dataloader: Iterator[list[DataItem]], workflow: RolloutWorkflow) -> TensorDict:
+    def prepare_batch(self, dataloader: Iterator[list[DataItem]], workflow: Workflow) -> TensorDict:
         return self._executor().prepare_batch(dataloader, workflow)
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem
+from relayrl.data.models import chat_ids
+from relayrl.data.vision import has_images, row_vision, with_vision
 from relayrl.utils.logging import get_logger
 
 logger = get_logger("data")
@@ -124,9 +126,6 @@ def load_rows_from_file(
     tokens are bad rows too. Rows with images (``images`` column, image content parts) need
     the model's ``image_processor`` and get their ``vision`` prompt (``relayrl.data.vision``);
     an unreadable or rejected image makes a bad row."""
-    from relayrl.data.models import chat_ids
-    from relayrl.data.vision import has_images, row_vision, with_vision
-
     rows, skipped = [], []
     for i, record in enumerate(read_records(path)):
         try:
@@ -157,6 +156,33 @@ def load_rows_from_file(
     if not rows:
         raise DatasetError(f"{path}: no valid rows")
     return rows
+
+
+def attach_vision(
+    rows: list[dict[str, object]],
+    tokenizer: PreTrainedTokenizerBase,
+    image_processor: BaseImageProcessor,
+    skip_invalid: bool = False,
+    source: str = "dataset",
+) -> list[dict[str, object]]:
+    """``with_vision`` over in-memory rows (an ``images`` column: paths, bytes or PIL images, and/or
+    image content parts). A bad image raises ``DatasetError`` naming the row, its id and the reason,
+    or the row is skipped (and counted in a warning) with ``skip_invalid`` (``data.skip_invalid_rows``).
+    Rows without images pass unchanged."""
+    out, skipped = [], []
+    for i, row in enumerate(rows):
+        try:
+            out.append(with_vision(row, tokenizer, image_processor) if has_images(row) else row)
+        except (ValueError, KeyError) as e:
+            msg = f"{source}: row {i} (id={row.get('id', i)!r}): {e}"
+            if not skip_invalid:
+                raise DatasetError(msg) from None
+            skipped.append(msg)
+    if skipped:
+        logger.warning("%s: skipped %d rows with bad images (first: %s)", source, len(skipped), skipped[0])
+    if not out:
+        raise DatasetError(f"{source}: no valid rows")
+    return out
 
 
 class RLDataLoader:

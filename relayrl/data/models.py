@@ -3,12 +3,15 @@
 ``load_model`` / ``load_tokenizer`` are the one place that turns a ``ModelConfig`` into
 objects: a real Hugging Face path loads with ``from_pretrained``; ``tiny`` (~5M params)
 and ``tiny-30m`` (~30M) build a Qwen2-style causal LM from a config with the offline
-character-level tokenizer below, so tests and the CPU demo run anywhere.
+character-level tokenizer below, so tests and the CPU demo run anywhere; ``tiny-vl`` and
+``tiny-vl2.5`` build a Qwen2-VL / Qwen2.5-VL with that tokenizer plus the vision special tokens
+(``build_tiny_vl_model``); ``vision_processor`` gives a model's image processor, if it takes images.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import string
 import typing
 from collections.abc import Mapping, Sequence
@@ -25,9 +28,16 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.image_processing_utils import BaseImageProcessor
 
 from relayrl.api.config import ModelConfig
-from relayrl.data.vision import VL_PRESETS, build_tiny_vl_model, build_vl_tokenizer, is_vision_config
+from relayrl.data.vision import (
+    VISION_TOKENS,
+    VL_PRESETS,
+    build_image_processor,
+    is_vision_config,
+    load_image_processor,
+)
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|user|>", "<|assistant|>", "<|tool|>", "<|call|>", "<|result|>"]
 CHARS = string.digits + string.ascii_letters + " +-*/=()?.,:;!'\"<>[]{}_#%&^|~@$\\\n"
@@ -119,6 +129,60 @@ def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: 
     return model
 
 
+def build_vl_tokenizer() -> PreTrainedTokenizerFast:
+    """The offline character tokenizer plus the Qwen2-VL vision special tokens."""
+    tok = build_tokenizer()
+    tok.add_tokens(VISION_TOKENS, special_tokens=True)
+    return tok
+
+
+def build_tiny_vl_model(preset: str = "tiny-vl", seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised ~0.16M-parameter Qwen2-VL (``tiny-vl``) or Qwen2.5-VL (``tiny-vl2.5``), fp32."""
+    if preset not in VL_PRESETS:
+        raise ValueError(f"unknown tiny vision model preset {preset!r}; choose one of {sorted(VL_PRESETS)}")
+    tok = build_vl_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = {
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim / 2
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+    }
+    vision: dict[str, object] = {"depth": 2, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2}
+    if preset == "tiny-vl":
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+    else:  # Qwen2.5-VL: windowed attention blocks with full attention in some
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=56)
+        vision["fullatt_block_indexes"] = [1]
+    cfg = AutoConfig.for_model(
+        VL_PRESETS[preset],
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 1
+    return model
+
+
 def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, object]]) -> list[int]:
     """Token ids of a chat prompt ending with the assistant's generation prompt (plain text, with a
     warning, when the tokenizer has no chat template: see ``relayrl.data.chat``)."""
@@ -165,3 +229,13 @@ def merge_adapter(model: PreTrainedModel, path: str) -> PreTrainedModel:
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, path).merge_and_unload()
+
+
+def vision_processor(model: ModelConfig) -> BaseImageProcessor | None:
+    """The image processor of ``model`` when it takes images (a tiny VL preset, or a checkpoint whose
+    config has a vision tower), else None."""
+    if model.path in VL_PRESETS:
+        return build_image_processor()
+    if model.path in TINY_PRESETS or not os.path.isdir(model.path):
+        return None
+    return load_image_processor(model.path) if is_vision_config(AutoConfig.from_pretrained(model.path)) else None

@@ -1,4 +1,4 @@
-"""Images in prompts: tiny Qwen2-VL / Qwen2.5-VL models, their image processor, and dataset rows.
+"""Images in prompts: the Qwen2-VL image processor, vision prompts, and rows with images.
 
 A vision prompt is text with one ``<|vision_start|><|image_pad|><|vision_end|>`` block per
 image; the image processor turns each image into patches (``pixel_values [P, C*T*p*p]``) and
@@ -9,8 +9,8 @@ whose video half needs torchvision). The generator gets the raw images (``image_
 bytes: SGLang's field); the trainer gets the processor outputs (``pixel_values``,
 ``image_grid_thw``, Hugging Face's names).
 
-Nothing here downloads: ``tiny-vl`` (Qwen2-VL) and ``tiny-vl2.5`` (Qwen2.5-VL) are built from
-configs, with the offline character tokenizer plus the vision special tokens.
+Nothing here downloads; the tiny VL models themselves are built in ``relayrl.data.models``, and
+dataset rows get their images through ``relayrl.data.datasets.attach_vision``.
 """
 
 from __future__ import annotations
@@ -25,15 +25,10 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 from transformers import (
-    AutoConfig,
-    AutoModelForImageTextToText,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
 )
 from transformers.image_processing_utils import BaseImageProcessor
-
-from relayrl.api.config import ModelConfig
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -42,65 +37,9 @@ VL_PRESETS = {"tiny-vl": "qwen2_vl", "tiny-vl2.5": "qwen2_5_vl"}
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
 
 
-def build_vl_tokenizer() -> PreTrainedTokenizerFast:
-    """The offline character tokenizer plus the Qwen2-VL vision special tokens."""
-    from relayrl.data.models import build_tokenizer
-
-    tok = build_tokenizer()
-    tok.add_tokens(VISION_TOKENS, special_tokens=True)
-    return tok
-
-
 def is_vision_config(config: object) -> bool:
     """A model config with a vision tower (Qwen2-VL style: image tokens replaced by vision features)."""
     return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
-
-
-def build_tiny_vl_model(preset: str = "tiny-vl", seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised ~0.16M-parameter Qwen2-VL (``tiny-vl``) or Qwen2.5-VL (``tiny-vl2.5``), fp32."""
-    if preset not in VL_PRESETS:
-        raise ValueError(f"unknown tiny vision model preset {preset!r}; choose one of {sorted(VL_PRESETS)}")
-    tok = build_vl_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    text = {
-        "vocab_size": len(tok),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim / 2
-        "tie_word_embeddings": True,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-    }
-    vision: dict[str, object] = {"depth": 2, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2}
-    if preset == "tiny-vl":
-        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
-    else:  # Qwen2.5-VL: windowed attention blocks with full attention in some
-        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=56)
-        vision["fullatt_block_indexes"] = [1]
-    cfg = AutoConfig.for_model(
-        VL_PRESETS[preset],
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = 1
-    return model
 
 
 def build_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> BaseImageProcessor:
@@ -119,18 +58,6 @@ def load_image_processor(path: str) -> BaseImageProcessor:
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(path, backend="pil")
-
-
-def vision_processor(model: ModelConfig) -> BaseImageProcessor | None:
-    """The image processor of ``model`` when it takes images (a tiny VL preset, or a checkpoint whose
-    config has a vision tower), else None."""
-    from relayrl.data.models import TINY_PRESETS
-
-    if model.path in VL_PRESETS:
-        return build_image_processor()
-    if model.path in TINY_PRESETS or not os.path.isdir(model.path):
-        return None
-    return load_image_processor(model.path) if is_vision_config(AutoConfig.from_pretrained(model.path)) else None
 
 
 def load_image(image: object) -> Image.Image:
@@ -366,35 +293,6 @@ def with_vision(
     return {**{k: v for k, v in row.items() if k != "images"}, "vision": vp}
 
 
-def attach_vision(
-    rows: list[dict[str, object]],
-    tokenizer: PreTrainedTokenizerBase,
-    image_processor: BaseImageProcessor,
-    skip_invalid: bool = False,
-    source: str = "dataset",
-) -> list[dict[str, object]]:
-    """``with_vision`` over in-memory rows (an ``images`` column: paths, bytes or PIL images, and/or
-    image content parts). A bad image raises ``DatasetError`` naming the row, its id and the reason,
-    or the row is skipped (and counted in a warning) with ``skip_invalid`` (``data.skip_invalid_rows``).
-    Rows without images pass unchanged."""
-    from relayrl.data.datasets import DatasetError, logger
-
-    out, skipped = [], []
-    for i, row in enumerate(rows):
-        try:
-            out.append(with_vision(row, tokenizer, image_processor) if has_images(row) else row)
-        except (ValueError, KeyError) as e:
-            msg = f"{source}: row {i} (id={row.get('id', i)!r}): {e}"
-            if not skip_invalid:
-                raise DatasetError(msg) from None
-            skipped.append(msg)
-    if skipped:
-        logger.warning("%s: skipped %d rows with bad images (first: %s)", source, len(skipped), skipped[0])
-    if not out:
-        raise DatasetError(f"{source}: no valid rows")
-    return out
-
-
 def image_embeds(
     model: PreTrainedModel, ids: torch.Tensor, image_mask: torch.Tensor, pixel_values: torch.Tensor, grid: torch.Tensor
 ) -> torch.Tensor:
@@ -418,6 +316,6 @@ def prompt_image_mask(ids: torch.Tensor, image_token_id: int, n_image_tokens: to
 
 
 def row_vision(row: dict[str, object]) -> VisionPrompt | None:
-    """The ``VisionPrompt`` a row carries (``attach_vision``), None for a text-only row."""
+    """The ``VisionPrompt`` a row carries (``datasets.attach_vision``), None for a text-only row."""
     vp = row.get("vision")
     return vp if isinstance(vp, VisionPrompt) else None

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 
 from relayrl.api.config import InferenceConfig  # noqa: E402
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse  # noqa: E402
-from relayrl.data.models import build_tiny_model  # noqa: E402
-from relayrl.data.vision import VL_PRESETS, build_image_processor, build_tiny_vl_model  # noqa: E402
+from relayrl.data.models import build_tiny_model, build_tiny_vl_model  # noqa: E402
+from relayrl.data.vision import VL_PRESETS, build_image_processor  # noqa: E402
 from relayrl.inference.local import LocalEngine  # noqa: E402
 from relayrl.inference.local.seq import load_hf_state_dict  # noqa: E402
 

@@ -73,7 +73,8 @@ def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
 def token_routes(app: FastAPI, s: VLLMStandIn) -> None:
     pad = getattr(s.peer.model.config, "image_token_id", None)  # None: a text model, which takes no images
     if pad is not None:  # the processor and chat template of relayrl's tiny VL presets
-        from relayrl.data.vision import build_image_processor, build_vl_tokenizer
+        from relayrl.data.models import build_vl_tokenizer
+        from relayrl.data.vision import build_image_processor
 
         tok, proc = build_vl_tokenizer(), build_image_processor()
 

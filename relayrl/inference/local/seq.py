@@ -39,7 +39,7 @@ class Seq:
     first_token_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()
     routes: list[torch.Tensor] = field(default_factory=list)  # MoE: expert ids [n, layers, k] of the tokens run
-    vision: VisionInputs | None = None  # the prompt's images, processed (see inference/vision.py)
+    vision: VisionInputs | None = None  # the prompt's images, processed (see ``vision.py``)
     vision_key: str = ""  # digest of the request's images: equal prompts share a prefill only with equal images
     rope_delta: int = 0  # M-RoPE: decode position = tokens so far + rope_delta (0 without images)
 

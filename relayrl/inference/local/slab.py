@@ -1,7 +1,7 @@
 """The running batch of LocalEngine: its left-padded KV slab, prefill, merge, trim, decode step.
 
 A mixin over ``LocalEngine``'s batch state (``_rows``, ``_alive``, ``_cache``, ``_mask``, ``_pos``,
-``_logits``), kept apart from the request lifecycle and control in ``local.py``. Row ``i``
+``_logits``), kept apart from the request lifecycle and control in ``engine.py``. Row ``i``
 holds its tokens at the right end of the cache; ``_mask`` marks real columns and
 ``_pos`` is each row's next position.
 """

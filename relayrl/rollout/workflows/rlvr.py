@@ -171,7 +171,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self.prompt_format = prompt_format
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        vp = row_vision(data)  # a row with images (relayrl.data.vision.attach_vision)
+        vp = row_vision(data)  # a row with images (relayrl.data.datasets.attach_vision)
         ids = vp.input_ids if vp is not None else prompt_ids_of(self.tokenizer, data, self.prompt_format)
         images: list[str | bytes] = list(vp.image_data) if vp is not None else []
         req = ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig, image_data=images)
