@@ -6,6 +6,7 @@ Each subcommand imports its heavy modules lazily so ``relayrl --help`` is instan
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -31,21 +32,72 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("plot", help="PNG learning curves of one or more run directories.", add_help=False)
     sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
     sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (any command)")
     args, rest = parser.parse_known_args(argv)
-    handlers = {"train": _train, "eval": _eval, "plot": _plot, "show": _show, "demo": _demo}
-    if args.command in handlers:
+    debug = args.debug or "--debug" in rest
+    rest = [a for a in rest if a != "--debug"]
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the console script, unlike python -m, leaves it out
+        sys.path.insert(0, os.getcwd())  # so `workflow=my_pkg.agents:Solver` imports from where the user runs
+    handlers = {
+        "train": _train,
+        "eval": _eval,
+        "plot": _plot,
+        "show": _show,
+        "demo": _demo,
+        "serve": _serve,
+        "sft": _sft,
+        "config-reference": _config_reference,
+    }
+    try:
         return handlers[args.command](rest)
-    if args.command == "config-reference":
-        from relayrl.api.config import config_reference
-
-        print(config_reference(), end="")
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line, never a traceback
+        if debug:
+            raise
+        return _interrupted(args.command, e)
+    except BrokenPipeError:  # `relayrl show ... | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    if args.command == "serve":
-        return _serve(rest)
-    if args.command == "sft":
-        return _sft(rest)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    except Exception as e:
+        if debug or not _is_environment_error(e):
+            raise
+        print(f"relayrl {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _config_reference(argv: list[str]) -> int:
+    from relayrl.api.config import config_reference
+
+    print(config_reference(), end="")
+    return 0
+
+
+def _is_environment_error(e: Exception) -> bool:
+    """Errors that say what to change in the config, the data or the machine (exit 2, one line)."""
+    from relayrl.api.config import ConfigError
+    from relayrl.data.datasets import DatasetError
+    from relayrl.rollout.executor import FilterExhausted
+
+    return isinstance(e, (ConfigError, DatasetError, FilterExhausted))
+
+
+def _interrupted(command: str, e: KeyboardInterrupt) -> int:
+    """The one line a stopped command prints; exit status 128 + the signal, as a shell reports it."""
+    import signal
+
+    from relayrl.utils.interrupt import Interrupted
+
+    signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+    if isinstance(e, Interrupted) and e.step is not None:
+        where = f"after step {e.step}"
+        if e.checkpoint is not None:
+            run_dir = e.checkpoint.parent.parent
+            where += f"; saved {e.checkpoint}; continue with: relayrl train {run_dir}/config.yaml --recover"
+        else:
+            where += "; no checkpoint saved (checkpoint.save_final=false)"
+    else:
+        where = "before training started; nothing saved"
+    print(f"relayrl {command}: stopped by {signal.Signals(signum).name} {where}", file=sys.stderr)
+    return 128 + int(signum)
 
 
 def _serve(argv: list[str]) -> int:
@@ -81,6 +133,10 @@ def _serve(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"relayrl serve: {e}", file=sys.stderr)
         return 2
+    from relayrl.data.preflight import check_device, check_model
+
+    check_model(cfg.model)
+    check_device("inference.device", cfg.inference.device)
     from relayrl.inference.server import run_server
 
     run_server(cfg)
@@ -106,6 +162,10 @@ def _sft(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"relayrl sft: {e}", file=sys.stderr)
         return 2
+    from relayrl.data.preflight import check_files, check_model
+
+    check_model(cfg.model)
+    check_files({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path})
     import json
 
     from relayrl.sft import run_sft
@@ -154,27 +214,31 @@ def _train(argv: list[str]) -> int:
             "--recover", action="store_true", help="resume from the run's latest checkpoint (recover=auto)"
         ),
     )
+    if path is None and not overrides:  # nothing to train: a run of every default would learn nothing
+        print(
+            "usage: relayrl train CONFIG.yaml [key=value ...] [--recover] [--debug]\n"
+            "  e.g. relayrl train recipes/algorithms/grpo.yaml total_steps=20  (recipes: recipes/algorithms/*.yaml; "
+            "every field: relayrl config-reference)",
+            file=sys.stderr,
+        )
+        return 2
     if ns.recover:
         overrides.append("recover=auto")
-    from relayrl.api.config import ConfigError, RunConfig, load_config
+    import signal
 
-    try:
-        cfg = load_config(RunConfig, path, overrides)
-    except ConfigError as e:
-        print(f"relayrl train: {e}", file=sys.stderr)
-        return 2
+    from relayrl.api.config import RunConfig, load_config
+    from relayrl.utils.interrupt import raise_interrupted
+
+    signal.signal(signal.SIGTERM, raise_interrupted)  # set-up stops like Ctrl-C; the trainer takes over in fit
+    cfg = load_config(RunConfig, path, overrides)
     import json
 
-    from relayrl.data.datasets import DatasetError
     from relayrl.launch import LaunchError
     from relayrl.train.engine import NonFiniteError
     from relayrl.trainer import train
 
     try:
         last = _run_on_ray(cfg) if cfg.launcher == "ray" else train(cfg)
-    except (ConfigError, DatasetError) as e:  # a rule only the built parts can check (registered names, rows)
-        print(f"relayrl train: {e}", file=sys.stderr)
-        return 2
     except NonFiniteError as e:  # NaN/inf losses too many steps in a row
         print(f"relayrl train: {e}", file=sys.stderr)
         return 1
