@@ -84,19 +84,19 @@ def _interrupted(command: str, e: KeyboardInterrupt) -> int:
     """The one line a stopped command prints; exit status 128 + the signal, as a shell reports it."""
     import signal
 
-    from relayrl.utils.interrupt import Interrupted
-
-    signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-    if isinstance(e, Interrupted) and e.step is not None:
-        where = f"after step {e.step}"
-        if e.checkpoint is not None:
-            run_dir = e.checkpoint.parent.parent
-            where += f"; saved {e.checkpoint}; continue with: relayrl train {run_dir}/config.yaml --recover"
+    # (no relayrl import here: the interrupt may have cut one short)
+    signum, step, checkpoint = (getattr(e, k, None) for k in ("signum", "step", "checkpoint"))
+    signum = signum or signal.SIGINT
+    if step is not None:
+        where = f"after step {step}"
+        if checkpoint is not None:
+            run_dir = checkpoint.parent.parent
+            where += f"; saved {checkpoint}; continue with: relayrl train {run_dir}/config.yaml --recover"
         else:
             where += "; no checkpoint saved (checkpoint.save_final=false)"
     else:
-        where = "before training started; nothing saved"
-    print(f"relayrl {command}: stopped by {signal.Signals(signum).name} {where}", file=sys.stderr)
+        where = "before training started; nothing saved" if command == "train" else ""
+    print(f"relayrl {command}: stopped by {signal.Signals(signum).name} {where}".rstrip(), file=sys.stderr)
     return 128 + int(signum)
 
 
