@@ -328,7 +328,10 @@ def _eval(argv: list[str]) -> int:
         out = evaluate(engine, workflow, rows, cfg.eval.n_samples)
     finally:
         engine.destroy()
-    print(json.dumps({"model": cfg.model.path, **out}))
+    adapter = cfg.model.lora.adapter_path
+    if adapter:  # say so: the numbers are the base's with this adapter merged, not the base's
+        print(f"relayrl eval: applied the LoRA adapter {adapter} to {cfg.model.path}", file=sys.stderr)
+    print(json.dumps({"model": cfg.model.path, **({"adapter": adapter} if adapter else {}), **out}))
     return 0
 
 

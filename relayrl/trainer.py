@@ -32,7 +32,7 @@ from relayrl.api.engine import DataItem, TensorDict
 from relayrl.api.io import SaveLoadMeta
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader
-from relayrl.data.models import load_model, load_tokenizer
+from relayrl.data.models import load_model, load_tokenizer, save_for_inference
 from relayrl.driver import Driver
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.train.actor import Critic, PPOActor, needs_critic, needs_reference, report_steps
@@ -334,6 +334,7 @@ class Trainer:
             self.critic.engine.save(SaveLoadMeta(str(tmp / "critic"), with_optim=True))
         final = tmp.parent / f"step_{self.step:06d}"
         if self.driver:
+            save_for_inference(tmp / "actor", self.driver.tokenizer, self.actor_engine.model)
             torch.save(boundary["rng"], tmp / "rng.pt")
             driver_state = boundary["driver"]
             assert isinstance(driver_state, dict)

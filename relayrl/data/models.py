@@ -165,3 +165,13 @@ def merge_adapter(model: PreTrainedModel, path: str) -> PreTrainedModel:
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, path).merge_and_unload()
+
+
+def save_for_inference(path: str | Path, tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None) -> None:
+    """Make a checkpoint directory stand alone: the run's tokenizer (with its chat template) and the
+    model's generation config beside the weights (peft adapters get them too), so
+    ``from_pretrained``, ``relayrl serve --model`` and ``relayrl eval`` take the directory as it is."""
+    tokenizer.save_pretrained(str(path))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and not (Path(path) / "generation_config.json").is_file():
+        generation.save_pretrained(str(path))

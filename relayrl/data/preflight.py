@@ -4,6 +4,7 @@ traceback from deep inside transformers or torch."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -20,16 +21,16 @@ def _hub_cached(repo_id: str) -> bool:
     return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
-def check_model_dir(field: str, path: str, adapter: bool = False) -> None:
+def check_model_dir(field: str, path: str, adapter: bool = False, need: str = "config.json") -> None:
     """``path`` is a tiny preset, a directory holding a model (or a peft adapter), or a Hugging Face id
     that can be fetched (or is cached when ``HF_HUB_OFFLINE=1``)."""
     if not path or path in TINY_PRESETS or path in VL_PRESETS:
         return
-    need = "adapter_config.json" if adapter else "config.json"
+    need = "adapter_config.json" if adapter else need
     where = Path(path).expanduser()
     if where.is_dir():
         if not (where / need).is_file():
-            raise ConfigError(f"{field}={path!r} is a directory without {need}: give a saved model directory")
+            raise ConfigError(f"{field}={path!r} is a directory without {need}: give a directory Hugging Face saved")
         return
     hub_shaped = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not where.parent.is_dir()
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
@@ -42,10 +43,21 @@ def check_model_dir(field: str, path: str, adapter: bool = False) -> None:
 
 
 def check_model(model: ModelConfig) -> None:
-    """``model.path``, ``model.tokenizer_path`` and ``model.lora.adapter_path``."""
+    """``model.path``, ``model.tokenizer_path`` and ``model.lora.adapter_path``.
+
+    A peft adapter directory given as ``model.path`` (a LoRA run's checkpoint) is read as what it
+    is: its base model (``base_model_name_or_path``) with the adapter merged, and its tokenizer."""
+    adapter = Path(model.path) / "adapter_config.json"
+    if adapter.is_file() and not (Path(model.path) / "config.json").is_file() and not model.lora.adapter_path:
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path") or ""
+        if not base:
+            raise ConfigError(f"model.path={model.path!r} is a peft adapter that names no base model")
+        if (Path(model.path) / "tokenizer_config.json").is_file():
+            model.tokenizer_path = model.tokenizer_path or model.path
+        model.path, model.lora.adapter_path = base, model.path
     check_model_dir("model.path", model.path)
     if model.tokenizer_path:
-        check_model_dir("model.tokenizer_path", model.tokenizer_path)
+        check_model_dir("model.tokenizer_path", model.tokenizer_path, need="tokenizer_config.json")
     if model.lora.adapter_path:
         check_model_dir("model.lora.adapter_path", model.lora.adapter_path, adapter=True)
 
