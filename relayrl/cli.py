@@ -358,12 +358,21 @@ def _show(argv: list[str]) -> int:
     import json
     from pathlib import Path
 
-    files = sorted((Path(ns.run_dir) / "rollouts").glob("step_*.jsonl"))
+    run_dir = Path(ns.run_dir)
+    if not (run_dir / "rollouts").is_dir():  # a directory of runs (runs/demo holds sft/ and grpo/)
+        runs = sorted(p.parent for p in run_dir.glob("*/rollouts") if p.is_dir())
+        if len(runs) != 1:
+            found = ", ".join(str(r) for r in runs) if runs else "none"
+            print(f"relayrl show: {run_dir} holds no rollouts/; runs with rollouts under it: {found}", file=sys.stderr)
+            return 2
+        run_dir = runs[0]
+    files = sorted((run_dir / "rollouts").glob("step_*.jsonl"))
     if ns.step is not None:
         files = [f for f in files if f.name == f"step_{ns.step:06d}.jsonl"]
     if not files:
-        print(f"relayrl show: no rollouts saved for step {ns.step} in {ns.run_dir}/rollouts", file=sys.stderr)
+        print(f"relayrl show: no rollouts saved for step {ns.step} in {run_dir}/rollouts", file=sys.stderr)
         return 2
+    print(f"{files[-1]}:")
     for line in files[-1].read_text().splitlines():
         r = json.loads(line)
         print(f"--- reward {r['reward']:.3f}  versions {r['versions']}")

@@ -15,13 +15,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 PANELS = (
     ("reward", ("rollout/reward",)),
     ("eval accuracy", ("eval/accuracy_mean", "eval/accuracy")),  # mean over samples when n > 1
-    # to the reference policy when a KL term is used; else PPO's (0 when one step consumes each batch);
-    # else KL(behaviour || policy): staleness and inference/training mismatch
-    ("KL", ("actor/kl_loss", "actor/approx_kl", "actor/behav_kl")),
+    # the KL term's estimate of KL(policy || reference); logged when actor.kl_coef > 0 (see KL_FALLBACK)
+    ("KL to reference", ("actor/kl_loss",)),
     ("entropy", ("actor/entropy",)),
     ("throughput (samples/s)", ("perf/samples_per_s",)),
     ("staleness (max)", ("rollout/staleness_max",)),
 )
+
+
+# Without a KL term the panel shows what is there, named for what it is: KL(behaviour || trainer) over the
+# trained tokens, the gap between the policy that generated a batch and the one training on it.
+KL_FALLBACK = ("generator-trainer gap (behav_kl)", ("actor/behav_kl",))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
@@ -42,6 +46,8 @@ def figure(run_dirs: list[str | Path]) -> matplotlib.figure.Figure:
     runs = {label: read_metrics(d) for label, d in zip(run_labels(run_dirs), run_dirs, strict=True)}
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+        if title == "KL to reference" and not any(k in r for rows in runs.values() for r in rows for k in keys):
+            title, keys = KL_FALLBACK
         for name, rows in runs.items():
             series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
             logged = [k for k in keys if series[k]]
