@@ -97,6 +97,9 @@ class Trainer:
             dataloader = wiring.make_dataloader(cfg, train_rows)
 
         # Train side (every rank): the actor, and a critic / reference model when the algorithm needs them.
+        t_setup = time.monotonic()
+        if main:
+            logger.info("set-up: loading the model %s", cfg.model.path)
         self.actor_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
         self.actor_engine.initialize()
         ref_engine = None
@@ -125,6 +128,7 @@ class Trainer:
         # Generation side (the driver).
         self.driver: Driver | None = None
         if main:
+            logger.info("set-up: starting the generators (inference.backend=%s)", cfg.inference.backend)
             engine = wiring.make_inference_engine(cfg, tokenizer)
             engine.initialize()
             executor = WorkflowExecutor(cfg.rollout, engine)
@@ -156,6 +160,8 @@ class Trainer:
         self._critic_stats: list[dict[str, float]] = []
         self._boundary: dict[str, object] = {}
         self._t_start = time.monotonic()
+        if main:
+            logger.info("set-up: done in %.0f s", self._t_start - t_setup)
 
     # ------------------------------------------------------------------ the loop
     def _shares_gpu(self) -> bool:

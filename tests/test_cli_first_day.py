@@ -99,6 +99,29 @@ def test_user_code_imports_from_the_working_directory(tmp_path):
     p = _run(["train", *FAST, "reward_fn=my_pkg.scoring:score", "run_dir=r"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["run_dir"] == "r"
+    # set-up says what it is doing before the first step
+    setup = [ln.split("relayrl.trainer: ")[1] for ln in p.stderr.splitlines() if "relayrl.trainer: set-up:" in ln]
+    assert setup[0] == "set-up: loading the model tiny" and setup[-1].startswith("set-up: done in"), p.stderr
+
+
+def test_demo_sft_reports_progress_between_probes(tmp_path, capfd):
+    """The demo's SFT probes its accuracy every 100 steps but logs a line every 20."""
+    import dataclasses
+
+    from relayrl.data.tasks import make_task
+    from relayrl.demo import DemoSettings, warm_start
+    from relayrl.utils.logging import MetricLogger
+
+    s = dataclasses.replace(DemoSettings.quick(), sft_steps=40, sft_probe_every=100, sft_batch_size=8)
+    train_rows, held_out = make_task("arithmetic", 64, 8, 2, 1)
+    logger = MetricLogger(tmp_path, tensorboard=False)
+    try:
+        warm_start(s, train_rows, held_out, tmp_path, 1, logger)
+    finally:
+        logger.close()
+    err = capfd.readouterr().err
+    assert "sft step 20/40" in err and "sft step 40/40" in err, err
+    assert "probe greedy accuracy" not in err  # no probe before step 100
 
 
 def _rollouts(run: Path, n: int) -> None:
