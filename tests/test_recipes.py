@@ -28,6 +28,7 @@ TINY = [
     "logging.tensorboard=false",
     "logging.progress=lines",
     "eval.gconfig.max_new_tokens=6",
+    "eval.before_training=false",
     "checkpoint.save_final=false",
 ]
 
