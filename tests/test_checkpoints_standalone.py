@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_cli_first_day import FAST
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relayrl.api.config import RunConfig, load_config
@@ -19,22 +20,15 @@ from relayrl.trainer import train
 
 RELAYRL = Path(sys.executable).with_name("relayrl")
 WARM = Path(__file__).parent / "data" / "demo_sft"
-FAST = [
-    "total_steps=1",
-    "rollout.batch_size=2",
-    "rollout.group_size=2",
-    "gconfig.max_new_tokens=4",
-    "data.n_train=8",
-    "data.n_eval=4",
-    "eval.n_samples=1",
-    "logging.tensorboard=false",
-    "logging.progress=off",
-]
 MESSAGES = [{"role": "user", "content": "12+34="}]
 
 
 def _rl_checkpoint(tmp_path: Path, *extra: str) -> Path:
-    cfg = load_config(RunConfig, None, [f"run_dir={tmp_path}", f"model.path={WARM}", *FAST, *extra])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [f"run_dir={tmp_path}", f"model.path={WARM}", *FAST, "data.n_eval=8", "eval.n_samples=1", *extra],
+    )
     train(cfg)
     ckpt = sorted((tmp_path / "checkpoints").glob("step_*"))[-1] / "actor"
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
