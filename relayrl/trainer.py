@@ -179,7 +179,9 @@ class Trainer:
         cfg, last = self.cfg, {}
         progress = Progress(cfg.total_steps, start=self.step, mode=cfg.logging.progress if self.driver else "off")
         d = self.driver
-        guard = InterruptGuard()
+        # Under torchrun every rank gets the signal at its own point of the step: their collectives would not
+        # line up, so ranks keep Python's default (the run resumes from its last periodic checkpoint).
+        guard = InterruptGuard(install=dist_utils.world_size() == 1)
         try:
             with guard:
                 if d and cfg.eval.before_training and self.step == 0 and d.eval_rows:

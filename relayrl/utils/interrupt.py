@@ -32,17 +32,18 @@ def raise_interrupted(signum: int, frame: FrameType | None) -> None:
 
 
 class InterruptGuard:
-    """Installs the handlers (main thread only; elsewhere it is a no-op) and defers inside ``held()``."""
+    """Installs the handlers (main thread only, and only when ``install``) and defers inside ``held()``."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, install: bool = True) -> None:
+        self._install = install
         self._held = 0
         self.pending: int | None = None
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> InterruptGuard:
-        if threading.current_thread() is threading.main_thread():
+        if self._install and threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._on_signal)
         return self
