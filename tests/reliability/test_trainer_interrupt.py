@@ -177,3 +177,24 @@ def test_interrupt_during_set_up_is_one_line(tmp_path, straight):
     assert "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1] == "relayrl train: stopped by SIGINT before training started; nothing saved"
     _check_resume(tmp_path / "run", straight, resumed=False)
+
+
+def test_ctrl_c_in_a_terminal_with_reward_workers_is_one_line(tmp_path, straight):
+    """A terminal's Ctrl-C reaches the whole process group (the trainer and its reward workers)."""
+    run = tmp_path / "run"
+    args = [*SYNC, "rollout.reward_workers=2"]
+    proc = subprocess.Popen(
+        [str(RELAYRL), "train", f"run_dir={run}", *args],
+        cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not metrics_rows_or_none(run) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, err = _finish(proc)
+    _check_one_line(rc, err, signal.SIGINT)
+    log = _train(run, [*args, "--recover"])
+    assert "resumed from" in log and "Traceback" not in log
+    a, b = _actor(straight), _actor(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # workers compute the same rewards as in-thread
