@@ -96,12 +96,14 @@ WARM_STARTED = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", WARM_STARTED)
+@pytest.mark.parametrize("name", [*WARM_STARTED, "multi_turn", "tool_agent"])
 def test_warm_started_recipe_learns(tmp_path: Path, name: str):
-    """Each algorithm recipe, as shipped (the demo's SFT warm start), raises the sampled held-out accuracy
-    within its first 20 steps; the recipes state what their full runs reach (measured: +0.17 to +0.3 here)."""
-    path = ROOT / "recipes" / "algorithms" / f"{name}.yaml"
+    """Each recipe as shipped (the demo's SFT warm start) raises the sampled held-out accuracy within its
+    first 20 steps; the recipes state what their full runs reach (measured: +0.11 to +0.3 at step 20)."""
+    path = ROOT / "recipes" / ("algorithms" if name in ALGORITHMS else "") / f"{name}.yaml"
     over = ["total_steps=20", "eval.every_n_steps=20", "eval.max_prompts=100", "logging.tensorboard=false"]
+    if name == "multi_turn":  # learns more slowly (+0.06 at step 20): its whole stated run, 0.38 -> 0.59
+        over = ["eval.every_n_steps=40", "logging.tensorboard=false"]
     cfg = load_config(RunConfig, path, [f"run_dir={tmp_path}", *over, "checkpoint.save_final=false"])
     assert cfg.eval.before_training and cfg.eval.n_samples == 4 and not cfg.eval.gconfig.greedy
     old = Path.cwd()
