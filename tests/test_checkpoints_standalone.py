@@ -84,6 +84,7 @@ def test_lora_checkpoint_stands_alone_and_eval_says_so(tmp_path):
     ckpt = _rl_checkpoint(tmp_path, "model.lora.rank=4", "model.lora.alpha=8")
     assert (ckpt / "adapter_config.json").is_file() and not (ckpt / "config.json").exists()
     assert Path(json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"]).is_absolute()
+    assert AutoModelForCausalLM.from_pretrained(ckpt).peft_config  # base + adapter, from anywhere
     _takes_it_as_is(ckpt)
     out, err = _eval(tmp_path)
     assert out["adapter"] == str(ckpt)
