@@ -38,6 +38,7 @@ SYNC = [*COMMON, "rollout.max_staleness=0"]
 ASYNC = [*COMMON, "rollout.max_staleness=1", "gconfig.max_new_tokens=24", "gconfig.min_new_tokens=24"]
 # Metrics that depend only on what was trained (not on timing or on the restarted engine's counters).
 COMPARED = ("actor/", "rollout/reward", "rollout/completion_len", "version", "prompt_ids")
+GENERATOR_SIDE = ("actor/behav_kl",)
 
 
 def _start(run_dir: Path, args: list[str], signal_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -129,7 +130,10 @@ def _check_resume(run: Path, straight: Path, resumed: bool = True) -> None:
     for k in a:
         assert torch.equal(a[k], b[k]), f"weights differ after recover: {k}"
     for ours, theirs in zip(_compared(run), _compared(straight), strict=True):
-        diff = {k: (ours.get(k), v) for k, v in theirs.items() if ours.get(k) != v}
+        # behav_kl compares the generator's logprobs, whose last bits follow how LocalEngine happened to batch
+        # the step's requests (two uninterrupted runs differ there too); every other metric is bitwise equal.
+        close = {k: ours.get(k) == pytest.approx(v, rel=1e-5) for k, v in theirs.items() if k in GENERATOR_SIDE}
+        diff = {k: (ours.get(k), v) for k, v in theirs.items() if ours.get(k) != v and not close.get(k)}
         assert not diff, f"step {theirs['version']} differs after recover (ours, uninterrupted): {diff}"
     check_steps(metrics_rows(run), T, eta=0, batch_size=2)
 
