@@ -10,7 +10,8 @@ import sys
 
 from relayrl.api.config import RunConfig, load_config
 from relayrl.trainer import train
+from relayrl.utils.logging import summary
 
 if __name__ == "__main__":
     cfg = load_config(RunConfig, "recipes/algorithms/grpo.yaml", ["run_dir=runs/highlevel", *sys.argv[1:]])
-    print(train(cfg))
+    print(summary(train(cfg)))

@@ -19,6 +19,7 @@ import torch
 from relayrl.api.config import RunConfig, load_config
 from relayrl.train.algorithms import agg_loss, masked_mean, register_loss
 from relayrl.trainer import train
+from relayrl.utils.logging import summary
 
 
 @register_loss("cispo")
@@ -55,4 +56,4 @@ def main(overrides: list[str]) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1:]))
+    print(summary(main(sys.argv[1:])))

@@ -22,6 +22,7 @@ from relayrl.api.engine import DataItem
 from relayrl.data.models import chat_ids, load_tokenizer
 from relayrl.rewards.tasks import task_reward_fn
 from relayrl.trainer import train
+from relayrl.utils.logging import summary
 
 
 class ConciseRetryWorkflow(RolloutWorkflow):
@@ -75,4 +76,4 @@ def main(overrides: list[str]) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1:]))
+    print(summary(main(sys.argv[1:])))

@@ -133,7 +133,7 @@ def main(argv: list[str]) -> dict[str, float]:
         sft_steps="2000",
         sft_stop="0.4",
         n_eval="64",
-        warm_start="",
+        warm_start="tests/data/openai_agent_sft",  # shipped: the SFT below at seed 1; warm_start= redoes it
     )
     opts.update(a.split("=", 1) for a in argv if a.split("=", 1)[0] in opts)
     rest = [a for a in argv if a.split("=", 1)[0] not in opts]
@@ -190,7 +190,7 @@ def main(argv: list[str]) -> dict[str, float]:
         )
         return reward >= float(opts["sft_stop"])
 
-    checkpoint = opts["warm_start"]  # an earlier run's run_dir/sft/final skips the warm start
+    checkpoint = opts["warm_start"]  # the shipped one, or an earlier run's run_dir/sft/final; empty: SFT here
     if checkpoint:
         model = AutoModelForCausalLM.from_pretrained(checkpoint)
     else:

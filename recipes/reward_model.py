@@ -18,6 +18,7 @@ import torch
 from relayrl.api.config import ModelConfig, RunConfig, TrainEngineConfig, load_config
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.trainer import train
+from relayrl.utils.logging import summary
 
 
 def reward_model(path: str, seed: int) -> TorchTrainEngine:
@@ -46,4 +47,4 @@ def main(argv: list[str]) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1:]))
+    print(summary(main(sys.argv[1:])))

@@ -6,6 +6,7 @@ Each subcommand imports its heavy modules lazily so ``relayrl --help`` is instan
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -36,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "selftest", help="A minute-long check of this machine's engine, training and weight sync.", add_help=False
     )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (any command)")
     args, rest = parser.parse_known_args(argv)
+    debug = args.debug or "--debug" in rest
+    rest = [a for a in rest if a != "--debug"]
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the console script, unlike python -m, leaves it out
+        sys.path.insert(0, os.getcwd())  # so `workflow=my_pkg.agents:Solver` imports from where the user runs
     handlers = {
         "train": _train,
         "eval": _eval,
@@ -45,24 +51,67 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": _inspect,
         "demo": _demo,
         "doctor": _doctor,
+        "selftest": _selftest,
+        "serve": _serve,
+        "sft": _sft,
+        "config-reference": _config_reference,
     }
-    if args.command in handlers:
+    try:
         return handlers[args.command](rest)
-    if args.command == "config-reference":
-        from relayrl.api.commands import config_reference
-
-        print(config_reference(), end="")
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line, never a traceback
+        if debug:
+            raise
+        return _interrupted(args.command, e)
+    except BrokenPipeError:  # `relayrl show ... | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    if args.command == "serve":
-        return _serve(rest)
-    if args.command == "sft":
-        return _sft(rest)
-    if args.command == "selftest":
-        from relayrl.selftest import main as selftest
+    except Exception as e:
+        if debug or not _is_environment_error(e):
+            raise
+        print(f"relayrl {args.command}: {e}", file=sys.stderr)
+        return 2
 
-        return selftest(rest)
-    parser.error(f"unknown command {args.command}")
-    return 2
+
+def _config_reference(argv: list[str]) -> int:
+    from relayrl.api.commands import config_reference
+
+    print(config_reference(), end="")
+    return 0
+
+
+def _selftest(argv: list[str]) -> int:
+    from relayrl.selftest import main as selftest
+
+    return selftest(argv)
+
+
+def _is_environment_error(e: Exception) -> bool:
+    """Errors that say what to change in the config, the data or the machine (exit 2, one line)."""
+    from relayrl.api.config import ConfigError
+    from relayrl.data.datasets import DatasetError
+    from relayrl.rollout.executor import FilterExhausted
+
+    return isinstance(e, (ConfigError, DatasetError, FilterExhausted))
+
+
+def _interrupted(command: str, e: KeyboardInterrupt) -> int:
+    """The one line a stopped command prints; exit status 128 + the signal, as a shell reports it."""
+    import signal
+
+    # (no relayrl import here: the interrupt may have cut one short)
+    signum, step, checkpoint = (getattr(e, k, None) for k in ("signum", "step", "checkpoint"))
+    signum = signum or signal.SIGINT
+    if step is not None:
+        where = f"after step {step}"
+        if checkpoint is not None:
+            run_dir = checkpoint.parent.parent
+            where += f"; saved {checkpoint}; continue with: relayrl train {run_dir}/config.yaml --recover"
+        else:
+            where += "; no checkpoint saved (checkpoint.save_final=false)"
+    else:
+        where = "before training started; nothing saved" if command == "train" else ""
+    print(f"relayrl {command}: stopped by {signal.Signals(signum).name} {where}".rstrip(), file=sys.stderr)
+    return 128 + int(signum)
 
 
 def _serve(argv: list[str]) -> int:
@@ -98,6 +147,10 @@ def _serve(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"relayrl serve: {e}", file=sys.stderr)
         return 2
+    from relayrl.data.preflight import check_device, check_model
+
+    check_model(cfg.model)
+    check_device("inference.device", cfg.inference.device)
     from relayrl.inference.server.app import run_server
 
     run_server(cfg)
@@ -123,6 +176,10 @@ def _sft(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"relayrl sft: {e}", file=sys.stderr)
         return 2
+    from relayrl.data.preflight import check_files, check_model
+
+    check_model(cfg.model)
+    check_files({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path})
     import json
 
     from relayrl.sft import run_sft
@@ -171,27 +228,31 @@ def _train(argv: list[str]) -> int:
             "--recover", action="store_true", help="resume from the run's latest checkpoint (recover=auto)"
         ),
     )
+    if path is None and not overrides:  # nothing to train: a run of every default would learn nothing
+        print(
+            "usage: relayrl train CONFIG.yaml [key=value ...] [--recover] [--debug]\n"
+            "  e.g. relayrl train recipes/algorithms/grpo.yaml total_steps=20  (recipes: recipes/algorithms/*.yaml; "
+            "every field: relayrl config-reference)",
+            file=sys.stderr,
+        )
+        return 2
     if ns.recover:
         overrides.append("recover=auto")
-    from relayrl.api.config import ConfigError, RunConfig, load_config
+    import signal
 
-    try:
-        cfg = load_config(RunConfig, path, overrides)
-    except ConfigError as e:
-        print(f"relayrl train: {e}", file=sys.stderr)
-        return 2
+    from relayrl.api.config import RunConfig, load_config
+    from relayrl.utils.interrupt import raise_interrupted
+
+    signal.signal(signal.SIGTERM, raise_interrupted)  # set-up stops like Ctrl-C; the trainer takes over in fit
+    cfg = load_config(RunConfig, path, overrides)
     import json
 
-    from relayrl.data.datasets import DatasetError
     from relayrl.launch import LaunchError
     from relayrl.train.engine import NonFiniteError
     from relayrl.trainer import train
 
     try:
         last = _run_on_ray(cfg) if cfg.launcher == "ray" else train(cfg)
-    except (ConfigError, DatasetError) as e:  # a rule only the built parts can check (registered names, rows)
-        print(f"relayrl train: {e}", file=sys.stderr)
-        return 2
     except NonFiniteError as e:  # NaN/inf losses too many steps in a row
         print(f"relayrl train: {e}", file=sys.stderr)
         return 1
@@ -281,7 +342,10 @@ def _eval(argv: list[str]) -> int:
         out = evaluate(engine, workflow, rows, cfg.eval.n_samples)
     finally:
         engine.destroy()
-    print(json.dumps({"model": cfg.model.path, **out}))
+    adapter = cfg.model.lora.adapter_path
+    if adapter:  # say so: the numbers are the base's with this adapter merged, not the base's
+        print(f"relayrl eval: applied the LoRA adapter {adapter} to {cfg.model.path}", file=sys.stderr)
+    print(json.dumps({"model": cfg.model.path, **({"adapter": adapter} if adapter else {}), **out}))
     return 0
 
 
@@ -323,12 +387,21 @@ def _show(argv: list[str]) -> int:
     import json
     from pathlib import Path
 
-    files = sorted((Path(ns.run_dir) / "rollouts").glob("step_*.jsonl"))
+    run_dir = Path(ns.run_dir)
+    if not (run_dir / "rollouts").is_dir():  # a directory of runs (runs/demo holds sft/ and grpo/)
+        runs = sorted(p.parent for p in run_dir.glob("*/rollouts") if p.is_dir())
+        if len(runs) != 1:
+            found = ", ".join(str(r) for r in runs) if runs else "none"
+            print(f"relayrl show: {run_dir} holds no rollouts/; runs with rollouts under it: {found}", file=sys.stderr)
+            return 2
+        run_dir = runs[0]
+    files = sorted((run_dir / "rollouts").glob("step_*.jsonl"))
     if ns.step is not None:
         files = [f for f in files if f.name == f"step_{ns.step:06d}.jsonl"]
     if not files:
-        print(f"relayrl show: no rollouts saved for step {ns.step} in {ns.run_dir}/rollouts", file=sys.stderr)
+        print(f"relayrl show: no rollouts saved for step {ns.step} in {run_dir}/rollouts", file=sys.stderr)
         return 2
+    print(f"{files[-1]}:")
     for line in files[-1].read_text().splitlines():
         r = json.loads(line)
         print(f"--- reward {r['reward']:.3f}  versions {r['versions']}")

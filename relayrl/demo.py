@@ -178,7 +178,7 @@ def warm_start(
         torch_threads=s.torch_threads,
         total_steps=s.sft_steps,
         batch_size=s.sft_batch_size,
-        log_every_n_steps=s.sft_probe_every,
+        log_every_n_steps=min(20, s.sft_probe_every),  # a line every ~10 s; the probe runs every sft_probe_every
         save_final=True,
         model=ModelConfig(path="tiny"),
         train=TrainEngineConfig(
@@ -196,6 +196,8 @@ def warm_start(
     probe = train[:100]
 
     def learned(step: int, model: PreTrainedModel) -> bool:
+        if step % s.sft_probe_every:
+            return False
         acc = held_out_accuracy(model, tokenizer, probe, 1, s.max_new_tokens, seed)
         log.info("sft step %d: probe greedy accuracy %.2f (stop at %.2f)", step, acc["greedy"], s.sft_stop_greedy)
         return acc["greedy"] >= s.sft_stop_greedy

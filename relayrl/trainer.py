@@ -20,6 +20,7 @@ update_weights); everything else in this file is set-up, bookkeeping and recover
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from relayrl.api.engine import DataItem, TensorDict
 from relayrl.api.io import SaveLoadMeta
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader
-from relayrl.data.models import load_model, load_tokenizer
+from relayrl.data.models import load_model, load_tokenizer, save_for_inference
 from relayrl.doctor.record import DoctorRecorder
 from relayrl.driver import Driver
 from relayrl.rollout.executor import WorkflowExecutor
@@ -40,6 +41,7 @@ from relayrl.train.engine import AdapterOffReference, NonFiniteError, TorchTrain
 from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats
 from relayrl.utils.checkpoint import CheckpointManager
+from relayrl.utils.interrupt import Interrupted, InterruptGuard
 from relayrl.utils.logging import MetricLogger, get_logger
 from relayrl.utils.progress import Progress
 from relayrl.utils.seeding import rng_state, seed_everything, set_rng_state
@@ -96,6 +98,9 @@ class Trainer:
             dataloader = wiring.make_dataloader(cfg, train_rows)
 
         # Train side (every rank): the actor, and a critic / reference model when the algorithm needs them.
+        t_setup = time.monotonic()
+        if main:
+            logger.info("set-up: loading the model %s", cfg.model.path)
         self.actor_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
         self.actor_engine.initialize()
         ref_engine = None
@@ -125,6 +130,7 @@ class Trainer:
         # Generation side (the driver).
         self.driver: Driver | None = None
         if main:
+            logger.info("set-up: starting the generators (inference.backend=%s)", cfg.inference.backend)
             engine = wiring.make_inference_engine(cfg, tokenizer)
             engine.initialize()
             executor = WorkflowExecutor(cfg.rollout, engine)
@@ -154,7 +160,10 @@ class Trainer:
         # Generators start from the trainer's weights and version.
         self.actor_engine.update_weights(self.engine)  # a collective; rank 0 pushes
         self._critic_stats: list[dict[str, float]] = []
+        self._boundary: dict[str, object] = {}
         self._t_start = time.monotonic()
+        if main:
+            logger.info("set-up: done in %.0f s", self._t_start - t_setup)
 
     # ------------------------------------------------------------------ the loop
     def _shares_gpu(self) -> bool:
@@ -163,59 +172,77 @@ class Trainer:
         return self.cfg.rollout.max_staleness == 0 and self.engine is not None and self.engine.can_release_memory()
 
     def fit(self) -> dict[str, float]:
-        """Train until ``total_steps``; returns the last step's metrics."""
+        """Train until ``total_steps``; returns the last step's metrics.
+
+        SIGINT / SIGTERM stop the run at a step boundary (``utils.interrupt``): one arriving while
+        a batch is produced abandons it, one arriving during the update waits for the step to end;
+        either way the checkpoint written on the way out is the boundary ``--recover`` resumes from.
+        """
         cfg, last = self.cfg, {}
         progress = Progress(cfg.total_steps, start=self.step, mode=cfg.logging.progress if self.driver else "off")
         d = self.driver
-        if d and cfg.eval.before_training and self.step == 0 and d.eval_rows:
-            d.metrics.log(d.evaluate(), step=0)
-        self._reseed_generation()
+        # Under torchrun every rank gets the signal at its own point of the step: their collectives would not
+        # line up, so ranks keep Python's default (the run resumes from its last periodic checkpoint).
+        guard = InterruptGuard(install=dist_utils.world_size() == 1)
         try:
-            while self.step < cfg.total_steps:
-                t0 = time.monotonic()
-                with stats.record_timing("rollout"):
-                    batch = d.executor.prepare_batch(d.dataloader, d.workflow) if d else None
-                    batch = dist_utils.broadcast_object(batch)  # every rank trains on the driver's batch
-                    assert batch is not None
-                share_gpu = self._shares_gpu()
-                if d and share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
-                    d.engine.release_memory()
-                with stats.record_timing("compute_logp"):
-                    self.compute_logp(batch)
-                with stats.record_timing("compute_advantages"):
-                    self.actor.compute_advantages(batch)
-                self.doctor.before_update(self.step + 1)
-                with stats.record_timing("ppo_update"), stats.scope("actor"):
-                    actor_stats = self.actor.ppo_update(batch)
-                    if self.critic is not None:
-                        self._critic_stats = self.critic.update(batch)
-                self.doctor.after_update(batch, self.actor)
-                if self.actor.trainer_logp is not None:  # saved rollouts show the generator-trainer gap per token
-                    batch["trainer_logp"] = self.actor.trainer_logp
-                with stats.record_timing("update_weights"):
-                    if d:
-                        d.executor.pause()  # no new episodes until this step's bookkeeping is done
-                    self.step += 1
-                    self.actor_engine.set_version(self.step)
-                    self.actor_engine.update_weights(self.engine)
-                    if d and share_gpu:
-                        d.engine.resume_memory()
-                last = self._after_step(batch, time.monotonic() - t0, actor_stats)
+            with guard:
+                if d and cfg.eval.before_training and self.step == 0 and d.eval_rows:
+                    with guard.held():
+                        d.metrics.log(d.evaluate(), step=0)
                 self._reseed_generation()
-                if d:
-                    d.executor.resume()
-                progress.update(self.step, last)
-        except KeyboardInterrupt:
-            logger.warning("interrupted at step %d", self.step)
-            if cfg.checkpoint.save_final:
-                self.save()
-            raise
+                self._boundary = self._boundary_state()
+                while self.step < cfg.total_steps:
+                    last = self._step(guard)
+                    progress.update(self.step, last)
+        except KeyboardInterrupt as e:
+            saved = self.ckpt.latest() if self.driver else None
+            if cfg.checkpoint.save_final and self._latest_step() != self.step:
+                with guard.held():
+                    saved = self.save(self._boundary, log=False)
+            raise Interrupted(getattr(e, "signum", signal.SIGINT), self.step, saved) from None
         except NonFiniteError as e:
             raise NonFiniteError(f"training stopped in step {self.step + 1}: {e}") from None
         finally:
             progress.close()
         if cfg.checkpoint.save_final and self._latest_step() != self.step:
             self.save()
+        return last
+
+    def _step(self, guard: InterruptGuard) -> dict[str, float]:
+        """One step: produce a batch (interruptible), then update, push and log it (interrupts held)."""
+        d, t0 = self.driver, time.monotonic()
+        with stats.record_timing("rollout"):
+            batch = d.executor.prepare_batch(d.dataloader, d.workflow) if d else None
+            batch = dist_utils.broadcast_object(batch)  # every rank trains on the driver's batch
+            assert batch is not None
+        share_gpu = self._shares_gpu()
+        with guard.held():
+            if d and share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
+                d.engine.release_memory()
+            with stats.record_timing("compute_logp"):
+                self.compute_logp(batch)
+            with stats.record_timing("compute_advantages"):
+                self.actor.compute_advantages(batch)
+            self.doctor.before_update(self.step + 1)
+            with stats.record_timing("ppo_update"), stats.scope("actor"):
+                actor_stats = self.actor.ppo_update(batch)
+                if self.critic is not None:
+                    self._critic_stats = self.critic.update(batch)
+            self.doctor.after_update(batch, self.actor)
+            if self.actor.trainer_logp is not None:  # saved rollouts show the generator-trainer gap per token
+                batch["trainer_logp"] = self.actor.trainer_logp
+            with stats.record_timing("update_weights"):
+                if d:
+                    d.executor.pause()  # no new episodes until this step's bookkeeping is done
+                self.step += 1
+                self.actor_engine.set_version(self.step)
+                self.actor_engine.update_weights(self.engine)
+                if d and share_gpu:
+                    d.engine.resume_memory()
+            last = self._after_step(batch, time.monotonic() - t0, actor_stats)
+            self._reseed_generation()
+            if d:
+                d.executor.resume()
         return last
 
     def _latest_step(self) -> int | None:
@@ -265,8 +292,9 @@ class Trainer:
         metrics = stats.export()  # a collective under torchrun
         if self.driver:
             self.driver.log(self.step, metrics, batch)
+        self._boundary = self._boundary_state()  # what an interrupt during the next step saves
         if dist_utils.broadcast_object(self.ckpt.due(self.step) if self.driver else None):  # (the driver decides)
-            self.save()
+            self.save(self._boundary)
         return metrics
 
     def evaluate(self) -> dict[str, float]:
@@ -300,8 +328,21 @@ class Trainer:
         return self._main().eval_rows
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self) -> Path:
-        """A complete checkpoint of this step (a collective under torchrun: engines gather)."""
+    def _boundary_state(self) -> dict[str, object]:
+        """The driver's data order, the executor's pending prompts and the RNGs at the end of a step."""
+        if self.driver is None:
+            return {}
+        return {
+            "rng": {"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()},
+            "driver": self.driver.state_dict(),
+        }
+
+    def save(self, boundary: dict[str, object] | None = None, log: bool = True) -> Path:
+        """A complete checkpoint of this step (a collective under torchrun: engines gather).
+
+        ``boundary`` is the data and RNG state taken when the step ended (``_boundary_state``); the
+        weights are the step's as long as nothing trained since, which ``fit`` makes sure of."""
+        boundary = boundary or self._boundary_state()
         tmp = dist_utils.broadcast_object(self.ckpt.begin(self.step) if self.driver else None)
         assert isinstance(tmp, Path)
         self.actor_engine.save(SaveLoadMeta(str(tmp / "actor"), with_optim=True))
@@ -309,10 +350,14 @@ class Trainer:
             self.critic.engine.save(SaveLoadMeta(str(tmp / "critic"), with_optim=True))
         final = tmp.parent / f"step_{self.step:06d}"
         if self.driver:
-            torch.save({"global": rng_state(), "actor_minibatches": self.actor.generator.get_state()}, tmp / "rng.pt")
-            state = {"version": self.step, **self.driver.state_dict()}
+            save_for_inference(tmp / "actor", self.driver.tokenizer, self.actor_engine.model)
+            torch.save(boundary["rng"], tmp / "rng.pt")
+            driver_state = boundary["driver"]
+            assert isinstance(driver_state, dict)
+            state = {"version": self.step, **driver_state}
             final = self.ckpt.commit(self.step, tmp, state)
-            logger.info("saved checkpoint %s", final)
+            if log:
+                logger.info("saved checkpoint %s", final)
         dist_utils.barrier()
         return final
 

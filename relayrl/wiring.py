@@ -18,6 +18,7 @@ from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader, attach_vision, load_rows_from_file
 from relayrl.data.models import load_model, vision_processor
+from relayrl.data.preflight import check_run
 from relayrl.data.tasks import make_task, task_fn
 from relayrl.data.vision import has_images
 from relayrl.rewards.pool import RewardPool
@@ -70,6 +71,7 @@ def resolve_extensions(cfg: RunConfig, workflow_given: bool = False, reward_fn_g
     """Import ``imports``, then resolve every extension point of ``cfg`` now, before any model loads,
     so a bad name or path fails in one line naming its field."""
     import_modules(cfg.imports)
+    check_run(cfg)
     from relayrl.rollout.workflows import workflow_factory
     from relayrl.train.actor import check_actor_config
 

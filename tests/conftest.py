@@ -10,6 +10,7 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
+_TRACKED = pytest.StashKey[dict[str, str] | None]()
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +36,44 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _tracked_changes() -> dict[str, str] | None:
+    """Tracked files that differ from HEAD, each with its content hash (None outside a git checkout)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "-z"],
+            cwd=root, capture_output=True, text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    paths = [entry[3:] for entry in out.split("\0") if len(entry) > 3]
+    hashes = {}
+    for p in paths:
+        f = root / p
+        hashes[p] = (
+            subprocess.run(["git", "hash-object", str(f)], capture_output=True, text=True).stdout.strip()
+            if f.is_file()
+            else "-"
+        )
+    return hashes
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_TRACKED] = _tracked_changes()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tests never modify tracked files: a run that did fails, naming them."""
+    before, after = session.config.stash.get(_TRACKED, None), _tracked_changes()
+    if before is None or after is None or before == after:
+        return
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    session.config.get_terminal_writer().line(
+        f"tests modified tracked files (write under tmp_path instead): {', '.join(changed)}", red=True
+    )
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -442,7 +442,7 @@ class CheckpointConfig:
     every_n_steps: int = f(0, help="Save every N steps (0 = off).", ge=0)
     every_minutes: float = f(0.0, help="Save when this many minutes passed since the last save (0 = off).", ge=0.0)
     keep_last: int = f(2, help="Checkpoints kept on disk.", ge=1)
-    save_final: bool = f(True, help="Save at the end of training (and on Ctrl-C).")
+    save_final: bool = f(True, help="Save at the end of training (and on Ctrl-C or SIGTERM: the last complete step).")
 
 
 @dataclass

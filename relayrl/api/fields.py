@@ -288,6 +288,15 @@ def _load_yaml(text: str) -> YamlValue:
     return typing.cast(YamlValue, yaml.load(text, Loader=_LOADERS[-1]))  # noqa: S506
 
 
+def _yaml_where(e: Exception) -> str:
+    """``" at line L, column C: problem"`` from PyYAML's marks (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if mark is None:
+        return f": {problem}"
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
 def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> T:
     """Build ``cls`` from a YAML file (optional) and dotted overrides, fully validated."""
     values: dict[str, YamlValue] = {}
@@ -301,7 +310,7 @@ def load_config(cls: type[T], path: str | os.PathLike[str] | None = None, overri
         except OSError as e:  # a directory, no permission ...
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer literal too long to convert
-            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"config file {path} is not valid YAML{_yaml_where(e)}") from None
         if isinstance(loaded, YamlWord) and loaded.value is None:  # a file holding only "~" or "null"
             loaded = None
         if loaded is not None and not isinstance(loaded, dict):

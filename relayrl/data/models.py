@@ -239,3 +239,13 @@ def vision_processor(model: ModelConfig) -> BaseImageProcessor | None:
     if model.path in TINY_PRESETS or not os.path.isdir(model.path):
         return None
     return load_image_processor(model.path) if is_vision_config(AutoConfig.from_pretrained(model.path)) else None
+
+
+def save_for_inference(path: str | Path, tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None) -> None:
+    """Make a checkpoint directory stand alone: the run's tokenizer (with its chat template) and the
+    model's generation config beside the weights (peft adapters get them too), so
+    ``from_pretrained``, ``relayrl serve --model`` and ``relayrl eval`` take the directory as it is."""
+    tokenizer.save_pretrained(str(path))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and not (Path(path) / "generation_config.json").is_file():
+        generation.save_pretrained(str(path))

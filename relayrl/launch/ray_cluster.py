@@ -42,6 +42,7 @@ from relayrl.api.config import RayConfig, RunConfig
 from relayrl.inference.remote.relayrl import serve_overrides
 from relayrl.launch import RayLaunchError, TrainerRankDied
 from relayrl.launch.ray_actors import ServerActor, TrainerRank, node_port
+from relayrl.utils.logging import get_logger
 
 log = logging.getLogger("relayrl.launch")
 SERVER_STARTUP_TIMEOUT = 180.0
@@ -65,6 +66,9 @@ def connect(rc: RayConfig) -> bool:
             socket.create_connection((host or hostport, int(port or 6379)), timeout=5.0).close()
         except (OSError, ValueError) as e:
             raise RayLaunchError(f"ray.address={address}: no Ray cluster answers there ({e})") from None
+    get_logger("relayrl.launch").info(
+        "set-up: %s Ray (about a minute on a small machine)", f"joining {address}" if address else "starting a local"
+    )
     try:
         if address:
             ray.init(address=address, logging_level=logging.ERROR)

@@ -22,6 +22,7 @@ import collections
 import functools
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import traceback
 import typing
@@ -42,7 +43,11 @@ class RewardWorkerDied(RuntimeError):
 
 
 def _serve(conn: Connection, fn: RewardFn) -> None:
-    """Worker loop: receive kwargs, send back ("ok", reward) or ("error", text)."""
+    """Worker loop: receive kwargs, send back ("ok", reward) or ("error", text).
+
+    Ctrl-C in a terminal reaches the whole process group: the trainer stops the run and closes the
+    pipes, so a worker ignores SIGINT (no traceback of its own) and ends on the closed pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
             kwargs = conn.recv()

@@ -73,6 +73,10 @@ def all_rewards_equal(traj: Trajectory) -> bool:
     return bool((r == r[0]).all())
 
 
+class FilterExhausted(RuntimeError):
+    """Dynamic filtering rejected ``rollout.filter_patience`` batches' worth of groups in a row."""
+
+
 class WorkflowExecutor:
     """Runs workflows on a background event loop with bounded staleness (see module doc).
 
@@ -490,7 +494,7 @@ class WorkflowExecutor:
         """Over-sampling has a bound: a task where every group is filtered would loop forever."""
         patience = self.config.filter_patience
         if patience and filtered >= patience * self.config.batch_size:
-            raise RuntimeError(
+            raise FilterExhausted(
                 f"prepare_batch: {filtered} groups in a row were filtered (all rewards equal, or rejected by "
                 f"accept_group) while filling one batch of {self.config.batch_size}; rollout.filter_patience="
                 f"{patience}. The task gives this policy no learning signal: make it easier, warm the model up "

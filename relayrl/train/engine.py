@@ -16,6 +16,7 @@ import os
 import random
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -428,7 +429,10 @@ class TorchTrainEngine(TrainEngine):
         optim = dist_utils.full_optim_state_dict(model, self.optimizer) if meta.with_optim and self.optimizer else None
         if dist_utils.rank() == 0:
             if self.lora:  # the base model's path goes into adapter_config.json, as peft records it
-                model.peft_config[L.ADAPTER].base_model_name_or_path = self.model_config.path
+                base = self.model_config.path  # absolute when a directory: the adapter loads from anywhere
+                model.peft_config[L.ADAPTER].base_model_name_or_path = (
+                    str(Path(base).resolve()) if Path(base).is_dir() else base
+                )
                 weights = L.adapter_state_dict(weights)
             model.save_pretrained(meta.path, state_dict=weights)
             if meta.tokenizer_path:

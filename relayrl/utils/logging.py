@@ -171,3 +171,24 @@ class MetricLogger:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+# What a finished run is summed up by, in this order, when it logged them.
+SUMMARY = (
+    ("version", "step", "{:.0f}"),
+    ("rollout/reward", "reward", "{:.3f}"),
+    ("eval/accuracy", "held-out accuracy", "{:.3f}"),
+    ("eval/accuracy_mean", "sampled", "{:.3f}"),
+    ("actor/entropy", "entropy", "{:.2f}"),
+    ("perf/samples_per_s", "samples/s", "{:.1f}"),
+)
+
+
+def summary(metrics: Mapping[str, object]) -> str:
+    """One readable line for the end of a run (its last step's metrics), instead of ~50 keys."""
+    parts = []
+    for key, label, fmt in SUMMARY:
+        value = _number(metrics.get(key))
+        if value is not None:
+            parts.append(f"{label} {fmt.format(value)}")
+    return " | ".join(parts) or "no metrics logged"

@@ -15,14 +15,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 PANELS = (
     ("reward", ("rollout/reward",)),
     ("eval accuracy", ("eval/accuracy_mean", "eval/accuracy")),  # mean over samples when n > 1
-    # to the reference policy when a KL term is used; else PPO's (0 when one step consumes each batch);
-    # else KL(behaviour || policy): staleness and inference/training mismatch
-    ("KL", ("actor/kl_loss", "actor/approx_kl", "actor/behav_kl")),
+    # the KL term's estimate of KL(policy || reference); logged when actor.kl_coef > 0 (see KL_FALLBACK)
+    ("KL to reference", ("actor/kl_loss",)),
     ("entropy", ("actor/entropy",)),
     ("throughput (samples/s)", ("perf/samples_per_s",)),
     ("staleness (max)", ("rollout/staleness_max",)),
     ("generator-trainer gap (mean |Δ logprob|)", ("mismatch/abs_diff_mean",)),  # docs/mismatch.md
 )
+
+
+# Without a KL term the panel shows what is there, named for what it is: KL(behaviour || trainer) over the
+# trained tokens, the gap between the policy that generated a batch and the one training on it.
+KL_FALLBACK = ("generator-trainer gap (behav_kl)", ("actor/behav_kl",))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
@@ -45,6 +49,8 @@ def figure(run_dirs: list[str | Path]) -> matplotlib.figure.Figure:
     for ax in axes.flat[len(PANELS) :]:
         fig.delaxes(ax)
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=False):
+        if title == "KL to reference" and not any(k in r for rows in runs.values() for r in rows for k in keys):
+            title, keys = KL_FALLBACK
         for name, rows in runs.items():
             series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
             logged = [k for k in keys if series[k]]

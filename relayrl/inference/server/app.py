@@ -48,6 +48,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.commands import ServerConfig
+from relayrl.api.config import ConfigError
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
 from relayrl.inference.local.engine import LocalEngine
 from relayrl.inference.server import LISTEN_PREFIX
@@ -475,11 +476,18 @@ def run_server(cfg: ServerConfig) -> None:
     line ``relayrl server listening on http://HOST:PORT`` is printed once ready."""
     import uvicorn
 
-    srv = make_server(cfg)
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.host, cfg.port))
+    try:  # before the model loads: a busy port fails at once
+        sock.bind((cfg.host, cfg.port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(
+            f"port={cfg.port} on {cfg.host} cannot be bound ({e.strerror}): another process listens there; "
+            "pick another with --port (0 picks a free one)"
+        ) from None
     sock.listen(2048)
+    srv = make_server(cfg)
     port = sock.getsockname()[1]
     if not srv.token and not _is_loopback(cfg.host):
         print(
