@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/peers.sh  # real SGLang / vLLM for the real_peers tests (cached; minutes the first time)
 . .venv/bin/activate
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 ruff format --check --quiet . && ruff check --quiet . && mypy  # files and settings: [tool.mypy] in pyproject.toml
