@@ -62,6 +62,8 @@ from _core import TinyPeer, listen  # noqa: E402
 from sglang_group import init_custom_process_group, receive  # noqa: E402
 
 from relayrl.api.io import GenerationConfig  # noqa: E402
+from relayrl.inference.peers import version_tuple  # noqa: E402
+from relayrl.utils.moe import encode_routed_experts, moe_layer_indices  # noqa: E402
 
 SAMPLING_KEYS = {
     "max_new_tokens",
@@ -94,6 +96,11 @@ def _err(msg: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": msg}}, status_code=status)
 
 
+def _refused(message: str, **extra: object) -> JSONResponse:
+    """A weight route that failed: ``{"success": false, "message"}`` with 400, as SGLang answers."""
+    return JSONResponse({"success": False, "message": message, **extra}, status_code=400)
+
+
 @dataclass
 class GenerateReqInput:  # the fields RemoteEngine uses (others are accepted and ignored, as FastAPI does for SGLang's dataclass)
     text: str | list[str] | None = None
@@ -105,6 +112,7 @@ class GenerateReqInput:  # the fields RemoteEngine uses (others are accepted and
     # SGLang: one image (URL, path, base64 or data: URL) or a list per request; in a batch, one entry per item
     image_data: str | list[str] | list[list[str]] | None = None
     lora_path: str | list[str | None] | None = None
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -184,6 +192,8 @@ class SGLangStandIn:
         self.workers = [self._spawn_worker() for _ in range(tp_size - 1)]  # TP ranks 1..tp_size-1
         self.health_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
         self.counts = {"aborted": 0, "health_503": 0, "buckets": 0}
+        self.sessions = version_tuple(version) >= (0, 5, 23)  # /begin_weight_update ... /end_weight_update
+        self.session_open = False
 
     def _spawn_worker(self) -> subprocess.Popen[str]:
         return subprocess.Popen(
@@ -221,7 +231,16 @@ class SGLangStandIn:
             ignore_eos=bool(sp.get("ignore_eos", False)),
         )
 
-    async def one(self, rid: str, ids: list[int], sp: dict, logprob: bool, images: list[str], lora: str | None) -> dict:  # type: ignore[type-arg]
+    async def one(
+        self,
+        rid: str,
+        ids: list[int],
+        sp: dict,
+        logprob: bool,
+        images: list[str],
+        lora: str | None,
+        routed: bool = False,
+    ) -> dict:  # type: ignore[type-arg]
         g = self.gconfig(sp)
         self.lora_use[lora or ""] = self.lora_use.get(lora or "", 0) + 1
         try:
@@ -249,7 +268,17 @@ class SGLangStandIn:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)
             ]
+        if routed and r.routed_experts is not None:
+            meta["routed_experts"] = self.all_layers(r.routed_experts)
         return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
+
+    def all_layers(self, routed: torch.Tensor) -> str:
+        """SGLang 0.5.23's ``meta_info.routed_experts``: base64 of int32 ids ``[seqlen - 1, num_hidden_layers, top_k]``
+        (every decoder layer, a dense one's row left 0; ``state_capturer/routed_experts.py``), and no shape."""
+        cfg = self.peer.model.config.get_text_config()
+        out = torch.zeros(routed.shape[0], int(cfg.num_hidden_layers), routed.shape[2], dtype=torch.int32)
+        out[:, moe_layer_indices(self.peer.model)] = routed.to(torch.int32)
+        return encode_routed_experts(out)
 
     async def generate(self, obj: GenerateReqInput) -> Response:
         if obj.stream:
@@ -286,7 +315,7 @@ class SGLangStandIn:
                 await asyncio.sleep(0.01)
             outs = await asyncio.gather(
                 *(
-                    self.one(r, p, s, lp, im, a)
+                    self.one(r, p, s, lp, im, a, obj.return_routed_experts)
                     for r, p, s, lp, im, a in zip(rids, prompts, sps, lps, imgs, loras, strict=True)
                 )
             )  # type: ignore[arg-type]
@@ -317,9 +346,7 @@ class SGLangStandIn:
             try:
                 n = await asyncio.to_thread(self.peer.load_dir, obj.model_path, v)
             except (OSError, ValueError) as e:
-                return JSONResponse(
-                    {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
-                )
+                return _refused(f"Failed to update weights: {e}", num_paused_requests=0)
             self.int_version = v
             if obj.weight_version is not None:
                 self.weight_version = obj.weight_version
@@ -365,22 +392,26 @@ class SGLangStandIn:
         try:
             await asyncio.to_thread(join_all)
         except Exception as e:  # noqa: BLE001 - SGLang answers success=False with the message
-            return JSONResponse({"success": False, "message": f"Failed to initialize custom process group: {e}."})
+            return _refused(f"Failed to initialize custom process group: {e}.")
         return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def destroy_group(self, obj: DestroyWeightsUpdateGroupReqInput) -> Response:
         pg = self.groups.pop(obj.group_name, None)
         if pg is None:
-            return JSONResponse({"success": False, "message": f"Group {obj.group_name} not in model_update_group"})
+            return _refused(f"Group {obj.group_name} not in model_update_group")
         torch.distributed.destroy_process_group(pg)
         for w in self.workers:
             self._ask(w, {"op": "destroy", "group_name": obj.group_name})
         return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def update_distributed(self, obj: UpdateWeightsFromDistributedReqInput) -> Response:
+        if self.sessions and not self.session_open:
+            return _refused(
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         pg = self.groups.get(obj.group_name)
         if pg is None:
-            return JSONResponse({"success": False, "message": f"Group {obj.group_name} not in model_update_group"})
+            return _refused(f"Group {obj.group_name} not in model_update_group")
         if obj.abort_all_requests:
             self.counts["aborted"] += await asyncio.to_thread(self.peer.abort_running)
         async with self.peer.lock:
@@ -408,12 +439,25 @@ class SGLangStandIn:
             try:
                 await asyncio.to_thread(self.peer.load, dict(zip(obj.names, got, strict=True)), v)
             except ValueError as e:
-                return JSONResponse({"success": False, "message": f"Failed to update parameter online: {e}"})
+                return _refused(f"Failed to update parameter online: {e}")
             self.counts["buckets"] += 1
             self.int_version = v
             if obj.weight_version is not None:
                 self.weight_version = obj.weight_version
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def begin_update(self) -> Response:
+        """SGLang >= 0.5.23 (PR 28001): distributed weights load only inside a weight-update session."""
+        if self.session_open:
+            return _refused("a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        return JSONResponse({"success": True, "message": "Success"})
+
+    async def end_update(self) -> Response:
+        if not self.session_open:
+            return _refused("no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return JSONResponse({"success": True, "message": "Success"})
 
     async def pause(self, obj: PauseGenerationReqInput) -> Response:
         if obj.mode not in ("abort", "retract", "in_place"):
@@ -496,6 +540,9 @@ def build_app(s: SGLangStandIn) -> FastAPI:
     app.post("/update_weights_from_distributed")(s.update_distributed)
     app.post("/destroy_weights_update_group")(s.destroy_group)
     app.post("/pause_generation")(s.pause)
+    if s.sessions:
+        app.post("/begin_weight_update")(s.begin_update)
+        app.post("/end_weight_update")(s.end_update)
     app.post("/continue_generation")(s.resume)
     app.post("/load_lora_adapter")(s.load_lora)
     app.post("/unload_lora_adapter")(s.unload_lora)
