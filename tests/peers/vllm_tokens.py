@@ -134,7 +134,10 @@ def token_routes(app: FastAPI, s: VLLMStandIn) -> None:
             try:
                 got = [(int(p["offset"]), int(p["length"])) for p in features["mm_placeholders"]["image"]]
                 items = (features.get("kwargs_data") or {}).get("image") or [None] * len(got)
-                items = [k if k is not None else rendered[h] for k, h in zip(items, features["mm_hashes"]["image"])]
+                items = [
+                    k if k is not None else rendered[h]
+                    for k, h in zip(items, features["mm_hashes"]["image"], strict=True)
+                ]
                 images = [f"data:image/png;base64,{k}" for k in items]
                 for k in items:
                     base64.b64decode(k, validate=True)
