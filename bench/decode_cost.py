@@ -26,8 +26,7 @@ import generation as gen
 import torch
 
 from relayrl.api.config import InferenceConfig
-from relayrl.inference import decode
-from relayrl.inference.local import LocalEngine
+from relayrl.inference.local import LocalEngine, decode
 
 
 def step_cost(model: torch.nn.Module, rows: int, length: int = 80, n: int = 20) -> float:

@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from relayrl.api.config import InferenceConfig, ModelConfig  # noqa: E402
 from relayrl.api.io import GenerationConfig, ModelRequest  # noqa: E402
 from relayrl.data.models import load_model  # noqa: E402
-from relayrl.inference.launcher import launch_servers  # noqa: E402
 from relayrl.inference.local import LocalEngine  # noqa: E402
 from relayrl.inference.remote import RemoteEngine  # noqa: E402
+from relayrl.inference.server.launcher import launch_servers  # noqa: E402
 
 
 def _cpu_self() -> float:

@@ -21,9 +21,9 @@ import torch
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.data.models import load_model
-from relayrl.inference.launcher import launch_servers
 from relayrl.inference.local import LocalEngine
 from relayrl.inference.remote import RemoteEngine
+from relayrl.inference.server.launcher import launch_servers
 
 
 async def _load(engine, n: int, max_new: int, tag: str) -> tuple[float, list[float]]:

@@ -27,9 +27,9 @@ import torch
 
 from relayrl.api.config import InferenceConfig, ModelConfig, TrainEngineConfig
 from relayrl.data.models import load_model
-from relayrl.inference.launcher import launch_servers
 from relayrl.inference.local import LocalEngine
 from relayrl.inference.remote import RemoteEngine
+from relayrl.inference.server.launcher import launch_servers
 from relayrl.train.engine import TorchTrainEngine
 
 

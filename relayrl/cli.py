@@ -81,7 +81,7 @@ def _serve(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"relayrl serve: {e}", file=sys.stderr)
         return 2
-    from relayrl.inference.server import run_server
+    from relayrl.inference.server.app import run_server
 
     run_server(cfg)
     return 0

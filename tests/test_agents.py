@@ -456,8 +456,8 @@ def test_sft_rows_of_agent_conversations_learn_every_assistant_turn():
 
 def test_client_over_a_remote_engine_to_a_real_server(tokenizer):
     """Any InferenceEngine: the same client over RemoteEngine to a `relayrl serve` process."""
-    from relayrl.inference.launcher import launch_servers
     from relayrl.inference.remote import RemoteEngine
+    from relayrl.inference.server.launcher import launch_servers
 
     group = launch_servers(1)
     eng = RemoteEngine(InferenceConfig(backend="remote", request_timeout=60), addresses=group.addresses)

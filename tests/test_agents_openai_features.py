@@ -137,7 +137,7 @@ def test_safe_prefix_holds_back_what_may_not_be_content(text, stops, parser, wan
 @pytest.fixture(scope="module")
 def served(hermes2, tmp_path_factory):
     """`relayrl serve` (a real process on 127.0.0.1) with the module's model and Hermes-template tokenizer."""
-    from relayrl.inference.launcher import launch_servers
+    from relayrl.inference.server.launcher import launch_servers
 
     tok, eng = hermes2
     d = tmp_path_factory.mktemp("hermes2")

@@ -13,7 +13,12 @@ from __future__ import annotations
 import pytest
 
 from relayrl.api.io import GenerationConfig
-from relayrl.inference.backends import ProtocolError, RelayrlBackend, SGLangBackend, VLLMBackend, make_backend
+from relayrl.inference.remote import vllm_transfer
+from relayrl.inference.remote.peers import make_backend
+from relayrl.inference.remote.protocol import ProtocolError
+from relayrl.inference.remote.relayrl import RelayrlBackend
+from relayrl.inference.remote.sglang import SGLangBackend
+from relayrl.inference.remote.vllm import VLLMBackend
 
 G = GenerationConfig(
     max_new_tokens=16,
@@ -180,14 +185,13 @@ def test_weight_broadcast_calls_are_sglangs_documented_bodies():
 def test_vllm_weight_transfer_calls_are_vllms_request_bodies():
     """vLLM's RL router: {"init_info": NCCLWeightTransferInitInfo fields}, {"update_info": NCCLWeightTransferUpdateInfo
     fields} (packed buffers of the bucket size), the disk backend's {"path"} and the session routes."""
-    vl = VLLMBackend()
-    init = vl.init_transfer("10.0.0.5", 29500, 1, 3)
+    init = vllm_transfer.init_transfer("10.0.0.5", 29500, 1, 3)
     assert (init.path, init.json) == (
         "/init_weight_transfer_engine",
         {"init_info": {"master_address": "10.0.0.5", "master_port": 29500, "rank_offset": 1, "world_size": 3}},
     )
-    assert vl.init_disk_transfer().json == {"init_info": {}}
-    up = vl.transfer_update(["a", "b"], ["bfloat16", "float32"], [[4, 2], [4]], 1 << 20)
+    assert vllm_transfer.init_disk_transfer().json == {"init_info": {}}
+    up = vllm_transfer.transfer_update(["a", "b"], ["bfloat16", "float32"], [[4, 2], [4]], 1 << 20)
     assert (up.path, up.json) == (
         "/update_weights",
         {
@@ -200,8 +204,12 @@ def test_vllm_weight_transfer_calls_are_vllms_request_bodies():
             }
         },
     )
-    assert vl.disk_update("/w/v1").json == {"update_info": {"path": "/w/v1"}}
-    assert (vl.start_update().path, vl.finish_update(4).path, vl.finish_update(4).json) == (
+    assert vllm_transfer.disk_update("/w/v1").json == {"update_info": {"path": "/w/v1"}}
+    assert (
+        vllm_transfer.start_update().path,
+        vllm_transfer.finish_update(4).path,
+        vllm_transfer.finish_update(4).json,
+    ) == (
         "/start_weight_update",
         "/finish_weight_update",
         {"weight_version": "4"},
@@ -312,7 +320,8 @@ def _getter(routes: dict[str, object]):
 
 
 def test_peer_detection_picks_the_routes_each_version_has():
-    from relayrl.inference.peers import UnsupportedServer, detect, require_routes, version_tuple
+    from relayrl.inference.remote.protocol import UnsupportedServer, version_tuple
+    from relayrl.inference.remote.vllm_transfer import require_routes
 
     assert version_tuple("0.5.3.post1") == (0, 5, 3) and version_tuple("0.4.10rc1") == (0, 4, 10)
     old_layout = {
@@ -320,26 +329,26 @@ def test_peer_detection_picks_the_routes_each_version_has():
         "/get_model_info": {"model_path": "m"},
         "/get_weight_version": {"weight_version": "default"},
     }
-    info = detect("sglang", "u", _getter(old_layout))
+    info = make_backend("sglang").detect("u", _getter(old_layout))
     assert (info.tp_size, info.version_path, info.live_path) == (2, "/get_weight_version", "/get_model_info")
     new_layout = {"/server_info": {"version": "0.5.15"}, "/model_info": {"model_path": "m", "weight_version": "3"}}
-    info = detect("sglang", "u", _getter(new_layout))
+    info = make_backend("sglang").detect("u", _getter(new_layout))
     assert (info.tp_size, info.version_path, info.live_path) == (1, "/model_info", "/model_info")
     with pytest.raises(UnsupportedServer, match=r"SGLang 0\.4\.9; relayrl needs SGLang >= 0\.5\.0"):
-        detect("sglang", "u", _getter({"/get_server_info": {"version": "0.4.9"}}))
+        make_backend("sglang").detect("u", _getter({"/get_server_info": {"version": "0.4.9"}}))
     with pytest.raises(UnsupportedServer, match="neither /get_server_info nor /server_info"):
-        detect("sglang", "u", _getter({}))
+        make_backend("sglang").detect("u", _getter({}))
     vllm = {
         "/version": {"version": "0.15.0"},
         "/v1/models": {"data": [{"id": "Qwen/Qwen3-8B"}]},
         "/openapi.json": {"paths": {"/v1/completions": {}, "/health": {}}},
     }
-    info = detect("vllm", "u", _getter(vllm))
+    info = make_backend("vllm").detect("u", _getter(vllm))
     assert info.model == "Qwen/Qwen3-8B" and info.version_path is None
     with pytest.raises(UnsupportedServer, match=r"/pause .*/collective_rpc \(VLLM_SERVER_DEV_MODE=1"):
         require_routes(info, "u", "disk")
     with pytest.raises(UnsupportedServer, match="lists no served model"):
-        detect("vllm", "u", _getter({**vllm, "/v1/models": {"data": []}}))
+        make_backend("vllm").detect("u", _getter({**vllm, "/v1/models": {"data": []}}))
 
 
 def test_broadcast_buckets_carry_the_version_last_and_the_abort_first():

@@ -263,7 +263,7 @@ def test_cuda_release_frees_memory_and_trainer_weights_move_device_to_device(tin
 def test_kv_bytes_per_token_of_any_family():
     """What sizes the CUDA cache: keys + values of one token over all layers, from any config."""
     from relayrl.data.families import build_tiny_family
-    from relayrl.inference.device import kv_bytes_per_token, kv_capacity
+    from relayrl.inference.local.device import kv_bytes_per_token, kv_capacity
 
     assert kv_bytes_per_token(build_tiny_family("qwen2")) == 2 * 2 * 2 * 16 * 4  # layers, kv heads, head_dim, fp32
     assert kv_bytes_per_token(build_tiny_family("gpt2", dtype=torch.bfloat16)) == 2 * 2 * 4 * 16 * 2  # n_layer, n_head

@@ -18,10 +18,11 @@ from peft import PeftModel
 
 from relayrl.api.config import InferenceConfig, LoraConfig, ModelConfig
 from relayrl.api.io import GenerationConfig
-from relayrl.inference.backends import SGLangBackend, VLLMBackend
-from relayrl.inference.peer_launcher import server_command, server_env
-from relayrl.inference.peers import UnsupportedServer, detect_sglang, detect_vllm, require_lora
-from relayrl.inference.remote import RemoteEngine, _Server
+from relayrl.inference.remote import RemoteEngine, sglang, vllm
+from relayrl.inference.remote.adapters import adapters_kept
+from relayrl.inference.remote.protocol import Server, UnsupportedServer, require_lora
+from relayrl.inference.remote.sglang import SGLangBackend
+from relayrl.inference.remote.vllm import VLLMBackend
 from tests.test_lora import RANK, lora_engine
 from tests.test_packing import make_batch
 from tests.test_remote import greedy, prompts, reference, run_all
@@ -123,32 +124,28 @@ def test_a_server_without_runtime_lora_is_refused_at_start_up():
         return lambda path: (200, pages[path]) if path in pages else (404, None)
 
     info = {"version": "0.5.2", "tp_size": 1, "enable_lora": False, "max_lora_rank": None}
-    sg = detect_sglang("http://a", getter({"/get_server_info": info}))
+    sg = sglang.detect("http://a", getter({"/get_server_info": info}))
     with pytest.raises(UnsupportedServer, match="--enable-lora --max-lora-rank R .*model.lora.sync=merged"):
         require_lora(sg, "http://a", 8)
-    sg = detect_sglang("http://a", getter({"/get_server_info": {**info, "enable_lora": True, "max_lora_rank": 4}}))
+    sg = sglang.detect("http://a", getter({"/get_server_info": {**info, "enable_lora": True, "max_lora_rank": 4}}))
     with pytest.raises(UnsupportedServer, match="up to rank 4"):
         require_lora(sg, "http://a", 8)
     require_lora(sg, "http://a", 4)
     models = {"data": [{"id": "tiny"}]}
     pages = {"/version": {"version": "0.15.0"}, "/v1/models": models, "/openapi.json": {"paths": {"/pause": {}}}}
     with pytest.raises(UnsupportedServer, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
-        require_lora(detect_vllm("http://b", getter(pages)), "http://b", 8)
-    without = detect_vllm("http://b", getter(pages))
+        require_lora(vllm.detect("http://b", getter(pages)), "http://b", 8)
+    without = vllm.detect("http://b", getter(pages))
     pages["/openapi.json"] = {"paths": {"/pause": {}, "/v1/load_lora_adapter": {}}}
-    with_lora = detect_vllm("http://b", getter(pages))
+    with_lora = vllm.detect("http://b", getter(pages))
     require_lora(with_lora, "http://b", 8)
 
     # sync=auto: adapters only when every server loads them, else merged weights; sync=adapter: refused
     for sync, infos, accepts in [("auto", [with_lora, without], False), ("auto", [with_lora], True)]:
-        eng = RemoteEngine(InferenceConfig(), [], ModelConfig(lora=LoraConfig(rank=8, sync=sync)))
-        eng.servers, eng.accepts_adapters = [_Server(f"http://s{i}", info=x) for i, x in enumerate(infos)], True
-        eng._resolve_adapters()
-        assert eng.accepts_adapters is accepts
-    eng = RemoteEngine(InferenceConfig(), [], ModelConfig(lora=LoraConfig(rank=8, sync="adapter")))
-    eng.servers, eng.accepts_adapters = [_Server("http://s", info=without)], True
+        servers = [Server(f"http://s{i}", info=x) for i, x in enumerate(infos)]
+        assert adapters_kept(LoraConfig(rank=8, sync=sync), servers) is accepts
     with pytest.raises(UnsupportedServer, match="http://s does not load LoRA adapters"):
-        eng._resolve_adapters()
+        adapters_kept(LoraConfig(rank=8, sync="adapter"), [Server("http://s", info=without)])
 
 
 def test_config_errors_name_the_fields(tmp_path):
@@ -189,11 +186,11 @@ def test_request_shapes():
 def test_launch_flags():
     cfg = InferenceConfig(weight_sync_dir="/shared")
     lora = LoraConfig(rank=12, target_modules=["q_proj", "v_proj"])
-    sg = server_command("sglang", cfg, "M", 30000, lora=lora)
+    sg = SGLangBackend().server_command(cfg, "M", 30000, lora=lora)
     assert sg[sg.index("--max-lora-rank") + 1] == "12" and "--enable-lora" in sg
     assert sg[sg.index("--lora-target-modules") + 1 : sg.index("--lora-target-modules") + 3] == ["q_proj", "v_proj"]
-    assert "all" in server_command("sglang", cfg, "M", 1, lora=LoraConfig(rank=4))
-    vl = server_command("vllm", cfg, "M", 30000, lora=lora)
+    assert "all" in SGLangBackend().server_command(cfg, "M", 1, lora=LoraConfig(rank=4))
+    vl = VLLMBackend().server_command(cfg, "M", 30000, lora=lora)
     assert vl[vl.index("--max-lora-rank") + 1] == "16"  # rounded up to a rank vLLM accepts
-    assert server_env("vllm", cfg, 0, lora)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
-    assert "--enable-lora" not in server_command("vllm", cfg, "M", 1)
+    assert VLLMBackend().server_env(cfg, 0, lora)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "--enable-lora" not in VLLMBackend().server_command(cfg, "M", 1)

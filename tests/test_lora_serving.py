@@ -10,7 +10,7 @@ import pytest
 from peft import PeftModel
 
 from relayrl.api.io import SaveLoadMeta
-from relayrl.inference.launcher import launch_servers
+from relayrl.inference.server.launcher import launch_servers
 from tests.test_lora import lora_engine
 from tests.test_packing import make_batch
 from tests.test_remote import TOKEN, greedy, make_engine, prompts, reference, run_all

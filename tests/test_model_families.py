@@ -138,7 +138,7 @@ def test_ready_mask_only_where_the_model_takes_it():
     """The generic decode step's 4D-mask shortcut is probed, not assumed: passing it to a class
     that rejects it is the crash this path fixes (``'dict' object has no attribute 'ndim'``)."""
     from relayrl.data.families import build_tiny_family
-    from relayrl.inference.device import accepts_mask_dict
+    from relayrl.inference.local.device import accepts_mask_dict
 
     takes = {
         name: accepts_mask_dict(build_tiny_family(name), torch.device("cpu"))

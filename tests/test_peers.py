@@ -20,10 +20,10 @@ import pytest
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
 from relayrl.data.models import build_tiny_model
-from relayrl.inference.launcher import launch_servers
 from relayrl.inference.local import LocalEngine
-from relayrl.inference.peers import UnsupportedServer
 from relayrl.inference.remote import RemoteEngine
+from relayrl.inference.remote.protocol import UnsupportedServer
+from relayrl.inference.server.launcher import launch_servers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import Peer, start  # noqa: E402

@@ -17,9 +17,9 @@ import pytest
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
 from relayrl.data.models import build_tiny_model
-from relayrl.inference.launcher import launch_servers
 from relayrl.inference.local import LocalEngine
 from relayrl.inference.remote import RemoteEngine
+from relayrl.inference.server.launcher import launch_servers
 
 TOKEN = "tok"
 
@@ -424,7 +424,7 @@ def test_weights_by_collective_broadcast_survive_a_dead_and_a_returning_server(g
 def test_launched_children_die_with_a_sigkilled_parent():
     code = textwrap.dedent("""
         import sys, time
-        from relayrl.inference.launcher import launch_servers
+        from relayrl.inference.server.launcher import launch_servers
         g = launch_servers(1)
         print(g.procs[0].pid, flush=True)
         time.sleep(600)

@@ -15,8 +15,8 @@ import torch
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.data.models import build_tiny_model, chat_ids
-from relayrl.inference.launcher import launch_servers
 from relayrl.inference.local import LocalEngine
+from relayrl.inference.server.launcher import launch_servers
 
 TOKEN = "s3cret"
 PROMPT = [3, 20, 21, 22, 4]
@@ -90,7 +90,7 @@ def out_lps(r):
 
 
 def test_replies_never_hold_invalid_json():
-    from relayrl.inference.server import _dumps
+    from relayrl.inference.server.app import _dumps
 
     assert (
         _dumps({"a": [float("-inf"), 1.5, {"b": float("nan")}], "c": "é"})

@@ -15,7 +15,7 @@ import openai
 import pytest
 import safetensors.torch
 
-from relayrl.inference.launcher import launch_servers
+from relayrl.inference.server.launcher import launch_servers
 
 TOKEN = "conf"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -17,9 +17,8 @@ import torch
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest
-from relayrl.inference import graphs
-from relayrl.inference.graphs import bucket_cols, bucket_rows, choose_attention
-from relayrl.inference.local import LocalEngine
+from relayrl.inference.local import LocalEngine, graphs
+from relayrl.inference.local.graphs import bucket_cols, bucket_rows, choose_attention
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 50)), [3, 4, 5, 6], [40, 41, 42, 43, 44]]
 
@@ -137,7 +136,7 @@ def test_cuda_graphs_equal_eager_on_cuda(tiny_model, dtype):
 def test_decode_step_has_no_host_sync_on_cuda(tiny_model):
     """The static step (graph replay) and the sampler launch work without waiting for the GPU:
     the only sync per step is the copy of the sampled ids, outside this check."""
-    from relayrl.inference.sampling import RowParams, sample
+    from relayrl.inference.local.sampling import RowParams, sample
 
     model = copy.deepcopy(tiny_model).cuda()
     engine = LocalEngine(InferenceConfig(device="cuda"), model)
@@ -145,7 +144,7 @@ def test_decode_step_has_no_host_sync_on_cuda(tiny_model):
     engine.destroy()
     dec = engine._static
     assert dec is not None
-    from relayrl.inference.decode import SlabLayer
+    from relayrl.inference.local.decode import SlabLayer
 
     n, width = 3, 10
     cfg = model.config

@@ -18,10 +18,10 @@ import torch
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.data.vision import build_image_processor, build_tiny_vl_model, build_vl_tokenizer, encode_prompt
-from relayrl.inference.backends import VLLMBackend, wire_image
-from relayrl.inference.launcher import launch_servers
-from relayrl.inference.peers import IMAGE_ROUTES, PeerInfo, UnsupportedServer, require_image_routes
 from relayrl.inference.remote import RemoteEngine
+from relayrl.inference.remote.protocol import PeerInfo, UnsupportedServer, wire_image
+from relayrl.inference.remote.vllm import IMAGE_ROUTES, VLLMBackend, require_image_routes
+from relayrl.inference.server.launcher import launch_servers
 from tests.test_vision import squares, teacher_forced_logprobs
 
 

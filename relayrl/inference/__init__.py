@@ -1,3 +1,6 @@
-"""Generation: LocalEngine in process, `relayrl serve`, RemoteEngine to servers, and launching them."""
+"""Generation, in three parts that share only the weight-group layout (``weight_group``):
 
-LISTEN_PREFIX = "relayrl server listening on "  # `relayrl serve` prints it with its URL once bound
+- ``local``: LocalEngine, in-process continuous batching over any Hugging Face causal LM.
+- ``server``: ``relayrl serve``, the HTTP app around LocalEngine, and launching such servers.
+- ``remote``: RemoteEngine over HTTP servers, one module per peer (``sglang``, ``vllm``, ``relayrl``).
+"""

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from relayrl.inference.launcher import ServerGroup
-from relayrl.inference.peer_launcher import PeerServerGroup
+from relayrl.inference.remote.launch import PeerServerGroup
+from relayrl.inference.remote.peers import make_backend
+from relayrl.inference.server.launcher import ServerGroup
 
 if TYPE_CHECKING:  # server actors stay light (the trainer ranks import the trainer when they run)
     from relayrl.api.config import InferenceConfig, RunConfig
@@ -61,7 +62,7 @@ class TrainerRank:
 
 class ServerActor:
     """One server on this actor's node at ``port``: ``relayrl serve`` (``args`` are its overrides), or
-    SGLang / vLLM when ``peer`` = (kind, InferenceConfig, model) says so (peer_launcher's command
+    SGLang / vLLM when ``peer`` = (kind, InferenceConfig, model) says so (the peer module's command
     line and flags, GPUs from Ray). The actor exits when its server does."""
 
     def __init__(
@@ -76,7 +77,7 @@ class ServerActor:
         self.group: ServerGroup | PeerServerGroup
         if peer is not None:
             kind, inf, model = peer
-            self.group = PeerServerGroup(kind, inf, model, host=host).start(ports=[port])
+            self.group = PeerServerGroup(make_backend(kind), inf, model, host=host).start(ports=[port])
         else:
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
             if token:  # in the environment, never on a command line

@@ -39,7 +39,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relayrl.api.config import RayConfig, RunConfig
-from relayrl.inference.launcher import serve_overrides
+from relayrl.inference.remote.relayrl import serve_overrides
 from relayrl.launch import RayLaunchError, TrainerRankDied
 from relayrl.launch.ray_actors import ServerActor, TrainerRank, node_port
 

@@ -23,7 +23,7 @@ from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse  # noqa
 from relayrl.data.models import build_tiny_model  # noqa: E402
 from relayrl.data.vision import VL_PRESETS, build_image_processor, build_tiny_vl_model  # noqa: E402
 from relayrl.inference.local import LocalEngine  # noqa: E402
-from relayrl.inference.seq import load_hf_state_dict  # noqa: E402
+from relayrl.inference.local.seq import load_hf_state_dict  # noqa: E402
 
 
 class TinyPeer:

@@ -20,7 +20,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
-from relayrl.inference.launcher import launch_servers
+from relayrl.inference.server.launcher import launch_servers
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

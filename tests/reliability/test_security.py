@@ -18,8 +18,8 @@ import pytest
 import safetensors.torch
 
 from relayrl.data.models import build_tiny_model
-from relayrl.inference.launcher import launch_servers
 from relayrl.inference.server import LISTEN_PREFIX
+from relayrl.inference.server.launcher import launch_servers
 
 TOKEN = "s3cret-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

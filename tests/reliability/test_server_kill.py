@@ -17,8 +17,8 @@ from audit import TOKEN, audit_prompts, check_steps, metrics_rows, remote_cfg
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import WeightUpdate
 from relayrl.data.models import build_tiny_model
-from relayrl.inference.launcher import launch_servers
 from relayrl.inference.remote import RemoteEngine
+from relayrl.inference.server.launcher import launch_servers
 from relayrl.trainer import Trainer
 
 T = 8

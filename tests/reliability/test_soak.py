@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from audit import TOKEN, audit_prompts, check_steps, metrics_rows, remote_cfg
 
-from relayrl.inference.launcher import launch_servers
+from relayrl.inference.server.launcher import launch_servers
 from relayrl.trainer import Trainer
 
 SECONDS = float(os.environ.get("RELAYRL_SOAK_SECONDS", "60"))

@@ -31,12 +31,12 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.commands import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelResponse
-from relayrl.inference.schemas import CompletionRequest, SamplingParams
-from relayrl.inference.server_common import _bad, _json, _usage, error_body, trim_stop
+from relayrl.inference.server.common import _bad, _json, _usage, error_body, trim_stop
+from relayrl.inference.server.schemas import CompletionRequest, SamplingParams
 
 if TYPE_CHECKING:
     from relayrl.agents.messages import RequestError
-    from relayrl.inference.local import LocalEngine
+    from relayrl.inference.local.engine import LocalEngine
 
 VLLM_EXTRAS = {"top_k": "top_k", "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos"}
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
-from relayrl.inference.sampling import top_logprobs
-from relayrl.inference.seq import Seq
+from relayrl.inference.local.sampling import top_logprobs
+from relayrl.inference.local.seq import Seq
 
 
 class RequestControl:

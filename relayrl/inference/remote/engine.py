@@ -8,14 +8,17 @@
   server died is re-issued elsewhere, continuing from the tokens already received.
 - Interruption: a reply that ends with ``abort`` (weights changing) is resubmitted as
   prompt + partial output; every token keeps the version that produced it.
-- Weights (``remote_weights.WeightSync``): ``update_weights`` fans out to every live server (a versioned safetensors dir on
-  shared disk, an HTTP upload, or a collective broadcast to all of them over a process group
-  of their own, NCCL on GPUs, in buckets of ``weight_bucket_mb``) and checks that each reports
-  the new version. Servers being updated are not health-probed (SGLang's probe blocks then).
-- Peers: each server's version and routes are read at connect (``peers.detect``): the served
-  model name, where the weight version is read, its tensor-parallel ranks; a server that
-  lacks what the run needs is refused at start-up with the version or flag that provides it.
-- LoRA (``remote_lora.AdapterSync``): with ``model.lora.sync=adapter`` SGLang / vLLM servers
+- Peers: one module each (``sglang``, ``vllm``, ``relayrl``; ``peers.make_backend`` picks it by
+  ``inference.protocol``) maps requests and replies, reads each server's version and routes at
+  connect (the served model name, where the weight version is read, its tensor-parallel ranks;
+  a server that lacks what the run needs is refused at start-up with the version or flag that
+  provides it), picks the weight sync and launches servers.
+- Weights (``weights.WeightSync`` objects this engine holds, one per peer and mode):
+  ``update_weights`` sends to every live server (a versioned safetensors dir on shared disk, an
+  HTTP upload, or a collective broadcast to all of them over a process group of their own, NCCL
+  on GPUs, in buckets of ``weight_bucket_mb``) and checks that each reports the new version.
+  Servers being updated are not health-probed (SGLang's probe blocks then).
+- LoRA (``adapters.AdapterSync``): with ``model.lora.sync=adapter`` SGLang / vLLM servers
   load the trainer's adapter as ``relayrl-v<version>`` and requests name it.
 - Request ids: each HTTP request carries a fresh id (``<rid>-<n>``): SGLang refuses an id
   already in flight, and one episode may send several requests at once (ReMax).
@@ -40,40 +43,30 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import httpx
 import torch
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
-from relayrl.api.io import ModelRequest, ModelResponse, StopReason
-from relayrl.inference.backends import Call, JsonDict, ProtocolError, ServerError, VLLMBackend, make_backend, wire_image
-from relayrl.inference.batcher import MicroBatcher
-from relayrl.inference.peers import PeerInfo, UnsupportedServer, detect, require_image_routes, require_routes
-from relayrl.inference.remote_lora import AdapterSync
-from relayrl.inference.remote_vllm import VLLMWeightSync
-from relayrl.inference.remote_weights import DEAD_ERRORS
-from relayrl.inference.vllm_transfer import VLLMTransferGroup
-from relayrl.inference.weight_group import WeightBroadcastGroup
-
-if TYPE_CHECKING:
-    from relayrl.inference.launcher import ServerGroup
-    from relayrl.inference.peer_launcher import PeerServerGroup
+from relayrl.api.io import ModelRequest, ModelResponse, StopReason, WeightUpdate
+from relayrl.inference.remote.adapters import AdapterSync, adapter_mode, adapters_kept
+from relayrl.inference.remote.batcher import MicroBatcher
+from relayrl.inference.remote.launch import Launched
+from relayrl.inference.remote.peers import make_backend
+from relayrl.inference.remote.protocol import (
+    DEAD_ERRORS,
+    Call,
+    JsonDict,
+    ProtocolError,
+    Server,
+    ServerError,
+    wire_image,
+)
+from relayrl.inference.remote.vllm import VLLMBackend, require_image_routes
+from relayrl.inference.remote.weights import WeightSync
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Server:
-    url: str
-    alive: bool = True
-    in_flight: int = 0
-    version: int = 0
-    info: PeerInfo | None = None  # what it offers, read at connect
-    updating: bool = False  # a weight update is under way (no health probes: SGLang's block then)
-    adapter: str = ""  # the LoRA adapter requests name (model.lora.sync=adapter); "" = the base weights
 
 
 def _check_status(url: str, call: Call, r: httpx.Response) -> None:
@@ -87,7 +80,7 @@ def _url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address}"
 
 
-class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
+class RemoteEngine(InferenceEngine):
     """InferenceEngine over HTTP servers (``config.addresses``, or ``n_servers`` launched
     serving ``model``, the policy's ModelConfig, so that its weights fit them)."""
 
@@ -98,31 +91,32 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
         self.model = model or ModelConfig()
         self.addresses = list(addresses if addresses is not None else config.addresses)
         self.backend = make_backend(config.protocol)
-        if config.return_routed_experts and isinstance(self.backend, VLLMBackend):
-            raise ValueError("inference.return_routed_experts: vLLM returns no routed experts (use sglang or relayrl)")
+        if config.return_routed_experts and not self.backend.records_experts:
+            raise ValueError(
+                f"inference.return_routed_experts: {self.backend.name} returns no routed experts (use sglang or relayrl)"
+            )
         self.backend.return_routed_experts = config.return_routed_experts
         self.token = config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
-        self.servers: list[_Server] = []
+        self.servers: list[Server] = []
         self._lock = threading.Lock()  # server table and counters (agenerate runs on many threads)
         self._update_lock = threading.Lock()
-        self._affinity: collections.OrderedDict[str, _Server] = collections.OrderedDict()
+        self._affinity: collections.OrderedDict[str, Server] = collections.OrderedDict()
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
             weakref.WeakKeyDictionary()
         )
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, MicroBatcher] = weakref.WeakKeyDictionary()
         self._version = 0
-        # ("disk", path), ("http", payload) or ("broadcast", tensors): what a returning server is given
-        self._last_weights: tuple[str, str | bytes | dict[str, torch.Tensor]] | None = None
-        # weight_sync=broadcast: the group (SGLang's layout, or vLLM's transfer group) and its members
-        self._group: WeightBroadcastGroup | VLLMTransferGroup | None = None
-        self._group_members: list[str] = []
-        self._group_stale = False  # a member died: the group is rebuilt at its next use
+        # the syncs: full weights by weight_sync mode (disk, http, broadcast; made at first use, or at connect
+        # when inference.weight_sync says which), adapters (model.lora.sync=adapter)
+        self._syncs: dict[str, WeightSync] = {}
+        self._adapters: AdapterSync | None = None
+        self._last: tuple[WeightSync, object] | None = None  # the last update's sync and data: a returning server's
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
-        self._launched: PeerServerGroup | ServerGroup | None = None
+        self._launched: Launched | None = None
         self._rr = 0
         self._wire_ids = itertools.count()
-        self._paused = False
+        self.paused = False  # generation paused by the trainer
         self._ssl: ssl.SSLContext | None = None
         # requests: generation requests sent (continuations and retries included); http_calls: the
         # HTTP calls that carried them (fewer when batched)
@@ -132,36 +126,25 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, wait_timeout: float = 60.0) -> None:
         launch = self.config.launch
-        self.accepts_adapters = self._adapter_mode()
-        if not self.addresses and self.config.n_servers > 0 and launch in ("sglang", "vllm"):
-            if self.backend.name != launch:
+        self.accepts_adapters = adapter_mode(
+            self.model.lora, self.config, self.backend.name, self.backend.loads_adapters
+        )
+        if not self.addresses and self.config.n_servers > 0 and launch != "none":
+            if launch != "relayrl" and self.backend.name != launch:  # relayrl servers speak every protocol
                 raise ValueError(
                     f"inference.launch={launch} starts {launch} servers: set inference.protocol={launch} "
                     f"(it is {self.backend.name})"
                 )
-            from relayrl.inference.peer_launcher import PeerServerGroup
-
             lora = self.model.lora if self.accepts_adapters else None
-            self._launched = PeerServerGroup(launch, self.config, self.model.path, lora=lora).start()
+            peer = self.backend if self.backend.name == launch else make_backend(launch)
+            self._launched = peer.launch(self.config, self.model, lora, self.token)
             self.addresses = self._launched.addresses
-        if not self.addresses and self.config.n_servers > 0 and launch == "relayrl":
-            from relayrl.inference.launcher import launch_servers, serve_overrides
-
-            group = launch_servers(
-                self.config.n_servers,
-                model=self.model.path,
-                threads=self.config.server_threads,
-                overrides=serve_overrides(self.config, self.model),
-                admin_token=self.token,
-            )
-            self._launched = group
-            self.addresses = group.addresses
         if not self.addresses:
             raise ValueError(
                 "RemoteEngine needs inference.addresses (host:port of servers), or inference.n_servers > 0 "
                 f"with inference.launch=relayrl|sglang|vllm (it is {launch})"
             )
-        self.servers = [_Server(_url(a)) for a in self.addresses]
+        self.servers = [Server(_url(a)) for a in self.addresses]
         deadline = time.monotonic() + wait_timeout
         pending = list(self.servers)
         while pending:
@@ -178,9 +161,9 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
         self._health = threading.Thread(target=self._health_loop, name="relayrl-health", daemon=True)
         self._health.start()
 
-    def _get(self, srv: _Server, timeout: float = 10.0) -> Callable[[str], tuple[int, object]]:
+    def _get(self, srv: Server, timeout: float = 10.0) -> Callable[[str], tuple[int, object]]:
         def get(path: str) -> tuple[int, object]:
-            with self._sync_client(timeout) as c:
+            with self.sync_client(timeout) as c:
                 r = c.get(srv.url + path)
             try:
                 return r.status_code, r.json()
@@ -191,42 +174,18 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
 
     def _connect_all(self) -> None:
         """Read every server's version and routes; refuse, naming what is missing, those that
-        cannot serve this run; check vLLM's logprobs follow the temperature."""
+        cannot serve this run; pick the weight syncs."""
         for srv in self.servers:
-            srv.info = detect(self.backend.name, srv.url, self._get(srv))
-        mode = self.config.weight_sync
-        self._resolve_adapters()
-        # with adapters the adapter routes are what is needed, not the full-weight ones
-        if not self.accepts_adapters and (mode != "auto" or self.config.weight_sync_dir):
-            mode = self._sync_mode()
+            srv.info = self.backend.detect(srv.url, self._get(srv))
+        if self.accepts_adapters:
+            self.accepts_adapters = adapters_kept(self.model.lora, self.servers)
+        if self.accepts_adapters:  # the adapter routes are what is needed, not the full-weight ones
+            self._adapters = AdapterSync(self, self.backend)
+        elif self._mode_set():
+            sync = self._sync(self._sync_mode())
             for srv in self.servers:
-                assert srv.info is not None  # (read at connect)
-                require_routes(srv.info, srv.url, mode)
-                self._vllm_prepare(srv, mode)
-        if isinstance(self.backend, VLLMBackend):
-            names = {s.info.model for s in self.servers if s.info is not None}
-            if len(names) != 1:
-                raise UnsupportedServer(f"the vLLM servers serve different models: {sorted(names)}")
-            self.backend.model = names.pop()
-            first = self.servers[0].info
-            if first is not None and first.server != "relayrl":  # relayrl's follow the temperature
-                self._check_logprobs_mode(self.servers[0])
-
-    def _check_logprobs_mode(self, srv: _Server) -> None:
-        """vLLM reports the raw model's logprobs unless run with ``--logprobs-mode processed_logprobs``:
-        the top logprob of one token at two temperatures tells them apart."""
-        backend = self.backend
-        assert isinstance(backend, VLLMBackend)
-        tops = []
-        for t in (1.0, 0.5):
-            body = self._admin(srv, backend.logprob_probe(t), timeout=60)
-            tops.append(backend.top_logprob(body))
-        if abs(tops[0] - tops[1]) < 1e-6 and tops[0] < -1e-4:
-            raise UnsupportedServer(
-                f"{srv.url} returns logprobs that ignore the sampling temperature (vLLM's default raw_logprobs): "
-                "start vLLM with --logprobs-mode processed_logprobs (relayrl's importance weights need the "
-                "logprobs of the distribution actually sampled)"
-            )
+                sync.connect(srv)
+        self.backend.connected(self)
 
     def destroy(self) -> None:
         self._stop.set()
@@ -242,7 +201,7 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
             self._launched = None
 
     # ------------------------------------------------------------------ routing
-    def _choose(self, rid: str) -> _Server | None:
+    def _choose(self, rid: str) -> Server | None:
         with self._lock:
             srv = self._affinity.get(rid)
             if srv is None or not srv.alive:
@@ -261,17 +220,16 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
             srv.in_flight += 1
             return srv
 
-    def _release(self, srv: _Server) -> None:
+    def _release(self, srv: Server) -> None:
         with self._lock:
             srv.in_flight -= 1
 
-    def _evict(self, srv: _Server, why: object) -> None:
+    def evict(self, srv: Server, why: object) -> None:
         with self._lock:
             if srv.alive:
                 srv.alive = False
                 self.counters["evictions"] += 1
-                if srv.url in self._group_members:  # the weight group lost a member: rebuilt at its next use
-                    self._group_stale = True
+                srv.evictions += 1  # a weight group it was in is rebuilt at its next use
                 log.warning("server %s evicted: %s", srv.url, why)
 
     def live_servers(self) -> list[str]:
@@ -292,7 +250,7 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
                 self._ssl = httpx.create_ssl_context()
             return self._ssl
 
-    def _sync_client(self, timeout: float) -> httpx.Client:
+    def sync_client(self, timeout: float) -> httpx.Client:
         return httpx.Client(timeout=timeout, headers=self._headers(), verify=self._verify())
 
     def _client(self) -> httpx.AsyncClient:
@@ -326,7 +284,7 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
                     except ValueError as e:
                         raise ProtocolError(f"{url}{call.path} streamed a line that is not JSON: {line[:200]!r}") from e
 
-    def _generate_call(self, srv: _Server, call: Call) -> Awaitable[object]:
+    def _generate_call(self, srv: Server, call: Call) -> Awaitable[object]:
         """``call`` sent alone (``batch_window_ms=0``) or batched with others to the same server."""
         if self.config.batch_window_ms <= 0:
             return self._send(srv.url, call)
@@ -370,7 +328,7 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             if (
-                self._paused or srv.updating
+                self.paused or srv.updating
             ):  # held here while weights change: a request runs under the version it is sent under
                 self._release(srv)
                 await asyncio.sleep(0.005)
@@ -396,7 +354,7 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
                 )
                 body = await self._generate_call(srv, call)
             except DEAD_ERRORS as e:
-                self._evict(srv, repr(e))
+                self.evict(srv, repr(e))
                 attempt = self._count_failure(attempt, req.rid, repr(e))
                 self.counters["reissued"] += 1
                 await asyncio.sleep(self._backoff(attempt))
@@ -439,8 +397,8 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
         return attempt
 
     # ------------------------------------------------------------------ admin (sync, fanned out)
-    def _admin(self, srv: _Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
-        with self._sync_client(timeout or self.config.request_timeout) as c:
+    def admin(self, srv: Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
+        with self.sync_client(timeout or self.config.request_timeout) as c:
             r = c.request(
                 call.method, srv.url + call.path, json=call.json if content is None else None, content=content
             )
@@ -448,15 +406,15 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
             raise RuntimeError(f"{srv.url}{call.path} answered {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else {}
 
-    def _fan_out(self, fn: Callable[[_Server], object], servers: list[_Server]) -> None:
+    def fan_out(self, fn: Callable[[Server], object], servers: list[Server]) -> None:
         """Run ``fn(server)`` on all servers at once; dead ones are evicted, other errors raised."""
         errors: list[BaseException] = []
 
-        def one(s: _Server) -> None:
+        def one(s: Server) -> None:
             try:
                 fn(s)
             except DEAD_ERRORS as e:
-                self._evict(s, repr(e))
+                self.evict(s, repr(e))
             except BaseException as e:  # noqa: BLE001 - re-raised below after all servers ran
                 errors.append(e)
 
@@ -466,12 +424,12 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
             raise errors[0]
 
     def pause(self) -> None:
-        self._fan_out(lambda s: self._admin(s, self.backend.pause()), [s for s in self.servers if s.alive])
-        self._paused = True
+        self.fan_out(lambda s: self.admin(s, self.backend.pause()), [s for s in self.servers if s.alive])
+        self.paused = True
 
     def resume(self) -> None:
-        self._fan_out(lambda s: self._admin(s, self.backend.resume()), [s for s in self.servers if s.alive])
-        self._paused = False
+        self.fan_out(lambda s: self.admin(s, self.backend.resume()), [s for s in self.servers if s.alive])
+        self.paused = False
 
     def get_version(self) -> int:
         return self._version
@@ -480,12 +438,12 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
         self._version = version
 
     # ------------------------------------------------------------------ health
-    def _probe(self, srv: _Server, record_version: bool = True) -> bool:
+    def _probe(self, srv: Server, record_version: bool = True) -> bool:
         """True when ``srv`` answers /health (and records its weight version when asked: not for a
         server in service, whose version only ``update_weights`` sets; a probe racing an update
         would write back the version from before it)."""
         try:
-            with self._sync_client(5.0) as c:
+            with self.sync_client(5.0) as c:
                 r = c.get(srv.url + (srv.info.live_path if srv.info is not None else self.backend.health_path))
                 if r.status_code != 200:
                     return False
@@ -504,20 +462,20 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
                     continue
                 ok = self._probe(srv, record_version=not srv.alive)
                 if srv.alive and not ok:
-                    self._evict(srv, "health check failed")
+                    self.evict(srv, "health check failed")
                 elif not srv.alive and ok:
                     self._readmit(srv)
 
-    def _readmit(self, srv: _Server) -> None:
+    def _readmit(self, srv: Server) -> None:
         with self._update_lock:
             try:
-                srv.info = detect(self.backend.name, srv.url, self._get(srv))  # it may be a new release
-                if not self.accepts_adapters and (self.config.weight_sync != "auto" or self.config.weight_sync_dir):
-                    self._vllm_prepare(srv, self._sync_mode())
-                if srv.version == -1 and self._last_weights is None and self._version == 0:
+                srv.info = self.backend.detect(srv.url, self._get(srv))  # it may be a new release
+                if not self.accepts_adapters and self._mode_set():
+                    self._sync(self._sync_mode()).connect(srv)
+                if srv.version == -1 and self._last is None and self._version == 0:
                     srv.version = 0  # no update yet: its start-up weights are the engine's
                 if srv.version != self._version:
-                    if self._last_weights is None:  # stale weights and nothing to push: keep it out
+                    if self._last is None:  # stale weights and nothing to push: keep it out
                         log.warning(
                             "server %s is back at weight version %d (engine at %d) and no weights are "
                             "known to push; not re-admitted",
@@ -526,7 +484,8 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
                             self._version,
                         )
                         return
-                    self._push(srv, self._last_weights, self._version)
+                    sync, data = self._last
+                    sync.rejoin(srv, data, self._version)
             except (httpx.HTTPError, RuntimeError, ConnectionError, ValueError) as e:
                 log.warning("server %s answered but could not take weights v%d: %s", srv.url, self._version, e)
                 return
@@ -534,3 +493,54 @@ class RemoteEngine(VLLMWeightSync, AdapterSync, InferenceEngine):
                 srv.alive = True
                 self.counters["readmissions"] += 1
             log.warning("server %s re-admitted at weight version %d", srv.url, srv.version)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, update: WeightUpdate) -> None:
+        with self._update_lock:
+            sync = self._sync_for(update)
+            data = sync.prepare(update)
+            live = [s for s in self.servers if s.alive]
+            if not live:
+                raise ConnectionError("no live server to update")
+            for s in self.servers:
+                s.updating = True
+            try:
+                sync.send(data, update.version, live)
+            finally:
+                for s in self.servers:
+                    s.updating = False
+            if not any(s.alive and s.version == update.version for s in self.servers):
+                raise ConnectionError(f"no server confirmed weight version {update.version}")
+            self._version = update.version
+            self._last = (sync, data)
+
+    def _sync_for(self, update: WeightUpdate) -> WeightSync:
+        if update.kind == "adapter":
+            if self._adapters is None:
+                raise ValueError("WeightUpdate(kind='adapter') needs model.lora.sync=adapter and SGLang / vLLM servers")
+            return self._adapters
+        return self._sync("disk" if update.kind == "disk" else self._sync_mode())
+
+    def _sync(self, mode: str) -> WeightSync:
+        if mode not in self._syncs:
+            self._syncs[mode] = self.backend.weight_sync(self, mode)
+        return self._syncs[mode]
+
+    def _mode_set(self) -> bool:
+        """Whether the run names its weight sync (then servers are checked for it at connect)."""
+        return self.config.weight_sync != "auto" or bool(self.config.weight_sync_dir)
+
+    def _sync_mode(self) -> str:
+        """inference.weight_sync resolved (auto: disk with a weight_sync_dir, else an HTTP upload)."""
+        mode = self.config.weight_sync
+        if mode == "auto":
+            mode = "disk" if self.config.weight_sync_dir else "http"
+        if mode == "disk" and not self.config.weight_sync_dir:
+            raise ValueError(
+                "inference.weight_sync=disk needs inference.weight_sync_dir (a directory all servers can read)"
+            )
+        if mode == "http" and not self.backend.supports_upload:
+            raise ValueError(
+                f"{self.backend.name} servers take no HTTP upload: set inference.weight_sync=disk and weight_sync_dir"
+            )
+        return mode

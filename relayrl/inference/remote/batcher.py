@@ -24,7 +24,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
-from relayrl.inference.backends import Backend, Call, ProtocolError
+from relayrl.inference.remote.peers import Backend
+from relayrl.inference.remote.protocol import Call, ProtocolError
 
 Send = Callable[[str, Call], Awaitable[object]]
 Stream = Callable[[str, Call], AsyncGenerator[object, None]]

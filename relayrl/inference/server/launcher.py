@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from relayrl.inference import LISTEN_PREFIX
+from relayrl.inference.server import LISTEN_PREFIX
 
 if TYPE_CHECKING:  # the launcher stays light: Ray's server actors import it
-    from relayrl.api.config import InferenceConfig, ModelConfig
+    pass
 
 _PR_SET_PDEATHSIG = 1
 _groups: weakref.WeakSet[ServerGroup] = weakref.WeakSet()
@@ -152,15 +152,6 @@ def _drain(proc: subprocess.Popen[str]) -> None:
     assert proc.stdout is not None
     for _ in proc.stdout:
         pass
-
-
-def serve_overrides(inf: InferenceConfig, model: ModelConfig) -> list[str]:
-    """ServerConfig overrides that make a launched server fit the run: the policy's model
-    (vocabulary, dtype, tokenizer) and the weight directory it may read."""
-    roots = [inf.weight_sync_dir] if inf.weight_sync_dir else []
-    out = [f"model.path={model.path}", f"model.vocab_size={model.vocab_size}", f"model.dtype={model.dtype}"]
-    out += [f"model.tokenizer_path={model.tokenizer_path}"] if model.tokenizer_path else []
-    return [*out, f"allowed_weight_roots={roots}", f"torch_threads={inf.server_threads}"]
 
 
 def launch_servers(

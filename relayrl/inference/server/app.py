@@ -25,8 +25,8 @@ Where an SGLang client would notice, it answers as SGLang does: ``/pause_generat
 in-flight requests (``mode`` ``abort``; ``in_place`` / ``retract`` keep them), an interrupted
 ``/generate`` request ends as ``abort`` with its partial output, ``weight_version`` is a string,
 matched stop strings are cut from ``text``. Errors are OpenAI error objects
-(``server_common.error_body``). Weight routes live in ``server_weights``, OpenAI routes in
-``server_openai``.
+(``common.error_body``). Weight routes live in ``weights``, OpenAI routes in
+``openai_routes``.
 """
 
 from __future__ import annotations
@@ -49,17 +49,9 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.commands import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
-from relayrl.inference import LISTEN_PREFIX
-from relayrl.inference.local import LocalEngine
-from relayrl.inference.schemas import (
-    AbortRequest,
-    GenerateBatchRequest,
-    GenerateBody,
-    GenerateRequest,
-    PauseRequest,
-    SamplingParams,
-)
-from relayrl.inference.server_common import (
+from relayrl.inference.local.engine import LocalEngine
+from relayrl.inference.server import LISTEN_PREFIX
+from relayrl.inference.server.common import (
     _bad,
     _dumps,
     _json,
@@ -69,8 +61,16 @@ from relayrl.inference.server_common import (
     error_body,
     trim_stop,
 )
-from relayrl.inference.server_openai import OpenAIRoutes
-from relayrl.inference.server_weights import WeightRoutes
+from relayrl.inference.server.openai_routes import OpenAIRoutes
+from relayrl.inference.server.schemas import (
+    AbortRequest,
+    GenerateBatchRequest,
+    GenerateBody,
+    GenerateRequest,
+    PauseRequest,
+    SamplingParams,
+)
+from relayrl.inference.server.weights import WeightRoutes
 from relayrl.inference.weight_group import WeightBroadcastGroup
 from relayrl.utils.moe import encode_routed_experts
 

@@ -11,10 +11,10 @@ The running batch is left-padded: row ``i`` holds its tokens at the right end of
 cache, ``attention_mask`` marks real columns and ``position_ids`` are passed explicitly, so
 prompts of any length share a batch with correct positions. Columns that no remaining row
 uses are trimmed when rows leave. Everything lives on ``inference.device``; the slab's
-rows x columns stay within ``kv_capacity`` (``inference/device.py``): when it would not, the
+rows x columns stay within ``kv_capacity`` (``device.py``): when it would not, the
 latest rows are preempted, set aside and continued later from prompt + output. The batch's
-prefill / merge / trim / decode step live in ``inference/slab.py``; on CUDA the decode step runs
-over ``inference/graphs.py``'s static buffers as captured CUDA graphs.
+prefill / merge / trim / decode step live in ``slab.py``; on CUDA the decode step runs
+over ``graphs.py``'s static buffers as captured CUDA graphs.
 
 ``agenerate`` is callable from any thread and asyncio loop: it queues the request and awaits
 a future the loop thread resolves through ``loop.call_soon_threadsafe``. A weight update
@@ -43,14 +43,14 @@ from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, WeightUpdate
 from relayrl.data.vision import is_vision_config, load_image_processor
-from relayrl.inference.decode import FastDecoder
-from relayrl.inference.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
-from relayrl.inference.graphs import StaticDecoder, choose_attention
-from relayrl.inference.local_requests import RequestControl
-from relayrl.inference.sampling import RowParams, penalized, sample
-from relayrl.inference.seq import Seq, load_hf_state_dict, resolver, validate_request
-from relayrl.inference.slab import SlabBatch
-from relayrl.inference.vision import image_key, request_vision
+from relayrl.inference.local.decode import FastDecoder
+from relayrl.inference.local.device import accepts_mask_dict, kv_capacity, resolve_device, takes_logits_to_keep
+from relayrl.inference.local.graphs import StaticDecoder, choose_attention
+from relayrl.inference.local.requests import RequestControl
+from relayrl.inference.local.sampling import RowParams, penalized, sample
+from relayrl.inference.local.seq import Seq, load_hf_state_dict, resolver, validate_request
+from relayrl.inference.local.slab import SlabBatch
+from relayrl.inference.local.vision import image_key, request_vision
 from relayrl.utils.batching import length_groups
 from relayrl.utils.moe import RoutingRecorder, routing_shape
 

@@ -16,9 +16,9 @@ from fastapi import Request
 
 from relayrl.api.commands import ServerConfig
 from relayrl.api.io import WeightUpdate
-from relayrl.inference.local import LocalEngine
-from relayrl.inference.schemas import DestroyWeightGroup, DiskUpdate, DistributedUpdate, InitWeightGroup
-from relayrl.inference.server_common import _bad, _version, confine_path
+from relayrl.inference.local.engine import LocalEngine
+from relayrl.inference.server.common import _bad, _version, confine_path
+from relayrl.inference.server.schemas import DestroyWeightGroup, DiskUpdate, DistributedUpdate, InitWeightGroup
 from relayrl.inference.weight_group import WeightBroadcastGroup, parse_dtype
 
 

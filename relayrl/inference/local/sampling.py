@@ -21,7 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from relayrl.api.io import GenerationConfig
-    from relayrl.inference.seq import Seq
+    from relayrl.inference.local.seq import Seq
 
 _M32 = 0xFFFFFFFF
 
@@ -94,7 +94,7 @@ def penalized(logits: torch.Tensor, seqs: list[Seq], rows: list[int]) -> torch.T
 def top_logprobs(logits: torch.Tensor, output: list[int], g: GenerationConfig, k: int) -> list[list[tuple[int, float]]]:
     """OpenAI's ``top_logprobs`` from the logits that produced each of ``output`` ([T, V]): the ``k``
     most likely tokens under the distribution sampled (penalties, temperature, top-k/top-p), per position."""
-    from relayrl.inference.seq import Seq
+    from relayrl.inference.local.seq import Seq
 
     rows = [Seq(prompt=[], g=g, key=0, on_done=lambda r: None, out=list(output[:i])) for i in range(len(output))]
     logits = penalized(logits, rows, list(range(len(rows)))) if g.frequency_penalty or g.presence_penalty else logits

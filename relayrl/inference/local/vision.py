@@ -28,7 +28,7 @@ from relayrl.data.vision import (
     process_images,
     prompt_image_mask,
 )
-from relayrl.inference.decode import slab_layers
+from relayrl.inference.local.decode import slab_layers
 
 if typing.TYPE_CHECKING:
     from transformers.image_processing_utils import BaseImageProcessor

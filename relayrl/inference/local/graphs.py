@@ -24,7 +24,7 @@ import typing
 import torch
 import torch.nn.functional as F
 
-from relayrl.inference.decode import FastDecoder, SlabLayer
+from relayrl.inference.local.decode import FastDecoder, SlabLayer
 
 if typing.TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from relayrl.api.config import InferenceConfig
-from relayrl.inference.decode import FastDecoder, SlabLayer, cat_left_padded, slab_layers
-from relayrl.inference.graphs import StaticDecoder
-from relayrl.inference.sampling import RowParams
-from relayrl.inference.seq import Prefilled, Seq
-from relayrl.inference.vision import vision_prefill
+from relayrl.inference.local.decode import FastDecoder, SlabLayer, cat_left_padded, slab_layers
+from relayrl.inference.local.graphs import StaticDecoder
+from relayrl.inference.local.sampling import RowParams
+from relayrl.inference.local.seq import Prefilled, Seq
+from relayrl.inference.local.vision import vision_prefill
 from relayrl.utils.moe import RoutingRecorder
 
 

@@ -1,0 +1,136 @@
+"""RemoteEngine's LoRA adapter sync (a ``WeightSync`` it holds): ``model.lora.sync=adapter``.
+
+A LoRA trainer sends SGLang / vLLM servers its adapter instead of merged full weights
+(``WeightUpdate(kind="adapter")``). The adapter is written as peft saves it to
+``<inference.weight_sync_dir>/relayrl-v<version>`` and every server loads it under that name
+(SGLang ``/load_lora_adapter``, vLLM ``/v1/load_lora_adapter``); from then on requests to the
+server name it (SGLang ``lora_path``, vLLM ``model``), and the adapter it replaces is unloaded.
+Neither peer's load route takes a weight version, so the version is carried by the name: a
+request's tokens are tagged with the version of the adapter it was sent with (the servers'
+own ``weight_version`` stays that of their base weights). Version 0 (no update yet) is the
+base model, which a fresh adapter (B = 0) computes too.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import httpx
+import safetensors.torch
+
+from relayrl.api.io import WeightUpdate
+from relayrl.inference.remote.protocol import Call, Server, require_lora
+from relayrl.inference.remote.weights import Fleet, PerServerSync, host_tensors, publish
+
+if TYPE_CHECKING:
+    from relayrl.api.config import InferenceConfig, LoraConfig
+
+log = logging.getLogger(__name__)
+
+PREFIX = "relayrl-v"  # adapters are loaded as relayrl-v<version>
+
+
+def adapter_name(version: int) -> str:
+    return f"{PREFIX}{version}"
+
+
+class AdapterRoutes(Protocol):
+    """A peer's adapter routes (``sglang.SGLangBackend``, ``vllm.VLLMBackend``)."""
+
+    def load_adapter(self, name: str, path: str) -> Call: ...
+
+    def unload_adapter(self, name: str) -> Call: ...
+
+    def parse_adapter_load(self, name: str, body: object) -> None: ...
+
+
+def adapter_mode(lora: LoraConfig, config: InferenceConfig, peer: str, loads_adapters: bool) -> bool:
+    """Whether this run sends adapters (``model.lora.sync``, resolved): checked at start-up."""
+    if lora.rank <= 0 or lora.sync == "merged":
+        return False
+    shared = bool(config.weight_sync_dir)
+    if lora.sync == "auto":
+        return loads_adapters and shared
+    if not loads_adapters:
+        raise ValueError(
+            f"model.lora.sync=adapter needs SGLang or vLLM servers (inference.protocol is "
+            f"{peer}; relayrl servers take merged weights: model.lora.sync=merged)"
+        )
+    if not shared:
+        raise ValueError(
+            "model.lora.sync=adapter needs inference.weight_sync_dir (a directory the servers read adapters from)"
+        )
+    return True
+
+
+def adapters_kept(lora: LoraConfig, servers: list[Server]) -> bool:
+    """At connect: ``sync=auto`` keeps adapters only if every server says it loads them at run
+    time (else merged weights, as before); ``sync=adapter`` refuses a server that does not."""
+    if lora.sync == "auto" and not all(s.info is not None and s.info.lora for s in servers):
+        log.info("model.lora.sync=auto: a server does not load LoRA adapters at run time; sending merged weights")
+        return False
+    for srv in servers:
+        if srv.info is not None:
+            require_lora(srv.info, srv.url, lora.rank)
+    return True
+
+
+class AdapterSync(PerServerSync):
+    """``WeightUpdate(kind="adapter")``: the adapter as peft saves it, loaded by every server."""
+
+    def __init__(self, fleet: Fleet, routes: AdapterRoutes) -> None:
+        super().__init__(fleet)
+        self.routes = routes
+
+    def prepare(self, update: WeightUpdate) -> object:
+        """The adapter in ``weight_sync_dir/relayrl-v<version>`` (the two newest kept)."""
+        tensors = host_tensors(update)
+        root = Path(self.fleet.config.weight_sync_dir)
+        final = root / adapter_name(update.version)
+
+        def fill(d: Path) -> None:
+            safetensors.torch.save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+            (d / "adapter_config.json").write_text(update.adapter_config)
+
+        publish(final, fill)
+        old = sorted(
+            root.glob(f"{PREFIX}*"), key=lambda p: int(p.name[len(PREFIX) :]) if p.name[len(PREFIX) :].isdigit() else -1
+        )
+        for p in old[:-2]:
+            shutil.rmtree(p, ignore_errors=True)
+        return str(final)
+
+    def _call(self, srv: Server, call: Call) -> tuple[int, object]:
+        """(status, JSON body or text): vLLM's adapter routes answer plain text."""
+        with self.fleet.sync_client(self.fleet.config.request_timeout) as c:
+            r = c.request(call.method, srv.url + call.path, json=call.json or {})
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, r.text
+
+    def push(self, srv: Server, data: object, version: int) -> None:
+        """Load the adapter at ``data`` on ``srv`` as ``relayrl-v<version>``, then unload the one it replaces."""
+        path = str(data)
+        name = Path(path).name
+        call = self.routes.load_adapter(name, path)
+        status, body = self._call(srv, call)
+        if status == 404 and isinstance(body, dict) and body.get("detail") == "Not Found":
+            flags = srv.info.lora_flags if srv.info is not None else "--enable-lora"
+            raise RuntimeError(f"{srv.url} has no {call.path}: start it with {flags}")
+        if status >= 400 and "already" not in str(body):  # a returning server that kept it: loaded
+            raise RuntimeError(f"{srv.url}{call.path} refused adapter {name} ({status}): {str(body)[:500]}")
+        if status < 400:
+            self.routes.parse_adapter_load(name, body)
+        previous, srv.adapter, srv.version = srv.adapter, name, version
+        if previous and previous != name:
+            unload = self.routes.unload_adapter(previous)
+            try:
+                status, body = self._call(srv, unload)
+                if status >= 400:
+                    log.warning("%s kept adapter %s: %s answered %d %s", srv.url, previous, unload.path, status, body)
+            except httpx.HTTPError as e:
+                log.warning("%s kept adapter %s: %r", srv.url, previous, e)

@@ -1,0 +1,149 @@
+"""What every peer module shares: an HTTP call, a parsed generate reply, what a server offers
+(``PeerInfo``, read at connect by the peer's ``detect``) and the errors that name what is wrong.
+
+SGLang and vLLM move and add routes between versions; RemoteEngine asks each server once and
+uses the routes it has, and refuses at start-up (naming what is missing and the version or
+flag that provides it) where a server cannot do what the run needs.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import torch
+
+from relayrl.api.io import GenerationConfig, StopReason
+
+JsonDict = dict[str, object]
+Getter = Callable[[str], tuple[int, object]]  # GET path -> (status, JSON body or None)
+
+# Errors after which a server is presumed dead (refused, reset, closed mid-reply).
+DEAD_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
+
+
+class ProtocolError(ValueError):
+    """A server reply that does not have the documented shape."""
+
+
+class ServerError(RuntimeError):
+    """A server answered 5xx (retried elsewhere)."""
+
+
+class UnsupportedServer(RuntimeError):
+    """A server that lacks what this run needs (the message says what, and what provides it)."""
+
+
+@dataclass
+class Parsed:
+    """One generate reply, protocol-independent."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+    versions: list[int] | None = None  # per-token versions when the server reports them
+    weight_version: int | None = None  # the server's version when it answered
+    routed_experts: torch.Tensor | None = None  # MoE: [input + output - 1, layers, top_k] when asked and given
+
+
+@dataclass
+class Call:
+    """An HTTP call: method, path (with query), JSON body."""
+
+    method: str
+    path: str
+    json: JsonDict | None = None
+
+
+@dataclass
+class PeerInfo:
+    protocol: str
+    version: str = ""
+    tp_size: int = 1  # weight-group ranks this server takes (SGLang: rank_offset + tp_rank)
+    model: str = "default"  # the served model name (vLLM refuses any other)
+    version_path: str | None = None  # GET route whose JSON has "weight_version"; None: the server reports none
+    live_path: str = "/health"  # a liveness route that never generates
+    routes: set[str] = field(default_factory=set)  # published routes (vLLM's openapi.json), else empty
+    disk_transfer: bool = False  # vLLM: disk updates through its weight-transfer API (else /collective_rpc)
+    server: str = ""  # "relayrl" for `relayrl serve` (it speaks both protocols), else the peer's own
+    lora: bool | None = None  # loads LoRA adapters at run time (None: the server does not say)
+    max_lora_rank: int = 0  # the largest adapter rank it takes (0: not reported)
+    lora_flags: str = "--enable-lora --max-lora-rank R"  # how this peer is started to load adapters
+
+
+@dataclass
+class Server:
+    """One server RemoteEngine sends to, and what it knows of it."""
+
+    url: str
+    alive: bool = True
+    in_flight: int = 0
+    version: int = 0
+    info: PeerInfo | None = None  # what it offers, read at connect
+    updating: bool = False  # a weight update is under way (no health probes: SGLang's block then)
+    adapter: str = ""  # the LoRA adapter requests name (model.lora.sync=adapter); "" = the base weights
+    evictions: int = 0  # times evicted: a weight group with it in is rebuilt once it was
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    """``"0.5.3.post1"`` -> ``(0, 5, 3)``; unparsable parts end the tuple."""
+    out = []
+    for part in v.split(".")[:3]:
+        digits = part[: len(part) - len(part.lstrip("0123456789"))]  # the leading digits ("10rc1" -> "10")
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def first_page(get: Getter, paths: tuple[str, ...]) -> tuple[str, dict[str, object]] | None:
+    """The first of ``paths`` that answers 200 with a JSON object: (path, body)."""
+    for p in paths:
+        status, body = get(p)
+        if status == 200 and isinstance(body, dict):
+            return p, body
+    return None
+
+
+def require_lora(info: PeerInfo, url: str, rank: int) -> None:
+    """Start-up check that ``url`` loads LoRA adapters of ``rank`` at run time (model.lora.sync=adapter)."""
+    if info.lora is False:
+        raise UnsupportedServer(
+            f"{url} does not load LoRA adapters at run time, which model.lora.sync=adapter needs: start it with "
+            f"{info.lora_flags} (R >= model.lora.rank={rank}), or set model.lora.sync=merged"
+        )
+    if info.max_lora_rank and rank > info.max_lora_rank:
+        raise UnsupportedServer(
+            f"{url} takes LoRA adapters up to rank {info.max_lora_rank} (--max-lora-rank) but model.lora.rank={rank}"
+        )
+
+
+def wire_image(image: str | bytes) -> str:
+    """An image of ``ModelRequest.image_data`` as JSON text: encoded bytes become a base64 ``data:`` URL
+    (SGLang, vLLM and relayrl all read those); text (a data: URL, base64, a server-side path) is sent as is."""
+    if isinstance(image, str):
+        return image
+    kind = "png" if image[:4] == b"\x89PNG" else "jpeg" if image[:2] == b"\xff\xd8" else "octet-stream"
+    mime = f"image/{kind}" if kind != "octet-stream" else "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(bytes(image)).decode()}"
+
+
+def int_or_none(v: object) -> int | None:
+    if not isinstance(v, (int, float, str)):
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def penalties(g: GenerationConfig) -> JsonDict:
+    """OpenAI's penalties under SGLang's and vLLM's names, sent only when set."""
+    return {k: getattr(g, k) for k in ("frequency_penalty", "presence_penalty") if getattr(g, k)}
+
+
+def version_of(body: object) -> int | None:
+    """The ``weight_version`` of a version route's reply (SGLang's and vLLM's field)."""
+    return int_or_none(body.get("weight_version")) if isinstance(body, dict) else None

@@ -1,0 +1,433 @@
+"""SGLang (>= 0.5): everything RemoteEngine knows of it.
+
+- Detection: ``/get_server_info`` (``/server_info`` in newer releases) gives ``version`` and the
+  server arguments (``tp_size``, ``enable_lora``, ``max_lora_rank``); the weight version is read
+  from ``/get_weight_version`` (added mid-2025) or, where that route is gone, from
+  ``/model_info``'s ``weight_version``; liveness is probed on the model-info route, which never
+  generates (SGLang's ``/health`` runs a one-token generation and blocks while generation is
+  paused or weights load).
+- Requests: the native ``POST /generate`` with ``input_ids``, ``sampling_params`` and
+  ``return_logprob``; the reply's ``meta_info`` holds ``output_token_logprobs`` as
+  ``[logprob, token_id, text]`` triples, ``finish_reason`` ``{"type": ...}`` and
+  ``weight_version``. Images go as ``image_data`` beside ``input_ids``. Batches: ``/generate``
+  takes lists (``rid``, ``input_ids`` as a list of lists, one ``sampling_params`` per item) and
+  answers a list of per-item replies.
+- Weights: ``/update_weights_from_disk`` ``{"model_path", ...}`` (weight_sync=disk), or a
+  broadcast over a process group of its own (``/init_weights_update_group``,
+  ``/update_weights_from_distributed`` in buckets of ``weight_bucket_mb``; the group laid out as
+  SGLang builds it: ``relayrl.inference.weight_group``). LoRA adapters (``model.lora.sync=adapter``):
+  ``/load_lora_adapter`` and ``/unload_lora_adapter`` ``{"lora_name", "lora_path"}``, the adapter
+  named per request in ``/generate``'s ``lora_path``.
+- Launch (``inference.launch=sglang``): ``python -m sglang.launch_server --model-path M --host
+  127.0.0.1 --port P --tp-size K``; ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` keeps
+  ``/health`` from generating; with adapters ``--enable-lora --max-lora-rank R
+  --lora-target-modules M.. --max-loras-per-batch 2`` (``all`` when model.lora.target_modules is
+  empty: every linear projection, as relayrl's default; two adapters at once: the new one and the
+  one it replaces, while requests sent with it finish).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import shlex
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import httpx
+import torch
+
+from relayrl.api.io import GenerationConfig, WeightUpdate
+from relayrl.inference.remote.launch import Launched, PeerServerGroup, gpu_env
+from relayrl.inference.remote.protocol import (
+    Call,
+    Getter,
+    JsonDict,
+    Parsed,
+    PeerInfo,
+    ProtocolError,
+    Server,
+    UnsupportedServer,
+    first_page,
+    int_or_none,
+    penalties,
+    version_of,
+    version_tuple,
+)
+from relayrl.inference.remote.weights import (
+    DiskSync,
+    Fleet,
+    UploadSync,
+    WeightSync,
+    broadcast_tensors,
+    members,
+    settle,
+    tensors_of,
+)
+from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
+from relayrl.utils.moe import decode_routed_experts
+
+if TYPE_CHECKING:
+    from relayrl.api.config import InferenceConfig, LoraConfig, ModelConfig
+
+MIN_SGLANG = (0, 5, 0)  # weight_version on weight updates, /pause_generation with modes, /get_server_info
+WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
+
+
+class SGLangBackend:
+    """SGLang's native HTTP protocol."""
+
+    name = "sglang"
+    loads_adapters = True  # LoRA adapters at run time (model.lora.sync=adapter)
+    supports_upload = False
+    streams_items = False  # batched replies come as one list
+    records_experts = True  # MoE: can return the routed experts
+    return_routed_experts = False  # ask for the routed experts (inference.return_routed_experts)
+
+    def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
+        return {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": min_new_tokens,
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "top_p": g.top_p,
+            "top_k": -1 if g.top_k == 0 else g.top_k,  # SGLang: -1 = off
+            "stop": list(g.stop),
+            "stop_token_ids": list(g.stop_token_ids),
+            "ignore_eos": g.ignore_eos,
+            "skip_special_tokens": False,
+            **penalties(g),
+        }
+
+    def generate(
+        self,
+        rid: str,
+        input_ids: list[int],
+        g: GenerationConfig,
+        max_new: int,
+        min_new: int,
+        images: list[str] | None = None,
+        adapter: str = "",
+        features: JsonDict | None = None,
+    ) -> Call:
+        """``adapter``: the name of a loaded LoRA adapter to generate with (SGLang's ``lora_path``).
+        ``features`` is vLLM's (rendered images); SGLang takes the images themselves."""
+        body: JsonDict = {
+            "rid": rid,
+            "input_ids": list(input_ids),
+            "sampling_params": self.sampling_params(g, max_new, min_new),
+            "return_logprob": True,
+            "stream": False,
+        }
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
+        if images:  # SGLang's image_data: the prompt's images in order (data: URLs), pad tokens already expanded
+            body["image_data"] = list(images)
+        if adapter:
+            body["lora_path"] = adapter
+        return Call("POST", "/generate", body)
+
+    def parse_generate(self, body: object) -> Parsed:
+        if isinstance(body, list) and len(body) == 1:
+            body = body[0]
+        if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+            raise ProtocolError(f"/generate reply lacks meta_info: {str(body)[:200]}")
+        meta = body["meta_info"]
+        triples = meta.get("output_token_logprobs") or []
+        tokens = body.get("output_ids")
+        if tokens is None:
+            tokens = [int(t[1]) for t in triples]
+        if len(triples) != len(tokens):
+            raise ProtocolError(f"{len(tokens)} output_ids but {len(triples)} output_token_logprobs")
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else finish
+        if kind not in ("stop", "length", "abort"):
+            raise ProtocolError(f"unknown finish_reason {finish!r}")
+        versions = meta.get("output_token_versions")
+        routed = None
+        if isinstance(meta.get("routed_experts"), str) and isinstance(meta.get("routed_experts_shape"), list):
+            try:
+                routed = decode_routed_experts(meta["routed_experts"], meta["routed_experts_shape"])
+            except (ValueError, TypeError) as e:
+                raise ProtocolError(f"/generate reply has malformed routed_experts: {e}") from None
+        return Parsed(
+            tokens=[int(t) for t in tokens],
+            logprobs=[float(t[0]) for t in triples],
+            stop_reason=kind,
+            versions=[int(v) for v in versions] if isinstance(versions, list) else None,
+            weight_version=int_or_none(meta.get("weight_version")),
+            routed_experts=routed,
+        )
+
+    def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
+        """``generate`` calls merged into batched calls: (call, indices of the items it carries).
+        One item keeps the single form."""
+        if len(calls) == 1:
+            return [(calls[0], [0])]
+        bodies = [c.json or {} for c in calls]
+        body: JsonDict = {
+            "rid": [b["rid"] for b in bodies],
+            "input_ids": [b["input_ids"] for b in bodies],
+            "sampling_params": [b["sampling_params"] for b in bodies],
+            "return_logprob": True,
+            "stream": False,
+        }
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
+        if any("image_data" in b for b in bodies):  # one list of images per item ([] for a text-only one)
+            body["image_data"] = [b.get("image_data", []) for b in bodies]
+        if any("lora_path" in b for b in bodies):  # one adapter name (or None: the base) per item
+            body["lora_path"] = [b.get("lora_path") for b in bodies]
+        return [(Call("POST", "/generate", body), list(range(len(calls))))]
+
+    def split(self, body: object, n: int) -> list[object]:
+        """The per-item replies of a batched call's reply (each one for ``parse_generate``)."""
+        if not isinstance(body, list) or len(body) != n:
+            got = f"{len(body)} items" if isinstance(body, list) else type(body).__name__
+            raise ProtocolError(f"batched /generate of {n} items answered {got}")
+        return body
+
+    def update_from_disk(self, path: str, version: int) -> Call:
+        # abort_all_requests: in-flight requests end with finish_reason "abort" and the client
+        # resubmits prompt + partial tokens under the new weights (interruptible rollout).
+        body: JsonDict = {"model_path": path, "weight_version": str(version), "abort_all_requests": True}
+        return Call("POST", "/update_weights_from_disk", body)
+
+    def upload(self, version: int) -> Call:
+        raise NotImplementedError(
+            f"{self.name} servers take no safetensors upload; use inference.weight_sync=disk with a shared weight_sync_dir"
+        )
+
+    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> Call:
+        body: JsonDict = {
+            "master_address": host,
+            "master_port": port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": WEIGHT_GROUP,
+            "backend": backend,
+        }
+        return Call("POST", "/init_weights_update_group", body)
+
+    def destroy_weight_group(self) -> Call:
+        return Call("POST", "/destroy_weights_update_group", {"group_name": WEIGHT_GROUP})
+
+    def update_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None, abort: bool = True
+    ) -> Call:
+        """One bucket of a broadcast update: the version goes with the last bucket only (the server
+        reports it once every bucket is loaded), the abort of in-flight requests with the first."""
+        body: JsonDict = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": WEIGHT_GROUP,
+            "abort_all_requests": abort,
+        }
+        if version is not None:
+            body["weight_version"] = str(version)
+        return Call("POST", "/update_weights_from_distributed", body)
+
+    def load_adapter(self, name: str, path: str) -> Call:
+        """Load the peft adapter at ``path`` (read by the server) under ``name``."""
+        return Call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_adapter(self, name: str) -> Call:
+        return Call("POST", "/unload_lora_adapter", {"lora_name": name})
+
+    def parse_adapter_load(self, name: str, body: object) -> None:
+        """SGLang answers ``{"success", "error_message", "loaded_adapters": {name: path}}``."""
+        loaded = body.get("loaded_adapters") if isinstance(body, dict) else None
+        if not isinstance(loaded, dict) or name not in loaded:
+            raise ProtocolError(f"/load_lora_adapter of {name!r} answered without it in loaded_adapters: {body!r:.200}")
+
+    def pause(self) -> Call:
+        return Call("POST", "/pause_generation", {})
+
+    def resume(self) -> Call:
+        return Call("POST", "/continue_generation", {})
+
+    def get_version(self) -> Call:
+        return Call("GET", "/get_weight_version")
+
+    def parse_version(self, body: object) -> int | None:
+        return version_of(body)
+
+    def parse_update(self, body: object) -> None:
+        if isinstance(body, dict) and body.get("success") is False:
+            raise RuntimeError(f"weight update refused: {body.get('message')}")
+
+    health_path = "/health"
+
+    # ------------------------------------------------------------------ detection, weights, launch
+    def detect(self, url: str, get: Getter) -> PeerInfo:
+        """What the server at ``url`` offers (``get``: GET path -> (status, JSON))."""
+        return detect(url, get, self.name)
+
+    def connected(self, fleet: Fleet) -> None:
+        """Once every server is detected: nothing more to check."""
+
+    def weight_sync(self, fleet: Fleet, mode: str) -> WeightSync:
+        """The sync of weight_sync=``mode`` (disk, http, broadcast) with this peer's routes."""
+        if mode == "broadcast":
+            return SGLangBroadcast(fleet, self)
+        if mode == "http":
+            return UploadSync(fleet, self.upload, self)
+        return DiskSync(fleet, self.update_from_disk, self)
+
+    def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
+        """``inference.launch=sglang``: ``cfg.n_servers`` servers of ``model``, healthy."""
+        return PeerServerGroup(self, cfg, model.path, lora=lora).start()
+
+    def server_command(
+        self, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1", lora: LoraConfig | None = None
+    ) -> list[str]:
+        """One launched server's command line (listening on ``host``: a Ray node's address under Ray;
+        ``lora``: the adapters it will load, if any)."""
+        prefix = (
+            shlex.split(cfg.launch_command) if cfg.launch_command else [sys.executable, "-m", "sglang.launch_server"]
+        )
+        flags = ["--model-path", model, "--host", host, "--port", str(port), "--tp-size", str(cfg.launch_tp_size)]
+        return [*prefix, *flags, *lora_flags(lora), *cfg.launch_args]
+
+    def server_env(self, cfg: InferenceConfig, i: int, lora: LoraConfig | None = None) -> dict[str, str]:
+        env = gpu_env(cfg, i)
+        env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+        return env
+
+
+def detect(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
+    """An SGLang server's version, ranks, served name and routes (``relayrl serve`` answers the same)."""
+    need = ".".join(map(str, MIN_SGLANG))
+    found = first_page(get, ("/get_server_info", "/server_info"))
+    if found is None:
+        raise UnsupportedServer(
+            f"{url} answers neither /get_server_info nor /server_info: not an SGLang server, or "
+            f"one older than {need} (relayrl needs SGLang >= {need}: pip install 'sglang>={need}')"
+        )
+    _, info = found
+    version = str(info.get("version", ""))
+    server = str(info.get("server", "sglang"))
+    if server != "relayrl" and version_tuple(version) < MIN_SGLANG:
+        raise UnsupportedServer(
+            f"{url} runs SGLang {version or '(no version)'}; relayrl needs SGLang >= {need} "
+            f"(weight_version on weight updates, /pause_generation modes): pip install 'sglang>={need}'"
+        )
+    version_path = None
+    for p in ("/get_weight_version", "/model_info", "/get_model_info"):
+        status, body = get(p)
+        if status == 200 and isinstance(body, dict) and "weight_version" in body:
+            version_path = p
+            break
+    live = first_page(get, ("/get_model_info", "/model_info"))
+    return PeerInfo(
+        protocol,
+        version,
+        int(str(info.get("tp_size", 1) or 1)),
+        str(info.get("served_model_name") or "default"),
+        version_path,
+        live[0] if live else "/health",
+        server=server,
+        lora=bool(info["enable_lora"]) if "enable_lora" in info else None,  # SGLang's server args
+        max_lora_rank=int(str(info.get("max_lora_rank") or 0)),
+    )
+
+
+def lora_flags(lora: LoraConfig | None) -> list[str]:
+    """The flags that let a server load the trainer's adapters at run time (none without LoRA)."""
+    if lora is None or lora.rank <= 0:
+        return []
+    targets = list(lora.target_modules) or ["all"]
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets,
+            "--max-loras-per-batch", "2"]  # fmt: skip
+
+
+class SGLangBroadcast(WeightSync):
+    """weight_sync=broadcast: every server receives the tensors from one collective broadcast.
+
+    The group (this process = rank 0, server i = ranks from its ``rank_offset``, one per
+    tensor-parallel rank) is built on first use and rebuilt whenever its members change: a dead
+    server leaves it, a returning one rejoins. A server that fails mid-way is evicted (dead) or
+    its error raised; either way the group is dropped, to be rebuilt at the next update."""
+
+    def __init__(self, fleet: Fleet, backend: SGLangBackend) -> None:
+        super().__init__(fleet)
+        self.backend = backend
+        self.group: WeightBroadcastGroup | None = None
+        self.members: list[tuple[str, int]] = []
+
+    def prepare(self, update: WeightUpdate) -> object:
+        return broadcast_tensors(update)
+
+    def send(self, data: object, version: int, servers: list[Server]) -> None:
+        try:
+            self._broadcast(tensors_of(data), version, servers)
+        except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
+            live = [s for s in self.fleet.servers if s.alive]
+            if not live:
+                raise
+            self._broadcast(tensors_of(data), version, live)
+
+    def rejoin(self, srv: Server, data: object, version: int) -> None:
+        """A server (re)joining: the group is rebuilt with it in."""
+        self._broadcast(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
+
+    def _join(self, servers: list[Server], ex: ThreadPoolExecutor, errors: list[BaseException]) -> WeightBroadcastGroup:
+        admin, sglang = self.fleet.admin, self.backend
+        # members leave any group of that name first (this engine's old one, or one left by an earlier
+        # trainer): SGLang refuses a second group of the same name
+        for s in servers:
+            try:
+                admin(s, sglang.destroy_weight_group(), timeout=30)
+            except (httpx.HTTPError, RuntimeError):
+                pass  # a server that never joined, or one too old for the route (then init fails, named)
+        self.group, self.members = None, []
+        host = address_towards(httpx.URL(servers[0].url).host)
+        # NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU)
+        backend = "nccl" if torch.cuda.is_available() and sglang.name != "relayrl" else "gloo"
+        # a server of tensor-parallel size k takes ranks rank_offset .. rank_offset + k - 1 (SGLang: rank_offset + tp_rank)
+        sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
+        offsets = list(itertools.accumulate([1, *sizes[:-1]]))
+        world = 1 + sum(sizes)
+        timeout = self.fleet.config.request_timeout
+        group = WeightBroadcastGroup(host, 0, world, 0, backend, WEIGHT_GROUP, timeout)
+        calls = [sglang.init_weight_group(host, group.port, off, world, backend) for off in offsets]
+        joins = [ex.submit(admin, s, c) for s, c in zip(servers, calls, strict=True)]
+        settle(self.fleet, servers, joins, group.join, errors)
+        if errors:
+            raise errors[0]
+        self.group, self.members = group, members(servers)
+        return group
+
+    def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+        errors: list[BaseException] = []
+        ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
+        try:
+            group = self.group
+            if group is None or self.members != members(servers):
+                group = self._join(servers, ex, errors)
+            names = list(tensors)
+            limit = int(self.fleet.config.weight_bucket_mb * (1 << 20))
+            parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
+            for b, idx in enumerate(parts):  # one bounded bucket per call: the servers allocate one bucket at a time
+                bucket = {names[i]: tensors[names[i]] for i in idx}
+                call = self.backend.update_distributed(
+                    list(bucket),
+                    [dtype_name(t.dtype) for t in bucket.values()],
+                    [list(t.shape) for t in bucket.values()],
+                    version if b == len(parts) - 1 else None,
+                    abort=b == 0,
+                )
+                replies = [ex.submit(self.fleet.admin, s, call) for s in servers]
+                settle(self.fleet, servers, replies, functools.partial(group.broadcast, bucket), errors)
+                if errors:
+                    break
+        finally:
+            ex.shutdown(wait=False)
+            if errors:
+                self.group = None
+        if errors:
+            raise errors[0]
+        for s, f in zip(servers, replies, strict=True):
+            self.backend.parse_update(f.result())
+            self.confirm(s, version)

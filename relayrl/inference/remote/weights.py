@@ -1,0 +1,216 @@
+"""How weights reach RemoteEngine's servers: one ``WeightSync`` object per peer and mode, held by
+RemoteEngine (the peer module's ``weight_sync`` picks it). Every sync turns a ``WeightUpdate`` into
+what it sends (``prepare``), sends it to the live servers (``send``) and to a server coming back
+(``rejoin``); each server's new version is confirmed where it reports one.
+
+This module holds what every peer shares: the ``Fleet`` a sync works on (RemoteEngine's servers
+and admin calls), the per-server syncs (a versioned safetensors dir on shared disk, an HTTP
+upload) and ``settle``, which runs this side of a collective while the servers' HTTP calls run
+theirs (the broadcast syncs live in the peer modules: each peer builds its group its own way).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import httpx
+import safetensors.torch
+import torch
+
+from relayrl.api.io import WeightUpdate
+from relayrl.inference.remote.protocol import DEAD_ERRORS, Call, Server, version_of
+
+if TYPE_CHECKING:
+    from relayrl.api.config import InferenceConfig
+
+
+class Fleet(Protocol):
+    """What a weight sync may use of RemoteEngine."""
+
+    config: InferenceConfig
+    servers: list[Server]
+    paused: bool  # generation is paused by the trainer (a sync that pauses servers leaves them so)
+
+    def admin(self, srv: Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
+        """Send ``call`` to ``srv`` now; its JSON reply, or RuntimeError naming a 4xx/5xx."""
+        ...
+
+    def fan_out(self, fn: Callable[[Server], object], servers: list[Server]) -> None:
+        """``fn(server)`` on all ``servers`` at once; dead ones are evicted, other errors raised."""
+        ...
+
+    def evict(self, srv: Server, why: object) -> None: ...
+
+    def sync_client(self, timeout: float) -> httpx.Client: ...
+
+
+class Replies(Protocol):
+    """The reply parsing a sync needs from the peer's request mapping."""
+
+    def parse_version(self, body: object) -> int | None: ...
+
+    def parse_update(self, body: object) -> None: ...
+
+
+class WeightSync(ABC):
+    """One way weights reach the servers."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def connect(self, srv: Server) -> None:  # noqa: B027 - a default: most syncs check nothing
+        """At connect and re-admission: check ``srv`` offers what this sync needs (named if not)."""
+
+    @abstractmethod
+    def prepare(self, update: WeightUpdate) -> object:
+        """What is sent for ``update`` (a directory, a payload, tensors), built once for every server."""
+
+    @abstractmethod
+    def send(self, data: object, version: int, servers: list[Server]) -> None:
+        """``data`` to every server of ``servers``, each confirmed at ``version``."""
+
+    @abstractmethod
+    def rejoin(self, srv: Server, data: object, version: int) -> None:
+        """``data`` to one server coming back; errors raised (it stays out)."""
+
+    def confirm(self, srv: Server, version: int) -> None:
+        """``srv`` is at ``version``: checked where it reports a version."""
+        path = srv.info.version_path if srv.info is not None else None
+        if path is not None:
+            got = version_of(self.fleet.admin(srv, Call("GET", path), timeout=30))
+            if got != version:
+                raise RuntimeError(f"{srv.url} reports weight version {got} after an update to {version}")
+        srv.version = version
+
+
+class PerServerSync(WeightSync):
+    """A sync that loads each server on its own (``push``), all at once."""
+
+    @abstractmethod
+    def push(self, srv: Server, data: object, version: int) -> None: ...
+
+    def send(self, data: object, version: int, servers: list[Server]) -> None:
+        self.fleet.fan_out(lambda s: self.push(s, data, version), servers)
+
+    def rejoin(self, srv: Server, data: object, version: int) -> None:
+        self.push(srv, data, version)
+
+
+def host_tensors(update: WeightUpdate) -> dict[str, torch.Tensor]:
+    """The update's tensors on the CPU, each its own storage (safetensors refuses tied ones)."""
+    assert update.tensors is not None
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in update.tensors.items()}
+
+
+def publish(final: Path, fill: Callable[[Path], None]) -> None:
+    """Write a directory under a temporary name with ``fill`` and rename it to ``final``, so that a
+    server never reads one half-written."""
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    fill(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+class DiskSync(PerServerSync):
+    """weight_sync=disk: a versioned safetensors dir in ``weight_sync_dir`` (the two newest kept), or
+    the directory a ``WeightUpdate(kind="disk")`` names; each server loads it through ``load``."""
+
+    def __init__(self, fleet: Fleet, load: Callable[[str, int], Call], replies: Replies) -> None:
+        super().__init__(fleet)
+        self.load, self.replies = load, replies
+
+    def prepare(self, update: WeightUpdate) -> object:
+        if update.kind == "disk":
+            return update.path
+        tensors = host_tensors(update)
+        root = Path(self.fleet.config.weight_sync_dir)
+        final = root / f"v{update.version:08d}"
+        publish(final, lambda d: safetensors.torch.save_file(tensors, str(d / "model.safetensors")))
+        for old in sorted(root.glob("v*"))[:-2]:  # keep the two newest versions
+            shutil.rmtree(old, ignore_errors=True)
+        return str(final)
+
+    def push(self, srv: Server, data: object, version: int) -> None:
+        self.replies.parse_update(self.fleet.admin(srv, self.load(str(data), version)))
+        self.confirm(srv, version)
+
+
+class UploadSync(PerServerSync):
+    """weight_sync=http: the safetensors bytes in the body of ``upload(version)`` (relayrl servers)."""
+
+    def __init__(self, fleet: Fleet, upload: Callable[[int], Call], replies: Replies) -> None:
+        super().__init__(fleet)
+        self.upload, self.replies = upload, replies
+
+    def prepare(self, update: WeightUpdate) -> object:
+        return safetensors.torch.save(host_tensors(update))
+
+    def push(self, srv: Server, data: object, version: int) -> None:
+        assert isinstance(data, bytes)
+        self.replies.parse_update(self.fleet.admin(srv, self.upload(version), content=data))
+        self.confirm(srv, version)
+
+
+def broadcast_tensors(update: WeightUpdate) -> dict[str, torch.Tensor]:
+    """weight_sync=broadcast: the update's tensors where they are, in name order (both sides' order)."""
+    assert update.tensors is not None
+    return {k: v.detach().contiguous() for k, v in sorted(update.tensors.items())}
+
+
+def settle(
+    fleet: Fleet,
+    servers: list[Server],
+    replies: list[Future[object]],
+    collective: Callable[[], object],
+    errors: list[BaseException],
+) -> None:
+    """Run this side of a collective (on a thread) while the servers' HTTP calls run theirs.
+
+    A failed call (a dead server, a refusal) or a failed collective ends the wait at once:
+    the rest cannot complete without that member (its thread and the servers' handlers time
+    out on their own). Failures go to ``errors`` (the caller drops its group), dead servers are evicted."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            collective()
+        except BaseException as e:  # noqa: BLE001 - reported through `failed`
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="relayrl-weight-broadcast", daemon=True)
+    thread.start()
+    owner = dict(zip(replies, servers, strict=True))
+    pending = set(replies)
+    while pending and not failed and not errors:
+        done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+        for f in done:
+            try:
+                f.result()
+            except DEAD_ERRORS as e:
+                fleet.evict(owner[f], repr(e))
+                errors.append(ConnectionError(f"{owner[f].url} died during a weight broadcast"))
+            except BaseException as e:  # noqa: BLE001 - collected, raised by the caller
+                errors.append(e)
+    if not errors and not failed:
+        thread.join()
+    errors.extend(failed)
+
+
+def members(servers: list[Server]) -> list[tuple[str, int]]:
+    """A weight group's members: a server evicted since the group was built (it may have restarted
+    and left it) makes the group stale."""
+    return [(s.url, s.evictions) for s in servers]
+
+
+def tensors_of(data: object) -> dict[str, torch.Tensor]:
+    assert isinstance(data, dict)
+    return data
