@@ -104,7 +104,9 @@ def test_vllm_disk_sync_without_dev_mode_is_refused_at_start_up(stopper, tmp_pat
     p = started(stopper, "vllm", *PROCESSED)
     with pytest.raises(UnsupportedServer, match="VLLM_SERVER_DEV_MODE=1"):
         engine("vllm", [p.address], weight_sync="disk", weight_sync_dir=str(tmp_path))
-    with pytest.raises(UnsupportedServer, match="--weight-transfer-backend nccl and VLLM_SERVER_DEV_MODE=1"):
+    with pytest.raises(
+        UnsupportedServer, match=r"--weight-transfer-config '\{\"backend\": \"nccl\"\}' and VLLM_SERVER_DEV_MODE=1"
+    ):
         engine("vllm", [p.address], weight_sync="broadcast")
 
 
@@ -220,7 +222,16 @@ def test_broadcast_to_sglang_in_buckets_with_tensor_parallel_ranks(stopper, tiny
 def test_broadcast_to_vllm_through_its_weight_transfer_api_in_packed_buffers(stopper, tiny_model):
     """#17.6: vLLM's own RL route (the transfer API of the router at 1ace43ed: no sessions, no version
     route): its group construction, every tensor in one /update_weights call, packed buffers of the bucket."""
-    p = started(stopper, "vllm", *PROCESSED, "--weight-transfer-backend", "nccl", "--rl-router", "1ace43ed", env=DEV)
+    p = started(
+        stopper,
+        "vllm",
+        *PROCESSED,
+        "--weight-transfer-config",
+        '{"backend": "nccl"}',
+        "--rl-router",
+        "1ace43ed",
+        env=DEV,
+    )
     routes = set(p.get("/openapi.json").json()["paths"])
     assert "/init_weight_transfer_engine" in routes and "/start_weight_update" not in routes
     eng = engine("vllm", [p.address], weight_sync="broadcast", weight_bucket_mb=0.25)
@@ -246,7 +257,10 @@ def test_broadcast_to_vllm_through_its_weight_transfer_api_in_packed_buffers(sto
 
 
 # ---------------------------------------------------------------------------- every peer, end to end
-NCCL = ("--weight-transfer-backend", "nccl")  # the stand-in builds vLLM's transfer group with gloo on CPU
+NCCL = (
+    "--weight-transfer-config",
+    '{"backend": "nccl"}',
+)  # vLLM 0.32's flag  # the stand-in builds vLLM's transfer group with gloo on CPU
 PEERS = {  # name: (kind, args, weight_sync)
     "relayrl": ("relayrl", (), "broadcast"),
     "sglang-0.5.2": ("sglang", ("--version", "0.5.2"), "broadcast"),

@@ -62,7 +62,7 @@ from _core import TinyPeer, listen  # noqa: E402
 from sglang_group import init_custom_process_group, receive  # noqa: E402
 
 from relayrl.api.io import GenerationConfig  # noqa: E402
-from relayrl.inference.peers import version_tuple  # noqa: E402
+from relayrl.inference.remote.protocol import version_tuple  # noqa: E402
 from relayrl.utils.moe import encode_routed_experts, moe_layer_indices  # noqa: E402
 
 SAMPLING_KEYS = {
@@ -191,7 +191,7 @@ class SGLangStandIn:
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self.workers = [self._spawn_worker() for _ in range(tp_size - 1)]  # TP ranks 1..tp_size-1
         self.health_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
-        self.counts = {"aborted": 0, "health_503": 0, "buckets": 0}
+        self.counts = {"aborted": 0, "health_503": 0, "buckets": 0, "abort_rid": 0}
         self.sessions = version_tuple(version) >= (0, 5, 23)  # /begin_weight_update ... /end_weight_update
         self.session_open = False
 
@@ -446,6 +446,16 @@ class SGLangStandIn:
                 self.weight_version = obj.weight_version
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
+    async def abort_request(self, request: Request) -> Response:
+        """``/abort_request {"rid", "abort_all"}`` (SGLang's ``AbortReq``): ``abort_all`` ends every running
+        request as ``abort``; a single rid is counted only (the stand-in aborts all or none)."""
+        body = await request.json()
+        if body.get("abort_all"):
+            self.counts["aborted"] += await asyncio.to_thread(self.peer.abort_running)
+        else:
+            self.counts["abort_rid"] += 1
+        return Response(status_code=200)
+
     async def begin_update(self) -> Response:
         """SGLang >= 0.5.23 (PR 28001): distributed weights load only inside a weight-update session."""
         if self.session_open:
@@ -540,6 +550,7 @@ def build_app(s: SGLangStandIn) -> FastAPI:
     app.post("/update_weights_from_distributed")(s.update_distributed)
     app.post("/destroy_weights_update_group")(s.destroy_group)
     app.post("/pause_generation")(s.pause)
+    app.post("/abort_request")(s.abort_request)
     if s.sessions:
         app.post("/begin_weight_update")(s.begin_update)
         app.post("/end_weight_update")(s.end_update)

@@ -228,6 +228,16 @@ class SGLangBackend:
             body["weight_version"] = str(version)
         return Call("POST", "/update_weights_from_distributed", body)
 
+    def begin_update(self) -> Call:
+        """SGLang >= 0.5.23 (its PR 28001) loads distributed weights only inside a weight-update session."""
+        return Call("POST", "/begin_weight_update", {})
+
+    def end_update(self) -> Call:
+        return Call("POST", "/end_weight_update", {})
+
+    def abort_all(self) -> Call:
+        return Call("POST", "/abort_request", {"abort_all": True})
+
     def load_adapter(self, name: str, path: str) -> Call:
         """Load the peft adapter at ``path`` (read by the server) under ``name``."""
         return Call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
@@ -277,7 +287,7 @@ class SGLangBackend:
 
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=sglang``: ``cfg.n_servers`` servers of ``model``, healthy."""
-        return PeerServerGroup(self, cfg, model.path, lora=lora).start()
+        return PeerServerGroup(self, cfg, model.path, lora=lora, dtype=model.dtype).start()
 
     def server_command(
         self, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1", lora: LoraConfig | None = None
@@ -399,6 +409,30 @@ class SGLangBroadcast(WeightSync):
         self.group, self.members = group, members(servers)
         return group
 
+    def _begin(self, srv: Server) -> bool:
+        """Open ``srv``'s weight-update session (SGLang >= 0.5.23); False where it has none (older SGLang,
+        ``relayrl serve``). Its in-flight requests are aborted first: each holds the model lock the session
+        takes (their partial tokens come back and continue under the new weights)."""
+        admin = self.fleet.admin
+        admin(srv, self.backend.abort_all(), timeout=30)
+        try:
+            admin(srv, self.backend.begin_update(), timeout=self.fleet.config.request_timeout)
+        except RuntimeError as e:
+            if " answered 404" in str(e):
+                return False
+            if "already open" not in str(e):
+                raise
+            admin(srv, self.backend.end_update(), timeout=60)  # left open by an update that failed mid-way
+            admin(srv, self.backend.begin_update(), timeout=60)
+        return True
+
+    def _end(self, srv: Server, quiet: bool) -> None:
+        try:
+            self.backend.parse_update(self.fleet.admin(srv, self.backend.end_update(), timeout=60))
+        except (httpx.HTTPError, RuntimeError):
+            if not quiet:  # after a failed update: the next one closes it (_begin)
+                raise
+
     def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
         errors: list[BaseException] = []
         ex = ThreadPoolExecutor(len(servers))  # not a `with`: on a failure, do not wait for calls left hanging
@@ -406,6 +440,7 @@ class SGLangBroadcast(WeightSync):
             group = self.group
             if group is None or self.members != members(servers):
                 group = self._join(servers, ex, errors)
+                sessions = [s for s in servers if self._begin(s)]
             names = list(tensors)
             limit = int(self.fleet.config.weight_bucket_mb * (1 << 20))
             parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
@@ -422,6 +457,8 @@ class SGLangBroadcast(WeightSync):
                 settle(self.fleet, servers, replies, functools.partial(group.broadcast, bucket), errors)
                 if errors:
                     break
+            for s in sessions:  # the loaded weights take effect when the session closes
+                self._end(s, quiet=bool(errors))
         finally:
             ex.shutdown(wait=False)
             if errors:

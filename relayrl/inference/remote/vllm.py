@@ -29,9 +29,10 @@
   ``/v1/unload_lora_adapter`` ``{"lora_name", "lora_path"}`` (plain-text answers), the adapter named
   as the request's ``model``.
 - Launch (``inference.launch=vllm``): ``vllm serve M --host 127.0.0.1 --port P
-  --tensor-parallel-size K --logprobs-mode processed_logprobs``, ``--weight-transfer-backend nccl``
-  for weight_sync=broadcast, ``disk`` for weight_sync=disk; ``VLLM_SERVER_DEV_MODE=1`` for the RL
-  router and ``/collective_rpc``; with adapters ``--enable-lora --max-lora-rank R --max-loras 2``
+  --tensor-parallel-size K --logprobs-mode processed_logprobs --dtype D`` (the trainer's dtype),
+  ``--weight-transfer-config '{"backend": "nccl"}'`` for weight_sync=broadcast (released vLLMs up to
+  0.33 have no disk backend: weight_sync=disk reloads through ``/collective_rpc``);
+  ``VLLM_SERVER_DEV_MODE=1`` for the RL router and ``/collective_rpc``; with adapters ``--enable-lora --max-lora-rank R --max-loras 2``
   (R rounded up to a rank vLLM accepts) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
 """
 
@@ -269,7 +270,7 @@ class VLLMBackend:
 
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=vllm``: ``cfg.n_servers`` servers of ``model``, healthy."""
-        return PeerServerGroup(self, cfg, model.path, lora=lora).start()
+        return PeerServerGroup(self, cfg, model.path, lora=lora, dtype=model.dtype).start()
 
     def server_command(
         self, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1", lora: LoraConfig | None = None
@@ -278,9 +279,8 @@ class VLLMBackend:
         prefix = shlex.split(cfg.launch_command) if cfg.launch_command else ["vllm", "serve"]
         flags = ["--host", host, "--port", str(port), "--tensor-parallel-size", str(cfg.launch_tp_size)]
         flags += ["--logprobs-mode", "processed_logprobs"]
-        sync = cfg.weight_sync if cfg.weight_sync != "auto" else ("disk" if cfg.weight_sync_dir else "http")
-        transfer = {"broadcast": "nccl", "disk": "disk"}.get(sync)  # vLLM's weight-transfer engine for the mode
-        flags += ["--weight-transfer-backend", transfer] if transfer else []
+        if cfg.weight_sync == "broadcast":  # vLLM's NCCL weight-transfer engine (0.32: its WeightTransferConfig)
+            flags += ["--weight-transfer-config", '{"backend": "nccl"}']
         return [*prefix, model, *flags, *lora_flags(lora), *cfg.launch_args]
 
     def server_env(self, cfg: InferenceConfig, i: int, lora: LoraConfig | None = None) -> dict[str, str]:
