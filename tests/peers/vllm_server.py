@@ -245,6 +245,12 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
     async def is_paused() -> JSONResponse:
         return JSONResponse({"is_paused": s.paused})
 
+    @rl.get("/server_info")
+    async def server_info() -> JSONResponse:
+        """Dev mode's engine config (vLLM 0.32.0 ``serve/dev/server_info``): ``lora_config`` null without --enable-lora."""
+        lora = {"max_lora_rank": s.max_lora_rank, "max_loras": 2} if s.enable_lora else None
+        return JSONResponse({"vllm_config": {"lora_config": lora, "model_config": {"dtype": "torch.float32"}}})
+
     @rl.post("/collective_rpc")
     async def collective_rpc(request: Request) -> JSONResponse:
         body = await request.json()

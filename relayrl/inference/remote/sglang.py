@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import itertools
 import shlex
@@ -66,7 +67,7 @@ from relayrl.inference.remote.weights import (
     tensors_of,
 )
 from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
-from relayrl.utils.moe import decode_routed_experts
+from relayrl.utils.moe import decode_routed_experts, moe_layer_indices, routing_shape
 
 if TYPE_CHECKING:
     from relayrl.api.config import InferenceConfig, LoraConfig, ModelConfig
@@ -84,6 +85,7 @@ class SGLangBackend:
     streams_items = False  # batched replies come as one list
     records_experts = True  # MoE: can return the routed experts
     return_routed_experts = False  # ask for the routed experts (inference.return_routed_experts)
+    routing: tuple[int, list[int], int] | None = None  # (decoder layers, MoE layer indices, top_k) of the model
 
     def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
         return {
@@ -144,12 +146,7 @@ class SGLangBackend:
         if kind not in ("stop", "length", "abort"):
             raise ProtocolError(f"unknown finish_reason {finish!r}")
         versions = meta.get("output_token_versions")
-        routed = None
-        if isinstance(meta.get("routed_experts"), str) and isinstance(meta.get("routed_experts_shape"), list):
-            try:
-                routed = decode_routed_experts(meta["routed_experts"], meta["routed_experts_shape"])
-            except (ValueError, TypeError) as e:
-                raise ProtocolError(f"/generate reply has malformed routed_experts: {e}") from None
+        routed = self.routed_experts(meta)
         return Parsed(
             tokens=[int(t) for t in tokens],
             logprobs=[float(t[0]) for t in triples],
@@ -158,6 +155,26 @@ class SGLangBackend:
             weight_version=int_or_none(meta.get("weight_version")),
             routed_experts=routed,
         )
+
+    def routed_experts(self, meta: dict[str, object]) -> torch.Tensor | None:
+        """``meta_info.routed_experts`` as ``[tokens - 1, n_moe_layers, top_k]``: with its shape (relayrl
+        serve), or, as SGLang sends it (0.5.23: base64 int32 over every decoder layer, no shape), reshaped
+        by the served model's layout (``routing``) and cut to its MoE layers."""
+        data, shape = meta.get("routed_experts"), meta.get("routed_experts_shape")
+        if not isinstance(data, str):
+            return None
+        try:
+            if isinstance(shape, list):
+                return decode_routed_experts(data, shape)
+            if self.routing is None:
+                raise ValueError("no shape given and the model's MoE layout is unknown")
+            n_layers, moe, top_k = self.routing
+            n = len(base64.b64decode(data)) // 4
+            if n % (n_layers * top_k):
+                raise ValueError(f"{n} ids are not rows of {n_layers} layers x top-{top_k}")
+            return decode_routed_experts(data, [n // (n_layers * top_k), n_layers, top_k])[:, moe].contiguous()
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(f"/generate reply has malformed routed_experts: {e}") from None
 
     def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
         """``generate`` calls merged into batched calls: (call, indices of the items it carries).
@@ -234,6 +251,12 @@ class SGLangBackend:
 
     def end_update(self) -> Call:
         return Call("POST", "/end_weight_update", {})
+
+    def abort_items(self, call: Call, position: int) -> list[Call]:
+        """Stop item ``position`` of a ``generate`` call (its rid) on the server: ``/abort_request {rid}``."""
+        rid = (call.json or {}).get("rid")
+        rid = rid[position] if isinstance(rid, list) else rid
+        return [Call("POST", "/abort_request", {"rid": rid})] if isinstance(rid, str) else []
 
     def abort_all(self) -> Call:
         return Call("POST", "/abort_request", {"abort_all": True})
@@ -341,6 +364,24 @@ def detect(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
         lora=bool(info["enable_lora"]) if "enable_lora" in info else None,  # SGLang's server args
         max_lora_rank=int(str(info.get("max_lora_rank") or 0)),
     )
+
+
+def routing_layout(model: ModelConfig) -> tuple[int, list[int], int] | None:
+    """(decoder layers, MoE layer indices, top_k) of ``model``, built on the meta device from its config
+    (None for a dense model): how SGLang's routed experts, given for every layer, map onto relayrl's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from relayrl.data.models import TINY_PRESETS, build_tiny_model
+
+    with torch.device("meta"):
+        if model.path in TINY_PRESETS:
+            net = build_tiny_model(model.path)
+        else:
+            net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model.path))
+    shape = routing_shape(net)
+    if shape is None:
+        return None
+    return int(net.config.get_text_config().num_hidden_layers), moe_layer_indices(net), shape[1]
 
 
 def lora_flags(lora: LoraConfig | None) -> list[str]:
