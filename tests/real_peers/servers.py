@@ -198,3 +198,14 @@ def in_flight(eng: RemoteEngine, n: int, after_s: float = 0.1) -> None:
         assert time.monotonic() < deadline, "the requests never reached the server"
         time.sleep(0.005)
     time.sleep(after_s)
+
+
+def check_versions(results: list[ModelResponse], models: dict[int, torch.nn.Module], n: int) -> None:
+    """Every token's logprob is that of the weights its version names (teacher-forced on its prefix)."""
+    for o in results:
+        v = o.output_versions
+        assert v == sorted(v) and set(v) <= set(models) and len(v) == n
+        for i, (tok, lp) in enumerate(zip(o.output_tokens, o.output_logprobs, strict=True)):
+            want = teacher_forced(models[v[i]], o.input_tokens + o.output_tokens[:i], [tok], 1.0)
+            assert abs(float(want[0]) - lp) <= TOL, (i, v[i])
+    assert any(len(set(o.output_versions)) > 1 for o in results)

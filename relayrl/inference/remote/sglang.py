@@ -306,7 +306,7 @@ class SGLangBackend:
             return SGLangBroadcast(fleet, self)
         if mode == "http":
             return UploadSync(fleet, self.upload, self)
-        return DiskSync(fleet, self.update_from_disk, self)
+        return SGLangDisk(fleet, self.update_from_disk, self)
 
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=sglang``: ``cfg.n_servers`` servers of ``model``, healthy."""
@@ -393,6 +393,21 @@ def lora_flags(lora: LoraConfig | None) -> list[str]:
             "--max-loras-per-batch", "2"]  # fmt: skip
 
 
+class SGLangDisk(DiskSync):
+    """weight_sync=disk: ``/update_weights_from_disk``. SGLang flushes its prefix cache after loading
+    (KV of the old weights must not serve the continued requests) and fails the call when the requests
+    it just aborted are still winding down; then the flush is waited for (``/flush_cache?timeout``)."""
+
+    def push(self, srv: Server, data: object, version: int) -> None:
+        try:
+            super().push(srv, data, version)
+        except RuntimeError as e:
+            if "cache was not flushed" not in str(e):
+                raise
+            self.fleet.admin(srv, Call("POST", "/flush_cache?timeout=60"), timeout=90)
+            self.confirm(srv, version)
+
+
 class SGLangBroadcast(WeightSync):
     """weight_sync=broadcast: every server receives the tensors from one collective broadcast.
 
@@ -447,6 +462,8 @@ class SGLangBroadcast(WeightSync):
         settle(self.fleet, servers, joins, group.join, errors)
         if errors:
             raise errors[0]
+        for f in joins:  # {"success": false} is a refusal too (SGLang also answers it 400)
+            sglang.parse_update(f.result())
         self.group, self.members = group, members(servers)
         return group
 
@@ -481,7 +498,7 @@ class SGLangBroadcast(WeightSync):
             group = self.group
             if group is None or self.members != members(servers):
                 group = self._join(servers, ex, errors)
-                sessions = [s for s in servers if self._begin(s)]
+            sessions = [s for s in servers if self._begin(s)]
             names = list(tensors)
             limit = int(self.fleet.config.weight_bucket_mb * (1 << 20))
             parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
