@@ -42,6 +42,7 @@ import torch
 from relayrl.api.io import GenerationConfig, WeightUpdate
 from relayrl.inference.remote.launch import Launched, PeerServerGroup, gpu_env
 from relayrl.inference.remote.protocol import (
+    DEAD_ERRORS,
     Call,
     Getter,
     JsonDict,
@@ -498,7 +499,15 @@ class SGLangBroadcast(WeightSync):
             group = self.group
             if group is None or self.members != members(servers):
                 group = self._join(servers, ex, errors)
-            sessions = [s for s in servers if self._begin(s)]
+            sessions = []
+            for s in servers:
+                try:
+                    if self._begin(s):
+                        sessions.append(s)
+                except DEAD_ERRORS as e:  # gone since the group was built: the others get a new group
+                    self.fleet.evict(s, repr(e))
+                    errors.append(ConnectionError(f"{s.url} died before a weight broadcast"))
+                    raise errors[-1] from e
             names = list(tensors)
             limit = int(self.fleet.config.weight_bucket_mb * (1 << 20))
             parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
