@@ -99,9 +99,11 @@ def test_pause_with_requests_in_flight_then_resume(sglang, served_model):
         t.start()
         in_flight(eng, 3)
         eng.pause()  # /pause_generation: in-flight requests come back as abort with their tokens
-        time.sleep(1.0)
-        assert t.is_alive()
-        eng.resume()
+        try:
+            time.sleep(1.0)
+            assert t.is_alive()
+        finally:
+            eng.resume()
         t.join(timeout=180)
         assert [len(o.output_tokens) for o in results] == [240] * 3
         assert eng.counters["interrupted"] >= 1
