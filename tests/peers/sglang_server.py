@@ -10,7 +10,7 @@ Two route layouts, picked by ``--version``:
 - ``0.5.2`` (and any version below ``0.5.10``): ``/get_server_info``, ``/get_model_info``,
   ``/get_weight_version``;
 - ``0.5.15``: ``/server_info``, ``/model_info`` (which carries ``weight_version``); no
-  ``/get_weight_version`` (moved, as SGLang did).
+  ``/get_weight_version`` (moved, as SGLang did); ``0.5.23`` adds weight-update sessions.
 
 Facts reproduced: ``/health`` and ``/health_generate`` run a one-token generation, so they block
 while generation is paused or a weight update holds the model lock, and answer 503 after
@@ -58,12 +58,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _core import TinyPeer, listen  # noqa: E402
+from _core import TinyPeer, listen, routed_all_layers  # noqa: E402
 from sglang_group import init_custom_process_group, receive  # noqa: E402
 
 from relayrl.api.io import GenerationConfig  # noqa: E402
 from relayrl.inference.remote.protocol import version_tuple  # noqa: E402
-from relayrl.utils.moe import encode_routed_experts, moe_layer_indices  # noqa: E402
 
 SAMPLING_KEYS = {
     "max_new_tokens",
@@ -269,16 +268,8 @@ class SGLangStandIn:
                 [lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)
             ]
         if routed and r.routed_experts is not None:
-            meta["routed_experts"] = self.all_layers(r.routed_experts)
+            meta["routed_experts"] = routed_all_layers(self.peer.model, r.routed_experts)
         return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
-
-    def all_layers(self, routed: torch.Tensor) -> str:
-        """SGLang 0.5.23's ``meta_info.routed_experts``: base64 of int32 ids ``[seqlen - 1, num_hidden_layers, top_k]``
-        (every decoder layer, a dense one's row left 0; ``state_capturer/routed_experts.py``), and no shape."""
-        cfg = self.peer.model.config.get_text_config()
-        out = torch.zeros(routed.shape[0], int(cfg.num_hidden_layers), routed.shape[2], dtype=torch.int32)
-        out[:, moe_layer_indices(self.peer.model)] = routed.to(torch.int32)
-        return encode_routed_experts(out)
 
     async def generate(self, obj: GenerateReqInput) -> Response:
         if obj.stream:
@@ -447,8 +438,7 @@ class SGLangStandIn:
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
     async def abort_request(self, request: Request) -> Response:
-        """``/abort_request {"rid", "abort_all"}`` (SGLang's ``AbortReq``): ``abort_all`` ends every running
-        request as ``abort``; a single rid is counted only (the stand-in aborts all or none)."""
+        """SGLang's ``AbortReq``: ``abort_all`` ends every running request as ``abort``; a rid is only counted."""
         body = await request.json()
         if body.get("abort_all"):
             self.counts["aborted"] += await asyncio.to_thread(self.peer.abort_running)
@@ -456,17 +446,12 @@ class SGLangStandIn:
             self.counts["abort_rid"] += 1
         return Response(status_code=200)
 
-    async def begin_update(self) -> Response:
-        """SGLang >= 0.5.23 (PR 28001): distributed weights load only inside a weight-update session."""
-        if self.session_open:
-            return _refused("a weight-update session is already open; call end_weight_update() first")
-        self.session_open = True
-        return JSONResponse({"success": True, "message": "Success"})
-
-    async def end_update(self) -> Response:
-        if not self.session_open:
-            return _refused("no weight-update session is open; call begin_weight_update() first")
-        self.session_open = False
+    def session(self, begin: bool) -> Response:
+        """``/begin_weight_update`` / ``/end_weight_update`` (SGLang >= 0.5.23, its PR 28001): distributed
+        weights load only inside a session; a second begin, or an end without one, is refused."""
+        if self.session_open == begin:
+            return _refused("a weight-update session is already open" if begin else "no weight-update session is open")
+        self.session_open = begin
         return JSONResponse({"success": True, "message": "Success"})
 
     async def pause(self, obj: PauseGenerationReqInput) -> Response:
@@ -552,8 +537,8 @@ def build_app(s: SGLangStandIn) -> FastAPI:
     app.post("/pause_generation")(s.pause)
     app.post("/abort_request")(s.abort_request)
     if s.sessions:
-        app.post("/begin_weight_update")(s.begin_update)
-        app.post("/end_weight_update")(s.end_update)
+        app.post("/begin_weight_update")(lambda: s.session(True))
+        app.post("/end_weight_update")(lambda: s.session(False))
     app.post("/continue_generation")(s.resume)
     app.post("/load_lora_adapter")(s.load_lora)
     app.post("/unload_lora_adapter")(s.unload_lora)
