@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/peers.sh  # real SGLang / vLLM for the real_peers tests (cached; minutes the first time)
 . .venv/bin/activate
 # tests/test_inspect.py drives the inspector page in Debian's chromium (headless); CI runs as root
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

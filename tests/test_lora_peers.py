@@ -1,6 +1,6 @@
 """LoRA adapters to SGLang / vLLM servers (``model.lora.sync=adapter``), against the peer stand-ins
 (real processes on 127.0.0.1, ``tests/peers/``): after a training step every server serves the
-trainer's adapter, loaded as ``relayrl-v<version>``, generating what the merged model generates
+trainer's adapter, loaded as ``relayrl-<run>-v<version>``, generating what the merged model generates
 (the stand-ins merge with peft itself), with the version tagged; the adapter it replaces is
 unloaded. Plus the request shapes of each peer and the launch flags."""
 
@@ -84,7 +84,7 @@ def test_adapters_reach_the_server_under_a_versioned_name(peer, tiny_model, tmp_
         trainer.set_version(3)
         trainer.update_weights(eng)
         assert eng.get_version() == 3
-        saved = tmp_path / "w" / "relayrl-v3"  # the adapter as peft saves it
+        (saved,) = (tmp_path / "w").glob("relayrl-*-v3")  # the adapter as peft saves it, named per run
         assert json.loads((saved / "adapter_config.json").read_text())["r"] == RANK
         served = PeftModel.from_pretrained(copy.deepcopy(tiny_model), str(saved)).merge_and_unload()
         assert [o.output_tokens for o in reference(served, ps, g)] != base  # the adapter changes generations
@@ -96,10 +96,10 @@ def test_adapters_reach_the_server_under_a_versioned_name(peer, tiny_model, tmp_
         check_serves(eng, trainer, ps, g, 4, "v4-")
         # the adapter it replaced is gone from the server
         old = (SGLangBackend() if peer == "sglang" else VLLMBackend("tiny")).generate(
-            "x", ps[0], g, 2, 0, adapter="relayrl-v3"
+            "x", ps[0], g, 2, 0, adapter=saved.name
         )
         r = httpx.post(url + old.path, json=old.json, timeout=30)
-        assert r.status_code == (400 if peer == "sglang" else 404) and "relayrl-v3" in r.text
+        assert r.status_code == (400 if peer == "sglang" else 404) and saved.name in r.text
         if peer == "sglang":  # a server that comes back (restarted: no adapter) is given the current one
             eng._launched.procs[0].kill()  # type: ignore[union-attr]
             port = int(eng.addresses[0].rsplit(":", 1)[1])

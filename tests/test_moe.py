@@ -361,3 +361,33 @@ def remote_generate(address: str) -> list[ModelResponse]:
         return asyncio.run(go())
     finally:
         eng.destroy()
+
+
+def test_sglang_routed_experts_over_every_layer_without_a_shape_reach_the_trajectory():
+    """SGLang 0.5.23 sends ``meta_info.routed_experts`` as base64 int32 over every decoder layer
+    (``state_capturer/routed_experts.py``) and no shape; its stand-in does the same. RemoteEngine reshapes
+    it by the served model's layout (``model.path``) and keeps the MoE layers: the experts a plain forward picks."""
+    import sys
+    from pathlib import Path
+
+    from relayrl.data.models import build_tiny_model
+    from relayrl.inference.remote import RemoteEngine
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from peers import start
+
+    peer = start("sglang", "--model-path", "tiny-moe", "--version", "0.5.23")
+    cfg = InferenceConfig(backend="remote", protocol="sglang", request_timeout=60, return_routed_experts=True)
+    eng = RemoteEngine(cfg, addresses=[peer.address], model=ModelConfig(path="tiny-moe"))
+    eng.initialize()
+    g = GenerationConfig(max_new_tokens=5, temperature=1.0, ignore_eos=True)
+    try:
+        outs = [asyncio.run(eng.agenerate(ModelRequest(f"m{i}", p, g))) for i, p in enumerate(PROMPTS[:2])]
+    finally:
+        eng.destroy()
+        peer.stop()
+    model = build_tiny_model("tiny-moe", seed=0).eval()
+    for r in outs:
+        seq = r.input_tokens + r.output_tokens
+        assert r.routed_experts is not None and r.routed_experts.shape == (len(seq) - 1, 3, 2)
+        assert torch.equal(r.routed_experts.long().sort(-1).values, hf_experts(model, seq[:-1]))

@@ -52,14 +52,15 @@ def test_launched_servers_get_relayrls_flags_gpus_and_logs_and_stop_on_destroy(k
             assert seen[0]["env"]["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
         else:
             assert "--logprobs-mode processed_logprobs" in argv and "--tensor-parallel-size 2" in argv
-            assert "--weight-transfer-backend disk" in argv  # weight_sync=disk through vLLM's transfer API
+            assert "--weight-transfer" not in argv  # weight_sync=disk: no released vLLM has a disk backend
             assert seen[0]["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+        assert "--dtype float32" in argv  # the trainer's dtype
         g = GenerationConfig(max_new_tokens=4, greedy=True, ignore_eos=True)
         out = asyncio.run(eng.agenerate(ModelRequest("a", [3, 4, 5], g)))
         assert out.output_len == 4
         eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=tiny_model.state_dict()))
         if kind == "vllm":
-            assert [httpx.get(f"http://{a}/stand_in").json()["counts"]["updates"] for a in eng.addresses] == [1, 1]
+            assert [httpx.get(f"http://{a}/weight_info").json()["weight_version"] for a in eng.addresses] == ["1", "1"]
         logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
         assert logs == ["server-0.log", "server-1.log"]
         assert (tmp_path / "logs" / "server-0.log").read_text().startswith("$ ")  # the command line, then its output

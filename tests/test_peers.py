@@ -104,7 +104,9 @@ def test_vllm_disk_sync_without_dev_mode_is_refused_at_start_up(stopper, tmp_pat
     p = started(stopper, "vllm", *PROCESSED)
     with pytest.raises(UnsupportedServer, match="VLLM_SERVER_DEV_MODE=1"):
         engine("vllm", [p.address], weight_sync="disk", weight_sync_dir=str(tmp_path))
-    with pytest.raises(UnsupportedServer, match="--weight-transfer-backend nccl and VLLM_SERVER_DEV_MODE=1"):
+    with pytest.raises(
+        UnsupportedServer, match=r"--weight-transfer-config '\{\"backend\": \"nccl\"\}' and VLLM_SERVER_DEV_MODE=1"
+    ):
         engine("vllm", [p.address], weight_sync="broadcast")
 
 
@@ -198,15 +200,16 @@ def test_a_weight_load_longer_than_the_probe_timeout_evicts_no_server(stopper, t
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_broadcast_to_sglang_in_buckets_with_tensor_parallel_ranks(stopper, tiny_model, tp):
-    """#17.2: the SGLang-built weight group (ranks rank_offset + tp_rank), bounded buckets."""
-    ps = [started(stopper, "sglang", "--tp-size", str(tp)) for _ in range(2)]
+    """#17.2: the SGLang-built weight group (ranks rank_offset + tp_rank), bounded buckets; tensor
+    parallelism does not run on CPU, so SGLang 0.5.23 (weight-update sessions) is its stand-in here."""
+    ps = [started(stopper, "sglang", "--tp-size", str(tp), "--version", "0.5.23") for _ in range(2)]
     eng = engine("sglang", [p.address for p in ps], weight_sync="broadcast", weight_bucket_mb=1.0)
     new = build_tiny_model("tiny", seed=4).eval()
     try:
         eng.update_weights(WeightUpdate(kind="tensors", version=2, tensors=new.state_dict()))
         n_bytes = sum(t.numel() * t.element_size() for t in new.state_dict().values())
         for p in ps:
-            info = p.get("/get_server_info").json()
+            info = p.get("/server_info").json()
             assert info["weight_version"] == "2" and info["tp_size"] == tp
             assert info["stand_in_counts"]["buckets"] >= n_bytes // (1 << 20)  # one call per bounded bucket
         qs = prompts(4)
@@ -220,7 +223,16 @@ def test_broadcast_to_sglang_in_buckets_with_tensor_parallel_ranks(stopper, tiny
 def test_broadcast_to_vllm_through_its_weight_transfer_api_in_packed_buffers(stopper, tiny_model):
     """#17.6: vLLM's own RL route (the transfer API of the router at 1ace43ed: no sessions, no version
     route): its group construction, every tensor in one /update_weights call, packed buffers of the bucket."""
-    p = started(stopper, "vllm", *PROCESSED, "--weight-transfer-backend", "nccl", "--rl-router", "1ace43ed", env=DEV)
+    p = started(
+        stopper,
+        "vllm",
+        *PROCESSED,
+        "--weight-transfer-config",
+        '{"backend": "nccl"}',
+        "--rl-router",
+        "1ace43ed",
+        env=DEV,
+    )
     routes = set(p.get("/openapi.json").json()["paths"])
     assert "/init_weight_transfer_engine" in routes and "/start_weight_update" not in routes
     eng = engine("vllm", [p.address], weight_sync="broadcast", weight_bucket_mb=0.25)
@@ -246,7 +258,10 @@ def test_broadcast_to_vllm_through_its_weight_transfer_api_in_packed_buffers(sto
 
 
 # ---------------------------------------------------------------------------- every peer, end to end
-NCCL = ("--weight-transfer-backend", "nccl")  # the stand-in builds vLLM's transfer group with gloo on CPU
+NCCL = (
+    "--weight-transfer-config",
+    '{"backend": "nccl"}',
+)  # vLLM 0.32's flag  # the stand-in builds vLLM's transfer group with gloo on CPU
 PEERS = {  # name: (kind, args, weight_sync)
     "relayrl": ("relayrl", (), "broadcast"),
     "sglang-0.5.2": ("sglang", ("--version", "0.5.2"), "broadcast"),

@@ -193,6 +193,9 @@ def test_remote_engine_to_the_vllm_stand_in_with_images(local):
             assert resp.output_len == 5
             check(model, vp, resp.output_tokens, resp.output_logprobs, 0.7)
         assert eng.counters["http_calls"] - calls == 2 * len(vps)  # one render + one generate per prompt
+        # images rendered before: vLLM 0.32 answers kwargs_data null (a cache hit), resolved by hash
+        again = asyncio.run(eng.agenerate(ModelRequest("again", vps[0].input_ids, g, image_data=vps[0].image_data)))
+        check(model, vps[0], again.output_tokens, again.output_logprobs, 0.7)
         # an image prompt whose placeholder runs differ from vLLM's render: refused, naming the request
         ids, pad = vps[0].input_ids, tok.convert_tokens_to_ids("<|image_pad|>")
         cut = ids[: ids.index(pad)] + ids[ids.index(pad) + 1 :]  # one placeholder token short

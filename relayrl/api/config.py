@@ -60,7 +60,7 @@ class LoraConfig:
     sync: str = f(
         "auto",
         help="What a LoRA trainer sends to SGLang / vLLM servers: 'adapter' (the peft adapter, written to "
-        "inference.weight_sync_dir and loaded as relayrl-v<version>; the servers need --enable-lora), 'merged' "
+        "inference.weight_sync_dir and loaded as relayrl-<run>-v<version>; the servers need --enable-lora), 'merged' "
         "(full weights with the adapter merged in), 'auto' (adapter when inference.protocol is sglang or vllm, "
         "weight_sync_dir is set and every server loads adapters at run time, else merged). In-process engines and relayrl servers always get merged weights.",
         choices=["auto", "merged", "adapter"],

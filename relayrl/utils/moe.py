@@ -49,20 +49,29 @@ def _family(model: nn.Module) -> RouterFamily | None:
     return ROUTER_FAMILIES.get(getattr(cfg.get_text_config(), "model_type", ""))
 
 
-def moe_routers(model: nn.Module) -> list[nn.Module]:
-    """The router of every MoE layer of ``model``, in layer order ([] for dense models or unknown families)."""
+def _layer_routers(model: nn.Module) -> list[nn.Module | None]:
+    """Per decoder layer of ``model``, in order, its MoE router or None (a dense layer, or not an MoE family)."""
     family = _family(model)
-    if family is None:
-        return []
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    routers = []
+    out: list[nn.Module | None] = []
     for layer in layers:
         mod: nn.Module | None = layer
-        for name in family.path.split("."):
+        for name in family.path.split(".") if family is not None else []:
             mod = getattr(mod, name, None)
-        if mod is not None and hasattr(mod, "top_k"):  # dense layers (Qwen3-MoE mlp_only_layers) have none
-            routers.append(mod)
-    return routers
+        # dense layers (Qwen3-MoE mlp_only_layers) have none
+        out.append(mod if family is not None and mod is not None and hasattr(mod, "top_k") else None)
+    return out
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The router of every MoE layer of ``model``, in layer order ([] for dense models or unknown families)."""
+    return [r for r in _layer_routers(model) if r is not None]
+
+
+def moe_layer_indices(model: nn.Module) -> list[int]:
+    """The decoder-layer indices of ``model``'s MoE layers: SGLang reports routed experts for every layer,
+    relayrl keeps these."""
+    return [i for i, r in enumerate(_layer_routers(model)) if r is not None]
 
 
 def _top_k(router: nn.Module) -> int:

@@ -126,3 +126,14 @@ def listen(app: object, name: str, host: str = "127.0.0.1", port: int = 0) -> No
 
     app.router.lifespan_context = lifespan  # type: ignore[attr-defined]
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+def routed_all_layers(model: torch.nn.Module, routed: torch.Tensor) -> str:
+    """SGLang 0.5.23's ``meta_info.routed_experts``: base64 int32 ``[seqlen - 1, num_hidden_layers, top_k]``
+    (every decoder layer, a dense one's left 0; ``state_capturer/routed_experts.py``), sent with no shape."""
+    from relayrl.utils.moe import encode_routed_experts, moe_layer_indices
+
+    cfg = model.config.get_text_config()  # type: ignore[operator]
+    out = torch.zeros(routed.shape[0], int(cfg.num_hidden_layers), routed.shape[2], dtype=torch.int32)
+    out[:, moe_layer_indices(model)] = routed.to(torch.int32)
+    return encode_routed_experts(out)

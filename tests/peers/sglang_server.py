@@ -10,7 +10,7 @@ Two route layouts, picked by ``--version``:
 - ``0.5.2`` (and any version below ``0.5.10``): ``/get_server_info``, ``/get_model_info``,
   ``/get_weight_version``;
 - ``0.5.15``: ``/server_info``, ``/model_info`` (which carries ``weight_version``); no
-  ``/get_weight_version`` (moved, as SGLang did).
+  ``/get_weight_version`` (moved, as SGLang did); ``0.5.23`` adds weight-update sessions.
 
 Facts reproduced: ``/health`` and ``/health_generate`` run a one-token generation, so they block
 while generation is paused or a weight update holds the model lock, and answer 503 after
@@ -58,10 +58,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _core import TinyPeer, listen  # noqa: E402
+from _core import TinyPeer, listen, routed_all_layers  # noqa: E402
 from sglang_group import init_custom_process_group, receive  # noqa: E402
 
 from relayrl.api.io import GenerationConfig  # noqa: E402
+from relayrl.inference.remote.protocol import version_tuple  # noqa: E402
 
 SAMPLING_KEYS = {
     "max_new_tokens",
@@ -94,6 +95,11 @@ def _err(msg: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": msg}}, status_code=status)
 
 
+def _refused(message: str, **extra: object) -> JSONResponse:
+    """A weight route that failed: ``{"success": false, "message"}`` with 400, as SGLang answers."""
+    return JSONResponse({"success": False, "message": message, **extra}, status_code=400)
+
+
 @dataclass
 class GenerateReqInput:  # the fields RemoteEngine uses (others are accepted and ignored, as FastAPI does for SGLang's dataclass)
     text: str | list[str] | None = None
@@ -105,6 +111,7 @@ class GenerateReqInput:  # the fields RemoteEngine uses (others are accepted and
     # SGLang: one image (URL, path, base64 or data: URL) or a list per request; in a batch, one entry per item
     image_data: str | list[str] | list[list[str]] | None = None
     lora_path: str | list[str | None] | None = None
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -183,7 +190,9 @@ class SGLangStandIn:
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self.workers = [self._spawn_worker() for _ in range(tp_size - 1)]  # TP ranks 1..tp_size-1
         self.health_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
-        self.counts = {"aborted": 0, "health_503": 0, "buckets": 0}
+        self.counts = {"aborted": 0, "health_503": 0, "buckets": 0, "abort_rid": 0}
+        self.sessions = version_tuple(version) >= (0, 5, 23)  # /begin_weight_update ... /end_weight_update
+        self.session_open = False
 
     def _spawn_worker(self) -> subprocess.Popen[str]:
         return subprocess.Popen(
@@ -221,7 +230,16 @@ class SGLangStandIn:
             ignore_eos=bool(sp.get("ignore_eos", False)),
         )
 
-    async def one(self, rid: str, ids: list[int], sp: dict, logprob: bool, images: list[str], lora: str | None) -> dict:  # type: ignore[type-arg]
+    async def one(
+        self,
+        rid: str,
+        ids: list[int],
+        sp: dict,
+        logprob: bool,
+        images: list[str],
+        lora: str | None,
+        routed: bool = False,
+    ) -> dict:  # type: ignore[type-arg]
         g = self.gconfig(sp)
         self.lora_use[lora or ""] = self.lora_use.get(lora or "", 0) + 1
         try:
@@ -249,6 +267,8 @@ class SGLangStandIn:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(r.output_logprobs, r.output_tokens, strict=True)
             ]
+        if routed and r.routed_experts is not None:
+            meta["routed_experts"] = routed_all_layers(self.peer.model, r.routed_experts)
         return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
 
     async def generate(self, obj: GenerateReqInput) -> Response:
@@ -286,7 +306,7 @@ class SGLangStandIn:
                 await asyncio.sleep(0.01)
             outs = await asyncio.gather(
                 *(
-                    self.one(r, p, s, lp, im, a)
+                    self.one(r, p, s, lp, im, a, obj.return_routed_experts)
                     for r, p, s, lp, im, a in zip(rids, prompts, sps, lps, imgs, loras, strict=True)
                 )
             )  # type: ignore[arg-type]
@@ -317,9 +337,7 @@ class SGLangStandIn:
             try:
                 n = await asyncio.to_thread(self.peer.load_dir, obj.model_path, v)
             except (OSError, ValueError) as e:
-                return JSONResponse(
-                    {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
-                )
+                return _refused(f"Failed to update weights: {e}", num_paused_requests=0)
             self.int_version = v
             if obj.weight_version is not None:
                 self.weight_version = obj.weight_version
@@ -365,22 +383,26 @@ class SGLangStandIn:
         try:
             await asyncio.to_thread(join_all)
         except Exception as e:  # noqa: BLE001 - SGLang answers success=False with the message
-            return JSONResponse({"success": False, "message": f"Failed to initialize custom process group: {e}."})
+            return _refused(f"Failed to initialize custom process group: {e}.")
         return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def destroy_group(self, obj: DestroyWeightsUpdateGroupReqInput) -> Response:
         pg = self.groups.pop(obj.group_name, None)
         if pg is None:
-            return JSONResponse({"success": False, "message": f"Group {obj.group_name} not in model_update_group"})
+            return _refused(f"Group {obj.group_name} not in model_update_group")
         torch.distributed.destroy_process_group(pg)
         for w in self.workers:
             self._ask(w, {"op": "destroy", "group_name": obj.group_name})
         return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def update_distributed(self, obj: UpdateWeightsFromDistributedReqInput) -> Response:
+        if self.sessions and not self.session_open:
+            return _refused(
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         pg = self.groups.get(obj.group_name)
         if pg is None:
-            return JSONResponse({"success": False, "message": f"Group {obj.group_name} not in model_update_group"})
+            return _refused(f"Group {obj.group_name} not in model_update_group")
         if obj.abort_all_requests:
             self.counts["aborted"] += await asyncio.to_thread(self.peer.abort_running)
         async with self.peer.lock:
@@ -408,12 +430,29 @@ class SGLangStandIn:
             try:
                 await asyncio.to_thread(self.peer.load, dict(zip(obj.names, got, strict=True)), v)
             except ValueError as e:
-                return JSONResponse({"success": False, "message": f"Failed to update parameter online: {e}"})
+                return _refused(f"Failed to update parameter online: {e}")
             self.counts["buckets"] += 1
             self.int_version = v
             if obj.weight_version is not None:
                 self.weight_version = obj.weight_version
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def abort_request(self, request: Request) -> Response:
+        """SGLang's ``AbortReq``: ``abort_all`` ends every running request as ``abort``; a rid is only counted."""
+        body = await request.json()
+        if body.get("abort_all"):
+            self.counts["aborted"] += await asyncio.to_thread(self.peer.abort_running)
+        else:
+            self.counts["abort_rid"] += 1
+        return Response(status_code=200)
+
+    def session(self, begin: bool) -> Response:
+        """``/begin_weight_update`` / ``/end_weight_update`` (SGLang >= 0.5.23, its PR 28001): distributed
+        weights load only inside a session; a second begin, or an end without one, is refused."""
+        if self.session_open == begin:
+            return _refused("a weight-update session is already open" if begin else "no weight-update session is open")
+        self.session_open = begin
+        return JSONResponse({"success": True, "message": "Success"})
 
     async def pause(self, obj: PauseGenerationReqInput) -> Response:
         if obj.mode not in ("abort", "retract", "in_place"):
@@ -496,6 +535,10 @@ def build_app(s: SGLangStandIn) -> FastAPI:
     app.post("/update_weights_from_distributed")(s.update_distributed)
     app.post("/destroy_weights_update_group")(s.destroy_group)
     app.post("/pause_generation")(s.pause)
+    app.post("/abort_request")(s.abort_request)
+    if s.sessions:
+        app.post("/begin_weight_update")(lambda: s.session(True))
+        app.post("/end_weight_update")(lambda: s.session(False))
     app.post("/continue_generation")(s.resume)
     app.post("/load_lora_adapter")(s.load_lora)
     app.post("/unload_lora_adapter")(s.unload_lora)

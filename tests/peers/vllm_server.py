@@ -245,6 +245,12 @@ def build_app(s: VLLMStandIn, dev_mode: bool) -> FastAPI:
     async def is_paused() -> JSONResponse:
         return JSONResponse({"is_paused": s.paused})
 
+    @rl.get("/server_info")
+    async def server_info() -> JSONResponse:
+        """Dev mode's engine config (vLLM 0.32.0 ``serve/dev/server_info``): ``lora_config`` null without --enable-lora."""
+        lora = {"max_lora_rank": s.max_lora_rank, "max_loras": 2} if s.enable_lora else None
+        return JSONResponse({"vllm_config": {"lora_config": lora, "model_config": {"dtype": "torch.float32"}}})
+
     @rl.post("/collective_rpc")
     async def collective_rpc(request: Request) -> JSONResponse:
         body = await request.json()
@@ -399,12 +405,16 @@ def main() -> None:
     ap.add_argument("--served-model-name", default="tiny")
     ap.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"])
     ap.add_argument("--weight-transfer-backend", default=None, choices=["nccl", "disk"])
+    # vLLM 0.32.0's form of the same choice (its WeightTransferConfig; no disk backend in that release)
+    ap.add_argument("--weight-transfer-config", type=json.loads, default=None)
     ap.add_argument("--rl-router", default="0100a212", choices=["0100a212", "1ace43ed", "none"])
     ap.add_argument("--enable-lora", action="store_true")
     ap.add_argument("--max-lora-rank", type=int, default=16)
     ap.add_argument("--max-loras", type=int, default=1)
     ap.add_argument("--model-path", default="tiny", help="tiny, or tiny-vl / tiny-vl2.5 (takes images)")
     args, _ = ap.parse_known_args()
+    if args.weight_transfer_config is not None:
+        args.weight_transfer_backend = args.weight_transfer_config.get("backend", "nccl")
     if args.weight_transfer_backend == "disk" and args.rl_router != "0100a212":
         ap.error(f"--weight-transfer-backend disk does not exist at {args.rl_router} (nccl only)")
     dev = os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"

@@ -3,7 +3,9 @@
 As read in vLLM's ``vllm/entrypoints/serve/disagg/protocol.py`` and ``serving.py`` (0001948b):
 ``/v1/chat/completions/render`` answers a ``GenerateRequest``: ``token_ids`` of the chat template
 with each image's placeholder tokens expanded, and ``features`` ``{"mm_hashes": {"image": [...]},
-"mm_placeholders": {"image": [{"offset", "length"}]}, "kwargs_data": {"image": [base64 | null]}}``;
+"mm_placeholders": {"image": [{"offset", "length"}]}, "kwargs_data": {"image": [base64 | null]} | null}``
+(``vllm/entrypoints/scale_out/token_in_token_out/protocol.py`` in 0.32.0: ``null`` for a metadata-only,
+cache-hit render, an item ``null`` to be resolved from the cache by its hash: here, images rendered before);
 ``/inference/v1/generate`` takes ``token_ids``, ``features``, ``sampling_params`` (vLLM's
 ``SamplingParams`` fields), ``model``, ``request_id`` and answers ``{"request_id", "choices": [{"index",
 "logprobs": {"content": [{"token", "logprob", ...}]}, "finish_reason", "token_ids"}]}``.
@@ -77,6 +79,7 @@ def token_routes(app: FastAPI, s: VLLMStandIn) -> None:
         from relayrl.data.vision import build_image_processor
 
         tok, proc = build_vl_tokenizer(), build_image_processor()
+    rendered: dict[str, str] = {}  # vLLM's multimodal cache: hash -> item, for kwargs_data null
 
     @app.post("/v1/chat/completions/render")
     async def render(request: Request) -> Response:
@@ -90,10 +93,13 @@ def token_routes(app: FastAPI, s: VLLMStandIn) -> None:
         except ValueError as e:
             return _bad(str(e), "messages")
         ranges = _runs(vp.input_ids, int(pad))
+        hashes = [hashlib.sha256(png).hexdigest() for png in vp.image_data]
+        cached = all(h in rendered for h in hashes)  # a cache hit: metadata only, as vLLM answers it
+        rendered.update({h: base64.b64encode(png).decode() for h, png in zip(hashes, vp.image_data, strict=True)})
         features = {
-            "mm_hashes": {"image": [hashlib.sha256(png).hexdigest() for png in vp.image_data]},
+            "mm_hashes": {"image": hashes},
             "mm_placeholders": {"image": [{"offset": o, "length": n} for o, n in ranges]},
-            "kwargs_data": {"image": [base64.b64encode(png).decode() for png in vp.image_data]},
+            "kwargs_data": None if cached else {"image": [rendered[h] for h in hashes]},
         }
         return JSONResponse(
             {
@@ -128,8 +134,13 @@ def token_routes(app: FastAPI, s: VLLMStandIn) -> None:
                 return _bad(f"{s.served} is not a multimodal model", "features")
             try:
                 got = [(int(p["offset"]), int(p["length"])) for p in features["mm_placeholders"]["image"]]
-                images = [f"data:image/png;base64,{k}" for k in features["kwargs_data"]["image"]]
-                for k in features["kwargs_data"]["image"]:
+                items = (features.get("kwargs_data") or {}).get("image") or [None] * len(got)
+                items = [
+                    k if k is not None else rendered[h]
+                    for k, h in zip(items, features["mm_hashes"]["image"], strict=True)
+                ]
+                images = [f"data:image/png;base64,{k}" for k in items]
+                for k in items:
                     base64.b64decode(k, validate=True)
             except (KeyError, TypeError, ValueError) as e:
                 return _bad(f"features: {e!r}", "features")

@@ -2,18 +2,21 @@
 
 A LoRA trainer sends SGLang / vLLM servers its adapter instead of merged full weights
 (``WeightUpdate(kind="adapter")``). The adapter is written as peft saves it to
-``<inference.weight_sync_dir>/relayrl-v<version>`` and every server loads it under that name
+``<inference.weight_sync_dir>/relayrl-<run>-v<version>`` and every server loads it under that name
 (SGLang ``/load_lora_adapter``, vLLM ``/v1/load_lora_adapter``); from then on requests to the
 server name it (SGLang ``lora_path``, vLLM ``model``), and the adapter it replaces is unloaded.
 Neither peer's load route takes a weight version, so the version is carried by the name: a
 request's tokens are tagged with the version of the adapter it was sent with (the servers'
 own ``weight_version`` stays that of their base weights). Version 0 (no update yet) is the
-base model, which a fresh adapter (B = 0) computes too.
+base model, which a fresh adapter (B = 0) computes too. ``<run>`` is drawn per engine: a second run
+or a resume against the same servers and directory never meets an adapter of an earlier run under
+its own name (vLLM and SGLang refuse a name they hold, and the earlier adapter would be served).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -29,12 +32,6 @@ if TYPE_CHECKING:
     from relayrl.api.config import InferenceConfig, LoraConfig
 
 log = logging.getLogger(__name__)
-
-PREFIX = "relayrl-v"  # adapters are loaded as relayrl-v<version>
-
-
-def adapter_name(version: int) -> str:
-    return f"{PREFIX}{version}"
 
 
 class AdapterRoutes(Protocol):
@@ -84,23 +81,26 @@ class AdapterSync(PerServerSync):
     def __init__(self, fleet: Fleet, routes: AdapterRoutes) -> None:
         super().__init__(fleet)
         self.routes = routes
+        self.prefix = f"relayrl-{secrets.token_hex(4)}-v"  # this engine's adapters: <prefix><version>
 
     def prepare(self, update: WeightUpdate) -> object:
-        """The adapter in ``weight_sync_dir/relayrl-v<version>`` (the two newest kept)."""
+        """The adapter in ``weight_sync_dir/<prefix><version>`` (this engine's two newest up to it kept)."""
         tensors = host_tensors(update)
         root = Path(self.fleet.config.weight_sync_dir)
-        final = root / adapter_name(update.version)
+        final = root / f"{self.prefix}{update.version}"
 
         def fill(d: Path) -> None:
             safetensors.torch.save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
             (d / "adapter_config.json").write_text(update.adapter_config)
 
         publish(final, fill)
-        old = sorted(
-            root.glob(f"{PREFIX}*"), key=lambda p: int(p.name[len(PREFIX) :]) if p.name[len(PREFIX) :].isdigit() else -1
-        )
-        for p in old[:-2]:
-            shutil.rmtree(p, ignore_errors=True)
+        mine = {
+            int(p.name[len(self.prefix) :]): p
+            for p in root.glob(f"{self.prefix}*")
+            if p.name[len(self.prefix) :].isdigit()
+        }
+        for v in sorted(v for v in mine if v <= update.version)[:-2]:
+            shutil.rmtree(mine[v], ignore_errors=True)
         return str(final)
 
     def _call(self, srv: Server, call: Call) -> tuple[int, object]:
@@ -113,7 +113,9 @@ class AdapterSync(PerServerSync):
             return r.status_code, r.text
 
     def push(self, srv: Server, data: object, version: int) -> None:
-        """Load the adapter at ``data`` on ``srv`` as ``relayrl-v<version>``, then unload the one it replaces."""
+        """Load the adapter at ``data`` on ``srv`` under its directory's name, then unload the one it replaces.
+        A server that holds that name already (one that kept it across a restart of this engine's
+        connection) unloads it and loads the directory again: what it serves is always this file."""
         path = str(data)
         name = Path(path).name
         call = self.routes.load_adapter(name, path)
@@ -121,10 +123,13 @@ class AdapterSync(PerServerSync):
         if status == 404 and isinstance(body, dict) and body.get("detail") == "Not Found":
             flags = srv.info.lora_flags if srv.info is not None else "--enable-lora"
             raise RuntimeError(f"{srv.url} has no {call.path}: start it with {flags}")
-        if status >= 400 and "already" not in str(body):  # a returning server that kept it: loaded
+        if status >= 400 and "already" in str(body):
+            log.info("%s holds adapter %s already: reloading it from %s", srv.url, name, path)
+            self._call(srv, self.routes.unload_adapter(name))
+            status, body = self._call(srv, call)
+        if status >= 400:
             raise RuntimeError(f"{srv.url}{call.path} refused adapter {name} ({status}): {str(body)[:500]}")
-        if status < 400:
-            self.routes.parse_adapter_load(name, body)
+        self.routes.parse_adapter_load(name, body)
         previous, srv.adapter, srv.version = srv.adapter, name, version
         if previous and previous != name:
             unload = self.routes.unload_adapter(previous)

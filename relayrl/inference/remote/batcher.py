@@ -13,7 +13,9 @@ trainer ~ms of CPU, a 4-token generation on the server far less.
   not yet answered), so one bad request fails alone.
 - A connection error or 5xx reaches every item of the call not yet answered; each is then
   retried or re-issued elsewhere by its own caller.
-- Callers that gave up (cancelled) before the flush are left out of the call.
+- Callers that gave up (cancelled) before the flush are left out of the call; one that gives up
+  while its call runs has its item aborted on the server (``backend.abort_items``), which would
+  otherwise generate it to the end for as long as the call lasts.
 
 One batcher per event loop (its futures belong to that loop).
 """
@@ -35,12 +37,15 @@ _Item = tuple[Call, "asyncio.Future[object]"]
 class MicroBatcher:
     """Collects generate calls per server URL and sends them as batched calls."""
 
-    def __init__(self, backend: Backend, send: Send, stream: Stream, window_s: float, max_items: int) -> None:
-        self.backend, self.send, self.stream = backend, send, stream
+    def __init__(
+        self, backend: Backend, send: Send, stream: Stream, window_s: float, max_items: int, abort: Send
+    ) -> None:
+        self.backend, self.send, self.stream, self.abort = backend, send, stream, abort
         self.window_s, self.max_items = window_s, max_items
         self._pending: dict[str, list[_Item]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._aborts: set[asyncio.Future[object]] = set()
 
     def submit(self, url: str, call: Call) -> asyncio.Future[object]:
         """Queue ``call`` for ``url``; the future resolves to its own reply body (or error)."""
@@ -75,7 +80,21 @@ class MicroBatcher:
             return
         await asyncio.gather(*(self._send_group(url, call, [items[i] for i in idx]) for call, idx in groups))
 
+    def _abort_when_cancelled(self, url: str, call: Call, items: list[_Item]) -> None:
+        def on_done(position: int) -> Callable[[asyncio.Future[object]], None]:
+            return lambda f: self._abort(url, call, position) if f.cancelled() else None
+
+        for j, (_, fut) in enumerate(items):
+            fut.add_done_callback(on_done(j))
+
+    def _abort(self, url: str, call: Call, position: int) -> None:
+        for abort in self.backend.abort_items(call, position):
+            task = asyncio.ensure_future(self.abort(url, abort))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+
     async def _send_group(self, url: str, call: Call, items: list[_Item]) -> None:
+        self._abort_when_cancelled(url, call, items)
         if len(items) > 1 and self.backend.streams_items:
             return await self._stream_group(url, call, items)
         try:

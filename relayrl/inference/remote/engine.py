@@ -19,7 +19,7 @@
   on GPUs, in buckets of ``weight_bucket_mb``) and checks that each reports the new version.
   Servers being updated are not health-probed (SGLang's probe blocks then).
 - LoRA (``adapters.AdapterSync``): with ``model.lora.sync=adapter`` SGLang / vLLM servers
-  load the trainer's adapter as ``relayrl-v<version>`` and requests name it.
+  load the trainer's adapter as ``relayrl-<run>-v<version>`` and requests name it.
 - Request ids: each HTTP request carries a fresh id (``<rid>-<n>``): SGLang refuses an id
   already in flight, and one episode may send several requests at once (ReMax).
 - Batching: requests headed to the same server within ``batch_window_ms`` share one HTTP
@@ -63,6 +63,7 @@ from relayrl.inference.remote.protocol import (
     ServerError,
     wire_image,
 )
+from relayrl.inference.remote.sglang import SGLangBackend, routing_layout
 from relayrl.inference.remote.vllm import VLLMBackend, require_image_routes
 from relayrl.inference.remote.weights import WeightSync
 
@@ -96,6 +97,8 @@ class RemoteEngine(InferenceEngine):
                 f"inference.return_routed_experts: {self.backend.name} returns no routed experts (use sglang or relayrl)"
             )
         self.backend.return_routed_experts = config.return_routed_experts
+        if config.return_routed_experts and isinstance(self.backend, SGLangBackend):
+            self.backend.routing = routing_layout(self.model)  # SGLang sends every layer's, with no shape
         self.token = config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
         self.servers: list[Server] = []
         self._lock = threading.Lock()  # server table and counters (agenerate runs on many threads)
@@ -270,6 +273,14 @@ class RemoteEngine(InferenceEngine):
         _check_status(url, call, r)
         return r.json()
 
+    async def _abort_item(self, url: str, call: Call) -> object:
+        """Stop a request its caller gave up on (best effort: it may have ended already)."""
+        try:
+            await self._client().request(call.method, url + call.path, json=call.json, timeout=10)
+        except httpx.HTTPError as e:
+            log.info("%s%s failed: %r", url, call.path, e)
+        return None
+
     async def _stream(self, url: str, call: Call) -> AsyncGenerator[object, None]:
         """The JSON lines of an NDJSON reply, as they arrive."""
         self.counters["http_calls"] += 1
@@ -297,6 +308,7 @@ class RemoteEngine(InferenceEngine):
                 self._stream,
                 self.config.batch_window_ms / 1000,
                 self.config.batch_max_requests,
+                self._abort_item,
             )
             self._batchers[loop] = batcher
         return batcher.submit(srv.url, call)
@@ -496,23 +508,34 @@ class RemoteEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, update: WeightUpdate) -> None:
+        """Every live server loads ``update``. When none confirms it (every server died, before or
+        during the update), these become the weights a returning server is given, and the update
+        waits for one, backing off as a request does, for up to ``max_retries`` waits."""
         with self._update_lock:
             sync = self._sync_for(update)
             data = sync.prepare(update)
             live = [s for s in self.servers if s.alive]
-            if not live:
-                raise ConnectionError("no live server to update")
             for s in self.servers:
                 s.updating = True
             try:
-                sync.send(data, update.version, live)
+                if live:
+                    sync.send(data, update.version, live)
+            except (ConnectionError, *DEAD_ERRORS) as e:  # the last servers died mid-way (evicted)
+                log.warning("weight update v%d: %r; waiting for a server to come back", update.version, e)
             finally:
                 for s in self.servers:
                     s.updating = False
-            if not any(s.alive and s.version == update.version for s in self.servers):
-                raise ConnectionError(f"no server confirmed weight version {update.version}")
             self._version = update.version
             self._last = (sync, data)
+        for attempt in itertools.count(1):
+            if any(s.alive and s.version == update.version for s in self.servers):
+                return
+            if attempt > self.config.max_retries:
+                raise ConnectionError(
+                    f"no server confirmed weight version {update.version} after {attempt - 1} waits "
+                    f"(inference.max_retries={self.config.max_retries}): every server is down"
+                )
+            time.sleep(self._backoff(attempt))
 
     def _sync_for(self, update: WeightUpdate) -> WeightSync:
         if update.kind == "adapter":

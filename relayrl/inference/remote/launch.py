@@ -79,8 +79,11 @@ class PeerServerGroup:
         model: str,
         host: str = "127.0.0.1",
         lora: LoraConfig | None = None,
+        dtype: str = "",
     ) -> None:
-        self.peer, self.cfg, self.model, self.host, self.lora = peer, cfg, model, host, lora
+        """``dtype``: the trainer's (``model.dtype``), served unless ``launch_args`` name a ``--dtype``
+        (SGLang would serve an fp32 checkpoint in fp16, vLLM in bf16: logprobs off the trainer's)."""
+        self.peer, self.cfg, self.model, self.host, self.lora, self.dtype = peer, cfg, model, host, lora, dtype
         self.kind = peer.name
         self.log_dir = Path(cfg.launch_log_dir or tempfile.mkdtemp(prefix=f"relayrl-{self.kind}-"))
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -97,6 +100,8 @@ class PeerServerGroup:
                 port = ports[i] if ports else _free_port(self.host)
                 log = self.log_dir / f"server-{i}.log"
                 cmd = self.peer.server_command(self.cfg, self.model, port, self.host, self.lora)
+                if self.dtype and "--dtype" not in cmd:
+                    cmd += ["--dtype", self.dtype]
                 env = self.peer.server_env(self.cfg, i, self.lora)
                 with open(log, "wb") as out:
                     out.write(f"$ {shlex.join(cmd)}\n".encode())

@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import itertools
 import shlex
@@ -41,6 +42,7 @@ import torch
 from relayrl.api.io import GenerationConfig, WeightUpdate
 from relayrl.inference.remote.launch import Launched, PeerServerGroup, gpu_env
 from relayrl.inference.remote.protocol import (
+    DEAD_ERRORS,
     Call,
     Getter,
     JsonDict,
@@ -67,7 +69,7 @@ from relayrl.inference.remote.weights import (
 )
 from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 from relayrl.utils.failsafe import fall_back, reason
-from relayrl.utils.moe import decode_routed_experts
+from relayrl.utils.moe import decode_routed_experts, moe_layer_indices, routing_shape
 
 if TYPE_CHECKING:
     from relayrl.api.config import InferenceConfig, LoraConfig, ModelConfig
@@ -85,6 +87,7 @@ class SGLangBackend:
     streams_items = False  # batched replies come as one list
     records_experts = True  # MoE: can return the routed experts
     return_routed_experts = False  # ask for the routed experts (inference.return_routed_experts)
+    routing: tuple[int, list[int], int] | None = None  # (decoder layers, MoE layer indices, top_k) of the model
 
     def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
         return {
@@ -145,12 +148,7 @@ class SGLangBackend:
         if kind not in ("stop", "length", "abort"):
             raise ProtocolError(f"unknown finish_reason {finish!r}")
         versions = meta.get("output_token_versions")
-        routed = None
-        if isinstance(meta.get("routed_experts"), str) and isinstance(meta.get("routed_experts_shape"), list):
-            try:
-                routed = decode_routed_experts(meta["routed_experts"], meta["routed_experts_shape"])
-            except (ValueError, TypeError) as e:
-                raise ProtocolError(f"/generate reply has malformed routed_experts: {e}") from None
+        routed = self.routed_experts(meta)
         return Parsed(
             tokens=[int(t) for t in tokens],
             logprobs=[float(t[0]) for t in triples],
@@ -159,6 +157,26 @@ class SGLangBackend:
             weight_version=int_or_none(meta.get("weight_version")),
             routed_experts=routed,
         )
+
+    def routed_experts(self, meta: dict[str, object]) -> torch.Tensor | None:
+        """``meta_info.routed_experts`` as ``[tokens - 1, n_moe_layers, top_k]``: with its shape (relayrl
+        serve), or, as SGLang sends it (0.5.23: base64 int32 over every decoder layer, no shape), reshaped
+        by the served model's layout (``routing``) and cut to its MoE layers."""
+        data, shape = meta.get("routed_experts"), meta.get("routed_experts_shape")
+        if not isinstance(data, str):
+            return None
+        try:
+            if isinstance(shape, list):
+                return decode_routed_experts(data, shape)
+            if self.routing is None:
+                raise ValueError("no shape given and the model's MoE layout is unknown")
+            n_layers, moe, top_k = self.routing
+            n = len(base64.b64decode(data)) // 4
+            if n % (n_layers * top_k):
+                raise ValueError(f"{n} ids are not rows of {n_layers} layers x top-{top_k}")
+            return decode_routed_experts(data, [n // (n_layers * top_k), n_layers, top_k])[:, moe].contiguous()
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(f"/generate reply has malformed routed_experts: {e}") from None
 
     def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
         """``generate`` calls merged into batched calls: (call, indices of the items it carries).
@@ -229,6 +247,22 @@ class SGLangBackend:
             body["weight_version"] = str(version)
         return Call("POST", "/update_weights_from_distributed", body)
 
+    def begin_update(self) -> Call:
+        """SGLang >= 0.5.23 (its PR 28001) loads distributed weights only inside a weight-update session."""
+        return Call("POST", "/begin_weight_update", {})
+
+    def end_update(self) -> Call:
+        return Call("POST", "/end_weight_update", {})
+
+    def abort_items(self, call: Call, position: int) -> list[Call]:
+        """Stop item ``position`` of a ``generate`` call (its rid) on the server: ``/abort_request {rid}``."""
+        rid = (call.json or {}).get("rid")
+        rid = rid[position] if isinstance(rid, list) else rid
+        return [Call("POST", "/abort_request", {"rid": rid})] if isinstance(rid, str) else []
+
+    def abort_all(self) -> Call:
+        return Call("POST", "/abort_request", {"abort_all": True})
+
     def load_adapter(self, name: str, path: str) -> Call:
         """Load the peft adapter at ``path`` (read by the server) under ``name``."""
         return Call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
@@ -274,11 +308,11 @@ class SGLangBackend:
             return SGLangBroadcast(fleet, self)
         if mode == "http":
             return UploadSync(fleet, self.upload, self)
-        return DiskSync(fleet, self.update_from_disk, self)
+        return SGLangDisk(fleet, self.update_from_disk, self)
 
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=sglang``: ``cfg.n_servers`` servers of ``model``, healthy."""
-        return PeerServerGroup(self, cfg, model.path, lora=lora).start()
+        return PeerServerGroup(self, cfg, model.path, lora=lora, dtype=model.dtype).start()
 
     def server_command(
         self, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1", lora: LoraConfig | None = None
@@ -334,6 +368,24 @@ def detect(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
     )
 
 
+def routing_layout(model: ModelConfig) -> tuple[int, list[int], int] | None:
+    """(decoder layers, MoE layer indices, top_k) of ``model``, built on the meta device from its config
+    (None for a dense model): how SGLang's routed experts, given for every layer, map onto relayrl's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from relayrl.data.models import TINY_PRESETS, build_tiny_model
+
+    with torch.device("meta"):
+        if model.path in TINY_PRESETS:
+            net = build_tiny_model(model.path)
+        else:
+            net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model.path))
+    shape = routing_shape(net)
+    if shape is None:
+        return None
+    return int(net.config.get_text_config().num_hidden_layers), moe_layer_indices(net), shape[1]
+
+
 def lora_flags(lora: LoraConfig | None) -> list[str]:
     """The flags that let a server load the trainer's adapters at run time (none without LoRA)."""
     if lora is None or lora.rank <= 0:
@@ -350,6 +402,21 @@ def broadcast_backend(peer: str) -> str:
     """NCCL to GPU servers (SGLang); gloo without CUDA, and to relayrl servers (they run on CPU).
     The seam tests replace to put NCCL, which cannot start on CPU, in the way."""
     return "nccl" if torch.cuda.is_available() and peer != "relayrl" else "gloo"
+
+
+class SGLangDisk(DiskSync):
+    """weight_sync=disk: ``/update_weights_from_disk``. SGLang flushes its prefix cache after loading
+    (KV of the old weights must not serve the continued requests) and fails the call when the requests
+    it just aborted are still winding down; then the flush is waited for (``/flush_cache?timeout``)."""
+
+    def push(self, srv: Server, data: object, version: int) -> None:
+        try:
+            super().push(srv, data, version)
+        except RuntimeError as e:
+            if "cache was not flushed" not in str(e):
+                raise
+            self.fleet.admin(srv, Call("POST", "/flush_cache?timeout=60"), timeout=90)
+            self.confirm(srv, version)
 
 
 class SGLangBroadcast(WeightSync):
@@ -425,8 +492,34 @@ class SGLangBroadcast(WeightSync):
         settle(self.fleet, servers, joins, group.join, errors)
         if errors:
             raise errors[0]
+        for f in joins:  # {"success": false} is a refusal too (SGLang also answers it 400)
+            sglang.parse_update(f.result())
         self.group, self.members = group, members(servers)
         return group
+
+    def _begin(self, srv: Server) -> bool:
+        """Open ``srv``'s weight-update session (SGLang >= 0.5.23); False where it has none (older SGLang,
+        ``relayrl serve``). Its in-flight requests are aborted first: each holds the model lock the session
+        takes (their partial tokens come back and continue under the new weights)."""
+        admin = self.fleet.admin
+        admin(srv, self.backend.abort_all(), timeout=30)
+        try:
+            admin(srv, self.backend.begin_update(), timeout=self.fleet.config.request_timeout)
+        except RuntimeError as e:
+            if " answered 404" in str(e):
+                return False
+            if "already open" not in str(e):
+                raise
+            admin(srv, self.backend.end_update(), timeout=60)  # left open by an update that failed mid-way
+            admin(srv, self.backend.begin_update(), timeout=60)
+        return True
+
+    def _end(self, srv: Server, quiet: bool) -> None:
+        try:
+            self.backend.parse_update(self.fleet.admin(srv, self.backend.end_update(), timeout=60))
+        except (httpx.HTTPError, RuntimeError):
+            if not quiet:  # after a failed update: the next one closes it (_begin)
+                raise
 
     def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
         errors: list[BaseException] = []
@@ -435,6 +528,15 @@ class SGLangBroadcast(WeightSync):
             group = self.group
             if group is None or self.members != members(servers):
                 group = self._join(servers, ex, errors)
+            sessions = []
+            for s in servers:
+                try:
+                    if self._begin(s):
+                        sessions.append(s)
+                except DEAD_ERRORS as e:  # gone since the group was built: the others get a new group
+                    self.fleet.evict(s, repr(e))
+                    errors.append(ConnectionError(f"{s.url} died before a weight broadcast"))
+                    raise errors[-1] from e
             names = list(tensors)
             limit = int(self.fleet.config.weight_bucket_mb * (1 << 20))
             parts = buckets([t.numel() * t.element_size() for t in tensors.values()], limit)
@@ -451,6 +553,8 @@ class SGLangBroadcast(WeightSync):
                 settle(self.fleet, servers, replies, functools.partial(group.broadcast, bucket), errors)
                 if errors:
                     break
+            for s in sessions:  # the loaded weights take effect when the session closes
+                self._end(s, quiet=bool(errors))
         finally:
             ex.shutdown(wait=False)
             if errors:

@@ -29,9 +29,10 @@
   ``/v1/unload_lora_adapter`` ``{"lora_name", "lora_path"}`` (plain-text answers), the adapter named
   as the request's ``model``.
 - Launch (``inference.launch=vllm``): ``vllm serve M --host 127.0.0.1 --port P
-  --tensor-parallel-size K --logprobs-mode processed_logprobs``, ``--weight-transfer-backend nccl``
-  for weight_sync=broadcast, ``disk`` for weight_sync=disk; ``VLLM_SERVER_DEV_MODE=1`` for the RL
-  router and ``/collective_rpc``; with adapters ``--enable-lora --max-lora-rank R --max-loras 2``
+  --tensor-parallel-size K --logprobs-mode processed_logprobs --dtype D`` (the trainer's dtype),
+  ``--weight-transfer-config '{"backend": "nccl"}'`` for weight_sync=broadcast (released vLLMs up to
+  0.33 have no disk backend: weight_sync=disk reloads through ``/collective_rpc``);
+  ``VLLM_SERVER_DEV_MODE=1`` for the RL router and ``/collective_rpc``; with adapters ``--enable-lora --max-lora-rank R --max-loras 2``
   (R rounded up to a rank vLLM accepts) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
 """
 
@@ -141,11 +142,14 @@ class VLLMBackend:
             raise ProtocolError(f"{RENDER_CHAT} reply lacks token_ids / features: {str(body)[:200]}")
         try:
             ranges = [(int(p["offset"]), int(p["length"])) for p in feats["mm_placeholders"]["image"]]
-            hashes, kwargs = list(feats["mm_hashes"]["image"]), list(feats["kwargs_data"]["image"])
+            hashes = list(feats["mm_hashes"]["image"])
+            # null: a cache hit (vLLM 0.32 resolves the items by hash), passed on as it came
+            kwargs = None if feats.get("kwargs_data") is None else list(feats["kwargs_data"]["image"])
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"{RENDER_CHAT} features lack image hashes / placeholders / kwargs_data: {e!r}") from e
-        if not len(ranges) == len(hashes) == len(kwargs):
-            raise ProtocolError(f"{RENDER_CHAT}: {len(ranges)} placeholders, {len(hashes)} hashes, {len(kwargs)} items")
+        if len(ranges) != len(hashes) or (kwargs is not None and len(kwargs) != len(hashes)):
+            items = "no" if kwargs is None else len(kwargs)
+            raise ProtocolError(f"{RENDER_CHAT}: {len(ranges)} placeholders, {len(hashes)} hashes, {items} items")
         placed: list[object] = []
         pos = 0
         for j, (offset, length) in enumerate(ranges):
@@ -162,7 +166,8 @@ class VLLMBackend:
                 )
             placed.append({"offset": start, "length": length})
             pos = end
-        return {"mm_hashes": {"image": hashes}, "mm_placeholders": {"image": placed}, "kwargs_data": {"image": kwargs}}
+        data = None if kwargs is None else {"image": kwargs}
+        return {"mm_hashes": {"image": hashes}, "mm_placeholders": {"image": placed}, "kwargs_data": data}
 
     def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
         """Calls that differ only in their prompt share one call (vLLM takes one set of sampling
@@ -269,7 +274,7 @@ class VLLMBackend:
 
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=vllm``: ``cfg.n_servers`` servers of ``model``, healthy."""
-        return PeerServerGroup(self, cfg, model.path, lora=lora).start()
+        return PeerServerGroup(self, cfg, model.path, lora=lora, dtype=model.dtype).start()
 
     def server_command(
         self, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1", lora: LoraConfig | None = None
@@ -278,9 +283,8 @@ class VLLMBackend:
         prefix = shlex.split(cfg.launch_command) if cfg.launch_command else ["vllm", "serve"]
         flags = ["--host", host, "--port", str(port), "--tensor-parallel-size", str(cfg.launch_tp_size)]
         flags += ["--logprobs-mode", "processed_logprobs"]
-        sync = cfg.weight_sync if cfg.weight_sync != "auto" else ("disk" if cfg.weight_sync_dir else "http")
-        transfer = {"broadcast": "nccl", "disk": "disk"}.get(sync)  # vLLM's weight-transfer engine for the mode
-        flags += ["--weight-transfer-backend", transfer] if transfer else []
+        if cfg.weight_sync == "broadcast":  # vLLM's NCCL weight-transfer engine (0.32: its WeightTransferConfig)
+            flags += ["--weight-transfer-config", '{"backend": "nccl"}']
         return [*prefix, model, *flags, *lora_flags(lora), *cfg.launch_args]
 
     def server_env(self, cfg: InferenceConfig, i: int, lora: LoraConfig | None = None) -> dict[str, str]:
@@ -292,6 +296,15 @@ class VLLMBackend:
 
     def pause(self) -> Call:
         return Call("POST", "/pause?mode=abort")
+
+    def abort_items(self, call: Call, position: int) -> list[Call]:
+        """Stop prompt ``position`` of a ``/v1/completions`` call on the server: vLLM names it
+        ``cmpl-<request_id>-<position>`` (``/abort_requests``, the RL router's). The token-in route's
+        calls carry one prompt each and are never batched: a caller that leaves closes the connection."""
+        rid = (call.json or {}).get("request_id")
+        if call.path != "/v1/completions" or not isinstance(rid, str):
+            return []
+        return [Call("POST", "/abort_requests", {"request_ids": [f"cmpl-{rid}-{position}"]})]
 
     def logprob_probe(self, temperature: float) -> Call:
         """One greedy-free token with the top logprob: with ``raw_logprobs`` (vLLM's default) its value
@@ -345,6 +358,7 @@ def detect(url: str, get: Getter) -> PeerInfo:
     if "/get_world_size" in routes:  # the server's workers (TP x PP x DP), each a rank of the transfer group
         status, size = get("/get_world_size")
         ranks = int(size.get("world_size", 1)) if status == 200 and isinstance(size, dict) else 1
+    lora, max_rank = runtime_lora(get, routes)
     return PeerInfo(
         "vllm",
         str(body.get("version", "")),
@@ -354,10 +368,28 @@ def detect(url: str, get: Getter) -> PeerInfo:
         "/health",
         routes,
         server=str(body.get("server", "vllm")),  # by name: disk_transfer comes first
-        # the runtime adapter routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
-        lora=LORA_ROUTE in routes if routes else None,
+        lora=lora,
+        max_lora_rank=max_rank,
         lora_flags=LORA_FLAGS,
     )
+
+
+def runtime_lora(get: Getter, routes: set[str]) -> tuple[bool | None, int]:
+    """(loads adapters at run time, its --max-lora-rank): the adapter routes exist with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True even without --enable-lora, so the engine's config is asked
+    too (dev mode's ``/server_info``: ``lora_config`` is null without --enable-lora)."""
+    if not routes:
+        return None, 0
+    if LORA_ROUTE not in routes:
+        return False, 0
+    if "/server_info" not in routes:
+        return True, 0
+    status, info = get("/server_info?config_format=json")
+    config = info.get("vllm_config") if status == 200 and isinstance(info, dict) else None
+    if not isinstance(config, dict) or "lora_config" not in config:
+        return True, 0
+    lora = config["lora_config"]
+    return isinstance(lora, dict), int(lora.get("max_lora_rank") or 0) if isinstance(lora, dict) else 0
 
 
 def require_image_routes(info: PeerInfo | None, url: str) -> None:

@@ -1,4 +1,5 @@
-"""The trainer's side of vLLM's weight-transfer API (``vllm serve --weight-transfer-backend nccl|disk``):
+"""The trainer's side of vLLM's weight-transfer API (``vllm serve --weight-transfer-config '{"backend": "nccl"}'``;
+a disk backend exists in later vLLM sources, not in releases up to 0.33):
 its routes, the checks that a server has them, and the two syncs ``vllm.VLLMBackend.weight_sync`` picks
 (``VLLMDisk``, ``VLLMBroadcast``; see ``vllm``'s docstring for the update sequence).
 
@@ -155,7 +156,7 @@ class Controls(Replies, Protocol):
 
 
 def init_transfer(host: str, port: int, rank_offset: int, world_size: int) -> Call:
-    """Join vLLM's weight-transfer group (``--weight-transfer-backend nccl``): this server's
+    """Join vLLM's weight-transfer group (``--weight-transfer-config '{"backend": "nccl"}'``): this server's
     workers take ranks ``rank_offset`` .. ``rank_offset + world size - 1``."""
     info: JsonDict = {
         "master_address": host,
@@ -167,7 +168,7 @@ def init_transfer(host: str, port: int, rank_offset: int, world_size: int) -> Ca
 
 
 def init_disk_transfer() -> Call:
-    """vLLM's disk transfer backend (``--weight-transfer-backend disk``) takes no init fields."""
+    """vLLM's disk transfer backend (``{"backend": "disk"}``, where a vLLM has one) takes no init fields."""
     return Call("POST", "/init_weight_transfer_engine", {"init_info": {}})
 
 
@@ -207,12 +208,12 @@ def require_routes(info: PeerInfo, url: str, sync: str) -> None:
     if sync == "broadcast" and not {TRANSFER, "/update_weights"} <= info.routes:
         missing.append(
             f"{TRANSFER} and /update_weights (vLLM's weight-transfer API: a vLLM that has it, run with "
-            f"--weight-transfer-backend nccl and {RL_ROUTER})"
+            f'--weight-transfer-config \'{{"backend": "nccl"}}\' and {RL_ROUTER})'
         )
     if sync == "disk" and "/start_weight_update" not in info.routes and "/collective_rpc" not in info.routes:
         missing.append(
             f"/collective_rpc ({RL_ROUTER}; for reload_weights) or vLLM's disk weight transfer "
-            "(--weight-transfer-backend disk, a vLLM with /start_weight_update)"
+            '(--weight-transfer-config \'{"backend": "disk"}\' on a vLLM that has that backend)'
         )
     if missing:
         raise UnsupportedServer(
@@ -259,7 +260,8 @@ class VLLMDisk(DiskSync):
         except RuntimeError as e:
             if "/collective_rpc" not in info.routes:
                 raise UnsupportedServer(
-                    f"{srv.url} refused vLLM's disk weight transfer ({e}): start it with --weight-transfer-backend disk"
+                    f"{srv.url} refused vLLM's disk weight transfer ({e}): start it with "
+                    '--weight-transfer-config \'{"backend": "disk"}\' on a vLLM that has that backend'
                 ) from e
             log.warning("%s has no disk weight-transfer backend; reloading through /collective_rpc", srv.url)
             info.disk_transfer = False

@@ -135,7 +135,9 @@ class DiskSync(PerServerSync):
         root = Path(self.fleet.config.weight_sync_dir)
         final = root / f"v{update.version:08d}"
         publish(final, lambda d: safetensors.torch.save_file(tensors, str(d / "model.safetensors")))
-        for old in sorted(root.glob("v*"))[:-2]:  # keep the two newest versions
+        # keep the two newest up to this one; higher ones (an earlier run's, before a resume) are not ours to judge
+        older = sorted(p for p in root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) <= update.version)
+        for old in older[:-2]:
             shutil.rmtree(old, ignore_errors=True)
         return str(final)
 

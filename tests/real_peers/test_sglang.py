@@ -1,0 +1,173 @@
+"""RemoteEngine against a real SGLang 0.5.23 server (``python -m sglang.launch_server`` on CPU,
+scripts/peers.sh) serving the tiny model in fp32 on 127.0.0.1: one server for the module, restarted
+once (kill -9). Logprobs are checked against a teacher-forced forward of the same checkpoint."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from relayrl.api.config import InferenceConfig
+from relayrl.api.io import GenerationConfig, WeightUpdate
+from relayrl.data.models import build_tiny_model
+from relayrl.inference.remote import RemoteEngine
+from tests.real_peers.servers import (
+    TOL,
+    RealServer,
+    check_versions,
+    free_port,
+    gap,
+    in_flight,
+    peer_env,
+    peer_environ,
+    prompts,
+    run,
+    sglang_command,
+)
+
+pytestmark = pytest.mark.real_peers
+
+
+@pytest.fixture(scope="module")
+def sglang(tiny_dir, tmp_path_factory):
+    env = peer_env("sglang")
+    log = tmp_path_factory.mktemp("sglang") / "server.log"
+    server = RealServer("sglang", sglang_command(env, tiny_dir, free_port()), peer_environ(), log).start()
+    yield server
+    server.stop()
+
+
+def engine(server: RealServer, **kw) -> RemoteEngine:
+    cfg = InferenceConfig(
+        **{
+            "backend": "remote",
+            "protocol": "sglang",
+            "health_interval": 0.2,
+            "request_timeout": 120,
+            "max_retries": 10,
+            "batch_window_ms": 0,
+            **kw,
+        }
+    )
+    eng = RemoteEngine(cfg, addresses=[server.address])
+    eng.initialize()
+    return eng
+
+
+def test_generation_and_logprobs_match_a_teacher_forced_forward(sglang, served_model):
+    eng = engine(sglang)
+    try:
+        assert eng.servers[0].info.version == "0.5.23"
+        sampled = GenerationConfig(max_new_tokens=24, temperature=0.8, ignore_eos=True)
+        greedy = GenerationConfig(max_new_tokens=24, greedy=True, ignore_eos=True)
+        outs = run(eng, [(p, sampled) for p in prompts(4)] + [(p, greedy) for p in prompts(2)])
+        gaps = [gap(served_model, o, 0.8) for o in outs[:4]] + [gap(served_model, o, 1.0) for o in outs[4:]]
+        print(f"SGLang logprob gap to the teacher-forced forward (fp32): max {max(gaps):.2e}")
+        assert max(gaps) <= TOL
+        assert all(o.stop_reason == "length" and len(o.output_tokens) == 24 for o in outs)
+    finally:
+        eng.destroy()
+
+
+def test_n_samples_batch_into_one_call_and_stops_end_them(sglang, served_model):
+    eng = engine(sglang, batch_window_ms=50)
+    try:
+        g = GenerationConfig(max_new_tokens=16, temperature=1.0, ignore_eos=True)
+        calls = eng.counters["http_calls"]
+        outs = run(eng, [(prompts(1)[0], g)] * 4)
+        assert eng.counters["http_calls"] - calls == 1  # one batched /generate
+        assert len({tuple(o.output_tokens) for o in outs}) > 1
+        assert max(gap(served_model, o, 1.0) for o in outs) <= TOL
+        greedy = run(eng, [(prompts(1)[0], GenerationConfig(max_new_tokens=16, greedy=True, ignore_eos=True))])[0]
+        stop_at = greedy.output_tokens[5]
+        first = greedy.output_tokens.index(stop_at)
+        out = run(eng, [(prompts(1)[0], GenerationConfig(max_new_tokens=16, greedy=True, stop_token_ids=[stop_at]))])
+        assert out[0].stop_reason == "stop" and out[0].output_tokens == greedy.output_tokens[: first + 1]
+    finally:
+        eng.destroy()
+
+
+def test_pause_with_requests_in_flight_then_resume(sglang, served_model):
+    eng = engine(sglang)
+    g = GenerationConfig(max_new_tokens=240, temperature=1.0, ignore_eos=True)
+    try:
+        results: list = []
+        t = threading.Thread(target=lambda: results.extend(run(eng, [(p, g) for p in prompts(3)])))
+        t.start()
+        in_flight(eng, 3)
+        eng.pause()  # /pause_generation: in-flight requests come back as abort with their tokens
+        try:
+            time.sleep(1.0)
+            assert t.is_alive()
+        finally:
+            eng.resume()
+        t.join(timeout=180)
+        assert [len(o.output_tokens) for o in results] == [240] * 3
+        assert eng.counters["interrupted"] >= 1
+        assert max(gap(served_model, o, 1.0) for o in results) <= TOL
+    finally:
+        eng.destroy()
+
+
+@pytest.mark.parametrize("sync", ["disk", "broadcast"])
+def test_a_weight_update_mid_generation_tags_every_token_with_its_version(sglang, served_model, tmp_path, sync):
+    """SGLang 0.5.23 loads distributed weights only inside /begin_weight_update ... /end_weight_update."""
+    eng = engine(sglang, weight_sync=sync, weight_sync_dir=str(tmp_path / "w") if sync == "disk" else "")
+    new = build_tiny_model("tiny", seed=3).eval()
+    g = GenerationConfig(max_new_tokens=240, temperature=1.0, ignore_eos=True)
+    v0 = eng.get_version()  # the server's (an earlier test may have updated it)
+    try:
+        results: list = []
+        t = threading.Thread(target=lambda: results.extend(run(eng, [(p, g) for p in prompts(3)])))
+        t.start()
+        in_flight(eng, 3)
+        eng.update_weights(WeightUpdate(kind="tensors", version=v0 + 1, tensors=new.state_dict()))
+        t.join(timeout=180)
+        assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] == str(v0 + 1)
+        check_versions(results, {v0: served_model, v0 + 1: new}, 240)
+    finally:
+        eng.update_weights(WeightUpdate(kind="tensors", version=v0 + 2, tensors=served_model.state_dict()))
+        eng.destroy()
+    assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] == str(v0 + 2)
+
+
+def test_a_refused_weight_load_is_an_error(sglang, tmp_path):
+    """SGLang answers 400 {"success": false} when it cannot load weights (here: a dir with none)."""
+    (tmp_path / "empty").mkdir()
+    eng = engine(sglang, weight_sync="disk", weight_sync_dir=str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="400"):
+            eng._sync("disk").push(eng.servers[0], str(tmp_path / "empty"), 7)  # noqa: SLF001
+        assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] != "7"
+    finally:
+        eng.destroy()
+
+
+def test_kill_9_and_readmission_over_broadcast(sglang, served_model):
+    """The only server is SIGKILLed; an update while it is gone waits for it (max_retries); once back,
+    it is re-admitted: a new weight group is built with it and it serves the trainer's version."""
+    eng = engine(sglang, weight_sync="broadcast", max_retries=40)
+    new = build_tiny_model("tiny", seed=5).eval()
+    try:
+        eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=served_model.state_dict()))
+        sglang.kill9()
+        done: list = []
+        t = threading.Thread(
+            target=lambda: done.append(
+                eng.update_weights(WeightUpdate(kind="tensors", version=2, tensors=new.state_dict()))
+            )
+        )
+        t.start()
+        sglang.restart()
+        t.join(timeout=180)
+        assert done == [None], "update_weights did not complete after the server came back"
+        assert eng.live_servers() == [sglang.url] and eng.counters["readmissions"] >= 1
+        assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] == "2"
+        g = GenerationConfig(max_new_tokens=8, temperature=1.0, ignore_eos=True)
+        out = run(eng, [(prompts(1)[0], g)])[0]
+        assert gap(new, out, 1.0) <= TOL and out.output_versions == [2] * 8
+    finally:
+        eng.destroy()
