@@ -282,6 +282,7 @@ def test_sglang_servers_are_ray_actors_on_their_nodes_address(cluster, tmp_path)
         host = address.rsplit(":", 1)[0]
         argv = " ".join(httpx.get(f"http://{address}/stand_in", timeout=10).json()["argv"])
         assert f"--host {host}" in argv and f"--port {address.rsplit(':', 1)[1]}" in argv
+        assert "--dtype float32" in argv  # the trainer's dtype, as RemoteEngine's own launch gives it
         assert host == ray.util.get_node_ip_address()  # the node's address, not loopback
         assert (tmp_path / "logs" / "ray-server-0" / "server-0.log").read_text().startswith("$ ")
         engine = RemoteEngine(run.cfg.inference, model=run.cfg.model)

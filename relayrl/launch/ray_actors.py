@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from relayrl.inference.remote.adapters import adapter_mode
 from relayrl.inference.remote.launch import PeerServerGroup
 from relayrl.inference.remote.peers import make_backend
 from relayrl.inference.server.launcher import ServerGroup
 
 if TYPE_CHECKING:  # server actors stay light (the trainer ranks import the trainer when they run)
-    from relayrl.api.config import InferenceConfig, RunConfig
+    from relayrl.api.config import InferenceConfig, ModelConfig, RunConfig
 
 
 def node_port() -> tuple[str, int]:
@@ -71,13 +72,16 @@ class ServerActor:
         token: str,
         port: int,
         startup_timeout: float,
-        peer: tuple[str, InferenceConfig, str] | None = None,
+        peer: tuple[str, InferenceConfig, ModelConfig] | None = None,
     ) -> None:
         host = ray.util.get_node_ip_address()
         self.group: ServerGroup | PeerServerGroup
         if peer is not None:
             kind, inf, model = peer
-            self.group = PeerServerGroup(make_backend(kind), inf, model, host=host).start(ports=[port])
+            backend = make_backend(kind)  # the flags RemoteEngine's own launch would give: dtype, LoRA
+            lora = model.lora if adapter_mode(model.lora, inf, kind, backend.loads_adapters) else None
+            group = PeerServerGroup(backend, inf, model.path, host=host, lora=lora, dtype=model.dtype)
+            self.group = group.start(ports=[port])
         else:
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
             if token:  # in the environment, never on a command line

@@ -168,7 +168,7 @@ class RayRun:
             # SGLang / vLLM: one server per actor, its GPUs from Ray, its log in a directory of its own
             logs = os.path.join(inf.launch_log_dir, f"ray-server-{i}") if inf.launch_log_dir else ""
             one = replace(inf, n_servers=1, launch_gpus=[], launch_log_dir=logs)
-            peer = None if inf.launch == "relayrl" else (inf.launch, one, cfg.model.path)
+            peer = None if inf.launch == "relayrl" else (inf.launch, one, cfg.model)
             where = self._in_bundle(r.trainer_ranks + i)
             _, port = ray.get(_node_port.options(scheduling_strategy=where).remote())
             options = {"num_cpus": r.server_cpus, "num_gpus": r.server_gpus, "max_restarts": r.server_max_restarts}
