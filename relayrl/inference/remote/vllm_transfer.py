@@ -3,6 +3,9 @@ a disk backend exists in later vLLM sources, not in releases up to 0.33):
 its routes, the checks that a server has them, and the two syncs ``vllm.VLLMBackend.weight_sync`` picks
 (``VLLMDisk``, ``VLLMBroadcast``; see ``vllm``'s docstring for the update sequence).
 
+Still vLLM's room: only ``vllm.py`` imports it, and nothing here serves another peer. It is a module of
+its own because vLLM's request mapping and its weight transfer together pass the 600-line limit.
+
 The transfer group:
 
 vLLM (``vllm/distributed/weight_transfer/nccl_engine.py``) does not use torch.distributed for
