@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import copy
 import logging
+import re
+import sys
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from relayrl.inference.local import memory as local_memory
 from relayrl.inference.local.decode import FastDecoder, SlabLayer
 from relayrl.inference.local.graphs import CUDA_GRAPHS, FLASH_DECODE, Kernels, StaticDecoder
 from relayrl.inference.remote import sglang as sglang_peer
+from relayrl.inference.remote import vllm_transfer
 from relayrl.inference.remote.engine import RemoteEngine
 from relayrl.inference.server.launcher import launch_servers
 from relayrl.train import fastpath, packing
@@ -418,4 +421,56 @@ def test_a_failing_nccl_weight_group_falls_back_to_gloo(tiny_model, monkeypatch,
     (message,) = warnings_of(caplog)
     assert message.startswith(
         sglang_peer.NCCL_GROUP + " failed at first use (RuntimeError: a weight group with backend='nccl' needs CUDA"
+    )
+
+
+def test_a_failing_vllm_nccl_transfer_falls_back_to_disk_reloads(tiny_model, monkeypatch, caplog, tmp_path):
+    """vLLM has no gloo transfer: when its NCCL transfer fails at first use (here vLLM's trainer helpers do
+    not import, as in a trainer without vllm installed), updates reload from inference.weight_sync_dir through
+    /collective_rpc, with one warning; without that directory the error says what to set."""
+    from tests.peers import start
+    from tests.test_remote import greedy, prompts, reference, run_all
+
+    monkeypatch.setattr(vllm_transfer, "transfer_backend", lambda: "nccl")
+    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.nccl_engine", None)  # its import fails
+    nccl = ("--weight-transfer-config", '{"backend": "nccl"}')
+    peer = start("vllm", "--logprobs-mode", "processed_logprobs", *nccl, env={"VLLM_SERVER_DEV_MODE": "1"})
+    new = build_tiny_model("tiny", seed=2).eval()
+    fields = dict(backend="remote", protocol="vllm", weight_sync="broadcast", request_timeout=60, batch_window_ms=0)
+    try:
+        bare = RemoteEngine(InferenceConfig(**fields), addresses=[peer.address])
+        bare.initialize()
+        try:
+            refusal = (
+                "^" + re.escape(vllm_transfer.NCCL_TRANSFER) + " failed at first use .*set inference.weight_sync_dir"
+            )
+            with pytest.raises(RuntimeError, match=refusal) as e:
+                bare.update_weights(WeightUpdate(kind="tensors", version=1, tensors=new.state_dict()))
+            assert "\n" not in str(e.value) and not warnings_of(caplog)
+        finally:
+            bare.destroy()
+        eng = RemoteEngine(InferenceConfig(**fields, weight_sync_dir=str(tmp_path)), addresses=[peer.address])
+        eng.initialize()
+        try:
+            for version, model in ((1, new), (2, tiny_model)):
+                eng.update_weights(WeightUpdate(kind="tensors", version=version, tensors=model.state_dict()))
+                outs = run_all(eng, prompts(3), greedy(6), prefix=f"v{version}")
+                assert [o.output_tokens for o in outs] == [
+                    r.output_tokens for r in reference(model, prompts(3), greedy(6))
+                ]
+                assert all(o.output_versions == [version] * 6 for o in outs)
+            assert peer.get("/weight_info").json()["weight_version"] == "2"
+        finally:
+            eng.destroy()
+        counts = peer.get("/stand_in").json()["counts"]
+        assert (counts["init"], counts["updates"]) == (0, 0)  # no transfer group: both updates were disk reloads
+        assert sorted(p.name for p in tmp_path.glob("v*")) == ["v00000001", "v00000002"]
+    finally:
+        peer.stop()
+    (message,) = warnings_of(caplog)
+    assert message.startswith(
+        vllm_transfer.NCCL_TRANSFER + " failed at first use (RuntimeError: weight_sync=broadcast to vLLM over NCCL"
+    )
+    assert message.endswith(
+        f"using disk reloads from inference.weight_sync_dir ({tmp_path}) through /collective_rpc instead"
     )

@@ -391,3 +391,15 @@ def test_sglang_routed_experts_over_every_layer_without_a_shape_reach_the_trajec
         seq = r.input_tokens + r.output_tokens
         assert r.routed_experts is not None and r.routed_experts.shape == (len(seq) - 1, 3, 2)
         assert torch.equal(r.routed_experts.long().sort(-1).values, hf_experts(model, seq[:-1]))
+
+
+def test_a_peer_without_routed_experts_refuses_the_option():
+    """vLLM's replies carry no routed experts: the engine refuses inference.return_routed_experts at
+    construction, naming it, instead of training on missing routing."""
+    from relayrl.inference.remote import RemoteEngine
+
+    cfg = InferenceConfig(backend="remote", protocol="vllm", return_routed_experts=True)
+    with pytest.raises(ValueError, match=r"^inference.return_routed_experts: vLLM's replies carry no routed experts"):
+        RemoteEngine(cfg, addresses=["127.0.0.1:1"])
+    sglang = RemoteEngine(InferenceConfig(backend="remote", protocol="sglang", return_routed_experts=True), ["h:1"])
+    assert sglang.backend.return_routed_experts and sglang.backend.routing is None  # tiny is dense: no MoE layout

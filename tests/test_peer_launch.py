@@ -88,3 +88,25 @@ def test_launch_needs_the_matching_protocol(tmp_path):
     cfg = InferenceConfig(backend="remote", protocol="relayrl", launch="vllm", n_servers=1)
     with pytest.raises(ValueError, match="inference.protocol=vllm"):
         RemoteEngine(cfg).initialize()
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+@pytest.mark.parametrize(
+    "args, dtype",
+    [
+        ([], ["--dtype", "float32"]),
+        (["--dtype=float16"], ["--dtype=float16"]),
+        (["--dtype", "half"], ["--dtype", "half"]),
+    ],
+)
+def test_the_trainers_dtype_is_served_unless_launch_args_name_one(kind, args, dtype, tmp_path):
+    """The trainer's ``--dtype`` is added only when the user's ``launch_args`` name none, in either
+    spelling (the server reads the last one given: ``--dtype=float16`` then ``--dtype float32`` would be fp32).
+    Ray's server actors build the same ``PeerServerGroup``."""
+    from relayrl.inference.remote.launch import PeerServerGroup
+    from relayrl.inference.remote.peers import make_backend
+
+    cfg = InferenceConfig(backend="remote", protocol=kind, launch=kind, n_servers=1, launch_args=args)
+    cmd = PeerServerGroup(make_backend(kind), cfg, "tiny", dtype="float32").command(1234)
+    flags = [a for a in cmd if a.startswith("--dtype")]
+    assert flags == dtype[:1] and cmd[cmd.index(dtype[0]) : cmd.index(dtype[0]) + len(dtype)] == dtype

@@ -8,6 +8,10 @@
 A call that does not parse (bad JSON, no ``name``, arguments that are not an object) makes the
 whole reply a normal completion with no tool call, and ``ParsedOutput.malformed`` says so: the
 agent sees the text, the episode goes on, and the count reaches the metrics. It never raises.
+
+Not transformers' ``parse_response`` (5.23): that needs a response template per model (few checkpoints
+ship one, and the llama3 form, JSON calls split by ``;``, has none), raises on a block that is not
+JSON, and keeps only the text after the last block as content, where this keeps all of it.
 """
 
 from __future__ import annotations

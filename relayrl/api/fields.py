@@ -7,6 +7,11 @@ in one line (``ConfigError``). Unknown keys are rejected with a did-you-mean. YA
 (``on``/``off``/``yes``/``no``/``~``) keep the word typed in string fields. A config class may
 declare ``inherit(values)`` (defaults drawn from other sections before building) and
 ``validate()`` (rules across fields). The classes themselves live in ``relayrl.api.config``.
+
+Not OmegaConf's structured configs (2.4, used below for ``${...}`` interpolation only): they check
+types but no ranges or choices, refuse ``n_servers: 3.0``, read ``progress: off`` as ``"False"``,
+answer in multi-line errors, and cannot build ``RunConfig`` (``OmegaConf.structured`` fails on it), so
+coercion, rules and the one-line errors stay here.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Hand-written rather than ``rich.progress`` (rich was dropped from the dependencies): the display
 is one carriage-return line of a few metrics plus an ETA, and the other half of the job, plain
 lines in CI logs and files, is what rich's live display does not do; fifty lines here cost less
-than a dependency and its terminal heuristics in every trainer process.
+than a dependency and its terminal heuristics in every trainer process. tqdm (installed with
+transformers) would draw only the bar: it writes carriage-return frames to files too and skips updates
+inside its refresh interval, so the plain lines and the metrics summary would still be written here.
 """
 
 from __future__ import annotations

@@ -63,8 +63,6 @@ from relayrl.inference.remote.protocol import (
     ServerError,
     wire_image,
 )
-from relayrl.inference.remote.sglang import SGLangBackend, routing_layout
-from relayrl.inference.remote.vllm import VLLMBackend, require_image_routes
 from relayrl.inference.remote.weights import WeightSync
 
 log = logging.getLogger(__name__)
@@ -92,13 +90,8 @@ class RemoteEngine(InferenceEngine):
         self.model = model or ModelConfig()
         self.addresses = list(addresses if addresses is not None else config.addresses)
         self.backend = make_backend(config.protocol)
-        if config.return_routed_experts and not self.backend.records_experts:
-            raise ValueError(
-                f"inference.return_routed_experts: {self.backend.name} returns no routed experts (use sglang or relayrl)"
-            )
-        self.backend.return_routed_experts = config.return_routed_experts
-        if config.return_routed_experts and isinstance(self.backend, SGLangBackend):
-            self.backend.routing = routing_layout(self.model)  # SGLang sends every layer's, with no shape
+        if config.return_routed_experts:  # a peer whose replies carry none refuses, naming the option
+            self.backend.ask_routed_experts(self.model)
         self.token = config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
         self.servers: list[Server] = []
         self._lock = threading.Lock()  # server table and counters (agenerate runs on many threads)
@@ -133,13 +126,13 @@ class RemoteEngine(InferenceEngine):
             self.model.lora, self.config, self.backend.name, self.backend.loads_adapters
         )
         if not self.addresses and self.config.n_servers > 0 and launch != "none":
-            if launch != "relayrl" and self.backend.name != launch:  # relayrl servers speak every protocol
+            peer = make_backend(launch)  # the peer whose servers are started
+            if self.backend.name not in peer.speaks:
                 raise ValueError(
                     f"inference.launch={launch} starts {launch} servers: set inference.protocol={launch} "
                     f"(it is {self.backend.name})"
                 )
             lora = self.model.lora if self.accepts_adapters else None
-            peer = self.backend if self.backend.name == launch else make_backend(launch)
             self._launched = peer.launch(self.config, self.model, lora, self.token)
             self.addresses = self._launched.addresses
         if not self.addresses:
@@ -349,10 +342,11 @@ class RemoteEngine(InferenceEngine):
             adapter = srv.adapter  # with an adapter, its name carries the version (the server's is the base's)
             self.counters["requests"] += 1
             try:
-                if images and features is None and isinstance(self.backend, VLLMBackend):
-                    require_image_routes(srv.info, srv.url)  # vLLM: render the images once, then token-in
-                    rendered = await self._send(srv.url, self.backend.render_images(images, srv.adapter))
-                    features = self.backend.image_features(req.rid, req.input_ids, rendered)
+                render = (
+                    self.backend.render(srv, req.rid, req.input_ids, images) if images and features is None else None
+                )
+                if render is not None:  # the images rendered once (vLLM), then sent with every continuation
+                    features = render.features(await self._send(srv.url, render.call))
                 # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
                 call = self.backend.generate(
                     f"{req.rid}-{next(self._wire_ids)}",

@@ -99,9 +99,7 @@ class PeerServerGroup:
             for i in range(self.cfg.n_servers):
                 port = ports[i] if ports else _free_port(self.host)
                 log = self.log_dir / f"server-{i}.log"
-                cmd = self.peer.server_command(self.cfg, self.model, port, self.host, self.lora)
-                if self.dtype and "--dtype" not in cmd:
-                    cmd += ["--dtype", self.dtype]
+                cmd = self.command(port)
                 env = self.peer.server_env(self.cfg, i, self.lora)
                 with open(log, "wb") as out:
                     out.write(f"$ {shlex.join(cmd)}\n".encode())
@@ -124,6 +122,14 @@ class PeerServerGroup:
             self.shutdown()
             raise
         return self
+
+    def command(self, port: int) -> list[str]:
+        """One server's command line: the peer's, then the trainer's ``--dtype`` unless it names one
+        already (``--dtype X`` or ``--dtype=X``, in ``launch_args`` or ``launch_command``)."""
+        cmd = self.peer.server_command(self.cfg, self.model, port, self.host, self.lora)
+        if self.dtype and not any(a == "--dtype" or a.startswith("--dtype=") for a in cmd):
+            cmd += ["--dtype", self.dtype]
+        return cmd
 
     def _wait_healthy(self, i: int) -> None:
         deadline = time.monotonic() + self.cfg.launch_timeout

@@ -58,6 +58,15 @@ class Call:
 
 
 @dataclass
+class Render:
+    """A call sent before a prompt with images is generated (vLLM renders them first), and what makes its
+    reply the ``features`` the peer's ``generate`` takes."""
+
+    call: Call
+    features: Callable[[object], JsonDict]
+
+
+@dataclass
 class PeerInfo:
     protocol: str
     version: str = ""

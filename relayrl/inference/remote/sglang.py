@@ -49,6 +49,7 @@ from relayrl.inference.remote.protocol import (
     Parsed,
     PeerInfo,
     ProtocolError,
+    Render,
     Server,
     UnsupportedServer,
     first_page,
@@ -82,10 +83,10 @@ class SGLangBackend:
     """SGLang's native HTTP protocol."""
 
     name = "sglang"
+    speaks: tuple[str, ...] = ("sglang",)  # the inference.protocol values its launched servers answer
     loads_adapters = True  # LoRA adapters at run time (model.lora.sync=adapter)
     supports_upload = False
     streams_items = False  # batched replies come as one list
-    records_experts = True  # MoE: can return the routed experts
     return_routed_experts = False  # ask for the routed experts (inference.return_routed_experts)
     routing: tuple[int, list[int], int] | None = None  # (decoder layers, MoE layer indices, top_k) of the model
 
@@ -102,6 +103,16 @@ class SGLangBackend:
             "skip_special_tokens": False,
             **penalties(g),
         }
+
+    def ask_routed_experts(self, model: ModelConfig) -> None:
+        """inference.return_routed_experts: ask for them, read by ``model``'s layout (SGLang sends every
+        decoder layer's, with no shape)."""
+        self.return_routed_experts = True
+        self.routing = routing_layout(model)
+
+    def render(self, srv: Server, rid: str, input_ids: list[int], images: list[str]) -> Render | None:
+        """Nothing to send before a prompt with images: SGLang takes the images beside ``input_ids``."""
+        return None
 
     def generate(
         self,

@@ -38,6 +38,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import shlex
 import typing
@@ -52,6 +53,8 @@ from relayrl.inference.remote.protocol import (
     Parsed,
     PeerInfo,
     ProtocolError,
+    Render,
+    Server,
     UnsupportedServer,
     penalties,
     version_of,
@@ -76,12 +79,12 @@ class VLLMBackend:
     """vLLM's OpenAI-compatible server with its RL routes."""
 
     name = "vllm"
+    speaks: tuple[str, ...] = ("vllm",)  # the inference.protocol values its launched servers answer
     loads_adapters = True
     supports_upload = False
     streams_items = False
     health_path = "/health"
     reload_method = "reload_weights"
-    records_experts = False  # vLLM's replies carry no routed experts; RemoteEngine refuses the option
     return_routed_experts = False
 
     def __init__(self, model: str = "default") -> None:
@@ -123,6 +126,17 @@ class VLLMBackend:
             return Call("POST", GENERATE_TOKENS, {**body, "sampling_params": sp, "stream": False})
         body = {"model": model, "prompt": list(input_ids), **sp, "return_tokens_as_token_ids": True}
         return Call("POST", "/v1/completions", {**body, "request_id": rid, "stream": False})
+
+    def ask_routed_experts(self, model: ModelConfig) -> None:
+        raise ValueError(
+            "inference.return_routed_experts: vLLM's replies carry no routed experts (use sglang or relayrl)"
+        )
+
+    def render(self, srv: Server, rid: str, input_ids: list[int], images: list[str]) -> Render:
+        """A prompt with images: vLLM renders them once (``render_images``), then every call for it goes to the
+        token-in route with those ``features`` placed on ``input_ids`` (``image_features``)."""
+        require_image_routes(srv.info, srv.url)
+        return Render(self.render_images(images, srv.adapter), functools.partial(self.image_features, rid, input_ids))
 
     def render_images(self, images: list[str], adapter: str = "") -> Call:
         """vLLM's render step for a prompt's images (one user message of image content parts): its

@@ -3,6 +3,9 @@ a disk backend exists in later vLLM sources, not in releases up to 0.33):
 its routes, the checks that a server has them, and the two syncs ``vllm.VLLMBackend.weight_sync`` picks
 (``VLLMDisk``, ``VLLMBroadcast``; see ``vllm``'s docstring for the update sequence).
 
+Still vLLM's room: only ``vllm.py`` imports it, and nothing here serves another peer. It is a module of
+its own because vLLM's request mapping and its weight transfer together pass the 600-line limit.
+
 The transfer group:
 
 vLLM (``vllm/distributed/weight_transfer/nccl_engine.py``) does not use torch.distributed for
@@ -21,6 +24,12 @@ included), which bounds the server's receive memory.
 - gloo (CPU): vLLM has no gloo transfer backend; this is the same construction with a gloo
   group in place of PyNccl (the id published the same way names the group's store prefix). It
   is what the vLLM stand-in in ``tests/peers/`` builds, so the whole exchange is tested on CPU.
+
+NCCL fails safe (``relayrl.utils.failsafe``): vLLM has no gloo transfer to fall back to, so if the
+first NCCL update fails for another reason than a dead server (``vllm`` not importable in the trainer,
+NCCL unable to start), that update and every later one reload from ``inference.weight_sync_dir``
+through ``/collective_rpc`` (the weight_sync=disk path), with one warning; without that directory,
+or on a server without ``/collective_rpc``, the error says what to set.
 """
 
 from __future__ import annotations
@@ -53,12 +62,20 @@ from relayrl.inference.remote.weights import (
     tensors_of,
 )
 from relayrl.inference.weight_group import address_towards, dtype_name
+from relayrl.utils.failsafe import fall_back, reason
 
 log = logging.getLogger(__name__)
 
 TRANSFER = "/init_weight_transfer_engine"
 RL_ROUTER = "VLLM_SERVER_DEV_MODE=1: vLLM attaches its RL router only in dev mode"
 UNIQUE_ID_KEY = "broadcast_from/0/0"  # StatelessProcessGroup.broadcast_obj's first key from rank 0
+NCCL_TRANSFER = "vLLM NCCL weight transfer (inference.weight_sync=broadcast)"
+
+
+def transfer_backend() -> str:
+    """NCCL with CUDA (vLLM's only transfer backend); gloo on CPU, which only the stand-in speaks.
+    The seam tests replace to put NCCL, which cannot start on CPU, in the way."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def packed_groups(sizes: list[int], limit: int) -> list[list[int]]:
@@ -237,11 +254,12 @@ def paused_for_update(fleet: Fleet, backend: Controls, servers: list[Server], up
 
 
 class VLLMDisk(DiskSync):
-    """weight_sync=disk: vLLM's disk transfer backend in a session, else ``/collective_rpc``."""
+    """weight_sync=disk: vLLM's disk transfer backend in a session, else ``/collective_rpc``
+    (always with ``transfer=False``: the servers' transfer engine is NCCL's, NCCL having failed)."""
 
-    def __init__(self, fleet: Fleet, backend: Controls) -> None:
+    def __init__(self, fleet: Fleet, backend: Controls, transfer: bool = True) -> None:
         super().__init__(fleet, backend.update_from_disk, backend)
-        self.backend = backend
+        self.backend, self.transfer = backend, transfer
 
     def connect(self, srv: Server) -> None:
         """Pick the disk route this server offers."""
@@ -251,7 +269,9 @@ class VLLMDisk(DiskSync):
         require_routes(info, srv.url, "disk")
         if info.protocol != "vllm" or info.server == "relayrl":
             return
-        if "/start_weight_update" not in info.routes or TRANSFER not in info.routes:
+        if not self.transfer and info.routes and "/collective_rpc" not in info.routes:
+            raise UnsupportedServer(f"{srv.url} (vLLM {info.version}) lacks /collective_rpc ({RL_ROUTER})")
+        if not self.transfer or "/start_weight_update" not in info.routes or TRANSFER not in info.routes:
             info.disk_transfer = False  # a vLLM before the disk backend: /collective_rpc (require_routes checked it)
             return
         try:
@@ -285,16 +305,23 @@ class VLLMDisk(DiskSync):
 
 
 class VLLMBroadcast(WeightSync):
-    """weight_sync=broadcast through vLLM's weight-transfer API (NCCL, or gloo with the stand-in)."""
+    """weight_sync=broadcast through vLLM's weight-transfer API (NCCL, or gloo with the stand-in);
+    disk reloads once NCCL failed at first use (the module docstring)."""
 
     def __init__(self, fleet: Fleet, backend: Controls) -> None:
         super().__init__(fleet)
         self.backend = backend
         self.group: VLLMTransferGroup | None = None
         self.members: list[tuple[str, int]] = []
+        self.collective = transfer_backend()
+        self.proven = False  # an update over ``collective`` succeeded
+        self.disk: VLLMDisk | None = None  # the fallback, once NCCL failed at first use
+        self.written: tuple[int, str] | None = None  # the fallback's last directory: (version, path)
 
     def connect(self, srv: Server) -> None:
-        if srv.info is not None:
+        if self.disk is not None:
+            self.disk.connect(srv)
+        elif srv.info is not None:
             require_routes(srv.info, srv.url, "broadcast")
 
     def prepare(self, update: WeightUpdate) -> object:
@@ -302,20 +329,59 @@ class VLLMBroadcast(WeightSync):
 
     def send(self, data: object, version: int, servers: list[Server]) -> None:
         try:
-            self._broadcast(tensors_of(data), version, servers)
+            self._checked(tensors_of(data), version, servers)
         except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
             live = [s for s in self.fleet.servers if s.alive]
             if not live:
                 raise
-            self._broadcast(tensors_of(data), version, live)
+            self._checked(tensors_of(data), version, live)
 
     def rejoin(self, srv: Server, data: object, version: int) -> None:
-        self._broadcast(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
+        self._checked(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
+
+    def _checked(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+        """``_broadcast``; at the first use of NCCL, a failure switches to disk reloads."""
+        if self.disk is not None:
+            return self._reload(tensors, version, servers)
+        try:
+            self._broadcast(tensors, version, servers)
+        except ConnectionError:
+            raise
+        except Exception as e:
+            if self.proven or self.collective != "nccl":
+                raise
+            self._fall_back(e, servers)
+            self._reload(tensors, version, servers)
+        self.proven = True
+
+    def _fall_back(self, error: Exception, servers: list[Server]) -> None:
+        why, where = reason(error), self.fleet.config.weight_sync_dir
+        if not where:
+            raise RuntimeError(
+                f"{NCCL_TRANSFER} failed at first use ({why}) and vLLM has no other transfer backend: set "
+                "inference.weight_sync_dir to a directory every server reads (updates then reload from it), "
+                "or inference.weight_sync=disk"
+            ) from error
+        disk = VLLMDisk(self.fleet, self.backend, transfer=False)
+        try:
+            for s in servers:
+                disk.connect(s)
+        except UnsupportedServer as e:
+            raise RuntimeError(f"{NCCL_TRANSFER} failed at first use ({why}); reloading from disk instead: {e}") from e
+        fall_back(NCCL_TRANSFER, why, f"disk reloads from inference.weight_sync_dir ({where}) through /collective_rpc")
+        self.disk, self.group = disk, None
+
+    def _reload(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+        assert self.disk is not None
+        if self.written is None or self.written[0] != version:  # written once per version (a rejoin reuses it)
+            path = self.disk.prepare(WeightUpdate(kind="tensors", version=version, tensors=tensors))
+            self.written = (version, str(path))
+        self.disk.send(self.written[1], version, servers)
 
     def _join(self, servers: list[Server], ex: ThreadPoolExecutor, errors: list[BaseException]) -> VLLMTransferGroup:
         self.group, self.members = None, []
         host = address_towards(httpx.URL(servers[0].url).host)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = self.collective
         sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
         offsets = list(itertools.accumulate([1, *sizes[:-1]]))
         group = VLLMTransferGroup(host, 0, 1 + sum(sizes), backend, self.fleet.config.request_timeout)
