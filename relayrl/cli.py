@@ -313,8 +313,11 @@ def _eval(argv: list[str]) -> int:
                 )
                 return 2
             cfg.model.lora.adapter_path = str(latest / "actor")
-        elif latest is not None:  # the tokenizer stays where the run found it
-            cfg.model.tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
+        elif latest is not None:
+            if not (latest / "actor" / "tokenizer_config.json").is_file():  # written before checkpoints had one
+                cfg.model.tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
+            else:  # the checkpoint's own (the run's tokenizer, saved): the run's model directory may be gone
+                cfg.model.tokenizer_path = ""
             cfg.model.path = str(latest / "actor")
     import json
 

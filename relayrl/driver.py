@@ -8,6 +8,7 @@ None elsewhere, so no part of the trainer is an optional attribute that exists o
 from __future__ import annotations
 
 import functools
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader
 from relayrl.data.models import vision_processor
-from relayrl.data.vision import png_data_urls
+from relayrl.data.vision import png_data_urls, row_from_json, row_to_json
 from relayrl.evaluation import evaluate
 from relayrl.rewards.pool import RewardPool
 from relayrl.rollout.executor import WorkflowExecutor
@@ -106,12 +107,20 @@ class Driver:
             self.rollout_writer.write(step, batch, self.cfg.logging.rollouts_per_step)
 
     def state_dict(self) -> dict[str, Any]:
-        """The driver's part of a checkpoint: data order and what the executor had not trained on."""
-        return {"dataloader": self.dataloader.state_dict(), "executor": self.executor.state_dict()}
+        """The driver's part of a checkpoint (JSON): data order and what the executor had not trained
+        on (rows with images keep them as PNG)."""
+        executor = self.executor.state_dict()
+        pending = typing.cast(list[dict[str, Any]], executor["pending"])
+        executor["pending"] = [{**p, "data": row_to_json(p["data"])} for p in pending]
+        return {"dataloader": self.dataloader.state_dict(), "executor": executor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataloader.load_state_dict(state["dataloader"])
-        self.executor.load_state_dict(state["executor"])
+        executor = dict(state["executor"])
+        if any(isinstance(p["data"].get("vision"), dict) for p in executor["pending"]):
+            processor = vision_processor(self.cfg.model)
+            executor["pending"] = [{**p, "data": row_from_json(p["data"], processor)} for p in executor["pending"]]
+        self.executor.load_state_dict(executor)
 
     def close(self) -> None:
         """Stop the executor, generators (and launched servers), reward workers; flush metrics."""

@@ -32,7 +32,7 @@ from relayrl.api.engine import DataItem, TensorDict
 from relayrl.api.io import SaveLoadMeta
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader
-from relayrl.data.models import load_model, load_tokenizer, save_for_inference
+from relayrl.data.models import load_model, load_tokenizer, save_for_inference, vision_processor
 from relayrl.doctor.record import DoctorRecorder
 from relayrl.driver import Driver
 from relayrl.rollout.executor import WorkflowExecutor
@@ -350,7 +350,8 @@ class Trainer:
             self.critic.engine.save(SaveLoadMeta(str(tmp / "critic"), with_optim=True))
         final = tmp.parent / f"step_{self.step:06d}"
         if self.driver:
-            save_for_inference(tmp / "actor", self.driver.tokenizer, self.actor_engine.model)
+            processor = vision_processor(self.cfg.model)  # a vision-language model's, else None
+            save_for_inference(tmp / "actor", self.driver.tokenizer, self.actor_engine.model, processor)
             torch.save(boundary["rng"], tmp / "rng.pt")
             driver_state = boundary["driver"]
             assert isinstance(driver_state, dict)

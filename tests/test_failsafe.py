@@ -125,8 +125,10 @@ def test_a_working_bf16_autocast_stays_in_use_within_rounding_of_fp32(tiny_model
     expected = run(engine(tiny_model))
     monkeypatch.setattr(fastpath, "autocast_for", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
     got = run(engine(tiny_model, bf16=True))
-    gap = (got[0] - expected[0]).abs().max().item()
-    assert 0 < gap < 0.03  # bf16 rounding (measured ~0.007), so the autocast is really on
+    gap = (got[0] - expected[0]).abs()
+    # bf16 rounding of the tiny model's logprobs (measured max 0.0062, mean 0.00094): the autocast is really on,
+    # and its results are fp32's within rounding
+    assert 0.003 < gap.max().item() < 0.012 and 4e-4 < gap.mean().item() < 2e-3
     assert not warnings_of(caplog)
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,11 +41,17 @@ def test_selftest_passes_on_cpu_with_figures(tmp_path):
     assert checks["decode: static steps = eager"]["values"]["rows_equal"] == 8
     assert checks["decode: static steps = eager"]["values"]["max_logprob_gap"] < 1e-4
     assert checks["train: packed = per sequence"]["values"]["max_logprob_gap"] < 1e-4
-    gap = checks["logprobs: generator bf16 vs trainer"]["values"]
-    assert 0 < gap["mean_gap"] < 0.01 and gap["mean_gap"] <= gap["max_gap"] < 0.05  # bf16 rounding, not zero
+    # bf16 rounding on CPU, measured mean 0.00235 and max 0.0084 over 192 tokens (the check's own bounds, 0.01
+    # and 0.05, are what a GPU user's run must meet): not zero, so the generator really ran in bf16
+    gap = checks["logprobs: generator bf16 vs trainer"]
+    assert 0.001 < gap["values"]["mean_gap"] < 0.005 and 0.004 < gap["values"]["max_gap"] < 0.02
+    assert gap["detail"] == "192 tokens"
     assert checks["weights: broadcast (gloo)"]["values"]["max_diff"] == 0.0
+    assert checks["weights: broadcast (gloo)"]["values"]["mb"] == pytest.approx(19.96, abs=0.01)
+    assert checks["memory: release/resume"]["values"] == {"rows_equal": 8, "freed_mb": 0.0}  # CPU: weights stay
     kv = checks["KV budget"]["values"]
-    assert kv["preemptions"] > 0 and kv["peak"] <= 96 + 8
+    # 96 cells for 8 rows that need more: the budget is filled, never passed, and rows are preempted (6 measured)
+    assert kv["peak"] == 96 and 2 <= kv["preemptions"] <= 16 and kv["capacity"] == 65536
     for name in checks:  # the table on stdout has every row
         assert name in proc.stdout
     assert "8 of 8 checks passed or skipped" in proc.stdout

@@ -167,9 +167,11 @@ def test_stop_fn_ends_training_early(tmp_path, tokenizer, tiny_model):
         eval_rows=ROWS,
         stop_fn=lambda step, model: asked.append(step) or step >= 4,
     )
-    assert asked == [2, 4] and res.steps == 4 and res.eval_loss is not None
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 4]  # the last row: eval/loss at the stop
+    assert asked == [2, 4] and res.steps == 4
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 4]  # the last row: eval/loss at the stop
+    assert {k: v for k, v in rows[-1].items() if k != "time"} == {"step": 4, "eval/loss": pytest.approx(res.eval_loss)}
+    assert 0 < res.eval_loss < 10  # a loss in nats, not a placeholder
 
 
 def test_parquet_json_and_jsonl_files_read_the_same(tmp_path, capsys):

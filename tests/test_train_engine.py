@@ -164,6 +164,22 @@ def test_save_load_resume_is_exact_and_hf_reloadable(tiny_model, tmp_path):
         assert torch.equal(hf(input_ids=ids).logits, c.model(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-vl"])
+def test_load_takes_checkpoints_saved_in_the_hub_format(preset, tmp_path):
+    """transformers saves MoE experts one by one and Qwen2-VL's tower as ``visual.*`` (not the model's
+    fused / ``model.visual.*`` parameters): a resume loads them back, every tensor equal."""
+    a = TorchTrainEngine(TrainEngineConfig(), ModelConfig(path=preset), seed=1)
+    a.initialize()
+    a.save(SaveLoadMeta(str(tmp_path / "ckpt")))
+    b = TorchTrainEngine(TrainEngineConfig(), ModelConfig(path=preset), seed=2)
+    b.initialize()
+    want, before = a.model.state_dict(), dict(b.model.state_dict())
+    assert any(not torch.equal(want[k], before[k]) for k in want)  # two seeds: different weights
+    b.load(SaveLoadMeta(str(tmp_path / "ckpt")))
+    got = b.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_update_weights_into_local_engine(tiny_model, tokenizer):
     from relayrl.inference.local import LocalEngine
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from safetensors.torch import load_file
 
 from relayrl.api.config import RunConfig, load_config
 from relayrl.trainer import train
+
+WARM = Path(__file__).parent / "data" / "demo_sft"  # an SFT warm start that answers some sums right
 
 FAST = [
     "rollout.batch_size=2",
@@ -72,7 +75,15 @@ def test_modes_train_and_respect_staleness(tmp_path: Path, mode: list[str]) -> N
     eta = cfg.rollout.max_staleness
     assert all(r["rollout/staleness_max"] <= eta for r in rows), [r["rollout/staleness_max"] for r in rows]
     assert [r["version"] for r in rows] == [1.0, 2.0, 3.0]
-    assert "eval/accuracy" in rows[-1] and 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
+    # step 3 evaluated all 4 held-out prompts, none failed; random weights answer none of them (as in rollout)
+    assert {k: v for k, v in rows[-1].items() if k.startswith("eval/")} == {
+        "eval/accuracy": 0.0,
+        "eval/reward": 0.0,
+        "eval/n_prompts": 4.0,
+        "eval/rejected": 0.0,
+        "eval/failed": 0.0,
+    }
+    assert all(r["rollout/reward"] == 0.0 for r in rows) and all("eval/accuracy" not in r for r in rows[:-1])
     assert all(r["timing/rollout"] > 0 and r["timing/ppo_update"] > 0 for r in rows)
     assert last["version"] == 3.0
     run = Path(cfg.run_dir)
@@ -252,18 +263,23 @@ def test_evaluation_never_perturbs_training(tmp_path: Path) -> None:
 
 
 def test_eval_cli_scores_a_run_directorys_latest_checkpoint(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "total_steps=2", "data.n_eval=6")
+    """``relayrl eval RUN_DIR`` scores the last checkpoint exactly as the run's own (greedy) eval of that
+    step did, with the checkpoint's own tokenizer (the model directory the run started from is gone by
+    then); a warm start that answers some prompts right makes the number tell weights apart."""
+    base = tmp_path / "base"
+    shutil.copytree(WARM, base)
+    cfg = _cfg(tmp_path, f"model.path={base}", "total_steps=2", "data.n_eval=6", "eval.every_n_steps=2")
     train(cfg)
+    in_run = {k: v for k, v in _metrics(cfg.run_dir)[-1].items() if k.startswith("eval/")}
+    shutil.rmtree(base)
     out = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir, "eval.gconfig.max_new_tokens=4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["model"].endswith("checkpoints/step_000002/actor")  # the trained policy, not the start
-    assert result["eval/n_prompts"] == 6.0 and 0.0 <= result["eval/accuracy"] <= 1.0
+    assert result.pop("model").endswith("checkpoints/step_000002/actor")  # the trained policy, not the start
+    assert result == in_run and result["eval/n_prompts"] == 6.0 and result["eval/failed"] == 0.0
+    assert 1 / 6 <= result["eval/accuracy"] <= 3 / 6  # measured 2/6: the warm start's skill, not a random model's 0
     bad = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir, "eval.n_samples=0"],
         capture_output=True,

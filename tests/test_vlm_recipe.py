@@ -41,4 +41,6 @@ def test_warm_start_stops_at_its_target(tmp_path):
     out = _recipe().warm_start(tmp_path / "warm", target=0.2, max_steps=10)
     cfg = ModelConfig(path=str(out), tokenizer_path="tiny-vl")
     assert load_model(cfg).config.model_type == "qwen2_vl"
-    assert vision_processor(cfg) is not None
+    from relayrl.data.vision import build_image_processor
+
+    assert vision_processor(cfg).to_dict() == build_image_processor().to_dict()  # the processor it trained with

@@ -222,13 +222,27 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     return merge_adapter(model, cfg.lora.adapter_path) if cfg.lora.adapter_path else model
 
 
+def checkpoint_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The weights of the Hugging Face checkpoint at ``path`` under the model's own parameter names.
+
+    ``save_pretrained`` writes some architectures in their original hub format (Qwen2-VL's
+    ``visual.*`` for ``model.visual.*``, MoE experts one by one for the fused tensors) and only
+    ``from_pretrained`` converts them back, so the checkpoint is loaded through it, in its saved dtype."""
+    config = AutoConfig.from_pretrained(path)
+    cls = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+    return typing.cast(PreTrainedModel, cls.from_pretrained(path, dtype="auto")).state_dict()
+
+
 def merge_adapter(model: PreTrainedModel, path: str) -> PreTrainedModel:
     """``model`` with the peft adapter at ``path`` merged into its weights (a plain HF model again)."""
     if not (Path(path) / "adapter_config.json").is_file():
         raise FileNotFoundError(f"model.lora.adapter_path={path!r} holds no adapter_config.json (a peft adapter)")
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, path).merge_and_unload()
+    merged = PeftModel.from_pretrained(model, path).merge_and_unload()
+    # peft froze the base for adapter training; merged, it is a plain model again, trainable as one loaded so
+    # (model.path=ADAPTER with model.lora.rank=0 trains every weight; LoRA on top freezes them itself)
+    return typing.cast(PreTrainedModel, merged.requires_grad_(True))
 
 
 def vision_processor(model: ModelConfig) -> BaseImageProcessor | None:
@@ -241,11 +255,19 @@ def vision_processor(model: ModelConfig) -> BaseImageProcessor | None:
     return load_image_processor(model.path) if is_vision_config(AutoConfig.from_pretrained(model.path)) else None
 
 
-def save_for_inference(path: str | Path, tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None) -> None:
-    """Make a checkpoint directory stand alone: the run's tokenizer (with its chat template) and the
-    model's generation config beside the weights (peft adapters get them too), so
+def save_for_inference(
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    model: torch.nn.Module | None,
+    image_processor: BaseImageProcessor | None = None,
+) -> None:
+    """Make a checkpoint directory stand alone: the run's tokenizer (with its chat template), the
+    model's generation config and, for a vision-language model, its image processor
+    (``preprocessor_config.json``) beside the weights (peft adapters get them too), so
     ``from_pretrained``, ``relayrl serve --model`` and ``relayrl eval`` take the directory as it is."""
     tokenizer.save_pretrained(str(path))
+    if image_processor is not None:
+        image_processor.save_pretrained(str(path))
     generation = getattr(model, "generation_config", None)
     if generation is not None and not (Path(path) / "generation_config.json").is_file():
         generation.save_pretrained(str(path))

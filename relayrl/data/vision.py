@@ -319,3 +319,26 @@ def row_vision(row: dict[str, object]) -> VisionPrompt | None:
     """The ``VisionPrompt`` a row carries (``datasets.attach_vision``), None for a text-only row."""
     vp = row.get("vision")
     return vp if isinstance(vp, VisionPrompt) else None
+
+
+def row_to_json(row: dict[str, object]) -> dict[str, object]:
+    """``row`` with its ``VisionPrompt`` as JSON (token ids, PNG images in base64), for a checkpoint's
+    pending prompts; the processor outputs are recomputed on load (``row_from_json``)."""
+    vp = row.get("vision")
+    if not isinstance(vp, VisionPrompt):
+        return row
+    png = [base64.b64encode(b).decode() for b in vp.image_data]
+    return {**row, "vision": {"input_ids": vp.input_ids, "png_base64": png}}
+
+
+def row_from_json(row: dict[str, object], image_processor: BaseImageProcessor | None) -> dict[str, object]:
+    """The inverse of ``row_to_json``: PNG is lossless, so the images, and the processor outputs
+    computed from them, are the ones the row had when it was saved."""
+    saved = row.get("vision")
+    if not isinstance(saved, dict):
+        return row
+    if image_processor is None:
+        raise ValueError("a checkpoint's pending prompt has images but model.path takes none")
+    data = [base64.b64decode(s) for s in typing.cast(list[str], saved["png_base64"])]
+    vision = process_images(image_processor, [load_image(b) for b in data])
+    return {**row, "vision": VisionPrompt(list(typing.cast(list[int], saved["input_ids"])), data, vision)}

@@ -472,6 +472,10 @@ class TorchTrainEngine(TrainEngine):
             state: dict[str, torch.Tensor] = {}
             for fname in files:
                 state.update(load_file(fname))
+            if not state.keys() <= model.state_dict().keys():  # saved in the hub format transformers converts from
+                from relayrl.data.models import checkpoint_state_dict
+
+                state = checkpoint_state_dict(meta.path)
             dist_utils.load_full_model_state_dict(model, state)
         if not meta.with_optim:
             return

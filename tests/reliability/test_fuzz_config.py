@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import tempfile
 import typing
@@ -20,7 +21,8 @@ from audit import start_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relayrl.api.config import ConfigError, RunConfig, load_config, save_config
+from relayrl.api.config import ConfigError, RunConfig, load_config, parse_override, save_config
+from relayrl.api.fields import YamlWord
 
 EXAMPLES = int(os.environ.get("RELAYRL_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -112,10 +114,62 @@ def test_random_bytes_never_crash_the_loader(data):
         assert yaml.safe_load(data.decode()) in (None, {}) and out == RunConfig()  # only an empty document loads
 
 
+def _leaves(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf field of ``cls``."""
+    out: list[str] = []
+    for name, sub in _fields(cls).items():
+        out += _leaves(sub, f"{prefix}{name}.") if sub is not None else [f"{prefix}{name}"]  # type: ignore[arg-type]
+    return out
+
+
+LEAVES = _leaves()
+# Raw text (rarely a dotted field name), or a real field with a value of any shape.
+OVERRIDE = st.text(max_size=30) | st.builds(
+    "{}={}".format, st.sampled_from(LEAVES), st.text(max_size=12) | SCALAR.map(str) | JUNK.map(yaml.safe_dump)
+)
+
+
+def _flat(obj: object, prefix: str = "") -> dict[str, object]:
+    if dataclasses.is_dataclass(obj):
+        out: dict[str, object] = {}
+        for f in dataclasses.fields(obj):
+            out |= _flat(getattr(obj, f.name), f"{prefix}{f.name}.")
+        return out
+    return {prefix[:-1]: obj}
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal as a config value (1 and 1.0, "1e-5" and 1e-05, the word ``Null`` and None)."""
+    if isinstance(a, YamlWord) and _same(a.value, b):
+        return True
+    try:
+        return a == b or str(a) == str(b) or float(a) == float(b)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+
+
 @FUZZ
-@given(overrides=st.lists(st.text(max_size=30), max_size=3))
-def test_random_overrides_never_crash_the_loader(overrides):
-    _load(None, overrides)
+@given(overrides=st.lists(OVERRIDE, max_size=3))
+def test_random_overrides_load_or_name_the_override(overrides):
+    out = _load(None, overrides)
+    given_keys = {o.split("=", 1)[0] for o in overrides}
+    if isinstance(out, ConfigError):  # the one line quotes an override, or names a key (or its first unknown part)
+        msg = str(out)
+        parts = {k.rsplit(".", i)[0] for k in given_keys for i in range(k.count(".") + 1)}
+        named = any(re.search(rf"(?<![\w.]){re.escape(p)}(?![\w.])", msg) for p in parts)  # a whole dotted name
+        assert named or any(repr(o) in msg for o in overrides), f"{msg!r} names none of {overrides}"
+        return
+    # A config that loads changed the fields it was given and nothing else (but what follows them, as documented:
+    # eval.gconfig's unset fields follow gconfig's, actor.temperature the sampling temperature), and survives a
+    # save / load.
+    follow = {f"eval.{k}" for k in given_keys if k.startswith("gconfig.")}
+    follow |= {"actor.temperature"} if given_keys & {"gconfig.temperature", "gconfig.greedy"} else set()
+    changed = {k for k, v in _flat(out).items() if v != _flat(RunConfig())[k]}
+    assert changed <= given_keys | follow, f"{overrides} changed {sorted(changed - given_keys - follow)} too"
+    last = {".".join(k): v for k, v in map(parse_override, overrides)}  # the last override of a key wins
+    for key, value in last.items():  # ... and was applied: a value other than the default changed the field
+        assert key in changed or _same(value, _flat(RunConfig())[key]), f"{key}={value!r} left {key} at its default"
+    assert load_config(RunConfig, save_config(out, TMP / "run")) == out
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Ctrl-C / SIGTERM to a real ``relayrl train`` (the console script, a subprocess), then ``--recover``.
 
 The signal lands in rollout (sent by the run's reward function), inside the update (sent by its
-loss, between optimizer steps) or at a random moment (sent by this test). Whatever the point,
+loss, between optimizer steps), in the weight push (sent while the generator loads the pushed
+weights) or at a random moment (sent by this test). Whatever the point,
 the trainer prints one line and no traceback, exits 128 + the signal, and a synchronous run
 recovered from the checkpoint it wrote ends with the uninterrupted run's weights and metrics,
 bitwise; an asynchronous one trains every prompt exactly once.
@@ -102,12 +103,15 @@ def straight(tmp_path_factory) -> Path:
 
 
 # (signal, hook, call): the reward hook runs 4 times a step (batch 2 x group 2), the loss hook once
-# per optimizer step (2 a step).
+# per optimizer step (2 a step), the push hook once a step after the set-up's.
 POINTS = [
     ("SIGINT", "reward", 11),  # rollout of step 3: the step is abandoned
     ("SIGTERM", "loss", 5),  # update of step 3, before its first optimizer step
     ("SIGINT", "loss", 4),  # update of step 2, after its first optimizer step: the step finishes first
+    ("SIGTERM", "push", 4),  # the generator loading step 3's weights: the step finishes first
+    ("SIGINT", "push", 2),  # the generator loading step 1's weights
 ]
+SAVED = {"reward": lambda call: (call - 1) // 4, "loss": lambda call: (call + 1) // 2, "push": lambda call: call - 1}
 
 
 @pytest.mark.parametrize(("sig", "hook", "call"), POINTS)
@@ -116,8 +120,8 @@ def test_sync_run_interrupted_in_a_step_recovers_bitwise(tmp_path, straight, sig
     env = {"RELAYRL_SIGNAL": sig, "RELAYRL_SIGNAL_IN": hook, "RELAYRL_SIGNAL_AT": str(call)}
     rc, err = _finish(_start(run, SYNC, env))
     saved = _check_one_line(rc, err, signal.Signals[sig])
-    # An interrupt in rollout abandons the step; one in the update lets the step finish first.
-    assert saved == (call - 1) // 4 if hook == "reward" else (call + 1) // 2
+    # An interrupt in rollout abandons the step; one in the update or the weight push lets the step finish first.
+    assert saved == SAVED[hook](call)
     assert metrics_rows(run)[-1]["step"] == saved
     _check_resume(run, straight)
 
