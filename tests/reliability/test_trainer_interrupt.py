@@ -51,6 +51,9 @@ def _start(run_dir: Path, args: list[str], signal_env: dict[str, str] | None = N
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # SIG_DFL in the child, as a terminal gives it: a suite started in the background (`cmd &`,
+        # CI) ignores SIGINT, its children inherit that, and the signal sent in set-up was lost
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
