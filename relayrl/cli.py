@@ -99,16 +99,16 @@ def _interrupted(command: str, e: KeyboardInterrupt) -> int:
     import signal
 
     # (no relayrl import here: the interrupt may have cut one short)
-    signum, step, checkpoint = (getattr(e, k, None) for k in ("signum", "step", "checkpoint"))
+    signum, step, checkpoint, where = (getattr(e, k, None) for k in ("signum", "step", "checkpoint", "where"))
     signum = signum or signal.SIGINT
-    if step is not None:
+    if where is None and step is not None:
         where = f"after step {step}"
         if checkpoint is not None:
             run_dir = checkpoint.parent.parent
             where += f"; saved {checkpoint}; continue with: relayrl train {run_dir}/config.yaml --recover"
         else:
             where += "; no checkpoint saved (checkpoint.save_final=false)"
-    else:
+    elif where is None:
         where = "before training started; nothing saved" if command == "train" else ""
     print(f"relayrl {command}: stopped by {signal.Signals(signum).name} {where}".rstrip(), file=sys.stderr)
     return 128 + int(signum)

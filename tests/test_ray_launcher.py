@@ -333,3 +333,30 @@ def test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing(cl
     with pytest.raises(RayLaunchError, match=r"were not placed within ray.placement_timeout=2s"):
         run_on_ray(cfg)
     _released()  # the unplaced group was removed
+
+
+def test_ctrl_c_on_the_driver_names_the_latest_checkpoint_to_continue_from(cluster, tmp_path, capsys):
+    """Ctrl-C to ``relayrl train launcher=ray`` (the driver) stops the ranks mid-step, so nothing is saved
+    at the interrupt: the one line says so and names the latest periodic checkpoint ``--recover``
+    continues from (it said "before training started" although steps were checkpointed)."""
+    run_dir = tmp_path / "run"
+    argv = ["train", f"run_dir={run_dir}", *FAST, *RAY, "launcher=ray", f"ray.address={cluster.address}"]
+    argv += ["total_steps=1000", "checkpoint.every_n_steps=1"]
+
+    def interrupt() -> None:
+        _wait_for_step(run_dir, 2)
+        os.kill(os.getpid(), signal.SIGINT)  # as a terminal's Ctrl-C reaches the driver
+
+    sender = threading.Thread(target=interrupt)
+    sender.start()
+    code = main(argv)
+    sender.join()
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    latest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert code == 128 + signal.SIGINT
+    assert last == (
+        f"relayrl train: stopped by SIGINT during training; nothing saved at the interrupt; latest checkpoint {latest}; "
+        f"continue from it with: relayrl train {run_dir}/config.yaml --recover"
+    )
+    assert int(latest.name.removeprefix("step_")) >= 2
+    _released()

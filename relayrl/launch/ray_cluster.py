@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import secrets
+import signal
 import socket
 import typing
 from dataclasses import replace
@@ -42,6 +43,8 @@ from relayrl.api.config import RayConfig, RunConfig
 from relayrl.inference.remote.relayrl import serve_overrides
 from relayrl.launch import RayLaunchError, TrainerRankDied
 from relayrl.launch.ray_actors import ServerActor, TrainerRank, node_port
+from relayrl.utils.checkpoint import CheckpointManager
+from relayrl.utils.interrupt import Interrupted
 from relayrl.utils.logging import get_logger
 
 log = logging.getLogger("relayrl.launch")
@@ -262,5 +265,13 @@ def run_on_ray(cfg: RunConfig) -> dict[str, float]:
     try:
         run.start()
         return run.wait()
+    except KeyboardInterrupt as e:  # the driver took Ctrl-C / SIGTERM; close() kills the ranks mid-step
+        latest = CheckpointManager(cfg.run_dir, cfg.checkpoint).latest()
+        where = "during training; nothing saved at the interrupt" + (
+            f"; latest checkpoint {latest}; continue from it with: relayrl train {cfg.run_dir}/config.yaml --recover"
+            if latest is not None
+            else " and no checkpoint written yet"
+        )
+        raise Interrupted(getattr(e, "signum", signal.SIGINT), where=where) from None
     finally:
         run.close()
