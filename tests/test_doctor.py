@@ -173,3 +173,47 @@ def test_trainer_at_another_temperature_is_named_first(tmp_path):
     assert rep["top_cause"] == "temperature", rep["causes"]
     assert rep["causes"]["temperature"]["share"] > 0.9, rep["causes"]
     assert rep["generator_temperature"] == 0.7
+
+
+@pytest.mark.parametrize("entropy_coef", [0.01, 0.0])
+def test_saved_rollouts_carry_the_trainers_per_token_entropy(tmp_path, entropy_coef):
+    """The update's forward records each token's entropy in the batch (with the entropy bonus on or
+    off): it equals the softmax entropy of the trainer's logits at the weights before the update
+    (the doctor record's), within 1e-5, and the saved rollouts carry it (4 decimals)."""
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.trainer import Trainer
+    from relayrl.utils.rollouts import read_step
+
+    cfg = load_config(
+        RunConfig,
+        None,
+        [f"run_dir={tmp_path / 'ent'}", *FAST, "total_steps=2", "gconfig.temperature=0.8"],
+    )
+    cfg.actor.entropy_coef = entropy_coef
+    trainer = Trainer(cfg)
+    seen: list[dict] = []
+    update = trainer.actor.ppo_update
+    trainer.actor.ppo_update = lambda batch: (seen.append(batch), update(batch))[1]  # type: ignore[method-assign]
+    trainer.fit()
+    trainer.close()
+    for step, batch in enumerate(seen, 1):
+        where = Path(cfg.run_dir) / "doctor" / f"step_{step}"
+        model = AutoModelForCausalLM.from_pretrained(str(where / "model"), dtype=torch.float32).eval()
+        ids, am = batch["input_ids"], batch["attention_mask"].long()
+        with torch.no_grad():
+            pos = (am.cumsum(1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits.double() / 0.8
+        logp = logits.log_softmax(-1)
+        ref = torch.zeros(ids.shape, dtype=torch.float64)
+        ref[:, 1:] = -(logp.exp() * logp).sum(-1)[:, :-1]  # token t: the distribution it was drawn from
+        gen = batch["loss_mask"].bool()
+        got = batch["entropy"].double()
+        assert float((got - ref)[gen].abs().max()) < 1e-5
+        assert float(ref[gen].min()) > 0.1  # a real distribution, not zeros
+        rows = list(read_step(Path(cfg.run_dir), step))
+        assert rows
+        for r in rows:
+            i, n = r["i"], len(r["tokens"]["ids"])
+            end = int(am[i].nonzero().max()) + 1
+            assert r["tokens"]["ent"] == [round(float(v), 4) for v in batch["entropy"][i, end - n : end]]
