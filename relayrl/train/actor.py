@@ -292,7 +292,10 @@ class PPOActor:
             if gap is not None:
                 gap.add(before, token_ent, packed)
             if self.loss.needs_prox_logp:
-                old, prox = packed["logprobs"], packed.get("prox_logp", before)
+                prox = packed.get("prox_logp", before)
+                # the loss's behaviour weight is pi_prox / pi_behav; with a rollout correction the correction's
+                # weight (the same ratio, bounded) takes its place: old = prox makes the loss's own weight 1
+                old = packed["logprobs"] if corr.mode == "off" else prox
             else:
                 old, prox = packed.get("old_logp", before), None
             advantages = packed["advantages"]
