@@ -35,6 +35,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 50)), [3, 4, 5,
 
 def bf16_gap(path: str, device: str = "cpu", new: int = 24, dtype: str = "bfloat16") -> float:
     """Mean |LocalEngine logprob - train engine logprob| over generated tokens, both in ``dtype`` (bf16)."""
+    return dtype_gaps(path, device, new, dtype)[dtype]
+
+
+def dtype_gaps(path: str, device: str = "cpu", new: int = 24, dtype: str = "bfloat16") -> dict[str, float]:
+    """Mean |LocalEngine logprob - train engine logprob| over the tokens LocalEngine generates in
+    ``dtype``, with the train engine in ``dtype`` (the run's gap) and in float32 (what rounding
+    to ``dtype`` alone changes): ``{dtype: gap, "float32": gap}``."""
     mc = ModelConfig(path=path, dtype=dtype)
     engine = LocalEngine(InferenceConfig(device=device, admit_window_ms=0, seed=3), load_model(mc))
     engine.initialize()
@@ -49,21 +56,23 @@ def bf16_gap(path: str, device: str = "cpu", new: int = 24, dtype: str = "bfloat
         resps = asyncio.run(go())
     finally:
         engine.destroy()
-    trainer = TorchTrainEngine(TrainEngineConfig(), mc, trainable=False)
-    trainer.initialize()
     seqs = [r.input_tokens + r.output_tokens for r in resps]
     width = max(len(s) for s in seqs)
     batch = {
         "input_ids": torch.tensor([s + [0] * (width - len(s)) for s in seqs]),
         "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
     }
-    logp = trainer.forward(batch)
-    gaps = [
-        abs(float(logp[i, len(r.input_tokens) + t]) - lp)
-        for i, r in enumerate(resps)
-        for t, lp in enumerate(r.output_logprobs)
-    ]
-    return statistics.fmean(gaps)
+    out = {}
+    for trainer_dtype in dict.fromkeys((dtype, "float32")):
+        trainer = TorchTrainEngine(TrainEngineConfig(), ModelConfig(path=path, dtype=trainer_dtype), trainable=False)
+        trainer.initialize()
+        logp = trainer.forward(batch)
+        out[trainer_dtype] = statistics.fmean(
+            abs(float(logp[i, len(r.input_tokens) + t]) - lp)
+            for i, r in enumerate(resps)
+            for t, lp in enumerate(r.output_logprobs)
+        )
+    return out
 
 
 def main() -> None:

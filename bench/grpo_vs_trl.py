@@ -50,8 +50,17 @@ seconds per step (``timing/*``), mean and per-step longest completion lengths, a
 reached: the mean training reward of the last 5 steps and held-out sampled accuracy (4 samples
 per prompt, 200 prompts) of each final policy, scored by the same evaluator.
 
+Sampling seeds (``--sampling-seeds 11,12,...``): one run per sampling seed on the prompts of
+``--first-seed`` (the same training rows in the same order), to tell an unlucky sample path from
+a defect: relayrl's ``inference.seed`` (LocalEngine's sampling stream; the run's ``seed`` stays
+``--first-seed``) and TRL's ``seed`` (its sampling; its prompts are ``common.rl_rows``' order, not
+shuffled). ``--doctor-every N`` has relayrl's runs save ``relayrl doctor`` records every N steps
+(``logging.doctor_every``; the last 3 kept) and puts the doctor's verdict on each run's recorded
+steps in the result (``doctor``). ``--warm-start DIR`` starts both sides from another checkpoint.
+
     python bench/grpo_vs_trl.py [--task count|arithmetic] [--repeats 3] [--steps N] [--sides a,b] [--tag T] [--quick]
     python bench/grpo_vs_trl.py --task count --sides relayrl,relayrl_async,trl,trl_2threads --tag async
+    python bench/grpo_vs_trl.py --task count --first-seed 2 --sampling-seeds 11,12,13,14,15,16,17 --tag sampling
 """
 
 from __future__ import annotations
@@ -75,8 +84,10 @@ def run_trl(
     evaluate_after: bool = True,
     workload: str = "arithmetic",
     threads: int = 1,
+    sampling_seed: int | None = None,
 ) -> dict:
-    """One TRL GRPOTrainer run with the ``common.RL`` settings; wall time of ``train()``."""
+    """One TRL GRPOTrainer run with the ``common.RL`` settings on the prompts of run ``seed``, sampling
+    with ``sampling_seed`` (default ``seed``); wall time of ``train()``."""
     torch.set_num_threads(threads)
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -99,7 +110,7 @@ def run_trl(
     n = rl["prompts_per_step"] * rl["group_size"]
     args = GRPOConfig(
         output_dir=run_dir,
-        seed=seed,
+        seed=seed if sampling_seed is None else sampling_seed,
         max_steps=steps,
         per_device_train_batch_size=n,
         gradient_accumulation_steps=1,
@@ -157,27 +168,54 @@ def run_trl(
     }
 
 
-def run_side(name: str, ckpt: Path, out: Path, seed: int, args: argparse.Namespace) -> dict:
-    """One run of side ``name`` in a fresh process."""
+def run_side(
+    name: str, ckpt: Path, out: Path, seed: int, args: argparse.Namespace, sampling_seed: int | None = None
+) -> dict:
+    """One run of side ``name`` in a fresh process, on the prompts of run ``seed``; ``sampling_seed``:
+    relayrl's ``inference.seed`` / TRL's ``seed`` (None: the defaults, 0 / ``seed``)."""
+    run = f"{name}-{seed}" + ("" if sampling_seed is None else f"-s{sampling_seed}")
     if name == "trl_2threads":  # OpenMP threads that spin at barriers: 10-17x slower on the shared 2-core machine
         before = os.environ.get("OMP_WAIT_POLICY")
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read by the child's OpenMP runtime at start
         try:
             return common.in_child(
-                run_trl, str(ckpt), str(out / f"{name}-{seed}"), seed, args.steps, args.trl_cb, True, args.task, 2
+                run_trl, str(ckpt), str(out / run), seed, args.steps, args.trl_cb, True, args.task, 2, sampling_seed
             )
         finally:
             os.environ.pop("OMP_WAIT_POLICY") if before is None else os.environ.update(OMP_WAIT_POLICY=before)
     if name == "trl":
         return common.in_child(
-            run_trl, str(ckpt), str(out / f"{name}-{seed}"), seed, args.steps, args.trl_cb, True, args.task, 1
+            run_trl, str(ckpt), str(out / run), seed, args.steps, args.trl_cb, True, args.task, 1, sampling_seed
         )
-    overrides = common.relayrl_overrides(ckpt, out / f"{name}-{seed}", seed, args.steps, args.task)
+    overrides = common.relayrl_overrides(ckpt, out / run, seed, args.steps, args.task)
     if name == "relayrl_async":
         overrides.append("rollout.max_staleness=1")
+    if sampling_seed is not None:
+        overrides.append(f"inference.seed={sampling_seed}")
+    if args.doctor_every:
+        overrides.append(f"logging.doctor_every={args.doctor_every}")
     res = common.in_child(common.run_relayrl, overrides, True, name == "relayrl_inline")
     res["completion_len"] = [m.get("rollout/completion_len") for m in res.pop("steps")]
+    if args.doctor_every:
+        res["doctor"] = doctor_verdicts(out / run)
     return res
+
+
+def doctor_verdicts(run_dir: Path) -> dict:
+    """``relayrl doctor``'s verdict on each step recorded in ``run_dir``: the observed gap, whether
+    it is healthy, the top cause and each cause's share."""
+    from relayrl.doctor.replay import diagnose
+
+    out = {}
+    for step in sorted(int(p.parent.name.removeprefix("step_")) for p in (run_dir / "doctor").glob("step_*/record.pt")):
+        rep = diagnose(run_dir, step)
+        out[f"step_{rep['step']}"] = {
+            "observed_abs_diff_mean": rep["observed_abs_diff_mean"],
+            "healthy": rep["healthy"],
+            "top_cause": rep["top_cause"],
+            "shares": {k: round(v["share"], 4) for k, v in rep["causes"].items() if v["share"] > 0},
+        }
+    return out
 
 
 SIDES = ["relayrl", "relayrl_inline", "relayrl_async", "trl", "trl_2threads"]
@@ -193,6 +231,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="RL steps (0 = the workload's)")
     ap.add_argument("--sides", default=DEFAULT_SIDES, help=f"comma-separated, of {SIDES}")
     ap.add_argument("--first-seed", type=int, default=0, help="repeat r runs with seed first_seed + r")
+    ap.add_argument(
+        "--sampling-seeds",
+        default="",
+        help="comma-separated: one run per sampling seed, all on the prompts of --first-seed (replaces --repeats)",
+    )
+    ap.add_argument("--doctor-every", type=int, default=0, help="relayrl: logging.doctor_every (0: the default)")
+    ap.add_argument(
+        "--warm-start", default="", help="checkpoint directory to start from instead of common.warm_start's cached one"
+    )
     ap.add_argument("--tag", default="", help="suffix of the result name (e.g. 'async' for a run with extra sides)")
     ap.add_argument("--trl-cb", action="store_true", help="TRL: transformers continuous batching instead of generate")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
@@ -200,12 +247,22 @@ def main() -> None:
     args.steps = args.steps or common.WORKLOADS[args.task]["steps"]
     if args.quick:
         args.repeats, args.steps = 1, 3
+    try:
+        sampling = [int(x) for x in args.sampling_seeds.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sampling-seeds must be comma-separated integers, got {args.sampling_seeds!r}")
+    if sampling:
+        args.repeats = len(sampling)
+    # (prompt seed, sampling seed) of each repeat
+    args.plan = [(args.first_seed, s) for s in sampling] or [(args.first_seed + r, None) for r in range(args.repeats)]
     names = args.sides.split(",")
     if set(names) - set(SIDES) or "trl" not in names:
         ap.error(f"--sides must name 'trl' and others of {SIDES}, got {names}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)
-    ckpt = common.warm_start(args.quick, workload=args.task)
+    ckpt = Path(args.warm_start) if args.warm_start else common.warm_start(args.quick, workload=args.task)
+    if not (ckpt / "config.json").is_file():
+        ap.error(f"--warm-start {ckpt} holds no config.json (a Hugging Face checkpoint directory)")
     _, held_out = common.task_rows(args.task)
     acc_before = common.held_out_accuracy(common.load_warm(ckpt), held_out, workload=args.task)
     args.name = "grpo_vs_trl" + "".join(f"_{x}" for x in (args.task, args.tag) if x and x != "arithmetic")
@@ -214,7 +271,8 @@ def main() -> None:
     for r in range(args.repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order: no side always runs first
             load, t0 = os.getloadavg()[0], time.perf_counter()
-            res = run_side(name, ckpt, out, args.first_seed + r, args)
+            seed, sampling_seed = args.plan[r]
+            res = run_side(name, ckpt, out, seed, args, sampling_seed)
             res["load1"], res["process_seconds"] = round(load, 2), round(time.perf_counter() - t0, 1)
             runs[name].append(res)
         line = " | ".join(
@@ -249,6 +307,7 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, acc_before:
             "load1_at_start": [x["load1"] for x in rs],
             "process_seconds": [x["process_seconds"] for x in rs],
             "reward_curves": [[round(v, 3) for v in x["rewards"]] for x in rs],
+            **({"doctor": [x["doctor"] for x in rs]} if "doctor" in rs[0] else {}),
             "torch_threads": rs[0]["threads"],
         }
         if "phase_s_per_step" in rs[0]:
@@ -290,7 +349,10 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, acc_before:
             "max_new_tokens": w["max_new_tokens"],
             "steps": args.steps,
             "repeats": args.repeats,
-            "seeds": [args.first_seed + r for r in range(args.repeats)],
+            "seeds": [seed for seed, _ in args.plan],
+            "sampling_seeds": [s for _, s in args.plan] if args.plan[0][1] is not None else None,
+            "doctor_every": args.doctor_every or None,
+            "warm_start": args.warm_start or "common.warm_start (cached under runs/bench/sft-<key>/final)",
             "sides": list(runs),
             "model": common.BENCH_MODEL,
             "task": w["task"],

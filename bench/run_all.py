@@ -35,6 +35,8 @@ ORDER = [
     "grpo_vs_trl_count",
     "grpo_vs_trl_count_async",
     "grpo_vs_trl_count_seeds3to6",
+    "grpo_vs_trl_count_seed2",
+    "grpo_vs_trl_count_sampling",
     "grpo_vs_trl",
     "async_vs_sync",
     "async_vs_sync_count",
@@ -48,6 +50,8 @@ OPTIONAL = {
     "decode_cost",
     "grpo_vs_trl_count_async",
     "grpo_vs_trl_count_seeds3to6",
+    "grpo_vs_trl_count_seed2",
+    "grpo_vs_trl_count_sampling",
     "overhead_count",
     "async_vs_sync_count",
     "lora",
@@ -79,6 +83,16 @@ SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
         "grpo_vs_trl",
         ["--task", "count", "--repeats", "4", "--first-seed", "3", "--tag", "seeds3to6"],
     ),
+    # docs/mismatch.md's seed-2 run with the doctor's verdicts, and the same prompts under 7 other sampling seeds
+    "grpo_vs_trl_count_seed2": (
+        "grpo_vs_trl",
+        ["--task", "count", "--first-seed", "2", "--repeats", "1", "--doctor-every", "1", "--tag", "seed2"],
+    ),
+    "grpo_vs_trl_count_sampling": (
+        "grpo_vs_trl",
+        ["--task", "count", "--first-seed", "2", "--sampling-seeds", "11,12,13,14,15,16,17", "--doctor-every", "4"]
+        + ["--tag", "sampling"],
+    ),
     "overhead_count": ("overhead", ["--task", "count", "--steps", "8"]),
     "inspect": ("inspect_load", []),  # not bench/inspect.py: it would shadow the standard library's inspect
     "async_vs_sync_count": ("async_vs_sync", ["--task", "count", "--steps", "12"]),
@@ -87,6 +101,8 @@ RL_BENCHES = {
     "grpo_vs_trl_count": "count",
     "grpo_vs_trl_count_async": "count",
     "grpo_vs_trl_count_seeds3to6": "count",
+    "grpo_vs_trl_count_seed2": "count",
+    "grpo_vs_trl_count_sampling": "count",
     "grpo_vs_trl": "arithmetic",
     "async_vs_sync": "arithmetic",
     "async_vs_sync_count": "count",
@@ -241,6 +257,17 @@ def describe(r: dict) -> tuple[str, str, str]:
             f"{r['device']}: batch-1 decode {_f(r.get('batch1_roofline'), '{:.0%}')} of the HBM roofline, training packed ÷ "
             f"padded {_f(r.get('training_ratio'))}, train MFU {_f(r.get('train_mfu'), '{:.1%}')}",
         )
+    if n == "mismatch":
+        m, learn = r["mean_abs_diff"], r.get("learns", {})
+        acc = ", ".join(
+            f"{d} {v['held_out_accuracy_before']:.2f} → {v['held_out_accuracy_after']:.2f}" for d, v in learn.items()
+        )
+        return (
+            "generator–trainer mean \\|Δ logprob\\| bf16 ÷ fp16, 12 tiny HF families (`python bench/mismatch.py`)",
+            "fp16 cuts the bf16 gap several-fold; learns at every dtype",
+            f"fp32 {m['float32']:.1e}, bf16 {m['bfloat16']:.1e}, fp16 {m['float16']:.1e}; GRPO recipe from "
+            f"tests/data/demo_sft, held-out accuracy {acc}",
+        )
     if n == "inspect":
         return (
             "seconds for `relayrl inspect` to show a 10,000-rollout run in headless Chromium",
@@ -278,8 +305,13 @@ def describe_grpo(r: dict) -> tuple[str, str, str]:
     )
     if "relayrl_async" in r:
         what += ", with relayrl η = 1 and TRL 2 threads (`--only grpo_vs_trl_count_async`)"
+    elif r["settings"].get("sampling_seeds"):
+        ss = r["settings"]["sampling_seeds"]
+        what += f", prompts of seed {r['settings']['seeds'][0]}, sampling seeds {ss[0]}-{ss[-1]} (`--only {r['name']}`)"
     elif r["settings"].get("seeds", [0])[0]:
-        what += f", seeds {r['settings']['seeds'][0]}-{r['settings']['seeds'][-1]} (`--only {r['name']}`)"
+        seeds = r["settings"]["seeds"]
+        which = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]}"
+        what += f", {which} (`--only {r['name']}`)"
     return (
         what,
         "≥ 3, reward no worse",

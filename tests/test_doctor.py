@@ -68,6 +68,7 @@ def test_healthy_fp32_run_via_the_cli(tmp_path):
         ("dropout", ["train.dropout=true"]),
         ("dtype / autocast", ["model.dtype=bfloat16"]),
         ("sampling renormalisation", ["gconfig.top_k=4"]),
+        ("sampling renormalisation", ["gconfig.top_p=0.6"]),
         ("staleness", ["rollout.max_staleness=1", "actor.loss=ppo", "train.optimizer.lr=0.02", "total_steps=3"]),
     ],
 )
@@ -140,3 +141,79 @@ def test_moe_routing_is_named_first(tmp_path):
 
     rep = _inject(run_dir, generator)
     assert rep["top_cause"] == "MoE routing", rep["causes"]
+
+
+def test_raw_logprobs_at_temperature_are_named_first(tmp_path):
+    """A generator that samples at temperature 0.7 but reports the raw distribution's logprobs
+    (temperature 1, as a server returning unprocessed logprobs does): the doctor names the
+    temperature and the one the logprobs come from."""
+    run_dir = run(tmp_path, "raw", "total_steps=1", f"model.path={gpt2_dir(tmp_path)}", "gconfig.temperature=0.7")
+    rep = _inject(run_dir, lambda s, b: s.logp(s.logits()))  # the scorer's temperature is 1.0
+    assert rep["settings"]["temperature"] == 0.7
+    assert rep["top_cause"] == "temperature", rep["causes"]
+    assert rep["causes"]["temperature"]["share"] > 0.9, rep["causes"]
+    assert rep["generator_temperature"] == 1.0
+
+
+def test_trainer_at_another_temperature_is_named_first(tmp_path):
+    """The trainer scores at temperature 1 (an actor built from code with its own temperature) while
+    the generator sampled and reported at 0.7: named, with 0.7 as the generator's temperature."""
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.doctor.replay import _Scorer
+
+    run_dir = run(tmp_path, "t", "total_steps=1", f"model.path={gpt2_dir(tmp_path)}", "gconfig.temperature=0.7")
+    path = Path(run_dir) / "doctor" / "step_1" / "record.pt"
+    rec = torch.load(path, weights_only=False)
+    assert rec["gconfig"]["temperature"] == 0.7
+    scorer = _Scorer(AutoModelForCausalLM.from_pretrained(str(path.parent / "model")), rec["batch"], 1.0)
+    rec["trainer_logp"], rec["temperature"] = scorer.logp(scorer.logits()).float(), 1.0
+    torch.save(rec, path)
+    rep = diagnose(run_dir)
+    assert rep["top_cause"] == "temperature", rep["causes"]
+    assert rep["causes"]["temperature"]["share"] > 0.9, rep["causes"]
+    assert rep["generator_temperature"] == 0.7
+
+
+@pytest.mark.parametrize("entropy_coef", [0.01, 0.0])
+def test_saved_rollouts_carry_the_trainers_per_token_entropy(tmp_path, entropy_coef):
+    """The update's forward records each token's entropy in the batch (with the entropy bonus on or
+    off): it equals the softmax entropy of the trainer's logits at the weights before the update
+    (the doctor record's), within 1e-5, and the saved rollouts carry it (4 decimals)."""
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.trainer import Trainer
+    from relayrl.utils.rollouts import read_step
+
+    cfg = load_config(
+        RunConfig,
+        None,
+        [f"run_dir={tmp_path / 'ent'}", *FAST, "total_steps=2", "gconfig.temperature=0.8"],
+    )
+    cfg.actor.entropy_coef = entropy_coef
+    trainer = Trainer(cfg)
+    seen: list[dict] = []
+    update = trainer.actor.ppo_update
+    trainer.actor.ppo_update = lambda batch: (seen.append(batch), update(batch))[1]  # type: ignore[method-assign]
+    trainer.fit()
+    trainer.close()
+    for step, batch in enumerate(seen, 1):
+        where = Path(cfg.run_dir) / "doctor" / f"step_{step}"
+        model = AutoModelForCausalLM.from_pretrained(str(where / "model"), dtype=torch.float32).eval()
+        ids, am = batch["input_ids"], batch["attention_mask"].long()
+        with torch.no_grad():
+            pos = (am.cumsum(1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits.double() / 0.8
+        logp = logits.log_softmax(-1)
+        ref = torch.zeros(ids.shape, dtype=torch.float64)
+        ref[:, 1:] = -(logp.exp() * logp).sum(-1)[:, :-1]  # token t: the distribution it was drawn from
+        gen = batch["loss_mask"].bool()
+        got = batch["entropy"].double()
+        assert float((got - ref)[gen].abs().max()) < 1e-5
+        assert float(ref[gen].min()) > 0.1  # a real distribution, not zeros
+        rows = list(read_step(Path(cfg.run_dir), step))
+        assert rows
+        for r in rows:
+            i, n = r["i"], len(r["tokens"]["ids"])
+            end = int(am[i].nonzero().max()) + 1
+            assert r["tokens"]["ent"] == [round(float(v), 4) for v in batch["entropy"][i, end - n : end]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from relayrl.train.actor import PPOActor
 from relayrl.train.engine import TorchTrainEngine
 
 torch.set_num_threads(1)
+MISMATCH_PANEL = "generator-trainer gap (mean |Δ logprob|)"  # relayrl.utils.plot.PANELS
 
 
 def generate_batch(model, n: int = 6, max_new_tokens: int = 12, seed: int = 3, **gen: object) -> dict:
@@ -65,6 +67,64 @@ def test_gpt2_dropout_off_trainer_logprobs_equal_the_generators():
     assert off.mismatch["abs_diff_max"] < 1e-5
     on = ppo_gap(model, dict(batch), dropout=True)
     assert on.mismatch["abs_diff_mean"] > 0.05, on.mismatch
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_critic_and_reference_run_without_dropout(tmp_path, dropout):
+    """GPT-2 (dropout 0.1) with GAE (a critic) and a KL term (a reference model), as the trainer
+    wires them: with train.dropout=false neither model has any dropout left and both score the same
+    in train mode as in eval mode (the reference's logprobs are the generator's, to 1e-5); with
+    train.dropout=true (the control) train mode is noisy, so the check can tell."""
+    from relayrl.api.config import RunConfig, load_config
+    from relayrl.data.models import build_tokenizer
+    from relayrl.train.actor import prefix_values
+    from relayrl.trainer import Trainer
+
+    model = build_tiny_family("gpt2", seed=1)
+    model.save_pretrained(tmp_path / "gpt2")
+    build_tokenizer().save_pretrained(tmp_path / "gpt2")
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'gpt2'}",
+            "actor.adv_estimator=gae",
+            "actor.kl_coef=0.1",
+            f"train.dropout={str(dropout).lower()}",
+            "logging.tensorboard=false",
+            "logging.progress=off",
+        ],
+    )
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.critic is not None and trainer.actor.ref_engine is not None
+        batch = generate_batch(model)
+        mask = batch["loss_mask"].bool()
+        ref, critic = trainer.actor.ref_engine, trainer.critic.engine
+        assert float(critic.forward(batch, post_fn=prefix_values).abs().max()) == 0.0  # a new head starts at 0
+        with torch.no_grad():  # give the head weights, so dropout noise would show in the values
+            critic.model.classifier.weight.normal_(generator=torch.Generator().manual_seed(0))
+        scores = {}
+        for mode in ("train", "eval", "train again"):
+            for e in (ref, critic):
+                e.train(mode != "eval")
+            scores[mode] = (ref.forward(batch), critic.forward(batch, post_fn=prefix_values))
+        for i, name in enumerate(("reference", "critic")):
+            m = ref.model if i == 0 else critic.model
+            drops = [x.p for x in m.modules() if isinstance(x, torch.nn.Dropout)]
+            train_gap = float((scores["train"][i] - scores["eval"][i])[mask].abs().max())
+            if dropout:
+                assert any(p > 0 for p in drops) and train_gap > 1e-3, (name, train_gap)
+            else:
+                assert drops and all(p == 0 for p in drops), name
+                assert m.config.resid_pdrop == m.config.attn_pdrop == m.config.embd_pdrop == 0.0, name
+                assert train_gap < 1e-6, (name, train_gap)
+                assert torch.equal(scores["train"][i], scores["train again"][i]), name
+        if not dropout:
+            assert float((scores["train"][0] - batch["logprobs"])[mask].abs().max()) < 1e-5
+    finally:
+        trainer.close()
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -177,17 +237,21 @@ def padded_logp(logits, packed, batch):
     return unpack(token_logprobs(logits, packed), packed, B, L)
 
 
+def reference_log_ratio(old, gen, mask, level):
+    """``[B, L]`` log of the raw (unbounded) weight trainer / generator at ``level``."""
+    diff = (old - gen) * mask
+    if level == "token":
+        return diff
+    if level == "sequence":
+        return diff.sum(-1, keepdim=True).expand_as(diff)
+    return (diff.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(diff)  # verl "geometric"
+
+
 def reference_weights(old, gen, mask, peer, mode, level, low, high):
     """verl (compute_rollout_correction_weights / compute_rollout_rejection_mask) or TRL (vLLM
     importance sampling) weights on the padded batch, as their code states the formulas:
     ``(weights [B, L], normaliser mask [B, L])``."""
-    diff = (old - gen) * mask
-    if level == "token":
-        log_w = diff
-    elif level == "sequence":
-        log_w = diff.sum(-1, keepdim=True).expand_as(diff)
-    else:  # verl "geometric"
-        log_w = (diff.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(diff)
+    log_w = reference_log_ratio(old, gen, mask, level)
     if peer == "verl":
         w = torch.exp(log_w.clamp(-20, 20))
         if mode == "truncate":  # TIS: w.clamp(max=threshold), response mask unchanged
@@ -205,7 +269,7 @@ def reference_weights(old, gen, mask, peer, mode, level, low, high):
 def reference_loss(loss, logp, batch, w, norm_mask, eps=0.2):
     """The peer's per-token loss times the weight, token-mean over ``norm_mask`` (TRL dapo, verl token-mean)."""
     adv, old, m = batch["advantages"], batch["old_logp"], batch["loss_mask"].float()
-    if loss == "ppo":
+    if loss in ("ppo", "decoupled_ppo"):  # decoupled: clipped against the proximal policy (= old_logp here)
         r = torch.exp(logp - old)
         per = torch.maximum(-adv * r, -adv * r.clamp(1 - eps, 1 + eps))
     elif loss == "reinforce":
@@ -227,29 +291,46 @@ VARIANTS = [
     ("verl", "mask", "sequence", None, 2.4, False),
     ("verl", "mask", "geometric", 0.9, 1.1, False),
     ("trl", "truncate", "token", 0.8, 1.2, True),
-    ("trl", "truncate", "sequence", 0.5, 1.5, True),
+    ("trl", "truncate", "sequence", 0.5, 2.2, True),
     ("trl", "mask", "token", 0.7, 1.3, True),
     ("trl", "mask", "sequence", 0.1, 2.4, True),
 ]
 
 
-@pytest.mark.parametrize("loss", ["ppo", "gspo", "reinforce"])
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "reinforce", "decoupled_ppo"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(str(x) for x in v[:4]))
 def test_rollout_correction_matches_the_peers_formulas(loss, variant):
-    """actor.rollout_correction through the actor's real loss path (ppo, gspo, reinforce) equals the
-    peer's weights times the loss's per-token terms, values and gradients, to 1e-6."""
+    """actor.rollout_correction through the actor's real loss path (ppo, gspo, reinforce,
+    decoupled_ppo) equals the peer's weights times the loss's per-token terms, values and gradients,
+    to 1e-6. decoupled_ppo is verl's decoupled mode: the clip around the proximal policy (the
+    trainer's logprobs before the update), the correction's weight in place of its own behaviour weight."""
     from relayrl.api.mismatch import RolloutCorrectionConfig
     from relayrl.train.actor import _StatsSink
+    from relayrl.train.packing import pack
 
     peer, mode, level, low, high, in_norm = variant
     batch, packed, logits = packed_case()
+    if loss == "decoupled_ppo":  # the trainer's logprobs before the update are the proximal policy
+        batch["prox_logp"] = batch["old_logp"]
+        packed = pack(batch)
     corr = RolloutCorrectionConfig(mode=mode, level=level, low=low, high=high, masked_in_norm=in_norm)
     actor = PPOActor(ActorConfig(loss=loss, rollout_correction=corr), engine=None)  # type: ignore[arg-type]
     got = actor._loss_fn(_StatsSink())(logits, packed)
     (g_got,) = torch.autograd.grad(got, logits)
     mask = batch["loss_mask"].float()
     w, norm = reference_weights(batch["old_logp"], batch["logprobs"], mask, peer, mode, level, low, high)
-    assert 0 < float((w == 0).float()[mask.bool()].mean()) < 1 if mode == "mask" else True  # the bounds bite
+    # the bounds bite on some tokens and not on others, so the case tells bounded from unbounded weights
+    raw = reference_log_ratio(batch["old_logp"], batch["logprobs"], mask, level).exp()[mask.bool()]
+    lo = (1.0 / high if peer == "verl" and mode == "mask" else 0.0) if low is None else low
+    bites = ((raw < lo) | (raw > high)).float().mean()
+    assert 0 < float(bites) < 1, float(bites)
+    bound = w[mask.bool()]
+    if mode == "mask":  # outside the bounds: weight 0; inside: the raw weight
+        assert torch.equal(bound == 0, (raw < lo) | (raw > high))
+    else:  # truncated to the bounds: never outside them, and equal to the raw weight inside
+        assert float(bound.max()) <= high + 1e-6 and float(bound.min()) >= lo - 1e-6
+    inside = (raw >= lo) & (raw <= high)
+    torch.testing.assert_close(bound[inside], raw[inside], rtol=1e-6, atol=0)
     want = reference_loss(loss, padded_logp(logits, packed, batch), batch, w, norm)
     (g_want,) = torch.autograd.grad(want, logits)
     assert float(got.detach()) == pytest.approx(float(want.detach()), abs=1e-6)
@@ -271,9 +352,11 @@ def test_rollout_correction_config_is_range_checked():
 
 def test_fp16_trains_with_loss_scaling_and_generates_in_fp16(tmp_path):
     """model.dtype=float16: the generator runs fp16 weights, the trainer fp32 master weights under fp16
-    autocast with a dynamic loss scale; its gap to the generator is logged and far below bf16's."""
+    autocast with a dynamic loss scale; its gap to the generator is logged, drawn in curves.png's gap
+    panel, and far below bf16's."""
     from relayrl.api.config import RunConfig, load_config
     from relayrl.trainer import Trainer
+    from relayrl.utils.plot import figure
 
     gaps = {}
     for dtype in ("float16", "bfloat16"):
@@ -300,6 +383,13 @@ def test_fp16_trains_with_loss_scaling_and_generates_in_fp16(tmp_path):
         before = {k: v.clone() for k, v in trainer.actor_engine.model.state_dict().items()}
         last = trainer.fit()
         gaps[dtype] = last["mismatch/abs_diff_mean"]
+        # curves.png's gap panel draws mismatch/abs_diff_mean, step by step
+        rows = [json.loads(x) for x in (tmp_path / dtype / "metrics.jsonl").read_text().splitlines()]
+        ax = next(a for a in figure([tmp_path / dtype]).axes if a.get_title() == MISMATCH_PANEL)
+        (line,) = ax.get_lines()
+        assert list(line.get_xdata()) == [1, 2] == [r["step"] for r in rows]
+        assert list(line.get_ydata()) == [r["mismatch/abs_diff_mean"] for r in rows]
+        assert all(y > 0 for y in line.get_ydata()) and rows[-1]["mismatch/abs_diff_max"] > line.get_ydata()[-1]
         params = dict(trainer.actor_engine.model.named_parameters())
         if dtype == "float16":
             assert all(p.dtype == torch.float32 for p in params.values())  # master weights

@@ -15,8 +15,9 @@ class RolloutCorrectionConfig:
         help="Reweight each loss token by w = pi_trainer / pi_generator (the trainer's logprob before the update over "
         "the generator's): 'truncate' (TIS) clamps w to [low, high]; 'mask' (MIS, IcePop) drops tokens or sequences "
         "whose w is outside [low, high]; 'off' applies nothing. The weight multiplies the token's advantage, so it "
-        "composes with ppo, gspo, reinforce, decoupled_ppo and any loss linear in the advantage; the ratio's old "
-        "logprobs then come from the trainer (actor.recompute_logp is taken as true).",
+        "composes with ppo, gspo, reinforce, decoupled_ppo (whose own behaviour weight it replaces) and any loss "
+        "linear in the advantage; the ratio's old logprobs then come from the trainer (actor.recompute_logp is taken "
+        "as true).",
         choices=["off", "truncate", "mask"],
     )
     level: str = f(

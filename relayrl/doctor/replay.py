@@ -9,10 +9,12 @@ contribution, as a share of the gap:
 - staleness: the whole gap of tokens a stale version generated (the weights that made them are gone);
 - token drift: tokens the generator cannot have scored as the trainer's input holds them (its
   logprob is over 1 nat from every variant: a workflow re-tokenised or edited the text);
-- sampling (temperature / top-p / top-k renormalisation), dtype and autocast (the body at
-  ``model.dtype``, bf16 when the run is fp32), LM-head precision (logits rounded to that dtype), MoE
-  routing (the generator's recorded experts instead of the trainer's own): how much closer the
-  variant brings the reference to the generator's logprobs, plus to the trainer's;
+- temperature (the logprobs of the raw distribution, temperature 1, as a server reporting
+  unprocessed logprobs gives them; or of the sampling temperature where the trainer's differs),
+  sampling renormalisation (top-p / top-k), dtype and autocast (the body at ``model.dtype``, bf16
+  when the run is fp32), LM-head precision (logits rounded to that dtype), MoE routing (the
+  generator's recorded experts instead of the trainer's own): how much closer the variant brings
+  the reference to the generator's logprobs, plus to the trainer's;
 - dropout: the change dropout makes to the trainer's logprobs when the update ran with it;
 - unexplained: what the causes above leave.
 """
@@ -35,6 +37,7 @@ DRIFT_NATS = 1.0
 CAUSES = (
     "staleness",
     "token drift",
+    "temperature",
     "sampling renormalisation",
     "dtype / autocast",
     "LM-head precision",
@@ -62,7 +65,7 @@ def _filtered(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     if top_p < 1.0:
         srt, idx = logits.sort(-1, descending=True)
         probs = srt.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
     return logits
 
@@ -87,11 +90,19 @@ class _Scorer:
         typing.cast(nn.Module, self.model).to(torch.float32).eval()
         return out
 
-    def logp(self, logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0, round_to: torch.dtype | None = None):
+    def logp(
+        self,
+        logits: torch.Tensor,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        round_to: torch.dtype | None = None,
+        temperature: float | None = None,
+    ) -> torch.Tensor:
+        """``[B, L]`` logprobs at ``temperature`` (default: the trainer's), after top-k / top-p."""
         lg = logits.float()
         if round_to is not None:
             lg = lg.to(round_to).float()
-        lg = _filtered(lg / self.temperature, top_p, top_k)
+        lg = _filtered(lg / (self.temperature if temperature is None else temperature), top_p, top_k)
         ids = self.batch["input_ids"]
         lp = lg[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
@@ -115,6 +126,9 @@ def diagnose(run_dir: str | Path, step: int | None = None) -> dict:
     low = getattr(torch, rec["dtype"]) if rec["dtype"] != "float32" else torch.bfloat16
     base = s.logits()
     r = s.logp(base).double()
+    # temperatures a generator may have reported at instead of the trainer's: the raw distribution's
+    # (1.0) and the sampling temperature; the one that explains more of the gap is the variant
+    temps = {1.0, 1.0 if rec["gconfig"]["greedy"] else float(rec["gconfig"]["temperature"])} - {s.temperature}
     variants = {
         "sampling renormalisation": s.logp(base, rec["top_p"], rec["top_k"]),
         "dtype / autocast": s.logp(s.logits(low)),
@@ -122,21 +136,30 @@ def diagnose(run_dir: str | Path, step: int | None = None) -> dict:
     }
     if s.moe is not None and "routed_experts" in batch:
         variants["MoE routing"] = s.logp(s.logits(experts=True))
+    temp_variants = {temp: s.logp(base, temperature=temp) for temp in sorted(temps)}
     lag = rec["version"] - batch["versions"].long() if "versions" in batch else torch.zeros_like(g, dtype=torch.long)
     stale = mask & (lag > 0)
     fresh = mask & ~stale
-    closest = torch.stack([(g - v.double()).abs() for v in [r, *variants.values()]]).min(0).values
+    closest = torch.stack([(g - v.double()).abs() for v in [r, *variants.values(), *temp_variants.values()]])
+    closest = closest.min(0).values
     drift = fresh & (closest > DRIFT_NATS)
     keep = fresh & ~drift
     gap = (g - t).abs()
     contrib = {c: 0.0 for c in CAUSES}
     contrib["staleness"] = float(gap[stale].sum()) / n
     contrib["token drift"] = float(gap[drift].sum()) / n
-    for cause, v in variants.items():
+
+    def closed(v: torch.Tensor) -> float:
+        """How much closer ``v`` brings the reference to the generator's logprobs, plus to the trainer's."""
         v = v.double()
         gen_side = float(((g - r).abs() - (g - v).abs())[keep].sum())
         trainer_side = float(((t - r).abs() - (t - v).abs())[keep].sum())
-        contrib[cause] = (max(0.0, gen_side) + max(0.0, trainer_side)) / n
+        return (max(0.0, gen_side) + max(0.0, trainer_side)) / n
+
+    for cause, v in variants.items():
+        contrib[cause] = closed(v)
+    by_temp = {temp: closed(v) for temp, v in temp_variants.items()}
+    contrib["temperature"] = max(by_temp.values(), default=0.0)
     if rec["dropout"]:
         contrib["dropout"] = float((s.logp(s.logits(train=True)).double() - r).abs()[keep].sum()) / n
     explained = sum(contrib.values())
@@ -152,6 +175,8 @@ def diagnose(run_dir: str | Path, step: int | None = None) -> dict:
         "top_cause": None if observed < HEALTHY else ranked[0],
         "causes": {c: {"abs_diff": contrib[c], "share": contrib[c] / total} for c in ranked},
         "settings": {k: rec[k] for k in ("dtype", "bf16_autocast", "dropout", "top_p", "top_k", "temperature")},
+        # the temperature the generator's logprobs look like, when one of the candidates closes part of the gap
+        "generator_temperature": max(by_temp, key=lambda k: by_temp[k]) if contrib["temperature"] > 0 else None,
         "stale_tokens": int(stale.sum()),
         "drifted_tokens": int(drift.sum()),
     }
@@ -170,6 +195,11 @@ def report_text(rep: dict) -> str:
         if v["share"] >= 0.005:
             lines.append(f"{cause:<26} {v['abs_diff']:>10.3g} {100 * v['share']:>6.1f}%")
     lines.append(f"top cause: {rep['top_cause']} (docs/mismatch.md says what to do about it)")
+    if rep["top_cause"] == "temperature":
+        lines.append(
+            f"the generator's logprobs look like temperature {rep['generator_temperature']:g}; "
+            f"the trainer's are at {rep['settings']['temperature']:g}"
+        )
     return "\n".join(lines)
 
 

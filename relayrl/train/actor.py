@@ -75,35 +75,36 @@ class _StatsSink:
 
 
 class _GapSink:
-    """The trainer's logprobs ``[B, L]`` of the update's first pass, scattered back from its packed
-    micro-batches (rows by ``batch_row``), and the MoE expert flips the engine counted."""
+    """The trainer's logprobs and per-token entropies ``[B, L]`` of the update's first pass, scattered
+    back from its packed micro-batches (rows by ``batch_row``), and the MoE expert flips the engine counted."""
 
     def __init__(self, batch: TensorDict) -> None:
         self.shape = tuple(batch["input_ids"].shape)
-        self.sum = torch.zeros(self.shape, dtype=torch.float64)
+        self.sum = torch.zeros((2, *self.shape), dtype=torch.float64)  # logprobs, entropies
         self.count = torch.zeros(self.shape, dtype=torch.float64)
         self.flips = (0.0, 0.0)
 
-    def add(self, before: torch.Tensor, packed: TensorDict) -> None:
+    def add(self, before: torch.Tensor, entropy: torch.Tensor, packed: TensorDict) -> None:
         where = {k: packed[k].cpu() for k in ("cu_seqlens", "position_ids")}
         where["row_index"] = packed["batch_row"].cpu()
         b, seqlen = self.shape
-        values = before.double().cpu()
-        self.sum += unpack(values, where, b, seqlen)
-        self.count += unpack(torch.ones_like(values), where, b, seqlen)
+        for i, values in enumerate((before, entropy)):
+            self.sum[i] += unpack(values.detach().double().cpu(), where, b, seqlen)
+        self.count += unpack(torch.ones_like(before, dtype=torch.float64).cpu(), where, b, seqlen)
         if "moe_expert_flips" in packed:
             f = packed["moe_expert_flips"].tolist()
             self.flips = (self.flips[0] + f[0], self.flips[1] + f[1])
 
-    def result(self) -> torch.Tensor:
-        """Every rank's share summed (a dummy micro-batch repeats a row: averaged away)."""
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs, entropies), every rank's share summed (a dummy micro-batch repeats a row: averaged away)."""
         total, count = self.sum, self.count
         if dist_utils.is_distributed():
-            both = dist_utils.all_reduce_tensor_(torch.stack([total, count]))
-            total, count = both[0], both[1]
+            both = dist_utils.all_reduce_tensor_(torch.cat([total, count[None]]))
+            total, count = both[:2], both[2]
             flips = dist_utils.all_reduce_tensor_(torch.tensor(self.flips, dtype=torch.float64)).tolist()
             self.flips = (flips[0], flips[1])
-        return (total / count.clamp(min=1.0)).float()
+        out = (total / count.clamp(min=1.0)).float()
+        return out[0], out[1]
 
 
 def check_actor_config(config: ActorConfig) -> None:
@@ -281,10 +282,20 @@ class PPOActor:
             mask = packed["loss_mask"].bool()
             cu = packed["cu_seqlens"]
             before = logp.detach()  # the policy before this update, when logp_from_update
+            # per-token entropy of this forward: the bonus's input (with grad) or, without one, detached;
+            # the first pass records it (batch["entropy"]) with the logprobs
+            if cfg.entropy_coef > 0:
+                token_ent = token_entropy(logits, packed, self.temperature)
+            else:
+                with torch.no_grad():
+                    token_ent = token_entropy(logits.detach(), packed, self.temperature)
             if gap is not None:
-                gap.add(before, packed)
+                gap.add(before, token_ent, packed)
             if self.loss.needs_prox_logp:
-                old, prox = packed["logprobs"], packed.get("prox_logp", before)
+                prox = packed.get("prox_logp", before)
+                # the loss's behaviour weight is pi_prox / pi_behav; with a rollout correction the correction's
+                # weight (the same ratio, bounded) takes its place: old = prox makes the loss's own weight 1
+                old = packed["logprobs"] if corr.mode == "off" else prox
             else:
                 old, prox = packed.get("old_logp", before), None
             advantages = packed["advantages"]
@@ -333,11 +344,10 @@ class PPOActor:
                 loss = loss + cfg.kl_coef * kl
                 stats["kl_loss"] = kl.detach()
             if cfg.entropy_coef > 0:
-                ent = A.entropy_bonus(token_entropy(logits, packed, self.temperature), mask, cu, agg_mode, norm_len)
+                ent = A.entropy_bonus(token_ent, mask, cu, agg_mode, norm_len)
                 loss = loss - cfg.entropy_coef * ent
             else:
-                with torch.no_grad():
-                    ent = A.masked_mean(token_entropy(logits.detach(), packed, self.temperature), mask)
+                ent = A.masked_mean(token_ent, mask)
             stats["entropy"] = ent.detach()
             if "moe_aux_loss" in packed:  # MoE models: the engine's load-balancing loss of this forward
                 stats["moe_aux_loss"] = packed["moe_aux_loss"].detach()
@@ -430,8 +440,10 @@ class PPOActor:
                 loss_fn = self._loss_fn(sink, gap if epoch == 0 else None)
                 stats = self.engine.train_batch(self._routing(mb), loss_fn, self.loss_weight)
                 all_stats.append({**common, **sink.result(), **stats, "epoch": float(epoch)})
-        from_update = gap.result()  # (every rank joins its all-reduce)
+        from_update, entropy = gap.result()  # (every rank joins its all-reduce)
         self.trainer_logp = from_update if before is None else before
+        # per-token entropy of the update's first pass (saved rollouts carry it; relayrl inspect colours by it)
+        batch["entropy"] = entropy
         self.mismatch = mismatch_metrics(
             batch["logprobs"],
             self.trainer_logp,

@@ -1,7 +1,7 @@
 """Scalar heads: a critic (value per token) and a reward model (score of the last token).
 
 Both are Hugging Face ``*ForTokenClassification`` models with ``num_labels=1``: the same
-backbone as the policy plus a linear ``score`` head, so they save and reload with
+backbone as the policy plus a linear ``score`` (``classifier`` in GPT-2 / GPT-NeoX) head, so they save and reload with
 ``from_pretrained`` like any HF model. (``*ForSequenceClassification`` finds the last token
 through padding, which does not exist in a packed micro-batch; we take it from ``cu_seqlens``.)
 """
@@ -30,10 +30,14 @@ def scalar_head_from_lm(lm: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
         model = AutoModelForTokenClassification.from_config(cfg, dtype=lm.dtype)
     backbone = getattr(model, model.base_model_prefix)
     backbone.load_state_dict(getattr(lm, lm.base_model_prefix).state_dict())
+    # the linear head: ``score`` (Llama, Qwen, Mistral, Gemma, Phi) or ``classifier`` (GPT-2, GPT-NeoX)
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no linear 'score' / 'classifier' head to start at zero")
     with torch.no_grad():
-        model.score.weight.zero_()
-        if model.score.bias is not None:
-            model.score.bias.zero_()
+        head.weight.zero_()
+        if head.bias is not None:
+            head.bias.zero_()
     return model
 
 

@@ -6,7 +6,7 @@ what ``relayrl inspect`` colours tokens by: from the first generated token to th
 episode, per token its id, decoded piece, loss mask (0 on tool / environment tokens between turns),
 the generator's logprob, the trainer's when the batch holds one (``trainer_logp``: the update's own
 forward; else a recomputed ``prox_logp`` / ``old_logp``), the
-advantage, the weight version and the entropy when saved. Floats are rounded (4 decimals) to keep
+advantage, the weight version and the entropy (the update's own forward records it). Floats are rounded (4 decimals) to keep
 the files small; an advantage that is the same on every token (GRPO's) is stored once as a number. The index lets a viewer list steps and their sizes without opening them.
 """
 
