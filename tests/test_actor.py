@@ -359,3 +359,21 @@ def test_ppo_clips_against_the_behaviour_policy_by_default(tiny_model, tokenizer
     recompute.prepare(b)
     s = recompute.ppo_update(b)[0]
     assert s["approx_kl"] == pytest.approx(0.0, abs=1e-7) and s["clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_a_ready_made_value_model_keeps_its_head(family):
+    """A token-classification model given to a value engine is used as is (its trained head kept), whatever
+    the family names the head (``score``; GPT-2's ``classifier`` was taken for an LM and re-headed at 0)."""
+    from transformers import AutoModelForTokenClassification
+
+    from relayrl.data.families import build_tiny_family
+
+    cfg = copy.deepcopy(build_tiny_family(family, seed=0).config)
+    cfg.num_labels, cfg.architectures = 1, None
+    torch.manual_seed(0)
+    critic = AutoModelForTokenClassification.from_config(cfg)
+    eng = TorchTrainEngine(TrainEngineConfig(), ModelConfig(path="tiny"), model=critic, head="value")
+    eng.initialize()
+    head = getattr(eng.model, "score", None) or eng.model.classifier
+    assert eng.model is critic and float(head.weight.abs().sum()) > 0

@@ -164,7 +164,9 @@ class TorchTrainEngine(TrainEngine):
         if self.head == "lm":
             return given if given is not None else load_model(self.model_config, seed=self.seed)
         if given is not None:
-            is_scalar = getattr(given.config, "num_labels", 0) == 1 and hasattr(given, "score")
+            # a ready-made critic / reward model keeps its head: ``score``, or ``classifier`` (GPT-2, GPT-NeoX)
+            has_head = hasattr(given, "score") or hasattr(given, "classifier")
+            is_scalar = getattr(given.config, "num_labels", 0) == 1 and has_head
             return given if is_scalar else scalar_head_from_lm(given, self.seed)
         if self.model_config.path in TINY_PRESETS:
             return scalar_head_from_lm(load_model(self.model_config, seed=self.seed), self.seed)
