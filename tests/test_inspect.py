@@ -138,7 +138,9 @@ def test_a_parent_directory_is_refused_naming_the_runs_inside(runs: tuple[Path, 
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
+def browser(runs: tuple[Path, Path]) -> Iterator[object]:
+    """Started after the runs are trained: playwright's sync API keeps an event loop in this thread, and
+    training runs one of its own (a test selected alone would otherwise fail in set-up)."""
     with chromium() as ctx:
         yield ctx
 
@@ -214,6 +216,14 @@ def test_filters_change_the_rows_shown(browser, served: str, runs: tuple[Path, P
     by_i = {r["i"]: r for r in rows}
     assert [by_i[i]["len"] for i in shown(page)] == sorted((r["len"] for r in rows), reverse=True)
     assert page.text_content("#count") == f"{len(rows)} of {len(rows)} rollouts"
+    assert page.errors == []
+    # version lag: the asynchronous run's step with completions generated one version behind
+    step = next(s for s in (2, 3) if any(r["lag"] == 1 for r in read_step(runs[1], s)))
+    rows = list(read_step(runs[1], step))
+    page = open_page(browser, served + f"#run=1&step={step}")
+    assert sorted(shown(page)) == sorted(r["i"] for r in rows)
+    page.fill("#f-lag-max", "0")
+    assert sorted(shown(page)) == sorted(r["i"] for r in rows if r["lag"] == 0)
     assert page.errors == []
 
 
