@@ -9,7 +9,8 @@ of which 30% are plausibly wrong, at a constant 3e-3 after 50 warmup steps, unti
 answers 60% of 100 training prompts (probed every 100 steps; seed 1 stops at step 400). A random
 model never earns a reward on this task, so RL needs such a start. Saved in bfloat16 to keep the
 file small (2.7 MB; the recipe loads it in float32), with the tokenizer and chat template, so that
-the directory stands alone. About 7 minutes on 2 shared CPU cores (77 s of CPU).
+the directory stands alone. About 7 minutes on 2 shared CPU cores (77 s of CPU); a rerun on the
+same machine wrote identical bytes.
 """
 
 from __future__ import annotations
