@@ -69,6 +69,18 @@ def check_outcome(text: str, before: float, after: float, step: int) -> None:
     assert after >= before + gain / 2, f"{before:.3f} -> {after:.3f} at step {step}; stated {start} -> {points[step]}"
 
 
+def test_check_outcome_reads_the_text_and_fails_without_learning():
+    """The checker itself: it reads YAML comments and docstrings alike, and a run that does not learn
+    (measured: colocated_lowlevel.py with lr 1e-9 gives 0.375 -> 0.365 at step 20) fails it."""
+    text = "# Outcome: accuracy 0.375 -> 0.554\n# at step 20 -> 0.723 at step 60 (about 1 min)"
+    assert stated(text) == (0.375, {20: 0.554, 60: 0.723})
+    assert stated("    score -1.281 -> -1.195 at step 20") == (-1.281, {20: -1.195})
+    check_outcome(text, 0.375, 0.47, 20)  # half the stated gain (0.0895) is enough
+    for before, after in ((0.375, 0.365), (0.375, 0.46), (0.30, 0.55)):  # no learning, too little, wrong start
+        with pytest.raises(AssertionError):
+            check_outcome(text, before, after, 20)
+
+
 def _evals(run_dir: Path, key: str = "eval/accuracy_mean") -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in rows if key in r]
