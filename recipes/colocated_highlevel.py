@@ -3,7 +3,13 @@
     python recipes/colocated_highlevel.py [key=value ...]     # e.g. total_steps=20
 
 Everything (data, LocalEngine, executor, actor, evaluation, checkpoints, metrics) is built
-from the config; ``recipes/algorithms/*.yaml`` pick other algorithms.
+from the config; ``recipes/algorithms/*.yaml`` pick other algorithms. The config is
+recipes/algorithms/grpo.yaml, which starts from the demo's SFT warm start (tests/data/demo_sft:
+random weights never earn a reward on 2-digit addition), so the outcome is grpo.yaml's (seed 1,
+measured on the 2-core development machine while shared):
+    sampled held-out accuracy 0.375 -> 0.546 at step 20 -> 0.725 at step 60 (about 3 min, 48 s of CPU)
+The last line printed sums the run up (``step 60 | reward ... | sampled 0.725 | ...``);
+tests/test_recipes.py runs the 20-step horizon.
 """
 
 import sys

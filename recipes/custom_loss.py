@@ -8,6 +8,14 @@ it as a constant weight on a REINFORCE term:  loss_t = -sg(clip(r_t, 1 - eps, 1 
 
 Registering it makes ``actor.loss=cispo`` valid everywhere a loss name is (YAML, CLI, the
 trainer); the actor calls it on each packed micro-batch with keyword arguments.
+
+The run is recipes/algorithms/grpo.yaml's (the demo's SFT warm start tests/data/demo_sft: random
+weights never earn a reward on 2-digit addition) with ``actor.loss=cispo`` and 4 optimizer steps
+per batch (``actor.n_minibatches=4``): with a single step every ratio is 1 (up to rounding), CISPO's
+gradient is PPO's, and grpo.yaml's numbers come back (measured: identical to 3 decimals).
+Outcome (seed 1, measured on the 2-core development machine while shared):
+    sampled held-out accuracy 0.375 -> 0.660 at step 20 -> 0.776 at step 60 (about 1.5 min, 48 s of CPU)
+The last line printed sums the run up; tests/test_recipes.py runs the 20-step horizon.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ def main(overrides: list[str]) -> dict[str, float]:
     cfg = load_config(
         RunConfig,
         "recipes/algorithms/grpo.yaml",
-        ["run_dir=runs/cispo", "actor.loss=cispo", "actor.eps_clip_higher=4.0", *overrides],
+        ["run_dir=runs/cispo", "actor.loss=cispo", "actor.eps_clip_higher=4.0", "actor.n_minibatches=4", *overrides],
     )
     return train(cfg)
 

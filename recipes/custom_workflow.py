@@ -7,12 +7,22 @@ hint is appended to the conversation (as tokens the model does not train on) and
 answers once more. The reward is correctness minus a small cost per generated token, and a
 second try is worth less than a first. Everything else (groups, staleness, packing, PPO,
 weight sync) is the framework's; the workflow only says how an episode runs and is scored.
+
+The settings are recipes/algorithms/grpo.yaml's: the demo's SFT warm start (tests/data/demo_sft;
+random weights never earn a reward on 2-digit addition), 32 prompts x 8 episodes per step, and
+held-out evaluation (200 prompts x 4 sampled episodes of this same workflow) before training and
+every 20 steps. Outcome (seed 1, measured on the 2-core development machine while shared):
+    held-out reward (the workflow's score) 0.324 -> 0.512 at step 20 -> 0.652 at step 60
+    (about 3.5 min, 73 s of CPU)
+The last line printed sums the run up; tests/test_recipes.py runs the 20-step horizon.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -70,10 +80,21 @@ class ConciseRetryWorkflow(RolloutWorkflow):
 
 
 def main(overrides: list[str]) -> dict[str, float]:
+    """Train (evaluation runs this workflow too); returns the last step's metrics plus ``reward_before``,
+    the held-out reward of the first evaluation, and prints the one-line summary."""
     cfg = load_config(RunConfig, "recipes/algorithms/grpo.yaml", ["run_dir=runs/custom_workflow", *overrides])
     tokenizer = load_tokenizer(cfg.model)
-    return train(cfg, workflow=ConciseRetryWorkflow(tokenizer, cfg.gconfig))
+    last = train(cfg, workflow=ConciseRetryWorkflow(tokenizer, cfg.gconfig))
+    rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    before = [r["eval/reward"] for r in rows if r["step"] == 0 and "eval/reward" in r]
+    out = {**last, "reward_before": before[-1] if before else float("nan")}
+    # the score is below 1 even when right (it pays for tokens): eval/accuracy would read 0, so name the reward
+    print(
+        f"held-out reward (the workflow's score): {out['reward_before']:.3f} -> "
+        f"{out.get('eval/reward', float('nan')):.3f} | {summary({k: v for k, v in last.items() if 'eval/' not in k})}"
+    )
+    return out
 
 
 if __name__ == "__main__":
-    print(summary(main(sys.argv[1:])))
+    main(sys.argv[1:])

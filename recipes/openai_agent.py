@@ -17,6 +17,11 @@ chat template: tools in ``<tools>``, calls in ``<tool_call>``, results in ``<too
    pays, so the policy learns to call it and to copy its result;
 3. the mean reward of held-out episodes (sampled, temperature 1) before and after, printed as
    the last line, one JSON object: ``{"reward_before": ..., "reward_after": ..., ...}``.
+
+Step 1 ships: tests/data/openai_agent_sft is this SFT at seed 1 (the default ``warm_start``;
+``warm_start=`` redoes it, 6-10 more minutes). Outcome (seed 1, measured on the 2-core development
+machine while shared): held-out reward (64 episodes) 0.312 -> 0.578 at step 40, about 5 min
+(73 s of CPU); tests/test_openai_agent_recipe.py runs it as it is.
 """
 
 from __future__ import annotations

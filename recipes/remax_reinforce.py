@@ -1,45 +1,63 @@
 """ReMax + a user-written REINFORCE actor: seed 002's example, end to end on relayrl.
 
-    python recipes/remax_reinforce.py [key=value ...]
+    python recipes/remax_reinforce.py [key=value ...]      # e.g. total_steps=20
 
 1. The workflow (``ReMaxWorkflow``) samples one completion and a greedy one concurrently;
    the row keeps the sampled reward in ``rewards`` and the greedy one in ``baseline_rewards``.
 2. The algorithm is the two-class pattern: ``ReinforceActor`` holds the backend-agnostic
    REINFORCE loss and calls only ``engine.train_batch``; ``TorchReinforceActor`` binds it to
    ``TorchTrainEngine`` (save/load/update_weights come with the engine).
-3. The loop is seed 002's ``main``.
+3. The loop is seed 002's ``main``, with the settings of recipes/algorithms/remax.yaml: the demo's
+   SFT warm start (tests/data/demo_sft; random weights never earn a reward on 2-digit addition),
+   128 prompts per step, and the sampled held-out accuracy (200 prompts x 4 samples) evaluated
+   before and after.
+
+Outcome (seed 1, measured on the 2-core development machine while shared):
+    sampled held-out accuracy 0.375 -> 0.474 at step 20 -> 0.659 at step 60 (about 1 min, 24 s of CPU)
+The last line printed sums the run up; tests/test_recipes.py runs the 20-step horizon.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
 from relayrl import wiring
 from relayrl.api.config import RunConfig, load_config
 from relayrl.data.models import load_model, load_tokenizer
+from relayrl.evaluation import evaluate
 from relayrl.inference.local import LocalEngine
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.rollout.workflows import ReMaxWorkflow
+from relayrl.rollout.workflows.rlvr import RLVRWorkflow
 from relayrl.train.actor import TorchReinforceActor
 from relayrl.utils import stats
 
 
-def main(overrides: list[str]) -> list[float]:
-    cfg = load_config(RunConfig, None, ["total_steps=3", "rollout.group_size=1", "rollout.batch_size=8", *overrides])
+def main(overrides: list[str]) -> dict[str, object]:
+    """Train; returns ``{"rewards": per-step reward - greedy, "accuracy_before": ..., "accuracy_after": ...}``."""
+    t0 = time.monotonic()
+    cfg = load_config(RunConfig, "recipes/algorithms/remax.yaml", ["run_dir=runs/remax_reinforce", *overrides])
     torch.set_num_threads(cfg.torch_threads)
     tokenizer = load_tokenizer(cfg.model)
-    train_rows, _ = wiring.load_rows(cfg, tokenizer)
+    train_rows, eval_rows = wiring.load_rows(cfg, tokenizer)
+    reward_fn = wiring.reward_fn_for(cfg)
 
     rollout = LocalEngine(cfg.inference, model=load_model(cfg.model, cfg.seed), tokenizer=tokenizer)
     rollout.initialize()
     WorkflowExecutor(cfg.rollout, rollout).initialize()
     actor = TorchReinforceActor(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
     actor.initialize()
-    workflow = ReMaxWorkflow(reward_fn=wiring.reward_fn_for(cfg), gconfig=cfg.gconfig, tokenizer=tokenizer)
+    workflow = ReMaxWorkflow(reward_fn=reward_fn, gconfig=cfg.gconfig, tokenizer=tokenizer)
+    eval_workflow = RLVRWorkflow(reward_fn, cfg.eval.gconfig, tokenizer)  # sampled, 4 per prompt
     dataloader = iter(wiring.make_dataloader(cfg, train_rows))
 
+    def held_out_accuracy() -> float:
+        return evaluate(rollout, eval_workflow, eval_rows, cfg.eval.n_samples)["eval/accuracy_mean"]
+
+    before = held_out_accuracy()
     rewards = []
     for step in range(cfg.total_steps):
         with stats.record_timing("rollout"):
@@ -50,10 +68,17 @@ def main(overrides: list[str]) -> list[float]:
         with stats.record_timing("update_weights"):
             actor.set_version(step + 1)
             actor.update_weights(rollout)
+        metrics = stats.export()
         rewards.append(float(batch["rewards"].mean()))
-        print(f"step {step + 1}: reward - greedy = {rewards[-1]:+.3f}", stats.export())
+        grad_norm = metrics.get("actor/grad_norm", float("nan"))
+        print(f"step {step + 1}: reward - greedy {rewards[-1]:+.3f}  grad norm {grad_norm:.3f}")
+    after = held_out_accuracy()
     rollout.destroy()
-    return rewards
+    print(
+        f"held-out accuracy (sampled): {before:.3f} -> {after:.3f} after {cfg.total_steps} steps | "
+        f"{time.monotonic() - t0:.0f} s"
+    )
+    return {"rewards": rewards, "accuracy_before": before, "accuracy_after": after}
 
 
 if __name__ == "__main__":

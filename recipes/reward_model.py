@@ -9,9 +9,21 @@ function with the usual signature (prompt, completions, prompt_ids, completion_i
 scoring the last token of prompt + completion, so the ordinary RLVR workflow uses it unchanged.
 Here the ``tiny`` preset with a random score head stands in for a trained reward model (a fresh
 head starts at zero and would score everything 0).
+
+The policy and settings are recipes/algorithms/grpo.yaml's: the demo's SFT warm start
+(tests/data/demo_sft), 32 prompts x 8 samples per step, held-out evaluation (200 prompts x 4
+samples, scored by the same reward model) before training and every 20 steps. Outcome (seed 1,
+measured on the 2-core development machine while shared):
+    held-out reward-model score -1.281 -> -1.195 at step 20 -> -0.942 at step 60 (4.5-6 min, 3 min of CPU)
+The policy learns what this reward model prefers, whatever that is: a stand-in scores no
+correctness, so the held-out accuracy is not what rises. Scoring one sequence at a time with a
+5M-parameter model costs more than the policy's own step. The last line printed sums the run
+up; tests/test_recipes.py runs the 20-step horizon.
 """
 
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -33,6 +45,8 @@ def reward_model(path: str, seed: int) -> TorchTrainEngine:
 
 
 def main(argv: list[str]) -> dict[str, float]:
+    """Train; returns the last step's metrics plus ``score_before``, the held-out reward-model score of
+    the first evaluation, and prints the one-line summary."""
     rm_path = next((a.split("=", 1)[1] for a in argv if a.startswith("rm=")), "tiny")
     cfg = load_config(
         RunConfig,
@@ -41,10 +55,19 @@ def main(argv: list[str]) -> dict[str, float]:
     )
     rm = reward_model(rm_path, cfg.seed)
     try:
-        return train(cfg, reward_fn=rm.as_reward_fn())
+        last = train(cfg, reward_fn=rm.as_reward_fn())
     finally:
         rm.destroy()
+    rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    before = [r["eval/reward"] for r in rows if r["step"] == 0 and "eval/reward" in r]
+    out = {**last, "score_before": before[-1] if before else float("nan")}
+    # a score is not a verdict: eval/accuracy (score >= 1) means nothing here, so it is left out
+    print(
+        f"held-out reward-model score: {out['score_before']:.3f} -> {out.get('eval/reward', float('nan')):.3f} | "
+        + summary({k: v for k, v in last.items() if "eval/" not in k})
+    )
+    return out
 
 
 if __name__ == "__main__":
-    print(summary(main(sys.argv[1:])))
+    main(sys.argv[1:])

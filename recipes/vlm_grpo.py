@@ -6,19 +6,26 @@ Each prompt is "How many squares?" about a 56x56 image with 1-3 squares, one per
 (``data.task=count_squares``); the policy is the tiny Qwen2-VL (``model.path=tiny-vl``, the
 default here; ``tiny-vl2.5`` for Qwen2.5-VL).
 
-1. Warm start: a few hundred supervised steps on correct answers, stopped as soon as the
-   model's mean probability of the right count on held-out pictures reaches ``warm_target``
-   (a random model almost never answers with a digit, and learning to look at the picture
-   takes a while on a model this small). Saved as a checkpoint directory (weights + image
-   processor config), which is also how a real Qwen2-VL is given (``model.path=DIR``).
-   ``warm_start=DIR`` skips this step (the test suite ships one: tests/data/vlm_count_warm).
+1. Warm start: a random model almost never answers with a digit, and learning to look at the
+   picture takes a while on a model this small, so GRPO starts from supervised steps on correct
+   answers, stopped as soon as the model's mean probability of the right count on held-out
+   pictures reaches ``warm_target``. The one made by ``warm_start(dir, target=0.5, seed=0)``
+   (160 steps, 0.65 MB) ships as tests/data/vlm_count_warm and is the default; ``warm_start=``
+   (empty) redoes it here (a minute or two), ``warm_start=DIR`` takes another. It is a checkpoint
+   directory (weights + image processor config), which is also how a real Qwen2-VL is given
+   (``model.path=DIR``).
 2. GRPO through the ordinary ``Trainer``: LocalEngine generates from the images (M-RoPE),
-   trajectories carry ``pixel_values`` / ``image_grid_thw``, the train engine packs them; the
-   sampled reward rises from about ``warm_target`` towards 1.
+   trajectories carry ``pixel_values`` / ``image_grid_thw``, the train engine packs them.
+
+Outcome (seed 1, the shipped warm start, measured on the 2-core development machine while shared):
+    sampled reward (8 prompts x 8 per step, mean over 5 steps) 0.403 -> 0.706 at step 30
+    (about 45 s, 15 s of CPU)
+The last line printed sums the run up; tests/test_vlm_recipe.py runs it as it is.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import tempfile
@@ -35,7 +42,9 @@ from relayrl.data.vision import VL_PRESETS, build_image_processor
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import token_logprobs
 from relayrl.trainer import train
+from relayrl.utils.logging import summary
 
+SHIPPED_WARM_START = "tests/data/vlm_count_warm"  # warm_start(dir, target=0.5, seed=0), see above
 DEFAULTS = [
     "data.task=count_squares",
     "data.difficulty=2",
@@ -99,17 +108,26 @@ def warm_start(out_dir: Path, target: float, seed: int = 0, max_steps: int = 100
 
 
 def main(argv: list[str]) -> dict[str, float]:
-    opts = {"warm_start": "", "warm_target": "0.5"}
-    opts.update(a.split("=", 1) for a in argv if a.split("=", 1)[0] in opts)
-    overrides = [a for a in argv if a.split("=", 1)[0] not in opts]
+    keys = ("warm_start", "warm_target")
+    opts = dict(a.split("=", 1) for a in argv if a.split("=", 1)[0] in keys)
+    overrides = [a for a in argv if a.split("=", 1)[0] not in keys]
     cfg = load_config(RunConfig, None, [*DEFAULTS, *overrides])
     torch.set_num_threads(cfg.torch_threads)
     with tempfile.TemporaryDirectory() as tmp:
         preset = cfg.model.path if cfg.model.path in VL_PRESETS else "tiny-vl"  # model.path=tiny-vl2.5: Qwen2.5-VL
-        target = float(opts["warm_target"])
-        checkpoint = opts["warm_start"] or str(warm_start(Path(tmp) / "warm", target, cfg.seed, preset=preset))
+        target = float(opts.get("warm_target", "0.5"))
+        shipped = SHIPPED_WARM_START if preset == "tiny-vl" else ""  # the shipped one is a Qwen2-VL
+        checkpoint = opts.get("warm_start", shipped) or str(
+            warm_start(Path(tmp) / "warm", target, cfg.seed, preset=preset)
+        )
         cfg.model = ModelConfig(path=checkpoint, tokenizer_path="tiny-vl", dtype=cfg.model.dtype)
-        return train(cfg)
+        last = train(cfg)
+    rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["rollout/reward"] for r in rows if "rollout/reward" in r][-cfg.total_steps :]
+    k = min(5, len(rewards))
+    first, final = sum(rewards[:k]) / max(k, 1), sum(rewards[-k:]) / max(k, 1)
+    print(f"sampled reward: {first:.3f} over the first {k} steps -> {final:.3f} over the last {k} | {summary(last)}")
+    return {**last, "reward_first5": first, "reward_last5": final}
 
 
 if __name__ == "__main__":

@@ -46,7 +46,10 @@ def test_recipe_runs_end_to_end(tmp_path: Path):
         tmp_path, "warm_start=", "total_steps=2", "sft_steps=20", "n_eval=8", "rollout.batch_size=4", timeout=600
     )
     assert set(result) >= {"reward_before", "reward_after", "steps"} and result["steps"] == 2
-    assert 0.0 <= result["reward_before"] <= 1.0 and 0.0 <= result["reward_after"] <= 1.0
+    # 20 SFT steps from random weights teach the loss something but no answer yet: why a warm start ships
+    assert result["reward_before"] == result["reward_after"] == 0.0, result
+    sft = [json.loads(line)["sft/loss"] for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert len(sft) == 20 and sft[-1] < 0.8 * sft[0], sft
     assert (tmp_path / "sft" / "final" / "config.json").exists()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # the episodes' counters reach the metrics: calls per row, tool calls, malformed tool calls
@@ -64,8 +67,11 @@ WARM_START = ROOT / "tests" / "data" / "openai_agent_sft"
 
 @pytest.mark.slow
 def test_recipe_reward_rises(tmp_path: Path):
-    """The recipe as docs/agents.md runs it (seed 1, its shipped warm start): 40 GRPO steps raise the
-    held-out reward."""
+    """The recipe as docs/agents.md runs it (seed 1, its shipped warm start): 40 GRPO steps take the
+    held-out reward from the start its docstring states by at least half the stated gain."""
+    from tests.test_recipes import check_outcome
+
     assert WARM_START.is_dir()
     result = run_recipe(tmp_path, timeout=1200)
-    assert result["reward_after"] >= result["reward_before"] + 0.1, result
+    assert result["steps"] == 40
+    check_outcome(RECIPE.read_text(), result["reward_before"], result["reward_after"], 40)
