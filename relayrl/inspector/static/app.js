@@ -5,9 +5,10 @@
 
 const $ = (id) => document.getElementById(id);
 const RUN_COLOURS = ["#2f6fdb", "#e0622a", "#2e9d55", "#9b4dca", "#c99a06", "#d24b8c"];
+// the charts a page opens with, each the first of its metrics a run logged (preferred first)
 const DEFAULT_CURVES = [
-  /^rollout\/reward$/, /^eval\/accuracy(_mean)?$/, /^rollout\/completion_len$/, /^actor\/(behav_kl|kl_loss)$/,
-  /^mismatch\/.*mean/, /^rollout\/staleness_mean$/, /^perf\/samples_per_s$/, /^actor\/entropy$/,
+  ["rollout/reward"], ["eval/accuracy_mean", "eval/accuracy"], ["rollout/completion_len"], ["actor/kl_loss"],
+  ["mismatch/abs_diff_mean", "actor/behav_kl"], ["rollout/staleness_mean"], ["perf/samples_per_s"], ["actor/entropy"],
 ];
 const PAGE = 120; // rollouts rendered at a time (more on demand)
 const pending = {};
@@ -326,7 +327,8 @@ function chart(key) {
   const sx = (x) => L + ((x - x0) / (x1 - x0 || 1)) * (W - L - R), sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
   svg.append(mk("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }), mk("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }));
   const label = (x, y, text, anchor) => { const t = mk("text", { x, y, "text-anchor": anchor }); t.textContent = text; svg.append(t); };
-  const short = (v) => (Math.abs(v) >= 1000 ? v.toFixed(0) : String(Number(v.toPrecision(3))));
+  const short = (v) =>
+    Math.abs(v) >= 1000 ? v.toFixed(0) : v !== 0 && Math.abs(v) < 1e-3 ? v.toExponential(2) : String(Number(v.toPrecision(3)));
   label(L - 3, T + 8, short(y1), "end"); label(L - 3, H - B, short(y0), "end");
   label(L, H - 4, String(x0), "start"); label(W - R, H - 4, String(x1), "end");
   if (state.step !== null) svg.append(mk("line", { class: "cursor", x1: sx(state.step), y1: T, x2: sx(state.step), y2: H - B }));
@@ -363,7 +365,7 @@ async function main() {
   });
   const keys = metricKeys();
   for (const k of keys) $("add-metric").append(new Option(k, k));
-  state.curves = DEFAULT_CURVES.flatMap((re) => keys.filter((k) => re.test(k))).filter((k, i, a) => a.indexOf(k) === i).slice(0, 8);
+  state.curves = DEFAULT_CURVES.map((names) => names.find((k) => keys.includes(k))).filter((k) => k !== undefined);
   $("add-metric").onchange = (ev) => { const k = ev.target.value; if (k && !state.curves.includes(k)) state.curves.push(k); ev.target.value = ""; drawCharts(); };
   $("run").onchange = () => openStep(Number($("run").value), state.step ?? 0);
   $("step").oninput = () => openStep(state.run, runSteps()[Number($("step").value)]);
