@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,9 +52,22 @@ def test_quick_demo_runs_end_to_end_and_repeats_exactly(tmp_path: Path):
     }
 
 
+def readme_demo_line() -> dict[str, float]:
+    """The numbers README.md states for ``bash scripts/demo.sh`` (seed 1)."""
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"held-out accuracy \(sampled\): ([\d.]+) -> ([\d.]+)   greedy: ([\d.]+) -> ([\d.]+)", readme)
+    assert m, "README.md lost the demo's result line"
+    return dict(zip(("accuracy_before", "accuracy_after", "greedy_before", "greedy_after"), map(float, m.groups())))
+
+
 @pytest.mark.slow
-def test_demo_learns_30_points(tmp_path: Path):
-    """The demo's promise: GRPO raises held-out sampled accuracy by at least 30 points."""
+def test_demo_learns_what_the_readme_states(tmp_path: Path):
+    """The demo's promise: GRPO raises held-out sampled accuracy by at least 30 points, to the README's
+    figures. They repeat to the last digit on one machine; another CPU's float kernels can move the step
+    at which SFT reaches its probe threshold (measured: 600 vs 800 steps), so the check allows 0.12."""
     result = run_demo_cli(tmp_path, timeout=1200)
+    stated = readme_demo_line()
     assert 0.0 < result["accuracy_before"] < 0.6  # SFT leaves room: sampled accuracy short of perfect
     assert result["accuracy_after"] - result["accuracy_before"] >= 0.30, result
+    for k, v in stated.items():
+        assert abs(result[k] - v) <= 0.12, (k, result[k], v)
