@@ -57,7 +57,9 @@ def readme_demo_line() -> dict[str, float]:
     readme = (ROOT / "README.md").read_text()
     m = re.search(r"held-out accuracy \(sampled\): ([\d.]+) -> ([\d.]+)   greedy: ([\d.]+) -> ([\d.]+)", readme)
     assert m, "README.md lost the demo's result line"
-    return dict(zip(("accuracy_before", "accuracy_after", "greedy_before", "greedy_after"), map(float, m.groups())))
+    return dict(
+        zip(("accuracy_before", "accuracy_after", "greedy_before", "greedy_after"), map(float, m.groups()), strict=True)
+    )
 
 
 @pytest.mark.slow
