@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 
-from relayrl.api.io import GenerationConfig, WeightUpdate
+from relayrl.api.io import GenerationConfig
 from relayrl.inference.remote.launch import Launched, PeerServerGroup, gpu_env
 from relayrl.inference.remote.protocol import (
     DEAD_ERRORS,
@@ -59,14 +59,13 @@ from relayrl.inference.remote.protocol import (
     version_tuple,
 )
 from relayrl.inference.remote.weights import (
+    BroadcastSync,
     DiskSync,
     Fleet,
     UploadSync,
     WeightSync,
-    broadcast_tensors,
     members,
     settle,
-    tensors_of,
 )
 from relayrl.inference.weight_group import WeightBroadcastGroup, address_towards, buckets, dtype_name
 from relayrl.utils.failsafe import fall_back, reason
@@ -430,7 +429,7 @@ class SGLangDisk(DiskSync):
             self.confirm(srv, version)
 
 
-class SGLangBroadcast(WeightSync):
+class SGLangBroadcast(BroadcastSync):
     """weight_sync=broadcast: every server receives the tensors from one collective broadcast.
 
     The group (this process = rank 0, server i = ranks from its ``rank_offset``, one per
@@ -450,23 +449,7 @@ class SGLangBroadcast(WeightSync):
         self.collective = broadcast_backend(backend.name)
         self.proven = False  # a broadcast over ``collective`` succeeded
 
-    def prepare(self, update: WeightUpdate) -> object:
-        return broadcast_tensors(update)
-
-    def send(self, data: object, version: int, servers: list[Server]) -> None:
-        try:
-            self._checked(tensors_of(data), version, servers)
-        except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
-            live = [s for s in self.fleet.servers if s.alive]
-            if not live:
-                raise
-            self._checked(tensors_of(data), version, live)
-
-    def rejoin(self, srv: Server, data: object, version: int) -> None:
-        """A server (re)joining: the group is rebuilt with it in."""
-        self._checked(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
-
-    def _checked(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+    def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
         """``_broadcast``; at the first use of NCCL, a failure switches the group to gloo and retries."""
         try:
             self._broadcast(tensors, version, servers)

@@ -52,14 +52,12 @@ import torch.distributed as dist
 from relayrl.api.io import WeightUpdate
 from relayrl.inference.remote.protocol import Call, JsonDict, PeerInfo, Server, UnsupportedServer
 from relayrl.inference.remote.weights import (
+    BroadcastSync,
     DiskSync,
     Fleet,
     Replies,
-    WeightSync,
-    broadcast_tensors,
     members,
     settle,
-    tensors_of,
 )
 from relayrl.inference.weight_group import address_towards, dtype_name
 from relayrl.utils.failsafe import fall_back, reason
@@ -304,7 +302,7 @@ class VLLMDisk(DiskSync):
         self.confirm(srv, version)
 
 
-class VLLMBroadcast(WeightSync):
+class VLLMBroadcast(BroadcastSync):
     """weight_sync=broadcast through vLLM's weight-transfer API (NCCL, or gloo with the stand-in);
     disk reloads once NCCL failed at first use (the module docstring)."""
 
@@ -324,22 +322,7 @@ class VLLMBroadcast(WeightSync):
         elif srv.info is not None:
             require_routes(srv.info, srv.url, "broadcast")
 
-    def prepare(self, update: WeightUpdate) -> object:
-        return broadcast_tensors(update)
-
-    def send(self, data: object, version: int, servers: list[Server]) -> None:
-        try:
-            self._checked(tensors_of(data), version, servers)
-        except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
-            live = [s for s in self.fleet.servers if s.alive]
-            if not live:
-                raise
-            self._checked(tensors_of(data), version, live)
-
-    def rejoin(self, srv: Server, data: object, version: int) -> None:
-        self._checked(tensors_of(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
-
-    def _checked(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+    def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
         """``_broadcast``; at the first use of NCCL, a failure switches to disk reloads."""
         if self.disk is not None:
             return self._reload(tensors, version, servers)

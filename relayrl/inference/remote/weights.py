@@ -162,10 +162,36 @@ class UploadSync(PerServerSync):
         self.confirm(srv, version)
 
 
-def broadcast_tensors(update: WeightUpdate) -> dict[str, torch.Tensor]:
-    """weight_sync=broadcast: the update's tensors where they are, in name order (both sides' order)."""
-    assert update.tensors is not None
-    return {k: v.detach().contiguous() for k, v in sorted(update.tensors.items())}
+class BroadcastSync(WeightSync):
+    """weight_sync=broadcast: the update's tensors, where they are and in name order (both sides'
+    order), to every live server through a collective group the peer builds (``broadcast``). A server
+    that dies mid-way leaves: the others get the update through a new group; one coming back is let in
+    by rebuilding the group with it."""
+
+    @abstractmethod
+    def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+        """``tensors`` to ``servers`` (the group rebuilt if its members changed), each confirmed at ``version``."""
+
+    def prepare(self, update: WeightUpdate) -> object:
+        assert update.tensors is not None
+        return {k: v.detach().contiguous() for k, v in sorted(update.tensors.items())}
+
+    def send(self, data: object, version: int, servers: list[Server]) -> None:
+        try:
+            self.broadcast(_tensors(data), version, servers)
+        except ConnectionError:  # a server died mid-way (evicted): the others get it through a new group
+            live = [s for s in self.fleet.servers if s.alive]
+            if not live:
+                raise
+            self.broadcast(_tensors(data), version, live)
+
+    def rejoin(self, srv: Server, data: object, version: int) -> None:
+        self.broadcast(_tensors(data), version, [s for s in self.fleet.servers if s.alive or s is srv])
+
+
+def _tensors(data: object) -> dict[str, torch.Tensor]:
+    assert isinstance(data, dict)
+    return data
 
 
 def settle(
@@ -211,8 +237,3 @@ def members(servers: list[Server]) -> list[tuple[str, int]]:
     """A weight group's members: a server evicted since the group was built (it may have restarted
     and left it) makes the group stale."""
     return [(s.url, s.evictions) for s in servers]
-
-
-def tensors_of(data: object) -> dict[str, torch.Tensor]:
-    assert isinstance(data, dict)
-    return data
