@@ -54,6 +54,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     eng.save(SaveLoadMeta(os.path.join(out_dir, "ckpt"), with_optim=True))
     if rank == 0:
         torch.save({"stats": stats, **out}, os.path.join(out_dir, "result.pt"))
+    dist.barrier()  # tear down together: a rank leaving while its peer still saves aborted gloo once
     dist.destroy_process_group()
 
 

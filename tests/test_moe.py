@@ -272,6 +272,7 @@ def _moe_worker(rank: int, port: int, out_dir: str) -> None:
     state = eng.state_dict()
     if rank == 0:
         torch.save({"stats": stats, "state": state}, os.path.join(out_dir, "moe.pt"))
+    dist.barrier()  # tear down together: a rank leaving while its peer still saves aborted gloo once
     dist.destroy_process_group()
 
 

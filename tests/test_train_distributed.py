@@ -59,6 +59,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fsdp: bool) -> None:
     eng.save(SaveLoadMeta(os.path.join(out_dir, "ckpt"), with_optim=True))
     if rank == 0:
         torch.save({"stats": stats, "state": state, "logp": logp}, os.path.join(out_dir, "result.pt"))
+    dist.barrier()  # tear down together: a rank leaving while its peer still saves aborted gloo once
     dist.destroy_process_group()
 
 

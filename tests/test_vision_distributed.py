@@ -79,6 +79,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     state = eng.state_dict()
     if rank == 0:
         torch.save({"losses": losses, "state": state, "logp": logp, "sharded": sharded}, f"{out_dir}/result.pt")
+    dist.barrier()  # tear down together: a rank leaving while its peer still saves aborted gloo once
     dist.destroy_process_group()
 
 

@@ -39,6 +39,7 @@ from tests.real_peers.servers import (
 pytestmark = pytest.mark.real_peers
 
 LORA = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+N_LONG = 960  # tokens of the requests a weight update must land in (the server's --max-model-len is 1024)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def test_pause_with_requests_in_flight_then_resume(vllm, served_model, tmp_path)
     eng = engine(vllm, tmp_path)
     g = GenerationConfig(max_new_tokens=240, temperature=1.0, ignore_eos=True)
     try:
-        for _ in range(4):
+        for tries in range(4):
             results: list = []
             t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(3)])))
             t.start()
@@ -128,6 +129,7 @@ def test_pause_with_requests_in_flight_then_resume(vllm, served_model, tmp_path)
                 eng.resume()
             t.join(timeout=120)
             if held:
+                print(f"vLLM: the pause landed mid-generation on try {tries + 1}")
                 break
         assert held and eng.counters["interrupted"] >= 1
         assert [len(o.output_tokens) for o in results] == [240] * 3
@@ -139,14 +141,15 @@ def test_pause_with_requests_in_flight_then_resume(vllm, served_model, tmp_path)
 def test_a_weight_update_mid_generation_tags_every_token_with_its_version(vllm, served_model, tmp_path):
     """Updates (disk, /collective_rpc reload under /pause?mode=abort) while 3 requests generate: every
     token's logprob is that of the weights its version names. Tried up to 4 times until an update
-    lands mid-generation (vLLM on CPU may finish 240 tokens before the first update starts)."""
+    lands mid-generation: on a quiet machine vLLM finished 3 x 240 tokens before the update (written
+    to disk first) reached it, 4 times in a row, so the requests are 960 tokens long."""
     eng = engine(vllm, tmp_path / "w", weight_sync="disk")
     new = build_tiny_model("tiny", seed=3).eval()
-    g = GenerationConfig(max_new_tokens=240, temperature=1.0, ignore_eos=True)
+    g = GenerationConfig(max_new_tokens=N_LONG, temperature=1.0, ignore_eos=True)
     version = eng.get_version()
     models = {version: served_model}
     try:
-        for _ in range(4):
+        for tries in range(4):
             results: list = []
             t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(3)])))
             t.start()
@@ -157,8 +160,9 @@ def test_a_weight_update_mid_generation_tags_every_token_with_its_version(vllm, 
             t.join(timeout=120)
             assert httpx.get(vllm.url + "/weight_info", timeout=10).json()["weight_version"] == str(version)
             if any(len(set(o.output_versions)) > 1 for o in results):
+                print(f"vLLM: the update landed mid-generation on try {tries + 1}")
                 break
-        check_versions(results, models, 240)  # (it also asserts the update landed mid-generation)
+        check_versions(results, models, N_LONG)  # (it also asserts the update landed mid-generation)
     finally:
         eng.update_weights(WeightUpdate(kind="tensors", version=version + 1, tensors=served_model.state_dict()))
         eng.destroy()
