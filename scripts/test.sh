@@ -25,10 +25,10 @@ bash scripts/peers.sh >"$peers_log" 2>&1 &
 peers=$!
 echo "building the real-peer environments in the background (log: $peers_log)"
 status=0
-python -m pytest -q -m "not real_peers" || status=$?
+python -m pytest -q --durations=15 -m "not real_peers" || status=$?
 if wait "$peers"; then
   tail -n 3 "$peers_log"
-  python -m pytest -q -m real_peers || status=$?
+  python -m pytest -q --durations=5 -m real_peers || status=$?
 else
   cat "$peers_log"
   echo "scripts/peers.sh failed: the real-peer suite did not run" >&2
