@@ -101,7 +101,11 @@ def _interrupted(command: str, e: KeyboardInterrupt) -> int:
     # (no relayrl import here: the interrupt may have cut one short)
     signum, step, checkpoint, where = (getattr(e, k, None) for k in ("signum", "step", "checkpoint", "where"))
     signum = signum or signal.SIGINT
-    if where is None and step is not None:
+    if where is None and step is not None and getattr(e, "final", False):  # in the final save or teardown
+        where = f"after step {step}, the run's last; " + (
+            f"its final checkpoint {checkpoint} is complete" if checkpoint is not None else "no checkpoint saved"
+        )
+    elif where is None and step is not None:
         where = f"after step {step}"
         if checkpoint is not None:
             run_dir = checkpoint.parent.parent
@@ -259,6 +263,8 @@ def _train(argv: list[str]) -> int:
     except LaunchError as e:  # launcher=ray: the cluster cannot run it, or a trainer rank died
         print(f"relayrl train: {e}", file=sys.stderr)
         return e.exit_code
+    for s in (signal.SIGINT, signal.SIGTERM):  # the run is complete: a signal now changes nothing
+        signal.signal(s, signal.SIG_IGN)
     from relayrl.utils import dist as dist_utils
 
     if dist_utils.is_main():  # under torchrun: one summary line, from the driver

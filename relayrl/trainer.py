@@ -194,19 +194,30 @@ class Trainer:
                 while self.step < cfg.total_steps:
                     last = self._step(guard)
                     progress.update(self.step, last)
+                with guard.held():  # a signal during the final save lets it finish (raised after)
+                    if cfg.checkpoint.save_final and self._latest_step() != self.step:
+                        self.save()
         except KeyboardInterrupt as e:
             saved = self.ckpt.latest() if self.driver else None
             if cfg.checkpoint.save_final and self._latest_step() != self.step:
                 with guard.held():
                     saved = self.save(self._boundary, log=False)
-            raise Interrupted(getattr(e, "signum", signal.SIGINT), self.step, saved) from None
+            raise self.interrupted(getattr(e, "signum", signal.SIGINT), saved) from None
         except NonFiniteError as e:
             raise NonFiniteError(f"training stopped in step {self.step + 1}: {e}") from None
         finally:
             progress.close()
-        if cfg.checkpoint.save_final and self._latest_step() != self.step:
-            self.save()
         return last
+
+    def interrupted(self, signum: int, saved: Path | None = None) -> Interrupted:
+        """What a signal at this point stopped: the last complete step, the checkpoint that holds it
+        (the latest one unless given) and whether that was the run's final step."""
+        if saved is None and self.driver:
+            saved = self.ckpt.latest()
+        final = self.step >= self.cfg.total_steps
+        if final and saved is not None and saved.name != f"step_{self.step:06d}":
+            saved = None  # checkpoint.save_final=false: the latest periodic one is not the final step's
+        return Interrupted(signum, self.step, saved, final=final)
 
     def _step(self, guard: InterruptGuard) -> dict[str, float]:
         """One step: produce a batch (interruptible), then update, push and log it (interrupts held)."""
@@ -418,6 +429,12 @@ def train(
     """Build a Trainer (the parts as ``Trainer`` takes them), fit, close."""
     trainer = Trainer(cfg, workflow, reward_fn, train_rows, eval_rows, eval_workflow)
     try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+        try:
+            return trainer.fit()
+        finally:  # a signal during teardown lets it finish, then stops the command
+            with InterruptGuard(install=dist_utils.world_size() == 1) as guard, guard.held():
+                trainer.close()
+    except KeyboardInterrupt as e:  # also one that lands in teardown: say which step the run stopped after
+        if isinstance(e, Interrupted) and e.step is not None:
+            raise
+        raise trainer.interrupted(getattr(e, "signum", signal.SIGINT)) from None

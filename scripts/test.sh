@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite, slow tests and the real SGLang / vLLM tests included.
-# With arguments, they go to one pytest run (e.g. `bash scripts/test.sh tests/test_staleness.py -x`).
-# Without, the real-peer environments (scripts/peers.sh: downloads, ~10 minutes the first time) are built
-# in the background while the main suite runs, then the real-peer suite (-m real_peers) runs on them.
+# Set up (if needed) and run the test suite: what CI runs through .ci/run (docs/testing.md says where the time goes).
+#   bash scripts/test.sh          lint, the main suite on both cores, then the real SGLang / vLLM suite
+#   bash scripts/test.sh --all    the same plus the minutes-long number checks (marker `long`: the full demo,
+#                                 the benchmarks' quick runs, the soak); each has a short counterpart in CI
+#   bash scripts/test.sh ARGS...  one pytest run of ARGS (e.g. tests/test_staleness.py -x; add -n 2 for workers)
+# The real-peer environments (scripts/peers.sh: downloads, ~6 minutes the first time) are built in the
+# background while the main suite runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t0=$SECONDS
+phase() { printf '[test.sh %4ds] %s\n' $((SECONDS - t0)) "$*"; }
 bash scripts/setup.sh
 . .venv/bin/activate
 # tests/test_inspect.py drives the inspector page in Debian's chromium (headless); CI runs as root
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  echo "installing Debian's chromium for the inspector's browser tests"
+  phase "installing Debian's chromium for the inspector's browser tests"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-ruff format --check --quiet . && ruff check --quiet . && mypy # files and settings: [tool.mypy] in pyproject.toml
 
+markers="not real_peers and not long"
+if [ "${1:-}" = --all ]; then
+  markers="not real_peers"
+  shift
+fi
 if [ $# -gt 0 ]; then
   bash scripts/peers.sh # real SGLang / vLLM for any real_peers test selected (cached; minutes the first time)
   exec python -m pytest -q "$@"
@@ -23,15 +32,21 @@ fi
 peers_log=$(mktemp -t relayrl-peers.XXXXXX.log)
 bash scripts/peers.sh >"$peers_log" 2>&1 &
 peers=$!
-echo "building the real-peer environments in the background (log: $peers_log)"
+phase "set-up done; building the real-peer environments in the background (log: $peers_log)"
+ruff format --check --quiet . && ruff check --quiet . && mypy # files and settings: [tool.mypy] in pyproject.toml
+phase "lint done"
 status=0
-python -m pytest -q --durations=15 -m "not real_peers" || status=$?
+# Two workers (one torch thread each); a file's tests stay on one worker, so module fixtures are built once.
+python -m pytest -q -n "${RELAYRL_TEST_WORKERS:-2}" --dist loadfile --durations=20 -m "$markers" || status=$?
+phase "main suite done"
 if wait "$peers"; then
   tail -n 3 "$peers_log"
-  python -m pytest -q --durations=5 -m real_peers || status=$?
+  python -m pytest -q --durations=8 -m real_peers || status=$?
+  phase "real-peer suite done"
 else
   cat "$peers_log"
   echo "scripts/peers.sh failed: the real-peer suite did not run" >&2
   status=1
 fi
+phase "total (exit $status)"
 exit "$status"

@@ -142,7 +142,9 @@ def test_pinning_moves_every_thread_of_a_process(tmp_path: Path) -> None:
     t = threading.Thread(target=ev.wait, daemon=True)
     t.start()
     try:
-        time.sleep(1.0)  # the child's threads have started
+        deadline = time.monotonic() + 60  # the child's three threads have started (however busy the machine)
+        while len(os.listdir(f"/proc/{child.pid}/task")) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
         if len(cores) < 2:
             pytest.skip("pinning needs 2 cores")
         assert common.pin_trainer_and_servers() == (cores[0], cores[1])

@@ -276,7 +276,10 @@ def test_expired_prompts_follow_the_tail_policy(engine, tiny_model, tokenizer, r
     src = loader(rows[:60], 2)
     try:
         consumed = ex.prepare_batch(src, wf)["prompt_index"][0::2].tolist()
-        time.sleep(1.0)  # the executor produces the next batches ahead at this version
+        deadline = time.monotonic() + 120  # the executor produces the next batch ahead at this version
+        while ex.stats()["ready_prompts"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ex.stats()["ready_prompts"] >= 2, ex.stats()
         bump(engine, tiny_model)
         bump(engine, tiny_model)  # now they are 2 > eta versions old
         for _ in range(4):

@@ -373,9 +373,9 @@ def test_checkpoints_are_due_every_n_steps_or_every_n_minutes(tmp_path: Path) ->
 
     by_steps = CheckpointManager(tmp_path / "a", CheckpointConfig(every_n_steps=3))
     assert [s for s in range(1, 10) if by_steps.due(s)] == [3, 6, 9]
-    by_time = CheckpointManager(tmp_path / "b", CheckpointConfig(every_n_steps=0, every_minutes=0.005))  # 0.3 s
+    by_time = CheckpointManager(tmp_path / "b", CheckpointConfig(every_n_steps=0, every_minutes=0.02))  # 1.2 s
     assert not by_time.due(1)
-    time.sleep(0.35)
+    time.sleep(1.25)
     assert by_time.due(2)
     by_time.commit(2, by_time.begin(2), {})
     assert not by_time.due(3)  # the clock restarts at each save

@@ -20,14 +20,20 @@ from types import FrameType
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM reached the trainer: ``signum`` says which; once the trainer has stopped,
     ``step`` is the last complete step and ``checkpoint`` the directory it was saved to (if any).
+    ``final`` says that step was the run's last (the signal came during the final save or teardown).
     ``where``, when given, is what the stop left behind in the words of whoever stopped (``launcher=ray``:
     nothing saved at the interrupt, the latest periodic checkpoint to continue from)."""
 
     def __init__(
-        self, signum: int, step: int | None = None, checkpoint: Path | None = None, where: str | None = None
+        self,
+        signum: int,
+        step: int | None = None,
+        checkpoint: Path | None = None,
+        where: str | None = None,
+        final: bool = False,
     ) -> None:
         super().__init__(signal.Signals(signum).name)
-        self.signum, self.step, self.checkpoint, self.where = signum, step, checkpoint, where
+        self.signum, self.step, self.checkpoint, self.where, self.final = signum, step, checkpoint, where, final
 
 
 def raise_interrupted(signum: int, frame: FrameType | None) -> None:

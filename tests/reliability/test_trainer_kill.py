@@ -61,15 +61,19 @@ def _done_steps(run_dir: Path) -> int:
 def _train_and_kill(run_dir: Path, args: list[str], seed: int) -> int:
     """Start a run, SIGKILL it a random moment after a random step; returns that step."""
     rng = random.Random(seed)
-    after, delay = rng.randint(1, T - 3), rng.uniform(0.0, 0.3)
+    after, fraction = rng.randint(1, T - 3), rng.uniform(0.0, 1.0)
     proc = start_cli(["train", f"run_dir={run_dir}", *args], _log(run_dir))
-    deadline = time.monotonic() + 300
+    deadline, seen = time.monotonic() + 300, {0: time.monotonic()}
     while _done_steps(run_dir) < after and proc.is_alive() and time.monotonic() < deadline:
+        seen.setdefault(_done_steps(run_dir), time.monotonic())
         time.sleep(0.02)
     if _done_steps(run_dir) < after:
         proc.kill()
         pytest.fail(f"trainer did not reach step {after}:\n{_log(run_dir).read_text()[-3000:]}")
-    time.sleep(delay)  # anywhere in the next step: rollout, update, metrics, checkpoint write
+    # anywhere in the next step (rollout, update, metrics, checkpoint write): a fraction of the last step's
+    # own duration, so the moment is inside the run however fast or loaded the machine is
+    last = max(seen)
+    time.sleep(fraction * (time.monotonic() - seen[last]) if last >= 1 else fraction * 0.3)
     assert proc.is_alive(), "the run finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()
