@@ -53,7 +53,7 @@ def test_compute_clock_counts_the_outermost_call_only() -> None:
     assert clock.seconds["generation"] >= 0.02 and 0.01 <= clock.seconds["forward"] < 0.02
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_weight_sync_quick_prints_a_json_result(tmp_path: Path) -> None:
     env = dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path))
     out = subprocess.run(
@@ -70,7 +70,7 @@ def test_weight_sync_quick_prints_a_json_result(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "weight_sync.json").read_text()) == result
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_grpo_vs_trl_count_quick_prints_a_json_result(tmp_path: Path) -> None:
     import common
     import trl  # noqa: F401 - installed by scripts/setup.sh (the bench extra): fail, never skip, without it
@@ -104,7 +104,7 @@ def test_grpo_vs_trl_count_quick_prints_a_json_result(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "grpo_vs_trl_count.json").read_text()) == result
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs 2 cores")
 def test_async_vs_sync_quick_runs_pinned_and_unpinned(tmp_path: Path) -> None:
     """The pinned mode really puts the trainer and its server on separate cores, and the result has both ratios."""

@@ -62,7 +62,7 @@ def readme_demo_line() -> dict[str, float]:
     )
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_demo_learns_what_the_readme_states(tmp_path: Path):
     """The demo's promise: GRPO raises held-out sampled accuracy by at least 30 points, to the README's
     figures. They repeat to the last digit on one machine; another CPU's float kernels can move the step

@@ -52,7 +52,7 @@ class Chaos(threading.Thread):
             self.errors.append(e)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(SECONDS + 600)
 def test_soak_async_training_survives_random_server_restarts(tmp_path):
     group = launch_servers(2, admin_token=TOKEN)
