@@ -32,7 +32,7 @@ def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[
     d = cfg.data
     image_processor = vision_processor(cfg.model)
     if d.task != "file":
-        train, evals = make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)
+        train, evals = make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed, **d.task_kwargs)
         if image_processor is None:
             if any(has_images(r) for r in train[:1]):
                 raise ValueError(

@@ -402,8 +402,14 @@ class DataConfig:
     task: str = f(
         "arithmetic",
         help="'file' to read train_path/eval_path; a synthetic task: arithmetic, countdown, count, count_squares "
-        "(images: needs a vision-language model), a name registered with @register_task, or "
+        "(images: needs a vision-language model), 'reasoning_gym:NAME' (a reasoning-gym generator, scored by its "
+        "own score_answer; docs/environments.md), a name registered with @register_task, or "
         "'package.module:function' returning (train_rows, eval_rows).",
+    )
+    task_kwargs: dict[str, YamlValue] = f(
+        {},
+        help="Keyword arguments for the task function (e.g. arithmetic: ops='+-'; reasoning_gym:NAME: the "
+        "generator's config fields, and system_prompt).",
     )
     train_path: str = f("", help="jsonl / parquet / json file of training rows (task=file).")
     eval_path: str = f("", help="Held-out rows (task=file).")
@@ -523,8 +529,8 @@ class RunConfig:
     )
     reward_fn: str = f(
         "",
-        help="Reward function: empty = the task's verifier (math-verify gsm8k for data.task=file); a registered name "
-        "(arithmetic, countdown, count, gsm8k, or @register_reward) or 'package.module:function'.",
+        help="Reward function: empty = the task's verifier (math-verify gsm8k for data.task=file, score_answer for reasoning_gym:NAME); a registered name "
+        "(arithmetic, countdown, count, gsm8k, reasoning_gym, or @register_reward) or 'package.module:function'.",
     )
     reward_kwargs: dict[str, YamlValue] = f({}, help="Keyword arguments bound to the reward function.")
     model: ModelConfig = f(ModelConfig(), help="Policy model.")
