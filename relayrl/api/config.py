@@ -16,6 +16,7 @@ import re
 import typing
 from dataclasses import dataclass
 
+from relayrl.api.distill import TeacherConfig
 from relayrl.api.fields import (
     ConfigError,
     YamlValue,
@@ -284,7 +285,7 @@ class ActorConfig:
     )
     loss: str = f(
         "ppo",
-        help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own, or 'package.module:function' (checked when the trainer or actor is built, before any model loads).",
+        help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, distill (reverse KL to actor.teacher alone), or your own, or 'package.module:function' (checked when the trainer or actor is built, before any model loads).",
     )
     eps_clip: float = f(
         0.2, help="PPO clip range (lower side, and upper unless eps_clip_higher is set).", gt=0.0, lt=1.0
@@ -376,6 +377,15 @@ class ActorConfig:
     rollout_correction: RolloutCorrectionConfig = f(
         RolloutCorrectionConfig(),
         help="Truncated / masked importance sampling against the generator (docs/mismatch.md).",
+    )
+    distill_coef: float = f(
+        0.0,
+        help="On-policy distillation added to any policy loss: distill_coef x the per-token reverse KL from the "
+        "policy to actor.teacher on the policy's own tokens (docs/distillation.md); 0 = off.",
+        ge=0.0,
+    )
+    teacher: TeacherConfig = f(
+        TeacherConfig(), help="The teacher of actor.loss=distill / actor.distill_coef (docs/distillation.md)."
     )
     moe_aux_loss_coef: float = f(
         0.0,
