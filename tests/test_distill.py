@@ -260,3 +260,21 @@ def test_distill_recipe_closes_the_stated_part_of_the_gap(tmp_path: Path, monkey
     acc = _evals(tmp_path)
     assert len(acc) == 2, acc
     check_outcome(recipe.read_text(), acc[0], acc[1], 20)
+
+
+def test_a_rollout_correction_reweights_the_kl_like_the_advantages() -> None:
+    """With actor.rollout_correction the per-token KL is multiplied by the correction's weight: with the
+    generator's logprobs 1 nat below the trainer's, truncate at high=2 weights every token by 2."""
+    from relayrl.api.mismatch import RolloutCorrectionConfig
+
+    plain, _ = _actor("ppo", distill_coef=1.0, teacher=_teacher_cfg(0))
+    corr = RolloutCorrectionConfig(mode="truncate", high=2.0)
+    weighted, _ = _actor("ppo", distill_coef=1.0, teacher=_teacher_cfg(0), rollout_correction=corr)
+    b1, b2 = _batch(), _batch()
+    before = plain.compute_logp(b1)
+    for b in (b1, b2):
+        b["logprobs"] = torch.where(b["loss_mask"], before - 1.0, 0.0)  # pi_trainer / pi_generator = e > 2
+    s1 = plain.ppo_update(plain.prepare(b1))[0]
+    s2 = weighted.ppo_update(weighted.prepare(b2))[0]
+    assert s2["correction_weight_mean"] == pytest.approx(2.0)
+    assert s2["distill_kl"] == pytest.approx(2 * s1["distill_kl"], rel=1e-4)
