@@ -110,3 +110,21 @@ def test_the_recipe_runs_two_grpo_steps_on_the_tiny_model(tmp_path: Path) -> Non
     last = train(cfg)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and last["version"] == 2.0
+
+
+def test_the_reward_runs_in_reward_worker_processes() -> None:
+    """The rows carry what the scorer needs, so the reward runs in a RewardPool (rollout.reward_workers)."""
+    import asyncio
+
+    from relayrl.rewards.pool import RewardPool
+
+    (row, *_), _ = make_task("reasoning_gym:knights_knaves", 2, 1, seed=5)
+    fn = resolve_reward_fn("", "reasoning_gym:knights_knaves", {})
+    with RewardPool(fn, n_workers=1, timeout=60.0) as pool:
+
+        async def both() -> list[float]:
+            common = {"prompt": "", "prompt_ids": [], "completion_ids": [], **row}
+            right = pool.acall(completions=f"<answer>{row['answer']}</answer>", **common)
+            return list(await asyncio.gather(right, pool.acall(completions="<answer>no</answer>", **common)))
+
+        assert asyncio.run(both()) == [1.0, 0.0]
