@@ -111,7 +111,10 @@ class Trainer:
                 else TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), trainable=False)
             )
             ref_engine.initialize()
-        self.actor = PPOActor(cfg.actor, self.actor_engine, ref_engine=ref_engine, seed=cfg.seed)
+        teacher = wiring.make_teacher_engine(cfg, self.actor_engine)  # distillation's local teacher, or None
+        self.actor = PPOActor(
+            cfg.actor, self.actor_engine, ref_engine=ref_engine, seed=cfg.seed, teacher_engine=teacher
+        )
         self.doctor = DoctorRecorder(cfg, self.actor_engine)  # what `relayrl doctor` replays
         if cfg.rollout.max_staleness > 0 and self.actor.loss.needs_prox_logp and self.actor.logp_from_update:
             logger.warning(
@@ -267,6 +270,7 @@ class Trainer:
             batch["prox_logp"] = self.actor.compute_logp(batch)
         if self.actor.ref_engine is not None:
             batch["ref_logp"] = self.actor.compute_ref_logp(batch)
+        self.actor.fill_teacher(batch)
         if self.critic is not None:
             batch["values"] = self.critic.compute_values(batch)
 

@@ -7,12 +7,13 @@ Both sides of the system meet here (and in the trainer and recipes) and nowhere 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 
 from transformers import PreTrainedTokenizerBase
 
-from relayrl.api.config import ConfigError, RunConfig
+from relayrl.api.config import ConfigError, LoraConfig, RunConfig
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RewardFn, RolloutWorkflow
@@ -32,7 +33,7 @@ def load_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[
     d = cfg.data
     image_processor = vision_processor(cfg.model)
     if d.task != "file":
-        train, evals = make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed)
+        train, evals = make_task(d.task, d.n_train, d.n_eval, d.difficulty, seed=cfg.seed, **d.task_kwargs)
         if image_processor is None:
             if any(has_images(r) for r in train[:1]):
                 raise ValueError(
@@ -92,6 +93,26 @@ def make_critic_engine(cfg: RunConfig) -> TorchTrainEngine:
     critic_train = copy.deepcopy(cfg.train)
     critic_train.optimizer.lr = cfg.actor.critic_lr
     return TorchTrainEngine(critic_train, cfg.model, model=load_model(cfg.model, cfg.seed), head="value", seed=cfg.seed)
+
+
+def make_teacher_engine(cfg: RunConfig, student: TorchTrainEngine) -> TorchTrainEngine | None:
+    """Distillation's local teacher (``actor.teacher.path``), frozen, on the student's train settings;
+    None when distillation is off or has no local teacher. Its vocabulary must be the student's."""
+    from relayrl.train.actor import needs_teacher
+
+    path = cfg.actor.teacher.path
+    if not path or not needs_teacher(cfg.actor):
+        return None
+    model_cfg = dataclasses.replace(cfg.model, path=path, tokenizer_path="", vocab_size=0, lora=LoraConfig())
+    teacher = TorchTrainEngine(cfg.train, model_cfg, model=load_model(model_cfg, cfg.seed), trainable=False)
+    teacher.initialize()
+    sizes = [int(e._require().get_output_embeddings().weight.shape[0]) for e in (student, teacher)]
+    if sizes[0] != sizes[1]:
+        raise ConfigError(
+            f"actor.teacher.path={path!r} has a vocabulary of {sizes[1]} tokens, the student ({cfg.model.path!r}) "
+            f"{sizes[0]}: distillation scores the student's tokens, so the two must share a tokenizer"
+        )
+    return teacher
 
 
 def make_inference_engine(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> InferenceEngine:

@@ -122,7 +122,7 @@ def test_unregistered_loss_fails_before_any_model_loads(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(
         "relayrl train: actor.loss='ppo2' is not registered; did you mean 'ppo'? "
-        "registered: ['decoupled_ppo', 'gspo', 'ppo', "
+        "registered: ['decoupled_ppo', 'distill', 'gspo', 'ppo', "
     ), err  # (+ any a test registered)
     assert main(["train", f"run_dir={tmp_path}", "actor.adv_estimator=grop"]) == 2
     assert "actor.adv_estimator='grop' is not registered; did you mean 'grpo'?" in capsys.readouterr().err

@@ -37,6 +37,7 @@ ELSEWHERE = {
     "LoraConfig.dropout": "tests/test_lora.py::test_dropout_acts_on_the_adapters_in_training_mode_only",
     "LoraConfig.target_modules": "tests/test_lora.py::test_target_modules_are_checked_at_start_up",
     "LoraConfig.adapter_path": "tests/test_lora.py::test_checkpoint_is_a_peft_adapter_and_resumes_exactly",
+    "TeacherConfig.top_k": "tests/test_distill.py::test_distill_alone_and_added_to_ppo_in_the_actor",
     "ActorConfig.moe_aux_loss_coef": "tests/test_moe.py::test_load_balancing_loss_matches_transformers_and_is_logged",
     "InferenceConfig.cuda_graphs": "tests/test_failsafe.py::test_a_failing_graph_capture_falls_back_to_eager_steps",
     "InferenceConfig.weight_bucket_mb": "tests/test_peers.py::test_broadcast_to_sglang_in_buckets_with_tensor_parallel_ranks",

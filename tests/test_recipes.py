@@ -284,7 +284,7 @@ def test_every_recipe_states_a_tested_outcome():
     """No recipe is left out: each YAML and Python recipe states a measured outcome and a warm start."""
     python = {p.stem for p in RECIPES.glob("*.py")}
     yamls = {p.stem for p in RECIPES.glob("*.yaml")} | set(ALGORITHMS)
-    for name in sorted(python | yamls - {"gsm8k_grpo"}):
+    for name in sorted(python | yamls - {"gsm8k_grpo", "reasoning_gym"}):  # real models: own tests
         path = RECIPES / f"{name}.py" if name in python else _yaml(name)
         text = path.read_text()
         start, points = stated(text)

@@ -16,6 +16,7 @@ import re
 import typing
 from dataclasses import dataclass
 
+from relayrl.api.distill import TeacherConfig
 from relayrl.api.fields import (
     ConfigError,
     YamlValue,
@@ -284,7 +285,7 @@ class ActorConfig:
     )
     loss: str = f(
         "ppo",
-        help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, or your own, or 'package.module:function' (checked when the trainer or actor is built, before any model loads).",
+        help="Policy loss, a name registered with @register_loss: ppo, decoupled_ppo, gspo, reinforce, distill (reverse KL to actor.teacher alone), or your own, or 'package.module:function' (checked when the trainer or actor is built, before any model loads).",
     )
     eps_clip: float = f(
         0.2, help="PPO clip range (lower side, and upper unless eps_clip_higher is set).", gt=0.0, lt=1.0
@@ -377,6 +378,15 @@ class ActorConfig:
         RolloutCorrectionConfig(),
         help="Truncated / masked importance sampling against the generator (docs/mismatch.md).",
     )
+    distill_coef: float = f(
+        0.0,
+        help="On-policy distillation added to any policy loss: distill_coef x the per-token reverse KL from the "
+        "policy to actor.teacher on the policy's own tokens (docs/distillation.md); 0 = off.",
+        ge=0.0,
+    )
+    teacher: TeacherConfig = f(
+        TeacherConfig(), help="The teacher of actor.loss=distill / actor.distill_coef (docs/distillation.md)."
+    )
     moe_aux_loss_coef: float = f(
         0.0,
         help="MoE models: coefficient of the load-balancing auxiliary loss added to the policy loss (logged as "
@@ -402,8 +412,14 @@ class DataConfig:
     task: str = f(
         "arithmetic",
         help="'file' to read train_path/eval_path; a synthetic task: arithmetic, countdown, count, count_squares "
-        "(images: needs a vision-language model), a name registered with @register_task, or "
+        "(images: needs a vision-language model), 'reasoning_gym:NAME' (a reasoning-gym generator, scored by its "
+        "own score_answer; docs/environments.md), a name registered with @register_task, or "
         "'package.module:function' returning (train_rows, eval_rows).",
+    )
+    task_kwargs: dict[str, YamlValue] = f(
+        {},
+        help="Keyword arguments for the task function (e.g. arithmetic: ops='+-'; reasoning_gym:NAME: the "
+        "generator's config fields, and system_prompt).",
     )
     train_path: str = f("", help="jsonl / parquet / json file of training rows (task=file).")
     eval_path: str = f("", help="Held-out rows (task=file).")
@@ -523,8 +539,8 @@ class RunConfig:
     )
     reward_fn: str = f(
         "",
-        help="Reward function: empty = the task's verifier (math-verify gsm8k for data.task=file); a registered name "
-        "(arithmetic, countdown, count, gsm8k, or @register_reward) or 'package.module:function'.",
+        help="Reward function: empty = the task's verifier (math-verify gsm8k for data.task=file, score_answer for reasoning_gym:NAME); a registered name "
+        "(arithmetic, countdown, count, gsm8k, reasoning_gym, or @register_reward) or 'package.module:function'.",
     )
     reward_kwargs: dict[str, YamlValue] = f({}, help="Keyword arguments bound to the reward function.")
     model: ModelConfig = f(ModelConfig(), help="Policy model.")

@@ -84,6 +84,7 @@ def check_device(field: str, device: str) -> None:
 def check_run(cfg: RunConfig) -> None:
     """Everything a training or evaluation run reads from this machine."""
     check_model(cfg.model)
+    check_model_dir("actor.teacher.path", cfg.actor.teacher.path)
     if cfg.data.task == "file":
         check_files({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path})
     if cfg.inference.backend == "local":

@@ -215,7 +215,12 @@ def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
 
 
 def task_fn(value: str, field: str = "data.task") -> TaskFn:
-    """``data.task``: a registered task name or ``package.module:function``."""
+    """``data.task``: a registered task name, ``reasoning_gym:NAME`` (``relayrl.data.reasoning_gym_tasks``)
+    or ``package.module:function``."""
+    if value.startswith("reasoning_gym:"):
+        from relayrl.data.reasoning_gym_tasks import reasoning_gym_task_fn
+
+        return reasoning_gym_task_fn(value)
     return resolve(field, value, TASKS, "a function returning (train_rows, eval_rows)", _as_task)
 
 

@@ -1,6 +1,7 @@
 """Reward functions by name: the ``reward_fn`` extension point.
 
-``reward_fn: ""`` (the default) is the task's own verifier (math-verify for ``data.task: file``);
+``reward_fn: ""`` (the default) is the task's own verifier (math-verify for ``data.task: file``,
+reasoning-gym's ``score_answer`` for ``data.task: reasoning_gym:NAME``);
 otherwise a name registered here (``@register_reward``) or ``package.module:function``, called
 with ``reward_kwargs`` bound. A reward function running in reward workers (``rollout.reward_workers``)
 must be picklable: a module-level function is, and so is the partial binding ``reward_kwargs``.
@@ -15,10 +16,11 @@ from typing import cast
 from relayrl.api.fields import ConfigError
 from relayrl.api.workflow import RewardFn
 from relayrl.rewards.math import gsm8k_reward_fn
+from relayrl.rewards.reasoning_gym_scores import reasoning_gym_reward_fn
 from relayrl.rewards.tasks import TASK_REWARDS
 from relayrl.utils.resolve import registrar, resolve
 
-REWARDS: dict[str, RewardFn] = {**TASK_REWARDS, "gsm8k": gsm8k_reward_fn}
+REWARDS: dict[str, RewardFn] = {**TASK_REWARDS, "gsm8k": gsm8k_reward_fn, "reasoning_gym": reasoning_gym_reward_fn}
 _register = registrar(REWARDS, "reward function")
 
 
@@ -36,6 +38,8 @@ def resolve_reward_fn(value: str, task: str, kwargs: Mapping[str, object], field
     if not value:
         if task == "file":
             value = "gsm8k"
+        elif task.startswith("reasoning_gym:"):
+            value = "reasoning_gym"  # the generator's own score_answer
         elif task in TASK_REWARDS:
             value = task
         else:

@@ -23,6 +23,7 @@ import torch
 from relayrl.api.config import ActorConfig, ConfigError, validate_config
 from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.train import algorithms as A
+from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.mismatch import correction_weights, mismatch_metrics
 from relayrl.train.packing import segment_ids, token_entropy, token_logprobs, unpack
@@ -136,6 +137,11 @@ def needs_reference(config: ActorConfig) -> bool:
     )
 
 
+def needs_teacher(config: ActorConfig) -> bool:
+    """Distillation is on when ``distill_coef`` > 0 or the loss declares ``needs_teacher`` (``distill``)."""
+    return config.distill_coef > 0 or A.loss_entry(config.loss).needs_teacher
+
+
 def needs_critic(config: ActorConfig) -> bool:
     """A value model is built when the estimator declares ``needs_critic`` (GAE)."""
     return A.advantage_entry(config.adv_estimator).needs_critic
@@ -144,9 +150,18 @@ def needs_critic(config: ActorConfig) -> bool:
 class PPOActor:
     """Policy-gradient actor: logprobs, advantages and the clipped update, configured by ``ActorConfig``."""
 
-    def __init__(self, config: ActorConfig, engine: TrainEngine, ref_engine: TrainEngine | None = None, seed: int = 0):
+    def __init__(
+        self,
+        config: ActorConfig,
+        engine: TrainEngine,
+        ref_engine: TrainEngine | None = None,
+        seed: int = 0,
+        teacher_engine: TrainEngine | None = None,
+    ):
         check_actor_config(config)
         self.config, self.engine, self.ref_engine = config, engine, ref_engine
+        self.teacher_engine = teacher_engine  # distillation's local teacher (actor.teacher.path)
+        self.needs_teacher = needs_teacher(config)
         # the registry entries: what the actor does follows their declarations, never their names
         self.advantage, self.loss = A.advantage_entry(config.adv_estimator), A.loss_entry(config.loss)
         self.needs_ref = needs_reference(config)
@@ -175,6 +190,13 @@ class PPOActor:
             )
         return self.ref_engine.forward(self._routing(batch, replay=False), temperature=self.temperature)
 
+    def fill_teacher(self, batch: TensorDict) -> None:
+        """Distillation: the local teacher's ``teacher_logp`` (and ``teacher_ids``) for ``batch``, unless the
+        batch already carries them (a workflow's server teacher) or distillation is off."""
+        if self.needs_teacher and self.teacher_engine is not None and "teacher_logp" not in batch:
+            routed = self._routing(batch, replay=False)
+            batch.update(teacher_targets(self.teacher_engine, routed, self.config.teacher.top_k, self.temperature))
+
     def _routing(self, batch: TensorDict, replay: bool | None = None) -> TensorDict:
         """The batch as the train engine should see it: without ``routed_experts`` unless routing is
         replayed (``actor.replay_routing``; the reference policy always picks its own experts)."""
@@ -191,6 +213,7 @@ class PPOActor:
         self._fill_old_logp(batch)
         if self.needs_ref:
             batch["ref_logp"] = self.compute_ref_logp(batch)
+        self.fill_teacher(batch)
         if self.advantage.needs_critic:
             if critic is None:
                 raise ValueError(
@@ -314,6 +337,10 @@ class PPOActor:
                 mask = mask if corr.masked_in_norm else keep
                 stats_w = {"weight_mean": A.masked_mean(w, packed["loss_mask"].bool())}
                 stats_w["dropped_frac"] = A.masked_mean((~keep).float(), packed["loss_mask"].bool())
+            distill_kl = None
+            if self.needs_teacher:  # per-token reverse KL to the teacher, reweighted like the advantages
+                distill_kl = token_reverse_kl(logits, packed, self.temperature)
+                distill_kl = distill_kl if corr.mode == "off" else distill_kl * w
             loss, stats = policy_loss(
                 logp=logp,
                 old_logp=old,
@@ -331,8 +358,13 @@ class PPOActor:
                 behav_weight_clip=cfg.behav_weight_clip,
                 agg_mode=agg_mode,
                 norm_len=norm_len,
+                distill_kl=distill_kl,
             )
             stats["policy_loss"] = loss.detach()
+            if distill_kl is not None:
+                stats.update(distill_stats(distill_kl, mask))
+                if cfg.distill_coef > 0:
+                    loss = loss + cfg.distill_coef * A.agg_loss(distill_kl, mask, cu, agg_mode, norm_len)
             if corr.mode != "off":
                 stats.update({f"correction_{k}": v for k, v in stats_w.items()})
             # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
@@ -422,6 +454,7 @@ class PPOActor:
         cfg = self.config
         self._fill_old_logp(batch)
         needed = ["advantages"] + (["ref_logp"] if (cfg.kl_coef > 0 and not cfg.kl_in_reward) or self.needs_ref else [])
+        self.fill_teacher(batch)
         missing = [k for k in needed if k not in batch]
         if missing:
             raise ValueError(f"ppo_update: batch is missing {missing}; call actor.prepare(batch) first")

@@ -499,6 +499,25 @@ def reinforce_loss(
     )
 
 
+@register_loss("distill", needs_teacher=True, reads=_AGG)
+def distill_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    distill_kl: Tensor | None = None,
+    agg_mode: str = "token-mean",
+    norm_len: float = 0.0,
+    **_: object,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """On-policy distillation alone: the per-token reverse KL to the teacher (``distill_kl``, computed
+    by the actor with ``relayrl.train.distill.token_reverse_kl``), aggregated; the rewards and advantages are not used."""
+    if distill_kl is None:
+        raise ValueError("distill needs distill_kl (the actor computes it from the teacher's batch keys)")
+    return agg_loss(distill_kl, loss_mask, cu_seqlens, agg_mode, norm_len), {}
+
+
 def value_loss(
     values: Tensor,
     old_values: Tensor,

@@ -254,15 +254,20 @@ class TorchTrainEngine(TrainEngine):
     def forward(self, batch: TensorDict, post_fn: PostFn | None = None, temperature: float = 1.0) -> torch.Tensor:
         """``[B, L]`` token-aligned values (0 on padding); default: logprobs at ``temperature``
         for ``head="lm"``, per-token values for ``"value"``, the score at each sequence's last
-        token for ``"reward"``. Every rank returns the full ``[B, L]``."""
+        token for ``"reward"``. A ``post_fn`` returning ``[T, ...]`` gives ``[B, L, ...]`` (e.g. the
+        teacher's distributions of distillation). Every rank returns the full ``[B, L, ...]``."""
         post = post_fn or self.default_post_fn(temperature)
         bsz, seqlen = batch["input_ids"].shape
-        out = torch.zeros(bsz, seqlen, dtype=torch.float32)
+        out: torch.Tensor | None = None
         for packed, dummy in self._micro_batches(batch):
             packed = self._to_device(packed)
             values = post(self._logits(packed), packed)
+            if out is None:
+                out = torch.zeros(bsz, seqlen, *values.shape[1:], dtype=torch.float32)
             if not dummy:
                 out += unpack(values.float().cpu(), {k: v.cpu() for k, v in packed.items()}, bsz, seqlen)
+        if out is None:
+            out = torch.zeros(bsz, seqlen, dtype=torch.float32)
         return dist_utils.all_reduce_tensor_(out.to(self.device)).cpu() if dist_utils.is_distributed() else out
 
     @torch.no_grad()

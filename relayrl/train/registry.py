@@ -29,7 +29,8 @@ class Algorithm(Generic[F]):
     batch must carry ``group_id``; ``needs_ref``: a reference model is built and ``ref_logp``
     passed (also without ``kl_coef``); ``needs_prox_logp``: the trainer's logprobs before the
     update arrive as ``prox_logp`` and the generator's as ``old_logp`` (decoupled PPO);
-    ``reads``: the ``actor.*`` fields the function is given (checked to exist; listed in docs).
+    ``needs_teacher``: the teacher's next-token distributions arrive as ``teacher_logp`` (and
+    ``teacher_ids`` for top-k), with the policy's ``logits`` (on-policy distillation); ``reads``: the ``actor.*`` fields the function is given (checked to exist; listed in docs).
     """
 
     fn: F
@@ -37,6 +38,7 @@ class Algorithm(Generic[F]):
     needs_groups: bool = False
     needs_ref: bool = False
     needs_prox_logp: bool = False
+    needs_teacher: bool = False
     reads: tuple[str, ...] = ()
 
 
@@ -80,14 +82,21 @@ def register_advantage(
 
 
 def register_loss(
-    name: str, *, needs_prox_logp: bool = False, needs_ref: bool = False, reads: tuple[str, ...] = ()
+    name: str,
+    *,
+    needs_prox_logp: bool = False,
+    needs_ref: bool = False,
+    needs_teacher: bool = False,
+    reads: tuple[str, ...] = (),
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Register a policy loss under ``name`` (``actor.loss``), declaring its needs."""
     return _register(
         LOSSES,
         "policy loss",
         name,
-        lambda fn: Algorithm(fn, needs_prox_logp=needs_prox_logp, needs_ref=needs_ref, reads=reads),
+        lambda fn: Algorithm(
+            fn, needs_prox_logp=needs_prox_logp, needs_ref=needs_ref, needs_teacher=needs_teacher, reads=reads
+        ),
     )
 
 

@@ -1,0 +1,121 @@
+"""``data.task=reasoning_gym:NAME``: the procedural generators of the ``reasoning-gym`` package as tasks.
+
+Each of reasoning-gym's generators (``basic_arithmetic``, ``countdown``, ``knights_knaves``,
+``gsm_symbolic``, ... 106 in 0.1.25) makes ``{"question", "answer", "metadata"}`` entries from a seed
+and scores an answer with its own ``score_answer(answer, entry)``. This module turns them into rows
+of the task contract (``id``, ``messages``, ``answer``) that carry what the scorer needs
+(``rg_dataset``, ``rg_config``, ``rg_entry``), so ``relayrl.rewards.reasoning_gym_scores`` scores
+a completion exactly as reasoning-gym does, in any process.
+
+- ``data.task_kwargs`` are the generator's config fields (e.g. ``min_terms``, ``max_digits``),
+  passed to ``reasoning_gym.create_dataset`` as they are; a wrong one fails naming the field.
+  The one key taken out first is ``system_prompt``: the name of one of reasoning-gym's prompts
+  (``default``, ``simple``, ``direct``, ``DeepSeekZero``, ``chain_of_draft``), literal text, or
+  ``""`` for none. The default asks for the answer in ``<answer>...</answer>`` tags.
+- Train and eval rows are one generator stream of ``n_train + n_eval`` entries at seed
+  ``seed``, cut in two; eval entries whose question also occurs in train are dropped (small
+  generators repeat themselves), so eval can be shorter than ``n_eval``. ``data.difficulty`` is
+  not used: the generator's own config fields set difficulty.
+
+``reasoning_gym`` is imported only when such a task is used (the import takes seconds).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+from relayrl.api.fields import ConfigError
+
+PREFIX = "reasoning_gym:"
+Row = dict[str, object]
+
+
+def _import() -> Any:
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ConfigError(
+            f"data.task={PREFIX}...: the reasoning-gym package is not installed ({e}); pip install 'relayrl[envs]'"
+        ) from None
+    return reasoning_gym
+
+
+def dataset_names() -> list[str]:
+    """Every generator reasoning-gym registers."""
+    from reasoning_gym.factory import DATASETS
+
+    _import()
+    return sorted(DATASETS)
+
+
+def system_prompt_text(system_prompt: str) -> str:
+    """One of reasoning-gym's named system prompts, else ``system_prompt`` itself as text."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    return str(SYSTEM_PROMPTS.get(system_prompt, system_prompt))
+
+
+@functools.lru_cache(maxsize=64)
+def _dataset(name: str, config_json: str, seed: int, size: int) -> Any:
+    return _import().create_dataset(name, seed=seed, size=size, **json.loads(config_json))
+
+
+def make_dataset(name: str, config: dict[str, object], seed: int = 0, size: int = 1) -> Any:
+    """``reasoning_gym.create_dataset(name, seed=, size=, **config)``, cached; ConfigError naming a bad config."""
+    if name not in dataset_names():
+        close = difflib.get_close_matches(name, dataset_names(), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"data.task={PREFIX}{name}: reasoning-gym has no generator {name!r}; {hint}see its README")
+    try:
+        return _dataset(name, json.dumps(config, sort_keys=True), seed, size)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise ConfigError(f"data.task_kwargs for {PREFIX}{name}: {e}") from None
+
+
+def reasoning_gym_task(
+    name: str,
+    n_train: int,
+    n_eval: int,
+    difficulty: int = 2,
+    seed: int = 0,
+    system_prompt: str = "default",
+    **config: object,
+) -> tuple[list[Row], list[Row]]:
+    """``(train_rows, eval_rows)`` from reasoning-gym generator ``name`` with ``config`` (module doc)."""
+    del difficulty  # the generator's config sets difficulty
+    ds = make_dataset(name, dict(config), seed, n_train + n_eval)
+    system = system_prompt_text(system_prompt)
+    rows: list[Row] = []
+    for i in range(n_train + n_eval):
+        entry = ds[i]
+        messages = [{"role": "user", "content": str(entry["question"])}]
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        rows.append(
+            {
+                "messages": messages,
+                "answer": str(entry["answer"]),
+                "task": f"{PREFIX}{name}",
+                "rg_dataset": name,
+                "rg_config": dict(config),
+                "rg_entry": entry,
+            }
+        )
+    train = rows[:n_train]
+    seen = {str(r["messages"]) for r in train}
+    evals = [r for r in rows[n_train:] if str(r["messages"]) not in seen]
+    for split, part in (("train", train), ("eval", evals)):
+        for i, row in enumerate(part):
+            row["id"] = f"{PREFIX}{name}/{split}/{i}"
+    return train, evals
+
+
+def reasoning_gym_task_fn(value: str) -> Callable[..., tuple[list[Row], list[Row]]]:
+    """The task function ``data.task=reasoning_gym:NAME`` names (its generator checked to exist)."""
+    name = value[len(PREFIX) :]
+    make_dataset(name, {})  # an unknown name fails here, before anything loads
+    return functools.partial(reasoning_gym_task, name)
