@@ -9,8 +9,8 @@
 # before and after) and `pip check` over the combined set is recorded.
 # Writes to $OUT (the device tool's) or else bench/results/: gpu_check.json (the summary),
 # gpu_selftest.json, gpu_tests.json, gpu.json (bench/gpu.py), gpu_check.log (every stage's output).
-# Settings: PYTHON (python3), RELAYRL_WHEELS, GPU_CHECK_SELFTEST_S (120), GPU_CHECK_PYTEST_S (150),
-# GPU_CHECK_BENCH_S (180), GPU_CHECK_BENCH_ARGS (--repeats 1). Exit 0 when every stage passed.
+# Settings: PYTHON (python3), RELAYRL_WHEELS, deadlines GPU_CHECK_INSTALL_S (60), GPU_CHECK_SELFTEST_S (100),
+# GPU_CHECK_PYTEST_S (120), GPU_CHECK_BENCH_S (180) (7.7 minutes in all), GPU_CHECK_BENCH_ARGS (--repeats 1). Exit 0 when every stage passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
@@ -40,6 +40,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a deadline (the whole proc
 torch_id() { "$py" -c 'import torch; print(torch.__version__, torch.__file__)' 2>&1; }
 
 # 1. install: relayrl and only the wheels the interpreter lacks, into $site
+[ -f "$wheels/MANIFEST.txt" ] || say "no $wheels/MANIFEST.txt: run scripts/gpu_wheels.sh where PyPI is reachable and carry the folder"
 torch_before=$(torch_id)
 say "python: $("$py" -c 'import sys; print(sys.executable, sys.version.split()[0])'); torch: $torch_before"
 "$py" -m pip check >"$work/pip-check-before.txt" 2>&1
@@ -58,7 +59,7 @@ EOF
 mkdir -p "$work/src"  # relayrl built from a copy: no build/ or egg-info left in the tree
 cp -r pyproject.toml README.md relayrl "$work/src/"
 # shellcheck disable=SC2086  # $lacking: one wheel path per word
-stage install 300 env PIP_CONFIG_FILE=/dev/null "$py" -m pip install --no-index --find-links "$wheels" --no-deps \
+stage install "${GPU_CHECK_INSTALL_S:-60}" env PIP_CONFIG_FILE=/dev/null "$py" -m pip install --no-index --find-links "$wheels" --no-deps \
   --no-compile --disable-pip-version-check --target "$site" "$work/src" $lacking
 install_rc=$?
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
@@ -71,10 +72,10 @@ say "relayrl from: $relayrl_from; torch after: $torch_after; pip check: $(tail -
 # 2. the three checks (each skipped only when the install failed)
 if [ $install_rc = 0 ]; then
   # from $work: the relayrl imported is the installed one, not this tree's
-  stage selftest "${GPU_CHECK_SELFTEST_S:-120}" env -C "$work" relayrl selftest --out "$out/gpu_selftest.json"
+  stage selftest "${GPU_CHECK_SELFTEST_S:-100}" env -C "$work" relayrl selftest --out "$out/gpu_selftest.json"
   gpu_files=$(grep -l 'mark.gpu' tests/test_*.py | tr '\n' ' ')
   # shellcheck disable=SC2086
-  stage pytest_gpu "${GPU_CHECK_PYTEST_S:-150}" "$py" -m pytest -m gpu -q -p no:cacheprovider --timeout=90 \
+  stage pytest_gpu "${GPU_CHECK_PYTEST_S:-120}" "$py" -m pytest -m gpu -q -p no:cacheprovider --timeout=90 \
     --junitxml="$work/junit.xml" $gpu_files
   # shellcheck disable=SC2086
   stage bench_gpu "${GPU_CHECK_BENCH_S:-180}" env BENCH_RESULTS_DIR="$out" "$py" bench/gpu.py ${GPU_CHECK_BENCH_ARGS:---repeats 1}
