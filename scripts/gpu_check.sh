@@ -37,13 +37,13 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a deadline (the whole proc
   return $rc
 }
 
-torch_id() { "$py" -c 'import torch; print(torch.__version__, torch.__file__)' 2>&1; }
+torch_id() { timeout -k 5 120 "$py" -c 'import torch; print(torch.__version__, torch.__file__)' 2>&1; }
 
 # 1. install: relayrl and only the wheels the interpreter lacks, into $site
 [ -f "$wheels/MANIFEST.txt" ] || say "no $wheels/MANIFEST.txt: run scripts/gpu_wheels.sh where PyPI is reachable and carry the folder"
 torch_before=$(torch_id)
 say "python: $("$py" -c 'import sys; print(sys.executable, sys.version.split()[0])'); torch: $torch_before"
-"$py" -m pip check >"$work/pip-check-before.txt" 2>&1
+timeout -k 5 120 "$py" -m pip check >"$work/pip-check-before.txt" 2>&1
 lacking=$("$py" - "$wheels" <<'EOF'
 import importlib.metadata as md, pathlib, sys
 for w in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
@@ -65,8 +65,8 @@ install_rc=$?
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 torch_after=$(torch_id)
-"$py" -m pip check >"$work/pip-check-after.txt" 2>&1
-relayrl_from=$(cd "$work" && "$py" -c 'import relayrl; print(relayrl.__file__)' 2>&1)
+timeout -k 5 120 "$py" -m pip check >"$work/pip-check-after.txt" 2>&1
+relayrl_from=$(cd "$work" && timeout -k 5 120 "$py" -c 'import relayrl; print(relayrl.__file__)' 2>&1)
 say "relayrl from: $relayrl_from; torch after: $torch_after; pip check: $(tail -n 1 "$work/pip-check-after.txt")"
 
 # 2. the three checks (each skipped only when the install failed)
