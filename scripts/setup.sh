@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up relayrl in ./.venv (idempotent). torch is installed first, pinned to the CPU
-# build, so that no other package can pull a CUDA torch.
+# Set up relayrl in ./.venv (idempotent) at the exact versions CI tests: pyproject.toml says what
+# relayrl needs (ranges), constraints.txt pins what is installed. torch is installed first, the CPU
+# build, so that no other package can pull a CUDA torch. Reinstalls when either file changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -8,9 +9,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 stamp=.venv/.relayrl-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
-  python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[dev,bench]"  # bench: trl for tests/test_bench.py (it pulls no other torch)
+  python -m pip install -q -c constraints.txt torch
+  python -m pip install -q -c constraints.txt -e ".[dev,bench]"  # bench: trl for tests/test_bench.py (it pulls no other torch)
   touch "$stamp"
 fi

@@ -57,11 +57,14 @@ def watch_versions(log: Path, route: str, seen: list[str], stop: threading.Event
         stop.wait(0.05)
 
 
-def train(tmp_path: Path, tiny_dir: Path, version_route: str, *args: str) -> tuple[list[dict], list[str]]:
-    """Run ``relayrl train`` (3 steps); its metrics rows and the weight versions its server reported, in order."""
+def train(
+    tmp_path: Path, tiny_dir: Path, version_route: str, *args: str, python: str = sys.executable, path: Path = ROOT
+) -> tuple[list[dict], list[str]]:
+    """Run ``relayrl train`` (3 steps) with ``python`` and relayrl from ``path``; its metrics rows and the
+    weight versions its server reported, in order."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run_dir={run_dir}", f"model.path={tiny_dir}", *STEPS, *args]
-    env = {**peer_environ(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [python, "-m", "relayrl.cli", "train", f"run_dir={run_dir}", f"model.path={tiny_dir}", *STEPS, *args]
+    env = {**peer_environ(), "PYTHONPATH": str(path), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     seen: list[str] = []
     stop = threading.Event()
     watcher = threading.Thread(
@@ -97,34 +100,45 @@ def check(rows: list[dict], seen: list[str], tmp_path: Path, kind: str, update_r
     assert "--dtype float32" in log.splitlines()[0]  # the trainer's dtype, not the server's default
 
 
-def test_relayrl_train_launches_real_sglang_and_syncs_by_broadcast(tmp_path, tiny_dir):
-    env = peer_env("sglang")
-    rows, seen = train(
-        tmp_path,
-        tiny_dir,
-        "/model_info",
-        "inference.protocol=sglang",
-        "inference.launch=sglang",
-        "inference.weight_sync=broadcast",
-        f"inference.launch_command={env / 'bin' / 'sglang-cpu'}",
-        f"inference.launch_args=[{','.join(SGLANG_CPU)}]",
-        f"inference.launch_log_dir={tmp_path / 'logs'}",
+def launch(kind: str, env: Path, tmp_path: Path) -> tuple[str, str, list[str]]:
+    """How ``relayrl train`` launches peer ``kind`` from ``env``: the route of its weight version, the route
+    each update hits, the overrides (SGLang syncs by broadcast, vLLM from disk)."""
+    logs = f"inference.launch_log_dir={tmp_path / 'logs'}"
+    if kind == "sglang":
+        return (
+            "/model_info",
+            "/update_weights_from_distributed",
+            [
+                "inference.protocol=sglang",
+                "inference.launch=sglang",
+                "inference.weight_sync=broadcast",
+                f"inference.launch_command={env / 'bin' / 'sglang-cpu'}",
+                f"inference.launch_args=[{','.join(SGLANG_CPU)}]",
+                logs,
+            ],
+        )
+    return (
+        "/weight_info",
+        "/update_weight_version",
+        [
+            "inference.protocol=vllm",
+            "inference.launch=vllm",
+            "inference.weight_sync=disk",
+            f"inference.weight_sync_dir={tmp_path / 'w'}",
+            f"inference.launch_command={env / 'bin' / 'vllm'} serve",
+            "inference.launch_args=[--enforce-eager,--max-model-len,256]",
+            logs,
+        ],
     )
-    check(rows, seen, tmp_path, "sglang", "/update_weights_from_distributed")
+
+
+def test_relayrl_train_launches_real_sglang_and_syncs_by_broadcast(tmp_path, tiny_dir):
+    route, update_route, args = launch("sglang", peer_env("sglang"), tmp_path)
+    rows, seen = train(tmp_path, tiny_dir, route, *args)
+    check(rows, seen, tmp_path, "sglang", update_route)
 
 
 def test_relayrl_train_launches_real_vllm_and_syncs_from_disk(tmp_path, tiny_dir):
-    env = peer_env("vllm")
-    rows, seen = train(
-        tmp_path,
-        tiny_dir,
-        "/weight_info",
-        "inference.protocol=vllm",
-        "inference.launch=vllm",
-        "inference.weight_sync=disk",
-        f"inference.weight_sync_dir={tmp_path / 'w'}",
-        f"inference.launch_command={env / 'bin' / 'vllm'} serve",
-        "inference.launch_args=[--enforce-eager,--max-model-len,256]",
-        f"inference.launch_log_dir={tmp_path / 'logs'}",
-    )
-    check(rows, seen, tmp_path, "vllm", "/update_weight_version")
+    route, update_route, args = launch("vllm", peer_env("vllm"), tmp_path)
+    rows, seen = train(tmp_path, tiny_dir, route, *args)
+    check(rows, seen, tmp_path, "vllm", update_route)
