@@ -19,9 +19,9 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 
-markers="not real_peers and not long"
+markers="not real_peers and not long" peer_markers="real_peers and not long"
 if [ "${1:-}" = --all ]; then
-  markers="not real_peers"
+  markers="not real_peers" peer_markers="real_peers"
   shift
 fi
 if [ $# -gt 0 ]; then
@@ -41,7 +41,7 @@ python -m pytest -q -n "${RELAYRL_TEST_WORKERS:-2}" --dist loadfile --durations=
 phase "main suite done"
 if wait "$peers"; then
   tail -n 3 "$peers_log"
-  python -m pytest -q --durations=8 -m real_peers || status=$?
+  python -m pytest -q --durations=8 -m "$peer_markers" || status=$?
   phase "real-peer suite done"
 else
   cat "$peers_log"
