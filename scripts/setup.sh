@@ -11,7 +11,8 @@ fi
 stamp=.venv/.relayrl-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
-  python -m pip install -q -c constraints.txt torch
-  python -m pip install -q -c constraints.txt -e ".[dev,bench]"  # bench: trl for tests/test_bench.py (it pulls no other torch)
+  # --no-compile: Python compiles the modules a run imports on first use, not every file of every package
+  python -m pip install -q --no-compile -c constraints.txt torch
+  python -m pip install -q --no-compile -c constraints.txt -e ".[dev,bench]"  # bench: trl for tests/test_bench.py (it pulls no other torch)
   touch "$stamp"
 fi
