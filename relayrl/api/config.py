@@ -188,11 +188,41 @@ class InferenceConfig:
         "", help="launch=sglang|vllm: where server-<i>.log files go (empty: a temporary directory)."
     )
     launch_timeout: float = f(
-        900.0, help="launch=sglang|vllm: seconds a server may take to load and become healthy.", gt=0.0
+        900.0,
+        help="Seconds servers may take at start-up to load and answer /health (launched by any peer, or given in "
+        "addresses); past it the run stops naming the servers that did not answer.",
+        gt=0.0,
     )
     server_threads: int = f(1, help="torch threads of each launched server.", ge=1)
-    request_timeout: float = f(300.0, help="Seconds before one HTTP request is abandoned and retried.", gt=0.0)
-    max_retries: int = f(5, help="Retries of a request on connection errors (with backoff).", ge=0)
+    request_timeout: float = f(
+        300.0,
+        help="Seconds before one HTTP call to a server is abandoned: an admin call (a weight load, pause) evicts "
+        "the server; a generation request is retried on another server, its deadline being request_timeout + "
+        "token_timeout x its max_new_tokens.",
+        gt=0.0,
+    )
+    token_timeout: float = f(
+        0.25,
+        help="Seconds per requested token added to a generation request's deadline (request_timeout + "
+        "token_timeout x max_new_tokens; the default allows 4 tokens/s per request).",
+        ge=0.0,
+    )
+    connect_timeout: float = f(
+        10.0, help="Seconds to open a connection to a server (a server that takes longer is evicted).", gt=0.0
+    )
+    health_timeout: float = f(
+        5.0,
+        help="Seconds a health check may take: a server that answers no /health within it is evicted, and the "
+        "requests in flight on it are re-issued to the others at once.",
+        gt=0.0,
+    )
+    server_wait_timeout: float = f(
+        60.0,
+        help="Seconds requests and weight updates wait for a server to come back when every server is out "
+        "(dead, frozen, evicted); past it the run stops with one line naming the servers.",
+        gt=0.0,
+    )
+    max_retries: int = f(5, help="Retries of a request on connection errors and 5xx (with backoff).", ge=0)
     admin_token: str = f("", help="Bearer token for admin endpoints of servers (also read from RELAYRL_ADMIN_TOKEN).")
     weight_sync: str = f(
         "auto",

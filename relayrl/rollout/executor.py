@@ -44,6 +44,7 @@ from relayrl.api.workflow import (
 )
 from relayrl.rollout.staleness import default_max_concurrent, is_expired, rollout_capacity
 from relayrl.utils import stats
+from relayrl.utils.deadline import Stalled
 
 logger = logging.getLogger("relayrl.rollout")
 
@@ -99,7 +100,7 @@ class WorkflowExecutor:
         self._sync_done: dict[int, _Group | None] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._window: deque[bool] = deque(maxlen=config.failure_window)
-        self._error: RuntimeError | None = None
+        self._error: RuntimeError | None = None  # what stopped the rollout (raised to the trainer)
         self._last_error = ""
         self._logged: set[tuple[str, str]] = set()
         self._paused = False
@@ -258,9 +259,20 @@ class WorkflowExecutor:
             if traj is None:
                 return SampleStatus.FILTERED, None, ""
             validate_trajectory(traj)
+        except Stalled as e:  # a deadline passed (every server out, ...): the run cannot go on
+            self._stop(e)
+            return SampleStatus.FAILED, None, f"{type(e).__name__}: {e}"
         except Exception as e:  # one episode's failure never stops the batch
             return SampleStatus.FAILED, None, self._log_failure(p, e)
         return SampleStatus.COMPLETED, traj, ""
+
+    def _stop(self, e: Stalled) -> None:
+        """Stop the rollout with ``e`` (its one line): ``wait`` / ``prepare_batch`` raise it."""
+        with self._lock:
+            if self._error is None:
+                self._error = e
+                logger.error("%s", e)
+            self._lock.notify_all()
 
     def _log_failure(self, p: _Prompt, e: Exception) -> str:
         """Log the traceback once per kind of error (type + message); repeats go to debug."""

@@ -28,6 +28,7 @@ class RelayrlBackend(SGLangBackend):
     loads_adapters = False  # relayrl servers take merged weights
     supports_upload = True
     streams_items = True  # batched replies come item by item as they finish (NDJSON)
+    answers_while_loading = True  # /health answers during a weight load (updates run in a thread)
 
     def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
         groups = super().batch(calls)
