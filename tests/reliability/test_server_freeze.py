@@ -1,0 +1,156 @@
+"""Servers that freeze (SIGSTOP: they accept connections and never answer) rather than die.
+
+A frozen server is evicted by the health check (``inference.health_timeout``) and the requests
+in flight on it are re-issued to the other server at once; with every server frozen the run
+stops within ``inference.server_wait_timeout`` with one line naming them. Each test's own
+timeout (pytest-timeout) is the failure: before the fix the first run stalled for
+``request_timeout`` (set to 300 s here) and the second waited without a word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import threading
+import time
+
+import pytest
+from audit import TOKEN, check_steps, metrics_rows, remote_cfg
+
+from relayrl.api.config import InferenceConfig
+from relayrl.api.io import GenerationConfig, ModelRequest
+from relayrl.inference.remote import RemoteEngine
+from relayrl.inference.server.launcher import launch_servers
+from relayrl.trainer import Trainer
+from relayrl.utils.deadline import Stalled
+
+T = 6
+FREEZE = [
+    "inference.request_timeout=300",  # what the old code waited on a frozen server
+    "inference.health_timeout=0.5",
+    "inference.server_wait_timeout=3",
+]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    group = launch_servers(2, admin_token=TOKEN)
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture
+def servers(fleet):
+    """The module's two servers, thawed (and healthy) again after each test."""
+    yield fleet
+    for i, p in enumerate(fleet.procs):
+        p.send_signal(signal.SIGCONT)
+        fleet.wait_healthy(i)
+
+
+def _freeze_when(
+    trainer: Trainer, servers, which: list[int], frozen: list[float], at_step: int = 2
+) -> threading.Thread:
+    """Once step ``at_step`` is done and server ``which[0]`` has a request in flight, SIGSTOP ``which``."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and trainer.step < T:
+            if trainer.step >= at_step and trainer.engine.servers[which[0]].in_flight > 0:
+                for i in which:
+                    servers.procs[i].send_signal(signal.SIGSTOP)
+                frozen.append(time.monotonic())
+                return
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(150)
+def test_one_of_two_servers_frozen_mid_rollout_the_run_finishes(tmp_path, servers):
+    cfg = remote_cfg(tmp_path / "run", servers.addresses, f"total_steps={T}", *FREEZE)
+    trainer = Trainer(cfg)
+    frozen: list[float] = []
+    thread = _freeze_when(trainer, servers, [1], frozen)
+    try:
+        trainer.fit()
+        finished = time.monotonic()
+        thread.join()
+        stats = trainer.engine.stats()
+    finally:
+        trainer.close()
+    assert frozen, "server 1 was never seen with a request in flight"
+    print(f"one frozen server: run finished {finished - frozen[0]:.1f}s after the freeze")
+    check_steps(metrics_rows(cfg.run_dir), T, eta=1, batch_size=2)
+    assert stats["evictions"] >= 1 and stats["reissued"] >= 1  # the frozen server's requests went elsewhere
+    assert metrics_rows(cfg.run_dir)[-1]["rollout/failed"] == 0
+
+
+@pytest.mark.timeout(150)
+def test_every_server_frozen_stops_the_run_with_one_line(tmp_path, servers, caplog):
+    cfg = remote_cfg(tmp_path / "run", servers.addresses, f"total_steps={T}", *FREEZE)
+    trainer = Trainer(cfg)
+    frozen: list[float] = []
+    thread = _freeze_when(trainer, servers, [0, 1], frozen)
+    try:
+        with pytest.raises(Stalled) as err:
+            trainer.fit()
+        stopped = time.monotonic()
+        thread.join()
+    finally:
+        trainer.close()
+    msg = str(err.value)
+    print(f"every server frozen: stopped {stopped - frozen[0]:.1f}s after the freeze: {msg}")
+    assert "\n" not in msg and "inference.server_wait_timeout" in msg
+    assert all(a in msg for a in servers.addresses) and "health check failed" in msg
+
+
+def _silent_listener() -> tuple[socket.socket, str]:
+    """A socket that accepts connections (the kernel's backlog) and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock, f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_accepts_and_never_answers_stops_start_up_with_one_line():
+    sock, address = _silent_listener()
+    eng = RemoteEngine(InferenceConfig(backend="remote", health_timeout=0.3, launch_timeout=1.0), addresses=[address])
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Stalled, match="inference.launch_timeout") as err:
+            eng.initialize()
+    finally:
+        eng.destroy()
+        sock.close()
+    print(f"silent server at start-up: stopped after {time.monotonic() - t0:.1f}s")
+    assert address in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(90)
+def test_a_request_past_its_deadline_is_retried_on_the_other_server(servers):
+    """The health check never runs here (interval 1000 s): the deadline alone takes the request off
+    the frozen server."""
+    cfg = InferenceConfig(
+        backend="remote", admin_token=TOKEN, health_interval=1000, request_timeout=1.0, token_timeout=0.0
+    )
+    eng = RemoteEngine(cfg, addresses=servers.addresses)
+    eng.initialize()
+    servers.procs[1].send_signal(signal.SIGSTOP)
+    g = GenerationConfig(max_new_tokens=4)
+
+    async def run() -> list:
+        return await asyncio.gather(
+            *(eng.agenerate(ModelRequest(rid=f"r{i}", input_ids=[1, 2, 3], gconfig=g)) for i in range(4))
+        )
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        eng.destroy()
+    assert [len(o.output_tokens) for o in outs] == [4] * 4
+    assert eng.counters["retried"] >= 1 and eng.counters["evictions"] == 0
