@@ -45,6 +45,7 @@ from relayrl.utils.interrupt import Interrupted, InterruptGuard
 from relayrl.utils.logging import MetricLogger, get_logger
 from relayrl.utils.progress import Progress
 from relayrl.utils.seeding import rng_state, seed_everything, set_rng_state
+from relayrl.utils.watchdog import Watchdog
 
 logger = get_logger("relayrl.trainer")
 
@@ -153,6 +154,11 @@ class Trainer:
                 or wiring.make_workflow(cfg, tokenizer, reward, cfg.eval.gconfig, reward_pool=pool),
             )
         self.engine = self.driver.engine if self.driver else None  # None on the other ranks
+        self.watchdog: Watchdog | None = None
+        if self.driver:
+            d = self.driver
+            w = cfg.watchdog
+            self.watchdog = Watchdog(self.run_dir, w.stall_s, w.action, d.stall_state, lambda: d.executor.loop)
 
         self.step = 0
         if resume_from is not None:
@@ -186,6 +192,8 @@ class Trainer:
         guard = InterruptGuard(install=dist_utils.world_size() == 1)
         try:
             with guard:
+                if self.watchdog:
+                    self.watchdog.start(self.step)
                 if d and cfg.eval.before_training and self.step == 0 and d.eval_rows:
                     with guard.held():
                         d.metrics.log(d.evaluate(), step=0)
@@ -193,6 +201,8 @@ class Trainer:
                 self._boundary = self._boundary_state()
                 while self.step < cfg.total_steps:
                     last = self._step(guard)
+                    if self.watchdog:
+                        self.watchdog.beat(self.step)
                     progress.update(self.step, last)
         except KeyboardInterrupt as e:
             saved = self.ckpt.latest() if self.driver else None
@@ -204,6 +214,8 @@ class Trainer:
             raise NonFiniteError(f"training stopped in step {self.step + 1}: {e}") from None
         finally:
             progress.close()
+            if self.watchdog:
+                self.watchdog.stop()
         if cfg.checkpoint.save_final and self._latest_step() != self.step:
             self.save()
         return last

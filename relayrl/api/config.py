@@ -528,6 +528,22 @@ class RayConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    stall_s: float = f(
+        1800.0,
+        help="When no training step has finished for this many seconds, write every thread's stack, the rollout "
+        "loop's tasks and the executor/engine state to RUN_DIR/stall_<step>.txt and one line to the log "
+        "(0 = off). Again after each further stall_s.",
+        ge=0.0,
+    )
+    action: str = f(
+        "dump",
+        help="After the dump: 'dump' keeps waiting; 'exit' ends the process (exit code 75: resume with --recover).",
+        choices=["dump", "exit"],
+    )
+
+
+@dataclass
 class RunConfig:
     """A whole training run (``relayrl train``)."""
 
@@ -567,6 +583,7 @@ class RunConfig:
     eval: EvalConfig = f(EvalConfig(), help="Evaluation.")
     checkpoint: CheckpointConfig = f(CheckpointConfig(), help="Checkpoints and recovery.")
     logging: LoggingConfig = f(LoggingConfig(), help="Metrics and progress.")
+    watchdog: WatchdogConfig = f(WatchdogConfig(), help="What a run that stops making progress writes, and does.")
     launcher: str = f(
         "local",
         help="local: this process (or torchrun's ranks) trains and n_servers start here; ray: trainer ranks and "

@@ -561,6 +561,20 @@ class WorkflowExecutor:
             )
             return out
 
+    def describe(self) -> str:
+        """One line for the watchdog's stall report; read without the lock (a stuck holder never blocks it)."""
+        return (
+            f"{len(self._ready)} of {self.config.batch_size} groups ready, {len(self._running)} prompts running "
+            f"({self.status.in_flight} episodes in flight), {len(self._queue)} queued, {len(self._tail)} in the tail "
+            f"batch{', paused' if self._paused else ''}; engine v{self.engine.get_version()}"
+            + (f"; stopped: {self._error}" if self._error is not None else "")
+        )
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the episodes run on (None before ``initialize``)."""
+        return self._loop
+
     def report(self) -> None:
         """``stats()`` through the stats tracker, as ``rollout/*`` gauges (once per step)."""
         with stats.scope("rollout"):

@@ -252,6 +252,14 @@ class RemoteEngine(InferenceEngine):
         if cancelled:
             log.info("server %s: %d requests in flight re-issued to the other servers", srv.url, cancelled)
 
+    def describe(self) -> str:
+        servers = "; ".join(
+            f"{s.url} {'alive' if s.alive else 'evicted (' + self._why.get(s.url, '?') + ')'}, {s.in_flight} in "
+            f"flight, v{s.version}{', updating' if s.updating else ''}"
+            for s in list(self.servers)
+        )
+        return f"RemoteEngine at v{self._version}{', paused' if self.paused else ''}: {servers}"
+
     def live_servers(self) -> list[str]:
         return [s.url for s in self.servers if s.alive]
 
