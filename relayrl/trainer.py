@@ -81,7 +81,7 @@ class Trainer:
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
-        dist_utils.maybe_init_process_group()  # under torchrun; a no-op in one process
+        dist_utils.maybe_init_process_group(cfg.train.collective_timeout)  # under torchrun; a no-op in one process
         main = dist_utils.is_main()  # rank 0 is the driver: generates, evaluates, logs, writes the run directory
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint)

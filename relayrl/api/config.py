@@ -112,6 +112,12 @@ class TrainEngineConfig:
     )
     fsdp: bool = f(True, help="Shard with FSDP2 when torch.distributed runs with more than one rank.")
     max_nan_skips: int = f(3, help="Consecutive non-finite steps skipped before the run stops.", ge=0)
+    collective_timeout: float = f(
+        1800.0,
+        help="Seconds a trainer rank waits in a collective or barrier for the other ranks (the process group's "
+        "timeout, gloo and NCCL; under torchrun); past it the run stops naming the wait.",
+        gt=0.0,
+    )
     total_steps: int = f(0, help="Optimizer steps for the LR schedule (0 = taken from the trainer).", ge=0)
 
 
