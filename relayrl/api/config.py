@@ -291,6 +291,12 @@ class RolloutConfig:
     )
     tail_batch_trigger: int = f(8, help="requeue_after: prompts that pile up before they are re-run together.", ge=1)
     reward_timeout: float = f(30.0, help="Seconds before one reward call is abandoned (counted as failed).", gt=0.0)
+    batch_timeout: float = f(
+        7200.0,
+        help="Seconds the trainer waits for one batch of rollouts; past it the run stops with one line saying "
+        "how many groups were ready, running and queued.",
+        gt=0.0,
+    )
     reward_workers: int = f(0, help="Reward worker processes (0 = run reward fns in the rollout thread).", ge=0)
     max_turns: int = f(
         2, help="workflow=multi_turn: most attempts per episode (a wrong answer gets feedback and another try).", ge=1

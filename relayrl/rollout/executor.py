@@ -476,9 +476,16 @@ class WorkflowExecutor:
         self._adopt_restored(workflow)
         bs = self.config.batch_size
         filtered0 = self._filtered_groups
+        deadline = time.monotonic() + self.config.batch_timeout
         while True:
             with self._lock:
                 self._raise_if_failed()
+                if time.monotonic() > deadline:
+                    raise Stalled(
+                        f"the trainer waited {self.config.batch_timeout:.0f}s for a batch: {self._counts_text(bs)}; "
+                        "episodes are stuck or very slow (see the watchdog's stall report); give them longer "
+                        "with rollout.batch_timeout"
+                    )
                 self._check_filter_patience(self._filtered_groups - filtered0)
                 self._expire_ready()
                 if len(self._ready) >= bs:

@@ -15,6 +15,7 @@ from audit import FAST, start_cli
 
 from relayrl.api.config import RunConfig, load_config
 from relayrl.trainer import Trainer
+from relayrl.utils.deadline import Stalled
 from relayrl.utils.watchdog import EXIT_CODE
 
 STUCK_RUN = [
@@ -71,3 +72,24 @@ def test_watchdog_action_exit_ends_the_process_after_the_report(tmp_path):
     assert (run_dir / "stall_000000.txt").exists()
     lines = [line for line in log.read_text().splitlines() if "watchdog: no training step finished" in line]
     assert len(lines) == 1 and "exiting (watchdog.action=exit)" in lines[0], lines
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_that_never_fills_stops_the_run_within_rollout_batch_timeout(tmp_path):
+    faults.STUCK.clear()
+    cfg = load_config(
+        RunConfig, None, [f"run_dir={tmp_path / 'run'}", *STUCK_RUN, "watchdog.stall_s=0", "rollout.batch_timeout=2"]
+    )
+    trainer = Trainer(cfg)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Stalled) as err:
+            trainer.fit()
+        waited = time.monotonic() - t0
+    finally:
+        faults.STUCK.set()
+        trainer.close()
+    msg = str(err.value)
+    print(f"batch never fills: stopped {waited:.1f}s after fit started: {msg}")
+    assert msg.startswith("the trainer waited 2s for a batch: 0 of 2 groups ready, 2 running")
+    assert "rollout.batch_timeout" in msg and "\n" not in msg
