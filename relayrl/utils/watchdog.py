@@ -45,7 +45,8 @@ def where(frame: FrameType | None) -> str:
 def await_chain(task: asyncio.Task[object]) -> list[FrameType]:
     """The frames a task is suspended in, outermost first, following what each coroutine awaits
     (``Task.get_stack`` gives only the outermost)."""
-    frames, c = [], task.get_coro()
+    frames: list[FrameType] = []
+    c: object = task.get_coro()
     while c is not None:
         f = getattr(c, "cr_frame", None) or getattr(c, "gi_frame", None) or getattr(c, "ag_frame", None)
         if f is not None:

@@ -16,9 +16,9 @@ import threading
 import time
 
 import pytest
-from audit import TOKEN, check_steps, metrics_rows, remote_cfg
+from audit import FAST, TOKEN, check_steps, metrics_rows, remote_cfg
 
-from relayrl.api.config import InferenceConfig
+from relayrl.api.config import InferenceConfig, RunConfig, load_config
 from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.inference.remote import RemoteEngine
 from relayrl.inference.server.launcher import launch_servers
@@ -154,3 +154,54 @@ def test_a_request_past_its_deadline_is_retried_on_the_other_server(servers):
         eng.destroy()
     assert [len(o.output_tokens) for o in outs] == [4] * 4
     assert eng.counters["retried"] >= 1 and eng.counters["evictions"] == 0
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("frozen_servers", [[1], [0, 1]])
+def test_demo_model_over_two_launched_servers_with_default_deadlines(tmp_path, frozen_servers):
+    """The issue's run as a user starts it: the demo's SFT model, two launched ``relayrl serve``
+    servers, every deadline at its default, SIGSTOP at step 10 (before the fix: no step for
+    minutes). One frozen: the run finishes; both: it stops with one line after
+    ``server_wait_timeout`` (60 s)."""
+    steps = 30
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            *FAST,
+            "model.path=tests/data/demo_sft",
+            "inference.backend=remote",
+            "inference.n_servers=2",
+            "rollout.max_staleness=1",
+            "gconfig.max_new_tokens=16",
+            f"total_steps={steps}",
+        ],
+    )
+    trainer = Trainer(cfg)
+    procs = trainer.engine._launched.procs  # type: ignore[attr-defined]
+    frozen: list[float] = []
+
+    def freeze() -> None:
+        while trainer.step < 10:
+            time.sleep(0.005)
+        for i in frozen_servers:
+            procs[i].send_signal(signal.SIGSTOP)
+        frozen.append(time.monotonic())
+
+    threading.Thread(target=freeze, daemon=True).start()
+    try:
+        if len(frozen_servers) == 1:
+            trainer.fit()
+            assert trainer.step == steps
+        else:
+            with pytest.raises(Stalled, match="inference.server_wait_timeout"):
+                trainer.fit()
+        print(
+            f"demo, {len(frozen_servers)} of 2 frozen: {time.monotonic() - frozen[0]:.1f}s from the freeze to the end"
+        )
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+        trainer.close()

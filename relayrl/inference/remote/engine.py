@@ -118,7 +118,6 @@ class RemoteEngine(InferenceEngine):
         self._launched: Launched | None = None
         self._rr = 0
         self._inflight = InFlight()
-        self._why: dict[str, str] = {}  # why each server was last evicted
         self._wire_ids = itertools.count()
         self.paused = False  # generation paused by the trainer
         self._ssl: ssl.SSLContext | None = None
@@ -241,7 +240,7 @@ class RemoteEngine(InferenceEngine):
                 srv.alive = False
                 self.counters["evictions"] += 1
                 srv.evictions += 1  # a weight group it was in is rebuilt at its next use
-                self._why[srv.url] = str(why)
+                self._inflight.why[srv.url] = str(why)
                 log.warning("server %s evicted: %s", srv.url, why)
             else:
                 return
@@ -253,12 +252,7 @@ class RemoteEngine(InferenceEngine):
             log.info("server %s: %d requests in flight re-issued to the other servers", srv.url, cancelled)
 
     def describe(self) -> str:
-        servers = "; ".join(
-            f"{s.url} {'alive' if s.alive else 'evicted (' + self._why.get(s.url, '?') + ')'}, {s.in_flight} in "
-            f"flight, v{s.version}{', updating' if s.updating else ''}"
-            for s in list(self.servers)
-        )
-        return f"RemoteEngine at v{self._version}{', paused' if self.paused else ''}: {servers}"
+        return f"RemoteEngine at v{self._version}{', paused' if self.paused else ''}: {self._inflight.describe(self.servers)}"
 
     def live_servers(self) -> list[str]:
         return [s.url for s in self.servers if s.alive]
@@ -367,7 +361,7 @@ class RemoteEngine(InferenceEngine):
             srv = self._choose(req.rid)
             if srv is None:  # every server is out: wait for one to come back, up to server_wait_timeout
                 no_server_since = no_server_since or time.monotonic()
-                self._check_server_wait(req.rid, no_server_since)
+                self._inflight.check_wait(self.servers, req.rid, no_server_since, self.config.server_wait_timeout)
                 await asyncio.sleep(min(0.2, self.config.server_wait_timeout / 10))
                 continue
             no_server_since = None
@@ -403,15 +397,9 @@ class RemoteEngine(InferenceEngine):
                 attempt = self._count_failure(attempt, req.rid, str(e))
                 self.counters["reissued"] += 1
                 continue
-            except RequestDeadline as e:
+            except RequestDeadline as e:  # request_timeout + token_timeout x tokens: try another server
                 log.warning(
-                    "request %s: %s (inference.request_timeout=%s + token_timeout=%s x %d tokens); retrying on "
-                    "another server",
-                    req.rid,
-                    e,
-                    self.config.request_timeout,
-                    self.config.token_timeout,
-                    remaining,
+                    "request %s: %s (inference.request_timeout + token_timeout x %d); retrying", req.rid, e, remaining
                 )
                 with self._lock:
                     self._affinity.pop(req.rid, None)  # rebalanced: another server if one is less loaded
@@ -454,16 +442,6 @@ class RemoteEngine(InferenceEngine):
             ttft=ttft,
             routed_experts=routed,
         )
-
-    def _check_server_wait(self, what: str, since: float) -> None:
-        """``Stalled`` once every server has been out for ``server_wait_timeout`` seconds."""
-        waited = time.monotonic() - since
-        if waited > self.config.server_wait_timeout:
-            why = ", ".join(f"{s.url} ({self._why.get(s.url, 'out')})" for s in self.servers)
-            raise Stalled(
-                f"{what} waited {waited:.0f}s for an inference server and none is in service: {why}; "
-                "restart or unfreeze them, or wait longer with inference.server_wait_timeout"
-            )
 
     def _count_failure(self, attempt: int, rid: str, why: str) -> int:
         attempt += 1
@@ -592,7 +570,9 @@ class RemoteEngine(InferenceEngine):
             self._last = (sync, data)
         since = time.monotonic()
         while not any(s.alive and s.version == update.version for s in self.servers):
-            self._check_server_wait(f"weight update v{update.version}", since)
+            self._inflight.check_wait(
+                self.servers, f"weight update v{update.version}", since, self.config.server_wait_timeout
+            )
             time.sleep(min(0.2, self.config.server_wait_timeout / 10))
 
     def _sync_for(self, update: WeightUpdate) -> WeightSync:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from relayrl.inference.remote.protocol import Server
+from relayrl.utils.deadline import Stalled
 
 T = TypeVar("T")
 
@@ -36,6 +38,25 @@ class InFlight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._calls: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Future[object]]]] = {}
+        self.why: dict[str, str] = {}  # why each server was last evicted (for the messages below)
+
+    def check_wait(self, servers: list[Server], what: str, since: float, timeout: float) -> None:
+        """``Stalled`` once every server has been out for ``timeout`` seconds (``server_wait_timeout``)."""
+        waited = time.monotonic() - since
+        if waited > timeout:
+            why = ", ".join(f"{s.url} ({self.why.get(s.url, 'out')})" for s in servers)
+            raise Stalled(
+                f"{what} waited {waited:.0f}s for an inference server and none is in service: {why}; "
+                "restart or unfreeze them, or wait longer with inference.server_wait_timeout"
+            )
+
+    def describe(self, servers: list[Server]) -> str:
+        """Each server's state, for the watchdog's stall report."""
+        return "; ".join(
+            f"{s.url} {'alive' if s.alive else 'evicted (' + self.why.get(s.url, '?') + ')'}, {s.in_flight} in "
+            f"flight, v{s.version}{', updating' if s.updating else ''}"
+            for s in list(servers)
+        )
 
     async def run(self, srv: Server, call: Awaitable[T], timeout: float) -> T:
         """``call``'s result; ``ServerEvicted`` when ``srv`` is evicted first, ``RequestDeadline``
