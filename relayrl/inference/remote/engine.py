@@ -379,7 +379,8 @@ class RemoteEngine(InferenceEngine):
                     self.backend.render(srv, req.rid, req.input_ids, images) if images and features is None else None
                 )
                 if render is not None:  # the images rendered once (vLLM), then sent with every continuation
-                    features = render.features(await self._send(srv.url, render.call))
+                    rendered = self._send(srv.url, render.call)
+                    features = render.features(await self._inflight.run(srv, rendered, self.config.request_timeout))
                 # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
                 call = self.backend.generate(
                     f"{req.rid}-{next(self._wire_ids)}",
