@@ -141,6 +141,7 @@ class ServerGroup:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
+                proc.send_signal(signal.SIGCONT)  # a stopped (frozen) server takes the SIGTERM only once running
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
