@@ -254,10 +254,11 @@ def _train(argv: list[str]) -> int:
     from relayrl.launch import LaunchError
     from relayrl.train.engine import NonFiniteError
     from relayrl.trainer import train
+    from relayrl.utils.deadline import Stalled
 
     try:
         last = _run_on_ray(cfg) if cfg.launcher == "ray" else train(cfg)
-    except NonFiniteError as e:  # NaN/inf losses too many steps in a row
+    except (NonFiniteError, Stalled) as e:  # NaN/inf losses too many steps in a row; a wait past its deadline
         print(f"relayrl train: {e}", file=sys.stderr)
         return 1
     except LaunchError as e:  # launcher=ray: the cluster cannot run it, or a trainer rank died

@@ -48,6 +48,13 @@ class Driver:
     samples: int = field(default=0)
     rollout_writer: RolloutWriter | None = field(default=None)
 
+    def stall_state(self) -> list[str]:
+        """What the watchdog's stall report says of the rollout side: a summary line, then details."""
+        lines = [f"rollout: {self.executor.describe()}", f"engine: {self.engine.describe()}"]
+        if self.reward_pool is not None:
+            lines.append(f"reward pool: {dict(self.reward_pool.stats)}, {self.reward_pool.n_alive} workers alive")
+        return lines
+
     def report_step(self, step: int, batch: TensorDict, seconds: float) -> None:
         """This step's gauges from the batch, speed, executor, generators, reward pool and (when
         due) evaluation; a key another part reports too is an error (``utils.stats``)."""

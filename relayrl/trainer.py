@@ -45,6 +45,7 @@ from relayrl.utils.interrupt import Interrupted, InterruptGuard
 from relayrl.utils.logging import MetricLogger, get_logger
 from relayrl.utils.progress import Progress
 from relayrl.utils.seeding import rng_state, seed_everything, set_rng_state
+from relayrl.utils.watchdog import Watchdog
 
 logger = get_logger("relayrl.trainer")
 
@@ -80,7 +81,7 @@ class Trainer:
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
-        dist_utils.maybe_init_process_group()  # under torchrun; a no-op in one process
+        dist_utils.maybe_init_process_group(cfg.train.collective_timeout)  # under torchrun; a no-op in one process
         main = dist_utils.is_main()  # rank 0 is the driver: generates, evaluates, logs, writes the run directory
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint)
@@ -156,6 +157,11 @@ class Trainer:
                 or wiring.make_workflow(cfg, tokenizer, reward, cfg.eval.gconfig, reward_pool=pool),
             )
         self.engine = self.driver.engine if self.driver else None  # None on the other ranks
+        self.watchdog: Watchdog | None = None
+        if self.driver:
+            d = self.driver
+            w = cfg.watchdog
+            self.watchdog = Watchdog(self.run_dir, w.stall_s, w.action, d.stall_state, lambda: d.executor.loop)
 
         self.step = 0
         if resume_from is not None:
@@ -189,6 +195,8 @@ class Trainer:
         guard = InterruptGuard(install=dist_utils.world_size() == 1)
         try:
             with guard:
+                if self.watchdog:
+                    self.watchdog.start(self.step)
                 if d and cfg.eval.before_training and self.step == 0 and d.eval_rows:
                     with guard.held():
                         d.metrics.log(d.evaluate(), step=0)
@@ -196,6 +204,8 @@ class Trainer:
                 self._boundary = self._boundary_state()
                 while self.step < cfg.total_steps:
                     last = self._step(guard)
+                    if self.watchdog:
+                        self.watchdog.beat(self.step)
                     progress.update(self.step, last)
                 with guard.held():  # a signal during the final save lets it finish (raised after)
                     if cfg.checkpoint.save_final and self._latest_step() != self.step:
@@ -210,6 +220,8 @@ class Trainer:
             raise NonFiniteError(f"training stopped in step {self.step + 1}: {e}") from None
         finally:
             progress.close()
+            if self.watchdog:
+                self.watchdog.stop()
         return last
 
     def interrupted(self, signum: int, saved: Path | None = None) -> Interrupted:

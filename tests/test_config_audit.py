@@ -28,6 +28,7 @@ ELSEWHERE = {
     "TrainEngineConfig.max_nan_skips": "tests/test_train_engine.py::test_nan_guard_skips_and_then_stops",
     "RolloutConfig.max_failure_rate": "tests/test_executor.py::test_failure_rate_stops_with_clear_error",
     "InferenceConfig.max_retries": "tests/test_remote.py::test_killed_server_requests_complete_and_server_is_readmitted",
+    "InferenceConfig.server_wait_timeout": "tests/reliability/test_server_freeze.py::test_every_server_frozen_stops_the_run_with_one_line",
     "CheckpointConfig.every_minutes": "tests/test_trainer.py::test_checkpoints_are_due_every_n_steps_or_every_n_minutes",
     "RolloutCorrectionConfig.level": "tests/test_mismatch.py::test_rollout_correction_matches_the_peers_formulas",
     "RolloutCorrectionConfig.low": "tests/test_mismatch.py::test_rollout_correction_matches_the_peers_formulas",

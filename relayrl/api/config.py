@@ -113,6 +113,12 @@ class TrainEngineConfig:
     )
     fsdp: bool = f(True, help="Shard with FSDP2 when torch.distributed runs with more than one rank.")
     max_nan_skips: int = f(3, help="Consecutive non-finite steps skipped before the run stops.", ge=0)
+    collective_timeout: float = f(
+        1800.0,
+        help="Seconds a trainer rank waits in a collective or barrier for the other ranks (the process group's "
+        "timeout, gloo and NCCL; under torchrun); past it the run stops naming the wait.",
+        gt=0.0,
+    )
     total_steps: int = f(0, help="Optimizer steps for the LR schedule (0 = taken from the trainer).", ge=0)
 
 
@@ -189,11 +195,41 @@ class InferenceConfig:
         "", help="launch=sglang|vllm: where server-<i>.log files go (empty: a temporary directory)."
     )
     launch_timeout: float = f(
-        900.0, help="launch=sglang|vllm: seconds a server may take to load and become healthy.", gt=0.0
+        900.0,
+        help="Seconds servers may take at start-up to load and answer /health (launched by any peer, or given in "
+        "addresses); past it the run stops naming the servers that did not answer.",
+        gt=0.0,
     )
     server_threads: int = f(1, help="torch threads of each launched server.", ge=1)
-    request_timeout: float = f(300.0, help="Seconds before one HTTP request is abandoned and retried.", gt=0.0)
-    max_retries: int = f(5, help="Retries of a request on connection errors (with backoff).", ge=0)
+    request_timeout: float = f(
+        300.0,
+        help="Seconds before one HTTP call to a server is abandoned: an admin call (a weight load, pause) evicts "
+        "the server; a generation request is retried on another server, its deadline being request_timeout + "
+        "token_timeout x its max_new_tokens.",
+        gt=0.0,
+    )
+    token_timeout: float = f(
+        0.25,
+        help="Seconds per requested token added to a generation request's deadline (request_timeout + "
+        "token_timeout x max_new_tokens; the default allows 4 tokens/s per request).",
+        ge=0.0,
+    )
+    connect_timeout: float = f(
+        10.0, help="Seconds to open a connection to a server (a server that takes longer is evicted).", gt=0.0
+    )
+    health_timeout: float = f(
+        5.0,
+        help="Seconds a health check may take: a server that answers no /health within it is evicted, and the "
+        "requests in flight on it are re-issued to the others at once.",
+        gt=0.0,
+    )
+    server_wait_timeout: float = f(
+        60.0,
+        help="Seconds requests and weight updates wait for a server to come back when every server is out "
+        "(dead, frozen, evicted); past it the run stops with one line naming the servers.",
+        gt=0.0,
+    )
+    max_retries: int = f(5, help="Retries of a request on connection errors and 5xx (with backoff).", ge=0)
     admin_token: str = f("", help="Bearer token for admin endpoints of servers (also read from RELAYRL_ADMIN_TOKEN).")
     weight_sync: str = f(
         "auto",
@@ -256,6 +292,12 @@ class RolloutConfig:
     )
     tail_batch_trigger: int = f(8, help="requeue_after: prompts that pile up before they are re-run together.", ge=1)
     reward_timeout: float = f(30.0, help="Seconds before one reward call is abandoned (counted as failed).", gt=0.0)
+    batch_timeout: float = f(
+        7200.0,
+        help="Seconds the trainer waits for one batch of rollouts; past it the run stops with one line saying "
+        "how many groups were ready, running and queued.",
+        gt=0.0,
+    )
     reward_workers: int = f(0, help="Reward worker processes (0 = run reward fns in the rollout thread).", ge=0)
     max_turns: int = f(
         2, help="workflow=multi_turn: most attempts per episode (a wrong answer gets feedback and another try).", ge=1
@@ -514,6 +556,22 @@ class RayConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    stall_s: float = f(
+        1800.0,
+        help="When no training step has finished for this many seconds, write every thread's stack, the rollout "
+        "loop's tasks and the executor/engine state to RUN_DIR/stall_<step>.txt and one line to the log "
+        "(0 = off). Again after each further stall_s.",
+        ge=0.0,
+    )
+    action: str = f(
+        "dump",
+        help="After the dump: 'dump' keeps waiting; 'exit' ends the process (exit code 75: resume with --recover).",
+        choices=["dump", "exit"],
+    )
+
+
+@dataclass
 class RunConfig:
     """A whole training run (``relayrl train``)."""
 
@@ -553,6 +611,7 @@ class RunConfig:
     eval: EvalConfig = f(EvalConfig(), help="Evaluation.")
     checkpoint: CheckpointConfig = f(CheckpointConfig(), help="Checkpoints and recovery.")
     logging: LoggingConfig = f(LoggingConfig(), help="Metrics and progress.")
+    watchdog: WatchdogConfig = f(WatchdogConfig(), help="What a run that stops making progress writes, and does.")
     launcher: str = f(
         "local",
         help="local: this process (or torchrun's ranks) trains and n_servers start here; ray: trainer ranks and "

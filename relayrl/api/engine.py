@@ -135,6 +135,10 @@ class InferenceEngine(abc.ABC):
         """Work and health counters (requests, evictions, live servers ...): the ``inference/*`` metrics."""
         return {}
 
+    def describe(self) -> str:
+        """One line of what it is doing now, for the watchdog's stall report (never blocks)."""
+        return ", ".join(f"{k}={v:g}" for k, v in self.stats().items()) or type(self).__name__
+
     def state_dict(self) -> dict[str, int]:
         """Generation state worth restoring (LocalEngine: the sampling stream's position)."""
         return {}

@@ -44,6 +44,7 @@ from relayrl.api.workflow import (
 )
 from relayrl.rollout.staleness import default_max_concurrent, is_expired, rollout_capacity
 from relayrl.utils import stats
+from relayrl.utils.deadline import Stalled
 
 logger = logging.getLogger("relayrl.rollout")
 
@@ -99,7 +100,7 @@ class WorkflowExecutor:
         self._sync_done: dict[int, _Group | None] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._window: deque[bool] = deque(maxlen=config.failure_window)
-        self._error: RuntimeError | None = None
+        self._error: RuntimeError | None = None  # what stopped the rollout (raised to the trainer)
         self._last_error = ""
         self._logged: set[tuple[str, str]] = set()
         self._paused = False
@@ -258,9 +259,20 @@ class WorkflowExecutor:
             if traj is None:
                 return SampleStatus.FILTERED, None, ""
             validate_trajectory(traj)
+        except Stalled as e:  # a deadline passed (every server out, ...): the run cannot go on
+            self._stop(e)
+            return SampleStatus.FAILED, None, f"{type(e).__name__}: {e}"
         except Exception as e:  # one episode's failure never stops the batch
             return SampleStatus.FAILED, None, self._log_failure(p, e)
         return SampleStatus.COMPLETED, traj, ""
+
+    def _stop(self, e: Stalled) -> None:
+        """Stop the rollout with ``e`` (its one line): ``wait`` / ``prepare_batch`` raise it."""
+        with self._lock:
+            if self._error is None:
+                self._error = e
+                logger.error("%s", e)
+            self._lock.notify_all()
 
     def _log_failure(self, p: _Prompt, e: Exception) -> str:
         """Log the traceback once per kind of error (type + message); repeats go to debug."""
@@ -464,9 +476,16 @@ class WorkflowExecutor:
         self._adopt_restored(workflow)
         bs = self.config.batch_size
         filtered0 = self._filtered_groups
+        deadline = time.monotonic() + self.config.batch_timeout
         while True:
             with self._lock:
                 self._raise_if_failed()
+                if time.monotonic() > deadline:
+                    raise Stalled(
+                        f"the trainer waited {self.config.batch_timeout:.0f}s for a batch: {self._counts_text(bs)}; "
+                        "episodes are stuck or very slow (see the watchdog's stall report); give them longer "
+                        "with rollout.batch_timeout"
+                    )
                 self._check_filter_patience(self._filtered_groups - filtered0)
                 self._expire_ready()
                 if len(self._ready) >= bs:
@@ -548,6 +567,20 @@ class WorkflowExecutor:
                 group_staleness_max=float(max(self.last_staleness, default=0)),
             )
             return out
+
+    def describe(self) -> str:
+        """One line for the watchdog's stall report; read without the lock (a stuck holder never blocks it)."""
+        return (
+            f"{len(self._ready)} of {self.config.batch_size} groups ready, {len(self._running)} prompts running "
+            f"({self.status.in_flight} episodes in flight), {len(self._queue)} queued, {len(self._tail)} in the tail "
+            f"batch{', paused' if self._paused else ''}; engine v{self.engine.get_version()}"
+            + (f"; stopped: {self._error}" if self._error is not None else "")
+        )
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the episodes run on (None before ``initialize``)."""
+        return self._loop
 
     def report(self) -> None:
         """``stats()`` through the stats tracker, as ``rollout/*`` gauges (once per step)."""

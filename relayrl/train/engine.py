@@ -110,7 +110,7 @@ class TorchTrainEngine(TrainEngine):
     # ---------------------------------------------------------------- setup
 
     def initialize(self) -> None:
-        dist_utils.maybe_init_process_group()
+        dist_utils.maybe_init_process_group(self.config.collective_timeout)
         self.device = dist_utils.device_for_rank()
         torch.manual_seed(self.seed)
         model = self._build_model()

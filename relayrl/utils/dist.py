@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedModel
 
+from relayrl.utils.deadline import Stalled
+
 ReduceOpName = Literal["sum", "min", "max"]
 T = TypeVar("T")
 
@@ -50,9 +52,23 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def barrier(group: dist.ProcessGroup | None = None) -> None:
-    if is_dist():
+_timeout_s = 1800.0  # the process group's timeout (train.collective_timeout), named when a wait expires
+
+
+def barrier(group: dist.ProcessGroup | None = None, what: str = "a barrier") -> None:
+    """Wait for every rank; ``Stalled`` (one line) when one does not come within the group's timeout."""
+    if not is_dist():
+        return
+    try:
         dist.barrier(group)
+    except RuntimeError as e:  # gloo: "Timed out waiting ...", NCCL: "... Timeout"; DistBackendError is one
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise Stalled(
+            f"rank {rank()} of {world_size()} waited {_timeout_s:.0f}s at {what} for the other ranks: one stopped, "
+            f"died or hangs (see its log and stall report); give them longer with train.collective_timeout "
+            f"({str(e).splitlines()[0][:200]})"
+        ) from None
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -125,11 +141,14 @@ def is_distributed() -> bool:
     return world_size() > 1
 
 
-def maybe_init_process_group() -> None:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1) and not yet joined."""
+def maybe_init_process_group(timeout_s: float = 1800.0) -> None:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1) and not yet joined; every
+    collective and barrier (and the rendezvous) waits at most ``timeout_s`` (train.collective_timeout)."""
+    global _timeout_s
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available() and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+        _timeout_s = timeout_s
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
 def device_for_rank() -> torch.device:

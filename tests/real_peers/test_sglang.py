@@ -147,9 +147,9 @@ def test_a_refused_weight_load_is_an_error(sglang, tmp_path):
 
 
 def test_kill_9_and_readmission_over_broadcast(sglang, served_model):
-    """The only server is SIGKILLed; an update while it is gone waits for it (max_retries); once back,
+    """The only server is SIGKILLed; an update while it is gone waits for it (server_wait_timeout); once back,
     it is re-admitted: a new weight group is built with it and it serves the trainer's version."""
-    eng = engine(sglang, weight_sync="broadcast", max_retries=40)
+    eng = engine(sglang, weight_sync="broadcast", max_retries=40, server_wait_timeout=600)
     new = build_tiny_model("tiny", seed=5).eval()
     try:
         eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=served_model.state_dict()))

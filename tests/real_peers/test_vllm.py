@@ -266,10 +266,10 @@ def test_a_cancelled_request_is_aborted_on_the_server(vllm, tmp_path):
 
 def test_kill_9_during_an_update_then_readmission_without_lora(vllm, served_model, tmp_path):
     """The only server dies (SIGKILL) while weights are being updated: the update waits for it within
-    max_retries, the server comes back (here without --enable-lora), is re-admitted and given the weights.
+    server_wait_timeout, the server comes back (here without --enable-lora), is re-admitted and given the weights.
     Then model.lora.sync=auto on this server, which has the adapter route (runtime updating allowed) but
     no --enable-lora, falls back to merged weights."""
-    eng = engine(vllm, tmp_path / "w", weight_sync="disk", max_retries=40)
+    eng = engine(vllm, tmp_path / "w", weight_sync="disk", max_retries=40, server_wait_timeout=600)
     new = build_tiny_model("tiny", seed=5).eval()
     try:
         vllm.kill9()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import time
 
 from relayrl.rewards.tasks import arithmetic_reward_fn
@@ -48,3 +49,12 @@ def faulty_reward(
 
 def nan_reward(**kwargs: object) -> float:
     return math.nan
+
+
+STUCK = threading.Event()  # set by a test to let stuck_reward return
+
+
+def stuck_reward(**kwargs: object) -> float:
+    """A reward function that never returns (until a test sets ``STUCK``; 10 minutes at most)."""
+    STUCK.wait(600)
+    return 0.0

@@ -45,6 +45,7 @@ class MicroBatcher:
         self._pending: dict[str, list[_Item]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._by_url: dict[str, set[asyncio.Task[None]]] = {}
         self._aborts: set[asyncio.Future[object]] = set()
 
     def submit(self, url: str, call: Call) -> asyncio.Future[object]:
@@ -70,6 +71,14 @@ class MicroBatcher:
         task = asyncio.get_running_loop().create_task(self._send(url, items))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._by_url.setdefault(url, set()).add(task)
+        task.add_done_callback(self._by_url[url].discard)
+
+    def cancel(self, url: str) -> None:
+        """Cancel the calls in flight to ``url`` (its server was evicted): their callers see them
+        cancelled and re-issue their requests elsewhere."""
+        for task in list(self._by_url.get(url, ())):
+            task.cancel()
 
     async def _send(self, url: str, items: list[_Item]) -> None:
         try:

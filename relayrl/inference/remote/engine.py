@@ -3,9 +3,14 @@
 - Balancing: each request goes to the live server with the fewest requests in flight;
   requests sharing a ``rid`` (the turns of one episode) stick to the same server.
 - Failures: connection errors and 5xx are retried on another server with exponential
-  backoff; a server that refuses connections is evicted, and a background thread re-admits
-  it once ``/health`` answers again (after pushing it the current weights). A request whose
-  server died is re-issued elsewhere, continuing from the tokens already received.
+  backoff; a server that refuses connections or answers no ``/health`` within
+  ``health_timeout`` (dead or frozen) is evicted, and a background thread re-admits it once
+  ``/health`` answers again (after pushing it the current weights). Evicting a server cancels
+  the requests in flight on it (``inflight.InFlight``): each is re-issued elsewhere at once,
+  continuing from the tokens already received. A request past its deadline
+  (``request_timeout + token_timeout x max_new_tokens``) is retried on another server.
+- Deadlines: with every server out for ``server_wait_timeout`` a request or weight update
+  stops the run with ``Stalled`` (one line naming the servers and the setting).
 - Interruption: a reply that ends with ``abort`` (weights changing) is resubmitted as
   prompt + partial output; every token keeps the version that produced it.
 - Peers: one module each (``sglang``, ``vllm``, ``relayrl``; ``peers.make_backend`` picks it by
@@ -42,7 +47,6 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
@@ -52,6 +56,7 @@ from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import ModelRequest, ModelResponse, StopReason, WeightUpdate
 from relayrl.inference.remote.adapters import AdapterSync, adapter_mode, adapters_kept
 from relayrl.inference.remote.batcher import MicroBatcher
+from relayrl.inference.remote.inflight import InFlight, RequestDeadline, ServerEvicted, fan_out
 from relayrl.inference.remote.launch import Launched
 from relayrl.inference.remote.peers import make_backend
 from relayrl.inference.remote.protocol import (
@@ -64,6 +69,7 @@ from relayrl.inference.remote.protocol import (
     wire_image,
 )
 from relayrl.inference.remote.weights import WeightSync
+from relayrl.utils.deadline import Stalled
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +117,7 @@ class RemoteEngine(InferenceEngine):
         self._health: threading.Thread | None = None
         self._launched: Launched | None = None
         self._rr = 0
+        self._inflight = InFlight()
         self._wire_ids = itertools.count()
         self.paused = False  # generation paused by the trainer
         self._ssl: ssl.SSLContext | None = None
@@ -120,8 +127,11 @@ class RemoteEngine(InferenceEngine):
         self.counters = collections.Counter[str]({k: 0 for k in keys})
 
     # ------------------------------------------------------------------ lifecycle
-    def initialize(self, wait_timeout: float = 60.0) -> None:
+    def initialize(self, wait_timeout: float | None = None) -> None:
+        """Connect (launching servers first if asked); every server must answer /health within
+        ``wait_timeout`` (default ``inference.launch_timeout``)."""
         launch = self.config.launch
+        wait_timeout = self.config.launch_timeout if wait_timeout is None else wait_timeout
         self.accepts_adapters = adapter_mode(
             self.model.lora, self.config, self.backend.name, self.backend.loads_adapters
         )
@@ -146,7 +156,11 @@ class RemoteEngine(InferenceEngine):
         while pending:
             pending = [s for s in pending if not self._probe(s)]
             if pending and time.monotonic() > deadline:
-                raise ConnectionError(f"servers not healthy after {wait_timeout:.0f}s: {[s.url for s in pending]}")
+                raise Stalled(
+                    f"RemoteEngine start-up waited {wait_timeout:.0f}s for servers {[s.url for s in pending]} to answer "
+                    f"/health (each check given inference.health_timeout={self.config.health_timeout}s): they are "
+                    "down, frozen or still loading; check them, or give them longer with inference.launch_timeout"
+                )
             if pending:
                 time.sleep(0.2)
         self._connect_all()
@@ -157,7 +171,7 @@ class RemoteEngine(InferenceEngine):
         self._health = threading.Thread(target=self._health_loop, name="relayrl-health", daemon=True)
         self._health.start()
 
-    def _get(self, srv: Server, timeout: float = 10.0) -> Callable[[str], tuple[int, object]]:
+    def _get(self, srv: Server, timeout: float = 30.0) -> Callable[[str], tuple[int, object]]:
         def get(path: str) -> tuple[int, object]:
             with self.sync_client(timeout) as c:
                 r = c.get(srv.url + path)
@@ -226,7 +240,19 @@ class RemoteEngine(InferenceEngine):
                 srv.alive = False
                 self.counters["evictions"] += 1
                 srv.evictions += 1  # a weight group it was in is rebuilt at its next use
+                self._inflight.why[srv.url] = str(why)
                 log.warning("server %s evicted: %s", srv.url, why)
+            else:
+                return
+        cancelled = self._inflight.cancel(srv.url)  # its requests go elsewhere now, not at their deadline
+        for loop, batcher in list(self._batchers.items()):
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(batcher.cancel, srv.url)
+        if cancelled:
+            log.info("server %s: %d requests in flight re-issued to the other servers", srv.url, cancelled)
+
+    def describe(self) -> str:
+        return f"RemoteEngine at v{self._version}{', paused' if self.paused else ''}: {self._inflight.describe(self.servers)}"
 
     def live_servers(self) -> list[str]:
         return [s.url for s in self.servers if s.alive]
@@ -247,16 +273,17 @@ class RemoteEngine(InferenceEngine):
             return self._ssl
 
     def sync_client(self, timeout: float) -> httpx.Client:
-        return httpx.Client(timeout=timeout, headers=self._headers(), verify=self._verify())
+        t = httpx.Timeout(timeout, connect=min(timeout, self.config.connect_timeout))
+        return httpx.Client(timeout=t, headers=self._headers(), verify=self._verify())
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
             limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
-            client = httpx.AsyncClient(
-                timeout=self.config.request_timeout, limits=limits, headers=self._headers(), verify=self._verify()
-            )
+            # no read limit of its own: each generation call runs under its deadline (InFlight.run)
+            timeout = httpx.Timeout(None, connect=self.config.connect_timeout)
+            client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._headers(), verify=self._verify())
             self._clients[loop] = client
         return client
 
@@ -267,7 +294,10 @@ class RemoteEngine(InferenceEngine):
         return r.json()
 
     async def _abort_item(self, url: str, call: Call) -> object:
-        """Stop a request its caller gave up on (best effort: it may have ended already)."""
+        """Stop a request its caller gave up on (best effort: it may have ended already; an evicted
+        server is not asked)."""
+        if not any(s.alive for s in self.servers if s.url == url):
+            return None
         try:
             await self._client().request(call.method, url + call.path, json=call.json, timeout=10)
         except httpx.HTTPError as e:
@@ -322,16 +352,19 @@ class RemoteEngine(InferenceEngine):
         features: JsonDict | None = None  # vLLM: the images rendered by the server (once per request)
         ttft, attempt = 0.0, 0
         stop: StopReason | None = None
+        no_server_since: float | None = None
         while stop is None:
             remaining = g.max_new_tokens - len(tokens)
             if remaining <= 0:
                 stop = "length"
                 break
             srv = self._choose(req.rid)
-            if srv is None:
-                attempt = self._count_failure(attempt, req.rid, "no live server")
-                await asyncio.sleep(self._backoff(attempt))
+            if srv is None:  # every server is out: wait for one to come back, up to server_wait_timeout
+                no_server_since = no_server_since or time.monotonic()
+                self._inflight.check_wait(self.servers, req.rid, no_server_since, self.config.server_wait_timeout)
+                await asyncio.sleep(min(0.2, self.config.server_wait_timeout / 10))
                 continue
+            no_server_since = None
             if (
                 self.paused or srv.updating
             ):  # held here while weights change: a request runs under the version it is sent under
@@ -346,7 +379,8 @@ class RemoteEngine(InferenceEngine):
                     self.backend.render(srv, req.rid, req.input_ids, images) if images and features is None else None
                 )
                 if render is not None:  # the images rendered once (vLLM), then sent with every continuation
-                    features = render.features(await self._send(srv.url, render.call))
+                    rendered = self._send(srv.url, render.call)
+                    features = render.features(await self._inflight.run(srv, rendered, self.config.request_timeout))
                 # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
                 call = self.backend.generate(
                     f"{req.rid}-{next(self._wire_ids)}",
@@ -358,7 +392,21 @@ class RemoteEngine(InferenceEngine):
                     srv.adapter,
                     features,
                 )
-                body = await self._generate_call(srv, call)
+                deadline = self.config.request_timeout + self.config.token_timeout * remaining
+                body = await self._inflight.run(srv, self._generate_call(srv, call), deadline)
+            except ServerEvicted as e:  # frozen or dead, found by the health check: re-issue now
+                attempt = self._count_failure(attempt, req.rid, str(e))
+                self.counters["reissued"] += 1
+                continue
+            except RequestDeadline as e:  # request_timeout + token_timeout x tokens: try another server
+                log.warning(
+                    "request %s: %s (inference.request_timeout + token_timeout x %d); retrying", req.rid, e, remaining
+                )
+                with self._lock:
+                    self._affinity.pop(req.rid, None)  # rebalanced: another server if one is less loaded
+                attempt = self._count_failure(attempt, req.rid, str(e))
+                self.counters["retried"] += 1
+                continue
             except DEAD_ERRORS as e:
                 self.evict(srv, repr(e))
                 attempt = self._count_failure(attempt, req.rid, repr(e))
@@ -413,19 +461,19 @@ class RemoteEngine(InferenceEngine):
         return r.json() if r.content else {}
 
     def fan_out(self, fn: Callable[[Server], object], servers: list[Server]) -> None:
-        """Run ``fn(server)`` on all servers at once; dead ones are evicted, other errors raised."""
+        """Run ``fn(server)`` on all servers at once; dead ones and those that time out (frozen) are
+        evicted, other errors raised. A server evicted meanwhile (the health check) is not waited for."""
         errors: list[BaseException] = []
 
-        def one(s: Server) -> None:
-            try:
-                fn(s)
-            except DEAD_ERRORS as e:
-                self.evict(s, repr(e))
-            except BaseException as e:  # noqa: BLE001 - re-raised below after all servers ran
+        def failed(s: Server, e: BaseException) -> None:
+            if isinstance(e, (*DEAD_ERRORS, httpx.TimeoutException)):
+                self.evict(
+                    s, f"no answer to an admin call: {e!r} (inference.request_timeout={self.config.request_timeout}s)"
+                )
+            elif s.alive:
                 errors.append(e)
 
-        with ThreadPoolExecutor(max(1, len(servers))) as ex:
-            list(ex.map(one, servers))
+        fan_out(fn, servers, failed)
         if errors:
             raise errors[0]
 
@@ -449,7 +497,7 @@ class RemoteEngine(InferenceEngine):
         server in service, whose version only ``update_weights`` sets; a probe racing an update
         would write back the version from before it)."""
         try:
-            with self.sync_client(5.0) as c:
+            with self.sync_client(self.config.health_timeout) as c:
                 r = c.get(srv.url + (srv.info.live_path if srv.info is not None else self.backend.health_path))
                 if r.status_code != 200:
                     return False
@@ -464,7 +512,7 @@ class RemoteEngine(InferenceEngine):
     def _health_loop(self) -> None:
         while not self._stop.wait(self.config.health_interval):
             for srv in list(self.servers):
-                if srv.updating:  # SGLang's server blocks while loading weights: not a sign of death
+                if srv.updating and not self.backend.answers_while_loading:  # SGLang blocks while loading weights
                     continue
                 ok = self._probe(srv, record_version=not srv.alive)
                 if srv.alive and not ok:
@@ -504,7 +552,7 @@ class RemoteEngine(InferenceEngine):
     def update_weights(self, update: WeightUpdate) -> None:
         """Every live server loads ``update``. When none confirms it (every server died, before or
         during the update), these become the weights a returning server is given, and the update
-        waits for one, backing off as a request does, for up to ``max_retries`` waits."""
+        waits for one for up to ``server_wait_timeout`` seconds (then ``Stalled``)."""
         with self._update_lock:
             sync = self._sync_for(update)
             data = sync.prepare(update)
@@ -521,15 +569,12 @@ class RemoteEngine(InferenceEngine):
                     s.updating = False
             self._version = update.version
             self._last = (sync, data)
-        for attempt in itertools.count(1):
-            if any(s.alive and s.version == update.version for s in self.servers):
-                return
-            if attempt > self.config.max_retries:
-                raise ConnectionError(
-                    f"no server confirmed weight version {update.version} after {attempt - 1} waits "
-                    f"(inference.max_retries={self.config.max_retries}): every server is down"
-                )
-            time.sleep(self._backoff(attempt))
+        since = time.monotonic()
+        while not any(s.alive and s.version == update.version for s in self.servers):
+            self._inflight.check_wait(
+                self.servers, f"weight update v{update.version}", since, self.config.server_wait_timeout
+            )
+            time.sleep(min(0.2, self.config.server_wait_timeout / 10))
 
     def _sync_for(self, update: WeightUpdate) -> WeightSync:
         if update.kind == "adapter":

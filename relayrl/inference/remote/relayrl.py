@@ -28,6 +28,7 @@ class RelayrlBackend(SGLangBackend):
     loads_adapters = False  # relayrl servers take merged weights
     supports_upload = True
     streams_items = True  # batched replies come item by item as they finish (NDJSON)
+    answers_while_loading = True  # /health answers during a weight load (updates run in a thread)
 
     def batch(self, calls: list[Call]) -> list[tuple[Call, list[int]]]:
         groups = super().batch(calls)
@@ -48,7 +49,14 @@ class RelayrlBackend(SGLangBackend):
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=relayrl``: ``cfg.n_servers`` ``relayrl serve`` processes fitted to the run."""
         overrides = serve_overrides(cfg, model)
-        return launch_servers(cfg.n_servers, model.path, cfg.server_threads, overrides, admin_token=token)
+        return launch_servers(
+            cfg.n_servers,
+            model.path,
+            cfg.server_threads,
+            overrides,
+            admin_token=token,
+            startup_timeout=cfg.launch_timeout,
+        )
 
 
 def serve_overrides(inf: InferenceConfig, model: ModelConfig) -> list[str]:

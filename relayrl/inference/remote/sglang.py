@@ -86,6 +86,7 @@ class SGLangBackend:
     loads_adapters = True  # LoRA adapters at run time (model.lora.sync=adapter)
     supports_upload = False
     streams_items = False  # batched replies come as one list
+    answers_while_loading = False  # /health may block during a weight load: not probed then
     return_routed_experts = False  # ask for the routed experts (inference.return_routed_experts)
     routing: tuple[int, list[int], int] | None = None  # (decoder layers, MoE layer indices, top_k) of the model
 

@@ -83,6 +83,7 @@ class VLLMBackend:
     loads_adapters = True
     supports_upload = False
     streams_items = False
+    answers_while_loading = False  # /health may block during a weight load: not probed then
     health_path = "/health"
     reload_method = "reload_weights"
     return_routed_experts = False

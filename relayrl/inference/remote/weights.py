@@ -26,6 +26,7 @@ import torch
 
 from relayrl.api.io import WeightUpdate
 from relayrl.inference.remote.protocol import DEAD_ERRORS, Call, Server, version_of
+from relayrl.utils.deadline import within
 
 if TYPE_CHECKING:
     from relayrl.api.config import InferenceConfig
@@ -134,7 +135,16 @@ class DiskSync(PerServerSync):
         tensors = host_tensors(update)
         root = Path(self.fleet.config.weight_sync_dir)
         final = root / f"v{update.version:08d}"
-        publish(final, lambda d: safetensors.torch.save_file(tensors, str(d / "model.safetensors")))
+        limit = self.fleet.config.request_timeout
+        within(  # a write that blocks (a full or hung file system, a FIFO) stops the run instead of hanging it
+            limit,
+            lambda: publish(final, lambda d: safetensors.torch.save_file(tensors, str(d / "model.safetensors"))),
+            lambda: (
+                f"writing weights v{update.version} to inference.weight_sync_dir={root} took over {limit:.0f}s: "
+                "its storage blocks (full, or a hung network file system); fix it, or give it longer with "
+                "inference.request_timeout"
+            ),
+        )
         # keep the two newest up to this one; higher ones (an earlier run's, before a resume) are not ours to judge
         older = sorted(p for p in root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) <= update.version)
         for old in older[:-2]:

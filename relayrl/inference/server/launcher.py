@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -81,7 +82,11 @@ class ServerGroup:
         """Read the child's stdout until it announces ``relayrl server listening on http://H:P``."""
         assert proc.stdout is not None
         deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
+        ready = selectors.DefaultSelector()  # a child that prints nothing must not block past the deadline
+        ready.register(proc.stdout, selectors.EVENT_READ)
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not ready.select(remaining):
+                continue
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"server exited with code {proc.wait()} before announcing its port ({self.args})")
@@ -89,7 +94,7 @@ class ServerGroup:
                 threading.Thread(target=_drain, args=(proc,), daemon=True).start()
                 return line[len(LISTEN_PREFIX) :].strip().removeprefix("http://")
         proc.kill()
-        raise TimeoutError(f"server did not start within {self.startup_timeout}s")
+        raise TimeoutError(f"server did not start within {self.startup_timeout}s (inference.launch_timeout)")
 
     def wait_healthy(self, i: int) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -100,7 +105,10 @@ class ServerGroup:
             except httpx.HTTPError:
                 pass
             if self.procs[i].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server {i} at {self.addresses[i]} is not healthy")
+                raise RuntimeError(
+                    f"server {i} at {self.addresses[i]} is not healthy after {self.startup_timeout:.0f}s "
+                    "(inference.launch_timeout)"
+                )
             time.sleep(0.1)
 
     def start(self, n: int, ports: list[int] | None = None) -> None:
@@ -133,6 +141,7 @@ class ServerGroup:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
+                proc.send_signal(signal.SIGCONT)  # a stopped (frozen) server takes the SIGTERM only once running
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
