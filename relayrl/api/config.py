@@ -72,7 +72,7 @@ class LoraConfig:
 class ModelConfig:
     path: str = f(
         "tiny",
-        help="HF model directory, or 'tiny' / 'tiny-30m' (a text model) or 'tiny-vl' / 'tiny-vl2.5' (Qwen2-VL / Qwen2.5-VL, takes images) built from a config in code.",
+        help="HF model directory, a .gguf file (converted once into $RELAYRL_CACHE: docs/real_models.md), or 'tiny' / 'tiny-30m' (a text model) or 'tiny-vl' / 'tiny-vl2.5' (Qwen2-VL / Qwen2.5-VL, takes images) built from a config in code.",
     )
     tokenizer_path: str = f(
         "", help="Tokenizer directory; empty means the model path (or the offline tokenizer for tiny models)."

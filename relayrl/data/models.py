@@ -31,6 +31,7 @@ from transformers import (
 from transformers.image_processing_utils import BaseImageProcessor
 
 from relayrl.api.config import ModelConfig
+from relayrl.data.real_models import resolve_model_path
 from relayrl.data.vision import (
     VISION_TOKENS,
     VL_PRESETS,
@@ -195,7 +196,7 @@ _PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # how buil
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
-    path = cfg.tokenizer_path or cfg.path
+    path = resolve_model_path(cfg.tokenizer_path or cfg.path)
     if path in TINY_PRESETS:
         return build_tokenizer()
     if path in VL_PRESETS:
@@ -211,14 +212,15 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
 def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     """The policy model of ``cfg`` in its configured dtype, with ``model.lora.adapter_path`` merged in."""
     dtype = getattr(torch, cfg.dtype)
-    if cfg.path in TINY_PRESETS:
-        model = build_tiny_model(cfg.path, vocab_size=cfg.vocab_size or None, seed=seed).to(dtype)
-    elif cfg.path in VL_PRESETS:
-        model = build_tiny_vl_model(cfg.path, seed=seed).to(dtype)
-    elif is_vision_config(AutoConfig.from_pretrained(cfg.path)):  # Qwen2-VL style: text + vision tower
-        model = AutoModelForImageTextToText.from_pretrained(cfg.path, dtype=dtype)
+    path = resolve_model_path(cfg.path)  # a GGUF file: its converted directory (relayrl.data.real_models)
+    if path in TINY_PRESETS:
+        model = build_tiny_model(path, vocab_size=cfg.vocab_size or None, seed=seed).to(dtype)
+    elif path in VL_PRESETS:
+        model = build_tiny_vl_model(path, seed=seed).to(dtype)
+    elif is_vision_config(AutoConfig.from_pretrained(path)):  # Qwen2-VL style: text + vision tower
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return merge_adapter(model, cfg.lora.adapter_path) if cfg.lora.adapter_path else model
 
 

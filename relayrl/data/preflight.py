@@ -12,6 +12,7 @@ import torch
 
 from relayrl.api.config import ConfigError, ModelConfig, RunConfig
 from relayrl.data.models import TINY_PRESETS
+from relayrl.data.real_models import is_gguf, resolve_model_path
 from relayrl.data.vision import VL_PRESETS
 
 
@@ -46,7 +47,12 @@ def check_model(model: ModelConfig) -> None:
     """``model.path``, ``model.tokenizer_path`` and ``model.lora.adapter_path``.
 
     A peft adapter directory given as ``model.path`` (a LoRA run's checkpoint) is read as what it
-    is: its base model (``base_model_name_or_path``) with the adapter merged, and its tokenizer."""
+    is: its base model (``base_model_name_or_path``) with the adapter merged, and its tokenizer. A GGUF
+    file is read as the Hugging Face directory it converts to (once, into the cache: docs/real_models.md)."""
+    if is_gguf(model.path):
+        if not Path(model.path).expanduser().is_file():
+            raise ConfigError(f"model.path={model.path!r}: no such GGUF file")
+        model.path = resolve_model_path(model.path)
     adapter = Path(model.path) / "adapter_config.json"
     if adapter.is_file() and not (Path(model.path) / "config.json").is_file() and not model.lora.adapter_path:
         base = json.loads(adapter.read_text()).get("base_model_name_or_path") or ""

