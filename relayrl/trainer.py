@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from relayrl.utils.safeload import load_state_file
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import RunConfig, save_config, validate_config
@@ -379,7 +381,7 @@ class Trainer:
         self.actor_engine.set_version(int(state["version"]))
         if self.driver:
             self.driver.load_state_dict(state)
-        rngs = torch.load(path / "rng.pt", weights_only=False)
+        rngs = load_state_file(path / "rng.pt")
         set_rng_state(rngs["global"])
         self.actor.generator.set_state(rngs["actor_minibatches"])
         logger.info("resumed from %s at step %d", path, self.step)

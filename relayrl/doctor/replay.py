@@ -26,6 +26,8 @@ import typing
 from pathlib import Path
 
 import torch
+
+from relayrl.utils.safeload import load_state_file
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -115,7 +117,7 @@ def diagnose(run_dir: str | Path, step: int | None = None) -> dict:
     where = record_dir(run_dir, step)
     if not (where / "record.pt").exists():
         raise FileNotFoundError(f"no doctor record for step {step} in {run_dir}/doctor (have: {latest_step(run_dir)})")
-    rec = torch.load(where / "record.pt", weights_only=False)
+    rec = load_state_file(where / "record.pt")
     batch = rec["batch"]
     model = AutoModelForCausalLM.from_pretrained(str(where / "model"), dtype=torch.float32)
     s = _Scorer(model, batch, float(rec["temperature"]))
