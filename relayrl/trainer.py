@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-
-from relayrl.utils.safeload import load_state_file
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import RunConfig, save_config, validate_config
@@ -46,6 +44,7 @@ from relayrl.utils.checkpoint import CheckpointManager
 from relayrl.utils.interrupt import Interrupted, InterruptGuard
 from relayrl.utils.logging import MetricLogger, get_logger
 from relayrl.utils.progress import Progress
+from relayrl.utils.safeload import load_state_file
 from relayrl.utils.seeding import rng_state, seed_everything, set_rng_state
 
 logger = get_logger("relayrl.trainer")

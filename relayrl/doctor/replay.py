@@ -26,13 +26,12 @@ import typing
 from pathlib import Path
 
 import torch
-
-from relayrl.utils.safeload import load_state_file
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from relayrl.doctor.record import record_dir
 from relayrl.utils.moe import RoutingReplay, routing_shape
+from relayrl.utils.safeload import load_state_file
 
 HEALTHY = 1e-4  # mean |Δ logprob| below this: the two sides agree (fp32 kernels differ by ~1e-6)
 DRIFT_NATS = 1.0

@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-
-from relayrl.utils.safeload import load_state_file
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -45,6 +43,7 @@ from relayrl.train.packing import (
 from relayrl.train.vision import vision_forward
 from relayrl.utils import dist as dist_utils
 from relayrl.utils.moe import RoutingReplay, routing_shape
+from relayrl.utils.safeload import load_state_file
 
 HEADS = ("lm", "value", "reward")
 TRAIN_STATE = "train_state.pt"
