@@ -51,6 +51,7 @@ from transformers import PreTrainedTokenizerBase
 from relayrl.api.commands import ServerConfig
 from relayrl.api.config import ConfigError
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.data.vision import inline_image
 from relayrl.inference.local.engine import LocalEngine
 from relayrl.inference.server import LISTEN_PREFIX
 from relayrl.inference.server.common import (
@@ -165,7 +166,11 @@ class Server(WeightRoutes, OpenAIRoutes):
         """``once``: SGLang's /generate, where an interrupted request ends as ``abort`` (the client
         continues it); the OpenAI routes continue it here, transparently. ``images``: the prompt's
         (``ModelRequest.image_data``)."""
-        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g, image_data=list(images or []))
+        try:  # a client's images are inline data, never a path on this machine
+            inline = [inline_image(img, f"image_data[{j}]") for j, img in enumerate(images or [])]
+        except ValueError as e:
+            raise _bad(str(e)) from None
+        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g, image_data=list(inline))
         try:
             resp = await (self.engine.agenerate_once(req) if once else self.engine.agenerate(req))
         except ValueError as e:
