@@ -54,3 +54,56 @@ def test_no_pickle_loads_anywhere_in_relayrl():
         if re.search(r"weights_only\s*=\s*False|pickle\.loads?\(|\bnp\.load\(.*allow_pickle=True", line)
     ]
     assert found == []
+
+
+def test_secret_fields_never_reach_config_yaml_or_a_sink(tmp_path, monkeypatch):
+    import dataclasses
+    import sys
+    import types
+
+    from relayrl.api.commands import ServerConfig
+    from relayrl.api.config import RunConfig, load_config, save_config
+    from relayrl.utils.logging import MetricLogger
+
+    cfg = load_config(RunConfig, None, ["inference.admin_token=hunter2-token"])
+    assert cfg.inference.admin_token == "hunter2-token"
+    text = save_config(cfg, tmp_path).read_text()
+    assert "hunter2" not in text and "admin_token: ''" in text
+    again = load_config(RunConfig, tmp_path / "config.yaml")  # a saved config still loads
+    assert again.inference.admin_token == ""
+    secret = [fl.name for fl in dataclasses.fields(ServerConfig) if fl.metadata.get("secret")]
+    assert secret == ["admin_token"]
+
+    seen = {}
+    fake = types.SimpleNamespace(
+        init=lambda **kw: seen.update(kw) or types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    MetricLogger(tmp_path / "wb", tensorboard=False, wandb=True, config=cfg).close()
+    assert seen["config"]["inference"]["admin_token"] == "" and "hunter2" not in repr(seen["config"])
+
+
+def test_server_replies_out_of_range_are_refused():
+    from relayrl.api.workflow import TrajectoryError, validate_trajectory
+    from relayrl.inference.remote.protocol import Parsed, ProtocolError
+
+    with pytest.raises(ProtocolError, match="logprob 1 is nan"):
+        Parsed(tokens=[1, 2], logprobs=[-0.5, float("nan")], stop_reason="stop")
+    with pytest.raises(ProtocolError, match="logprob 0 is 0.5"):
+        Parsed(tokens=[1], logprobs=[0.5], stop_reason="stop")
+    with pytest.raises(ProtocolError, match="token 0 is -3"):
+        Parsed(tokens=[-3], logprobs=[-0.1], stop_reason="stop")
+    traj = {
+        "input_ids": torch.tensor([[3, 4, 9]]),
+        "attention_mask": torch.ones(1, 3, dtype=torch.long),
+        "loss_mask": torch.tensor([[0, 1, 1]]),
+        "logprobs": torch.tensor([[0.0, -0.2, float("nan")]]),
+        "versions": torch.tensor([[-1, 0, 0]]),
+        "rewards": torch.tensor([1.0]),
+    }
+    with pytest.raises(TrajectoryError, match="NaN"):
+        validate_trajectory(traj)
+    traj["logprobs"] = torch.tensor([[0.0, -0.2, -0.1]])
+    validate_trajectory(traj)
+    with pytest.raises(TrajectoryError, match="outside the vocabulary"):
+        validate_trajectory(traj, vocab_size=8)

@@ -39,6 +39,7 @@ class ServerConfig:
     max_upload_mb: int = f(4096, help="Largest weight upload accepted over HTTP.", ge=1)
     max_request_mb: int = f(64, help="Largest JSON request body (413 beyond, before it is read).", ge=1)
     max_connections: int = f(512, help="Connections and requests served at once (503 beyond).", ge=1)
+    body_timeout: float = f(30.0, help="Seconds a client has to send a request body (408 beyond).", gt=0)
 
 
 # --------------------------------------------------------------------------------------

@@ -40,25 +40,25 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def master_store(host: str, port: int, world_size: int, timeout: timedelta) -> tuple[dist.TCPStore, socket.socket]:
+def master_store(host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     """A rendezvous TCPStore listening on ``host`` only (TCPStore alone listens on every interface
-    whatever host it is given), and its listening socket (keep it as long as the store)."""
+    whatever host it is given): it takes a socket bound here (and owns it from then on)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)
-    store = dist.TCPStore(
+    bound_port = sock.getsockname()[1]
+    return dist.TCPStore(
         host,
-        sock.getsockname()[1],
+        bound_port,
         world_size,
         is_master=True,
         timeout=timeout,
         wait_for_workers=False,
-        master_listen_fd=sock.fileno(),
+        master_listen_fd=sock.detach(),
         use_libuv=True,
     )
-    return store, sock
 
 
 def address_towards(host: str) -> str:
@@ -119,7 +119,7 @@ class WeightBroadcastGroup:
         self.timeout = timedelta(seconds=timeout_s)
         # rank 0 does not wait for check-ins here: its port must be handed to the others first
         if rank == 0:
-            self.store, self._listener = master_store(host, port, world_size, self.timeout)
+            self.store = master_store(host, port, world_size, self.timeout)
         else:
             self.store = dist.TCPStore(host, port, world_size, is_master=False, timeout=self.timeout)
         self.port = self.store.port

@@ -118,7 +118,7 @@ class VLLMTransferGroup:
                 self.port = int(s.getsockname()[1]) if port == 0 else port
             self.store = None
         else:
-            self.store, self._listener = master_store(host, port, world_size, self.timeout)
+            self.store = master_store(host, port, world_size, self.timeout)
             self.port = self.store.port
 
     def join(self) -> VLLMTransferGroup:
