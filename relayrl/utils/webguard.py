@@ -21,6 +21,7 @@ import functools
 import ipaddress
 import json
 import socket
+import typing
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -152,6 +153,6 @@ class GuardMiddleware:
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # type: ignore[no-any-return]
+            return typing.cast(dict[str, object], await receive())
 
         await self.app(scope, replay, send)  # type: ignore[operator]
