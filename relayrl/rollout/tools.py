@@ -81,7 +81,7 @@ class SubprocessTool:
         payload = json.dumps([self.mode, code, *limits]).encode()
         argv = [sys.executable, "-I", "-S", "-c", _CHILD]
         if self.mode == "python":
-            why = sandbox_unavailable()
+            why = await asyncio.to_thread(sandbox_unavailable)  # checked once per process (~0.5 s)
             if why is not None:
                 return f"error: the python tool cannot run on this machine: {why}"
             argv = sandbox_command(argv)
