@@ -203,11 +203,15 @@ def test_standalone_serve_without_a_token_writes_one_to_a_private_file(tmp_path)
     assert not token_file.exists()  # removed with the server
 
 
-def test_admin_token_file_option_and_the_flag_warns(tmp_path):
+def test_admin_token_flag_warns_and_the_file_option_is_checked(tmp_path, capsys):
     from relayrl import cli
 
-    missing = cli.main(["serve", "--admin-token-file", str(tmp_path / "nope")])
-    assert missing == 2
+    assert cli.main(["serve", "--admin-token", "x", "--admin-token-file", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "--admin-token shows the token to every user" in err and "nope: No such file" in err
+    (tmp_path / "empty").write_text("\n")
+    assert cli.main(["serve", "--admin-token-file", str(tmp_path / "empty")]) == 2
+    assert "is empty" in capsys.readouterr().err
 
 
 def test_peers_get_their_key_outside_argv(tmp_path):
