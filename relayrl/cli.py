@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -152,12 +153,30 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--lora-adapter", help="a peft adapter dir merged into the model (model.lora.adapter_path)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port; 0 picks a free one")
-    p.add_argument("--admin-token", help="bearer token for admin endpoints")
+    p.add_argument(
+        "--admin-token", help="bearer token for admin endpoints (visible in the process list: prefer the next)"
+    )
+    p.add_argument("--admin-token-file", help="a file holding the admin token (or set RELAYRL_ADMIN_TOKEN)")
     p.add_argument("--threads", type=int, help="torch threads (torch_threads)")
     p.add_argument("--device", help="auto (cuda when available), cpu, cuda or cuda:N (inference.device)")
     ns = p.parse_args(argv)
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     overrides = [a for a in ns.args if a is not path]
+    if ns.admin_token is not None:
+        print(
+            "relayrl serve: WARNING: --admin-token shows the token to every user of this machine (ps); "
+            "use RELAYRL_ADMIN_TOKEN or --admin-token-file",
+            file=sys.stderr,
+        )
+    if ns.admin_token_file is not None:
+        try:
+            ns.admin_token = Path(ns.admin_token_file).read_text().strip()
+        except OSError as e:
+            print(f"relayrl serve: --admin-token-file {ns.admin_token_file}: {e.strerror}", file=sys.stderr)
+            return 2
+        if not ns.admin_token:
+            print(f"relayrl serve: --admin-token-file {ns.admin_token_file} is empty", file=sys.stderr)
+            return 2
     for key, value in (
         ("model.path", ns.model),
         ("model.lora.adapter_path", ns.lora_adapter),
@@ -198,6 +217,21 @@ def _sft(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     overrides = [a for a in ns.args if a is not path]
+    if ns.admin_token is not None:
+        print(
+            "relayrl serve: WARNING: --admin-token shows the token to every user of this machine (ps); "
+            "use RELAYRL_ADMIN_TOKEN or --admin-token-file",
+            file=sys.stderr,
+        )
+    if ns.admin_token_file is not None:
+        try:
+            ns.admin_token = Path(ns.admin_token_file).read_text().strip()
+        except OSError as e:
+            print(f"relayrl serve: --admin-token-file {ns.admin_token_file}: {e.strerror}", file=sys.stderr)
+            return 2
+        if not ns.admin_token:
+            print(f"relayrl serve: --admin-token-file {ns.admin_token_file} is empty", file=sys.stderr)
+            return 2
     from relayrl.api.commands import SFTConfig
     from relayrl.api.config import ConfigError, load_config
 

@@ -44,6 +44,7 @@ from relayrl.utils.checkpoint import CheckpointManager
 from relayrl.utils.interrupt import Interrupted, InterruptGuard
 from relayrl.utils.logging import MetricLogger, get_logger
 from relayrl.utils.progress import Progress
+from relayrl.utils.safeload import load_state_file
 from relayrl.utils.seeding import rng_state, seed_everything, set_rng_state
 from relayrl.utils.watchdog import Watchdog
 
@@ -406,7 +407,7 @@ class Trainer:
         self.actor_engine.set_version(int(state["version"]))
         if self.driver:
             self.driver.load_state_dict(state)
-        rngs = torch.load(path / "rng.pt", weights_only=False)
+        rngs = load_state_file(path / "rng.pt")
         set_rng_state(rngs["global"])
         self.actor.generator.set_state(rngs["actor_minibatches"])
         logger.info("resumed from %s at step %d", path, self.step)

@@ -181,9 +181,17 @@ def test_server_answers_unknown_paths_with_404(served: str) -> None:
     import urllib.error
     import urllib.request
 
-    with urllib.request.urlopen(served + "data/manifest.js") as ok:
-        assert ok.read().decode().startswith('relayrlData("manifest",')
-    for path in ("data/r7/step_000001.js", "data/r0/step_000099.js", "..%2fpyproject.toml", "static/../app.js", "x"):
+    with urllib.request.urlopen(served + "data/manifest.json") as ok:
+        assert ok.headers["Content-Type"] == "application/json" and "runs" in json.loads(ok.read())
+    for path in (
+        "data/manifest.js",  # served, data are JSON only (tests/test_security_http.py)
+        "data/r0/step_000003.js",
+        "data/r7/step_000001.json",
+        "data/r0/step_000099.json",
+        "..%2fpyproject.toml",
+        "static/../app.js",
+        "x",
+    ):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(served + path)
         assert e.value.code == 404, path

@@ -276,10 +276,10 @@ class _Group:
 
     def __init__(self, name: str, shared: Path) -> None:
         kind, args, self.sync = PEERS[name]
-        self.protocol = kind
+        self.protocol, self.token = kind, ""
         if kind == "relayrl":
             self.g = launch_servers(2, overrides=[f"allowed_weight_roots=['{shared}']"])
-            self.addresses = self.g.addresses
+            self.addresses, self.token = self.g.addresses, self.g.admin_token  # launched servers always have one
         else:
             self.peers = [start(kind, *args, env=DEV) for _ in range(2)]
             self.addresses = [p.address for p in self.peers]
@@ -301,7 +301,9 @@ class _Group:
 @pytest.mark.parametrize("name", list(PEERS))
 def test_weights_kill_and_readmit_on_every_peer(name, tmp_path, tiny_model):
     group = _Group(name, tmp_path)
-    eng = engine(group.protocol, group.addresses, weight_sync=group.sync, weight_sync_dir=str(tmp_path))
+    eng = engine(
+        group.protocol, group.addresses, weight_sync=group.sync, weight_sync_dir=str(tmp_path), admin_token=group.token
+    )
     new = build_tiny_model("tiny", seed=5).eval()
     ps = prompts(12)
     try:

@@ -1,4 +1,4 @@
-"""The calculator and restricted Python evaluator run in limited subprocesses."""
+"""The calculator and the Python tool run in limited subprocesses (isolation: tests/test_security_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -27,25 +27,25 @@ def test_calculator_arithmetic_and_refusals():
     assert out[5].startswith("error: SyntaxError")
 
 
-def test_python_tool_restrictions_and_limits():
-    p = python_tool(timeout=1.5, memory_mb=128)
+def test_python_tool_runs_code_isolated_and_limited():
+    p = python_tool(timeout=20.0, memory_mb=128)
+    spin = python_tool(timeout=1.5, memory_mb=128)
     t0 = time.monotonic()
     out = run(
         p("xs = [i * i for i in range(5)]\nsum(xs)"),
         p("print('a'); 3"),
-        p("import os"),
-        p("().__class__.__bases__"),
-        p("open('/etc/passwd')"),
-        p("while True: pass"),
+        p("import math\nmath.factorial(5)"),
+        p("open('notes', 'w').write('hi'); open('notes').read()"),
+        p("open('/etc/passwd', 'a')"),
+        spin("while True: pass"),
         p("s = ' ' * (10**9)"),
     )
-    assert out[0] == "30" and out[1] == "a\n3"
-    assert out[2] == "error: ValueError: imports are not allowed"
-    assert out[3].startswith("error: ValueError: name '__") and out[3].endswith("is not allowed")
-    assert out[4] == "error: NameError: name 'open' is not defined"
+    assert out[0] == "30" and out[1] == "a\n3" and out[2] == "120"
+    assert out[3] == "'hi'"  # the scratch directory is writable
+    assert "Permission denied" in out[4] or "Read-only file system" in out[4], out[4]
     assert out[5] == "error: timed out after 1.5s"
     assert out[6] == "error: memory limit exceeded"
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60
 
 
 def test_bad_tool_config():

@@ -42,11 +42,14 @@ from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RolloutWorkflow, Trajectory
 from relayrl.utils.logging import get_logger
+from relayrl.utils.webguard import GuardMiddleware
 
 _Kwargs = dict[str, typing.Any]  # a request body's remaining fields, passed through to the SDK call
 
 logger = get_logger("agents")
 SESSION_HEADER = "x-relayrl-session"
+MAX_BODY = 32 << 20  # bytes of one request body (413 beyond)
+MAX_CONNECTIONS = 256  # connections and requests at once (503 beyond)
 
 
 def _error(
@@ -99,7 +102,8 @@ class AgentProxy:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> AgentProxy:
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", limit_concurrency=MAX_CONNECTIONS)
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="agent-proxy", daemon=True
         )
@@ -163,6 +167,7 @@ class AgentProxy:
     # ------------------------------------------------------------------ HTTP
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="relayrl agent proxy", docs_url=None, redoc_url=None)
+        app.add_middleware(GuardMiddleware, bound_host=self.host, max_body=MAX_BODY)  # Host/Origin, size, timeout
 
         async def body_of(request: Request) -> dict[str, object] | JSONResponse:
             try:
@@ -206,6 +211,8 @@ class AgentProxy:
                     )
             except RequestError as e:
                 return JSONResponse({"error": e.body}, status_code=400)
+            except ValueError as e:  # the engine refused the request (ids out of vocabulary, too long, ...)
+                return _error(400, str(e) or type(e).__name__)
             if isinstance(out, (ChatCompletion, Completion)):
                 return JSONResponse(out.model_dump(exclude_none=True))
             return StreamingResponse(sse_events(out), media_type="text/event-stream")

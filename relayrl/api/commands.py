@@ -26,12 +26,20 @@ class ServerConfig:
     inference: InferenceConfig = f(InferenceConfig(), help="Engine settings (max batch, seed).")
     host: str = f("127.0.0.1", help="Bind address; loopback unless told otherwise.")
     port: int = f(30000, help="TCP port (0 = pick a free one and print it).", ge=0, le=65535)
-    admin_token: str = f("", help="Bearer token required by admin endpoints (also RELAYRL_ADMIN_TOKEN).")
+    admin_token: str = f(
+        "",
+        help="Bearer token required by admin endpoints (better: RELAYRL_ADMIN_TOKEN or --admin-token-file; "
+        "empty: a random one, written to a file the server names). Never written to disk by relayrl.",
+        secret=True,
+    )
     allowed_weight_roots: list[str] = f(
         [], help="Directories /update_weights_from_disk may read (empty = none but uploads)."
     )
     torch_threads: int = f(1, help="torch threads of the server process.", ge=1)
     max_upload_mb: int = f(4096, help="Largest weight upload accepted over HTTP.", ge=1)
+    max_request_mb: int = f(64, help="Largest JSON request body (413 beyond, before it is read).", ge=1)
+    max_connections: int = f(512, help="Connections and requests served at once (503 beyond).", ge=1)
+    body_timeout: float = f(30.0, help="Seconds a client has to send a request body (408 beyond).", gt=0)
 
 
 # --------------------------------------------------------------------------------------

@@ -230,7 +230,12 @@ class InferenceConfig:
         gt=0.0,
     )
     max_retries: int = f(5, help="Retries of a request on connection errors and 5xx (with backoff).", ge=0)
-    admin_token: str = f("", help="Bearer token for admin endpoints of servers (also read from RELAYRL_ADMIN_TOKEN).")
+    admin_token: str = f(
+        "",
+        help="Bearer token for admin endpoints of servers (also read from RELAYRL_ADMIN_TOKEN; launched servers get "
+        "a random one when empty). Never written to config.yaml or metric sinks.",
+        secret=True,
+    )
     weight_sync: str = f(
         "auto",
         help="How weights reach servers: 'disk' (versioned dir), 'http' (upload), 'broadcast' "

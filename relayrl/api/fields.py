@@ -381,8 +381,23 @@ def _get(values: dict[str, YamlValue], path: tuple[str, ...]) -> YamlValue:
     return node
 
 
+def public_dict(obj: object) -> dict[str, YamlValue]:
+    """``to_plain_dict`` with every field marked ``secret=True`` emptied: what may be written to disk
+    or sent to a metric sink (a config reloaded from it takes the secret from the environment again)."""
+    out: dict[str, YamlValue] = {}
+    for fl in dataclasses.fields(typing.cast("DataclassInstance", obj)):
+        value = getattr(obj, fl.name)
+        if fl.metadata.get("secret"):
+            out[fl.name] = ""
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out[fl.name] = typing.cast(YamlValue, public_dict(value))
+        else:
+            out[fl.name] = typing.cast(YamlValue, copy.deepcopy(value))
+    return out
+
+
 def config_to_yaml(cfg: object) -> str:
-    return yaml.safe_dump(to_plain_dict(cfg), sort_keys=False)
+    return yaml.safe_dump(public_dict(cfg), sort_keys=False)
 
 
 def save_config(cfg: object, run_dir: str | os.PathLike[str]) -> Path:

@@ -71,8 +71,9 @@ class TrajectoryError(ValueError):
     """A trajectory has a missing key, wrong shape, wrong dtype or inconsistent masks."""
 
 
-def validate_trajectory(traj: Trajectory) -> None:
-    """Raise ``TrajectoryError`` naming the key and what was expected, or return None."""
+def validate_trajectory(traj: Trajectory, vocab_size: int | None = None) -> None:
+    """Raise ``TrajectoryError`` naming the key and what was expected, or return None
+    (``vocab_size``: token ids must be below it, when known)."""
     if not isinstance(traj, dict):
         raise TrajectoryError(f"trajectory must be a dict of tensors, got {type(traj).__name__}")
     for key, (_, dtypes) in REQUIRED_KEYS.items():
@@ -116,6 +117,14 @@ def validate_trajectory(traj: Trajectory) -> None:
         raise TrajectoryError(f"trajectory['loss_mask'] selects no token in row {row}; every row needs a completion")
     if bool((traj["logprobs"][~loss] != 0).any()):
         raise TrajectoryError("trajectory['logprobs'] must be 0 where loss_mask is 0 (prompt, tool output, padding)")
+    ids = traj["input_ids"]
+    if bool((ids < 0).any()) or (vocab_size is not None and bool((ids >= vocab_size).any())):
+        worst = int(ids.max()) if bool((ids >= 0).all()) else int(ids.min())
+        raise TrajectoryError(
+            f"trajectory['input_ids'] holds {worst}, outside the vocabulary [0, {vocab_size or '...'})"
+        )
+    if not bool(traj["logprobs"].isfinite().all()):
+        raise TrajectoryError("trajectory['logprobs'] contains NaN or inf")
     if bool((traj["logprobs"][loss] > 1e-4).any()):
         raise TrajectoryError("trajectory['logprobs'] has a positive value; logprobs must be <= 0")
     if bool((traj["versions"][~loss] != -1).any()):

@@ -60,6 +60,28 @@ def load_image_processor(path: str) -> BaseImageProcessor:
     return AutoImageProcessor.from_pretrained(path, backend="pil")
 
 
+MAX_IMAGE_BYTES = 64 << 20  # one encoded image
+
+
+def inline_image(image: object, where: str) -> bytes:
+    """The encoded bytes of an image a client sent (a ``data:`` URL or base64 text): servers never
+    read a file a client names (``/etc/shadow``, ``/dev/zero``, a directory). ValueError naming
+    ``where`` otherwise, saying nothing about the server's files."""
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if not isinstance(image, str):
+        raise ValueError(f"{where}: an image must be a data: URL or base64 text, got {type(image).__name__}")
+    text = image.split(",", 1)[-1] if image.startswith("data:") else image
+    if len(text) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ValueError(f"{where}: image over {MAX_IMAGE_BYTES >> 20} MiB")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(
+            f"{where}: not a data: URL or base64 image data (servers take no file paths or URLs): {image[:40]!r}"
+        ) from None
+
+
 def load_image(image: object) -> Image.Image:
     """An RGB PIL image from a PIL image, encoded bytes, a file path, a ``data:`` URL or base64 text.
 
@@ -73,9 +95,11 @@ def load_image(image: object) -> Image.Image:
     if isinstance(image, str):
         if image.startswith("data:"):
             image = image.split(",", 1)[-1]
-        elif os.path.exists(image):
+        elif os.path.isfile(image):
             with open(image, "rb") as f:
-                image = f.read()
+                image = f.read(MAX_IMAGE_BYTES + 1)
+            if len(image) > MAX_IMAGE_BYTES:
+                raise ValueError(f"image file over {MAX_IMAGE_BYTES >> 20} MiB")
         elif image.startswith(("http://", "https://")):
             raise ValueError(f"image URLs are not fetched (no network); pass a path or bytes: {image[:80]!r}")
         if isinstance(image, str):

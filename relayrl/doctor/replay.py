@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from relayrl.doctor.record import record_dir
 from relayrl.utils.moe import RoutingReplay, routing_shape
+from relayrl.utils.safeload import load_state_file
 
 HEALTHY = 1e-4  # mean |Δ logprob| below this: the two sides agree (fp32 kernels differ by ~1e-6)
 DRIFT_NATS = 1.0
@@ -115,7 +116,7 @@ def diagnose(run_dir: str | Path, step: int | None = None) -> dict:
     where = record_dir(run_dir, step)
     if not (where / "record.pt").exists():
         raise FileNotFoundError(f"no doctor record for step {step} in {run_dir}/doctor (have: {latest_step(run_dir)})")
-    rec = torch.load(where / "record.pt", weights_only=False)
+    rec = load_state_file(where / "record.pt")
     batch = rec["batch"]
     model = AutoModelForCausalLM.from_pretrained(str(where / "model"), dtype=torch.float32)
     s = _Scorer(model, batch, float(rec["temperature"]))

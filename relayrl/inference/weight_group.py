@@ -40,6 +40,27 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def master_store(host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """A rendezvous TCPStore listening on ``host`` only (TCPStore alone listens on every interface
+    whatever host it is given): it takes a socket bound here (and owns it from then on)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    bound_port = sock.getsockname()[1]
+    return dist.TCPStore(
+        host,
+        bound_port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+        use_libuv=True,
+    )
+
+
 def address_towards(host: str) -> str:
     """This machine's address on the route to ``host`` (what a server there can reach us at)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -97,9 +118,10 @@ class WeightBroadcastGroup:
         self.rank, self.world_size, self.backend, self.name = rank, world_size, backend, group_name
         self.timeout = timedelta(seconds=timeout_s)
         # rank 0 does not wait for check-ins here: its port must be handed to the others first
-        self.store = dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=self.timeout, wait_for_workers=rank != 0
-        )
+        if rank == 0:
+            self.store = master_store(host, port, world_size, self.timeout)
+        else:
+            self.store = dist.TCPStore(host, port, world_size, is_master=False, timeout=self.timeout)
         self.port = self.store.port
         self.pg: dist.ProcessGroup | None = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

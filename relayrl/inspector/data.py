@@ -1,9 +1,10 @@
-"""What the inspector page reads, as small JavaScript files that hand JSON to the page.
+"""What the inspector page reads: JSON when served, small JavaScript files when exported.
 
-The page loads ``data/manifest.js`` (each run's steps and metrics curves) at once and
-``data/r{R}/step_{N}.js`` (one step's saved rollouts) when that step is opened, so opening a run
-reads its index and metrics only, whatever its size. Data travels as scripts rather than fetched
-JSON so the exported page works from ``file://`` too (browsers refuse ``fetch`` there).
+The page loads the manifest (each run's steps and metrics curves) at once and one step's saved
+rollouts when that step is opened, so opening a run reads its index and metrics only, whatever its
+size. The server answers ``data/manifest.json`` / ``data/r{R}/step_{N}.json`` (JSON: a foreign page
+can include a script but cannot read JSON cross-origin); the export writes ``.js`` files calling
+``relayrlData(key, value)`` instead, since browsers refuse ``fetch`` from ``file://``.
 """
 
 from __future__ import annotations
@@ -77,19 +78,28 @@ def script(key: str, payload_json: str) -> str:
     return f"{CALLBACK}({json.dumps(key)},{payload_json});\n"
 
 
+def manifest_json(run_dirs: list[Path]) -> str:
+    return json.dumps(manifest(run_dirs), separators=(",", ":"))
+
+
 def manifest_script(run_dirs: list[Path]) -> str:
-    return script("manifest", json.dumps(manifest(run_dirs), separators=(",", ":")))
+    return script("manifest", manifest_json(run_dirs))
 
 
-def step_script(run_dirs: list[Path], run: int, step: int) -> str | None:
-    """One step's rollouts (the saved lines as they are, not re-parsed); None if not saved."""
+def step_json(run_dirs: list[Path], run: int, step: int) -> str | None:
+    """One step's rollouts as a JSON array (the saved lines as they are, not re-parsed); None if not saved."""
     if not 0 <= run < len(run_dirs):
         return None
     path = step_file(run_dirs[run], step)
     if not path.exists():
         return None
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    return script(f"r{run}/{step}", "[" + ",".join(lines) + "]")
+    return "[" + ",".join(lines) + "]"
+
+
+def step_script(run_dirs: list[Path], run: int, step: int) -> str | None:
+    body = step_json(run_dirs, run, step)
+    return None if body is None else script(f"r{run}/{step}", body)
 
 
 def step_path(run: int, step: int) -> str:

@@ -80,7 +80,7 @@ class ServerActor:
             kind, inf, model = peer
             backend = make_backend(kind)  # the flags RemoteEngine's own launch would give: dtype, LoRA
             lora = model.lora if adapter_mode(model.lora, inf, kind, backend.loads_adapters) else None
-            group = PeerServerGroup(backend, inf, model.path, host=host, lora=lora, dtype=model.dtype)
+            group = PeerServerGroup(backend, inf, model.path, host=host, lora=lora, dtype=model.dtype, token=token)
             self.group = group.start(ports=[port])
         else:
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")

@@ -1,14 +1,17 @@
-"""Tools for agent workflows: a calculator and a restricted Python evaluator.
+"""Tools for agent workflows: a calculator and a Python evaluator for model-written code.
 
-Both run the model's text in a fresh ``python -I`` subprocess that first lowers its own
-limits (address space ``memory_mb``, CPU seconds), so a runaway expression cannot hurt the
-trainer; the parent also kills it after ``timeout`` seconds of wall time. Code is checked
-before it runs:
+Both run the model's text in a fresh ``python -I -S`` child that lowers its own limits
+(address space ``memory_mb``, CPU seconds, file size, no new processes) and is killed after
+``timeout`` seconds of wall time. What the child may do is decided by isolation, not by
+inspecting the code (model code walks past any denylist, e.g. through a generator's frame):
 
-- ``calc``: arithmetic only (numbers, + - * / // % **, unary signs, parentheses); exponents
-  are capped so ``9**9**9`` is refused rather than computed;
-- ``python``: no imports, no dunder names or attributes, a small whitelist of builtins;
-  the value of the last expression (or what was printed) is the result.
+- ``calc``: arithmetic only (numbers, + - * / // % **, unary signs, parentheses), exponents
+  capped so ``9**9**9`` is refused rather than computed. Runs in a plain child with an empty
+  environment: the check is what keeps it to arithmetic.
+- ``python``: any Python, in the sandbox of :mod:`relayrl.rollout.sandbox` (empty environment,
+  no network, read-only filesystem except a scratch directory, unprivileged user, resource
+  limits). Where the machine cannot build that sandbox the tool refuses to run and says why.
+  The value of the last expression (or what was printed) is the result.
 
 A tool never raises on bad input: it returns ``"error: ..."`` text for the model to read.
 """
@@ -16,42 +19,39 @@ A tool never raises on bad input: it returns ``"error: ..."`` text for the model
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 
-# The child program: reads (mode, code) from stdin, sets limits, checks and runs the code.
+from relayrl.rollout.sandbox import sandbox_command, sandbox_unavailable
+
+# The child program: reads (mode, code, limits) from stdin, sets limits, checks and runs the code.
 _CHILD = r"""
-import ast, io, json, resource, sys, contextlib
-mode, code, mem, cpu = json.loads(sys.stdin.read())
+import ast, io, json, os, resource, sys, contextlib
+os.environ.clear()  # Python's own locale coercion (PEP 538) is all that could be in it
+mode, code, mem, cpu, fsize = json.loads(sys.stdin.read())
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 ARITH = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div,
          ast.FloorDiv, ast.Mod, ast.Pow, ast.UAdd, ast.USub)
-SAFE = {n: __builtins__.__dict__[n] if hasattr(__builtins__, "__dict__") else __builtins__[n] for n in
-        ("abs", "min", "max", "sum", "len", "range", "round", "int", "float", "str", "bool", "list", "dict",
-         "tuple", "set", "sorted", "enumerate", "zip", "map", "filter", "all", "any", "pow", "divmod", "print")}
-def check(tree):
+def check_calc(tree):
     for node in ast.walk(tree):
-        if mode == "calc":
-            if not isinstance(node, ARITH) or (isinstance(node, ast.Constant) and type(node.value) not in (int, float)):
-                raise ValueError("only arithmetic is allowed")
-            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-                r = node.right
-                if not (isinstance(r, ast.Constant) and abs(r.value) <= 64):
-                    raise ValueError("exponents must be literal numbers <= 64")
-        else:
-            if isinstance(node, (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal)):
-                raise ValueError("imports are not allowed")
-            name = getattr(node, "id", None) or getattr(node, "attr", None) or ""
-            if isinstance(name, str) and name.startswith("__"):
-                raise ValueError(f"name {name!r} is not allowed")
+        if not isinstance(node, ARITH) or (isinstance(node, ast.Constant) and type(node.value) not in (int, float)):
+            raise ValueError("only arithmetic is allowed")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            r = node.right
+            if not (isinstance(r, ast.Constant) and abs(r.value) <= 64):
+                raise ValueError("exponents must be literal numbers <= 64")
 try:
     if mode == "calc":
-        tree = ast.parse(code.strip(), mode="eval"); check(tree)
+        tree = ast.parse(code.strip(), mode="eval"); check_calc(tree)
         out = repr(eval(compile(tree, "<calc>", "eval"), {"__builtins__": {}}))
     else:
-        tree = ast.parse(code); check(tree)
+        tree = ast.parse(code)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        env = {"__builtins__": SAFE}; buf = io.StringIO()
+        env = {"__name__": "__tool__"}; buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             exec(compile(tree, "<tool>", "exec"), env)
             value = eval(compile(ast.Expression(last.value), "<tool>", "eval"), env) if last else None
@@ -77,18 +77,21 @@ class SubprocessTool:
         self.mode, self.timeout, self.memory_mb, self.max_output_chars = mode, timeout, memory_mb, max_output_chars
 
     async def __call__(self, code: str) -> str:
-        import json
-
-        payload = json.dumps([self.mode, code, self.memory_mb << 20, max(1, int(self.timeout) + 1)]).encode()
+        limits = [self.memory_mb << 20, max(1, int(self.timeout) + 1), 1 << 20]
+        payload = json.dumps([self.mode, code, *limits]).encode()
+        argv = [sys.executable, "-I", "-S", "-c", _CHILD]
+        if self.mode == "python":
+            why = await asyncio.to_thread(sandbox_unavailable)  # checked once per process (~0.5 s)
+            if why is not None:
+                return f"error: the python tool cannot run on this machine: {why}"
+            argv = sandbox_command(argv)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-I",
-            "-S",
-            "-c",
-            _CHILD,
+            *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            env={},  # nothing of the trainer's environment (tokens, paths) reaches model-written code
+            start_new_session=True,
         )
         try:
             out, err = await asyncio.wait_for(proc.communicate(payload), self.timeout)

@@ -43,6 +43,7 @@ from relayrl.train.packing import (
 from relayrl.train.vision import vision_forward
 from relayrl.utils import dist as dist_utils
 from relayrl.utils.moe import RoutingReplay, routing_shape
+from relayrl.utils.safeload import load_state_file
 
 HEADS = ("lm", "value", "reward")
 TRAIN_STATE = "train_state.pt"
@@ -489,7 +490,7 @@ class TorchTrainEngine(TrainEngine):
         path = os.path.join(meta.path, TRAIN_STATE)
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} not found; was the checkpoint saved with with_optim=True?")
-        ts = torch.load(path, weights_only=False)
+        ts = load_state_file(path)
         if self.optimizer is not None and ts["optimizer"] is not None:
             dist_utils.load_full_optim_state_dict(model, self.optimizer, ts["optimizer"])
         if self.scheduler is not None and ts["scheduler"] is not None:
@@ -497,7 +498,7 @@ class TorchTrainEngine(TrainEngine):
         self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]
         rng_path = os.path.join(meta.path, f"rng_rank{dist_utils.rank()}.pt")
         if os.path.exists(rng_path):
-            rng = torch.load(rng_path, weights_only=False)
+            rng = load_state_file(rng_path)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
             if "cuda" in rng and torch.cuda.is_available():

@@ -115,11 +115,9 @@ class MetricLogger:
             if wandb_mode not in ("online", "offline"):
                 raise ValueError(f"wandb_mode must be 'online', 'offline' or 'disabled', got {wandb_mode!r}")
             wb = _import_wandb()
-            cfg = (
-                dataclasses.asdict(config)
-                if dataclasses.is_dataclass(config) and not isinstance(config, type)
-                else config
-            )
+            from relayrl.api.fields import public_dict
+
+            cfg = public_dict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
             self._wandb_run = wb.init(
                 project=project, name=run_name or self.run_dir.name, dir=str(self.run_dir), mode=wandb_mode, config=cfg
             )

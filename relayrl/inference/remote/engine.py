@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import ssl
 import threading
 import time
@@ -143,6 +144,7 @@ class RemoteEngine(InferenceEngine):
                     f"(it is {self.backend.name})"
                 )
             lora = self.model.lora if self.accepts_adapters else None
+            self.token = self.token or secrets.token_urlsafe(32)  # launched servers are never open
             self._launched = peer.launch(self.config, self.model, lora, self.token)
             self.addresses = self._launched.addresses
         if not self.addresses:

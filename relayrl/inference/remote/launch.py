@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -47,6 +48,11 @@ class LaunchablePeer(Protocol):
 
     def server_env(self, cfg: InferenceConfig, i: int, lora: LoraConfig | None = ...) -> dict[str, str]: ...
 
+    def api_key(self, token: str, folder: Path) -> tuple[list[str], dict[str, str]]:
+        """The arguments and environment that give a server ``token`` as its API key, never on its
+        command line (``folder``: a private directory for a file holding it)."""
+        ...
+
 
 def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -80,10 +86,14 @@ class PeerServerGroup:
         host: str = "127.0.0.1",
         lora: LoraConfig | None = None,
         dtype: str = "",
+        token: str = "",
     ) -> None:
         """``dtype``: the trainer's (``model.dtype``), served unless ``launch_args`` name a ``--dtype``
-        (SGLang would serve an fp32 checkpoint in fp16, vLLM in bf16: logprobs off the trainer's)."""
+        (SGLang would serve an fp32 checkpoint in fp16, vLLM in bf16: logprobs off the trainer's).
+        ``token``: the servers' API key (the run's random credential)."""
         self.peer, self.cfg, self.model, self.host, self.lora, self.dtype = peer, cfg, model, host, lora, dtype
+        self.token = token
+        self.key_dir: Path | None = None  # 0700, holds a key file where the peer reads its key from one
         self.kind = peer.name
         self.log_dir = Path(cfg.launch_log_dir or tempfile.mkdtemp(prefix=f"relayrl-{self.kind}-"))
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -101,6 +111,10 @@ class PeerServerGroup:
                 log = self.log_dir / f"server-{i}.log"
                 cmd = self.command(port)
                 env = self.peer.server_env(self.cfg, i, self.lora)
+                if self.token:
+                    self.key_dir = self.key_dir or Path(tempfile.mkdtemp(prefix="relayrl-key-"))
+                    key_args, key_env = self.peer.api_key(self.token, self.key_dir)
+                    cmd, env = [*cmd, *key_args], {**env, **key_env}
                 with open(log, "wb") as out:
                     out.write(f"$ {shlex.join(cmd)}\n".encode())
                     out.flush()
@@ -141,7 +155,8 @@ class PeerServerGroup:
                     f"{self.logs[i]} ends with:\n{self.tail(i)}"
                 )
             try:
-                if httpx.get(f"http://{self.addresses[i]}/health", timeout=5.0).status_code == 200:
+                auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+                if httpx.get(f"http://{self.addresses[i]}/health", headers=auth, timeout=5.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -159,6 +174,8 @@ class PeerServerGroup:
             return "(no log)"
 
     def shutdown(self) -> None:
+        if self.key_dir is not None:
+            shutil.rmtree(self.key_dir, ignore_errors=True)
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()

@@ -9,6 +9,7 @@ flag that provides it) where a server cannot do what the run needs.
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,6 +47,15 @@ class Parsed:
     versions: list[int] | None = None  # per-token versions when the server reports them
     weight_version: int | None = None  # the server's version when it answered
     routed_experts: torch.Tensor | None = None  # MoE: [input + output - 1, layers, top_k] when asked and given
+
+    def __post_init__(self) -> None:
+        """A server's numbers are checked before they reach a trajectory (a broken or hostile peer)."""
+        bad = next((i for i, t in enumerate(self.tokens) if not 0 <= t < 1 << 31), None)
+        if bad is not None:
+            raise ProtocolError(f"reply token {bad} is {self.tokens[bad]}: not a token id")
+        bad = next((i for i, x in enumerate(self.logprobs) if not (math.isfinite(x) and x <= 1e-4)), None)
+        if bad is not None:
+            raise ProtocolError(f"reply logprob {bad} is {self.logprobs[bad]}: logprobs are finite and <= 0")
 
 
 @dataclass

@@ -31,9 +31,12 @@ from __future__ import annotations
 import base64
 import functools
 import itertools
+import json
+import os
 import shlex
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
@@ -323,7 +326,15 @@ class SGLangBackend:
 
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=sglang``: ``cfg.n_servers`` servers of ``model``, healthy."""
-        return PeerServerGroup(self, cfg, model.path, lora=lora, dtype=model.dtype).start()
+        return PeerServerGroup(self, cfg, model.path, lora=lora, dtype=model.dtype, token=token).start()
+
+    def api_key(self, token: str, folder: Path) -> tuple[list[str], dict[str, str]]:
+        """SGLang reads ``--api-key`` from a YAML ``--config`` file too: one readable by this user only."""
+        path = folder / "sglang-key.yaml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"api-key: {json.dumps(token)}\n")
+        return ["--config", str(path)], {}
 
     def server_command(
         self, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1", lora: LoraConfig | None = None

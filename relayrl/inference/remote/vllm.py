@@ -42,6 +42,7 @@ import functools
 import logging
 import shlex
 import typing
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relayrl.api.io import GenerationConfig, StopReason
@@ -61,6 +62,7 @@ from relayrl.inference.remote.protocol import (
 )
 from relayrl.inference.remote.vllm_transfer import VLLMBroadcast, VLLMDisk
 from relayrl.inference.remote.weights import Fleet, UploadSync, WeightSync
+from relayrl.utils.webguard import is_loopback
 
 if TYPE_CHECKING:
     from relayrl.api.config import InferenceConfig, LoraConfig, ModelConfig
@@ -289,12 +291,25 @@ class VLLMBackend:
 
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=vllm``: ``cfg.n_servers`` servers of ``model``, healthy."""
-        return PeerServerGroup(self, cfg, model.path, lora=lora, dtype=model.dtype).start()
+        return PeerServerGroup(self, cfg, model.path, lora=lora, dtype=model.dtype, token=token).start()
+
+    def api_key(self, token: str, folder: Path) -> tuple[list[str], dict[str, str]]:
+        """vLLM reads its key from VLLM_API_KEY. It guards only /v1, /v2, /inference and /cohere: the
+        dev-mode routes relayrl needs (/pause, /collective_rpc, weight updates) stay open, hence
+        loopback only (``server_command``)."""
+        return [], {"VLLM_API_KEY": token}
 
     def server_command(
         self, cfg: InferenceConfig, model: str, port: int, host: str = "127.0.0.1", lora: LoraConfig | None = None
     ) -> list[str]:
         """One launched server's command line (listening on ``host``; ``lora``: the adapters it will load)."""
+        if not is_loopback(host):
+            raise ValueError(
+                f"inference.launch=vllm on {host}: relayrl needs vLLM's dev-mode routes (VLLM_SERVER_DEV_MODE=1: "
+                "/pause, /collective_rpc, weight updates), which vLLM's --api-key does not guard, so relayrl "
+                "launches vLLM on loopback only. Under Ray use inference.launch=sglang or relayrl, or start vLLM "
+                "yourself where only the trainer can reach it and give inference.addresses (docs/security.md)"
+            )
         prefix = shlex.split(cfg.launch_command) if cfg.launch_command else ["vllm", "serve"]
         flags = ["--host", host, "--port", str(port), "--tensor-parallel-size", str(cfg.launch_tp_size)]
         flags += ["--logprobs-mode", "processed_logprobs"]

@@ -12,8 +12,9 @@ vLLM (``vllm/distributed/weight_transfer/nccl_engine.py``) does not use torch.di
 this: trainer (rank 0) and workers (rank ``rank_offset + worker rank``) meet through a
 ``StatelessProcessGroup`` (a TCPStore hosted by rank 0 on ``master_address:master_port``, no
 key prefix); rank 0 publishes the NCCL unique id under the store key ``broadcast_from/0/0``
-(a pickle), every rank builds a PyNccl communicator from it and warms it up with an all-reduce
-of one zero. An update is one ``/update_weights`` call listing every tensor (``names``,
+(a pickle, which vLLM's workers unpickle: vLLM's protocol, not relayrl's choice; relayrl only
+writes it, and its store listens on ``master_address`` alone, not on every interface), every rank
+builds a PyNccl communicator from it and warms it up with an all-reduce of one zero. An update is one ``/update_weights`` call listing every tensor (``names``,
 ``dtype_names``, ``shapes``); with ``packed=True`` the tensors travel as uint8 buffers, each
 closed once it holds more than ``packed_buffer_size_bytes`` (the tensor that crossed the limit
 included), which bounds the server's receive memory.
@@ -59,7 +60,7 @@ from relayrl.inference.remote.weights import (
     members,
     settle,
 )
-from relayrl.inference.weight_group import address_towards, dtype_name
+from relayrl.inference.weight_group import address_towards, dtype_name, master_store
 from relayrl.utils.failsafe import fall_back, reason
 
 log = logging.getLogger(__name__)
@@ -117,9 +118,7 @@ class VLLMTransferGroup:
                 self.port = int(s.getsockname()[1]) if port == 0 else port
             self.store = None
         else:
-            self.store = dist.TCPStore(
-                host, port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
-            )
+            self.store = master_store(host, port, world_size, self.timeout)
             self.port = self.store.port
 
     def join(self) -> VLLMTransferGroup:

@@ -34,12 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import os
+import secrets
 import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -50,6 +51,7 @@ from transformers import PreTrainedTokenizerBase
 from relayrl.api.commands import ServerConfig
 from relayrl.api.config import ConfigError
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.data.vision import inline_image
 from relayrl.inference.local.engine import LocalEngine
 from relayrl.inference.server import LISTEN_PREFIX
 from relayrl.inference.server.common import (
@@ -74,6 +76,7 @@ from relayrl.inference.server.schemas import (
 from relayrl.inference.server.weights import WeightRoutes
 from relayrl.inference.weight_group import WeightBroadcastGroup
 from relayrl.utils.moe import encode_routed_experts
+from relayrl.utils.webguard import GuardMiddleware
 
 __all__ = ["LISTEN_PREFIX", "Server", "_dumps", "build_app", "confine_path", "make_server", "run_server"]
 
@@ -163,7 +166,11 @@ class Server(WeightRoutes, OpenAIRoutes):
         """``once``: SGLang's /generate, where an interrupted request ends as ``abort`` (the client
         continues it); the OpenAI routes continue it here, transparently. ``images``: the prompt's
         (``ModelRequest.image_data``)."""
-        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g, image_data=list(images or []))
+        try:  # a client's images are inline data, never a path on this machine
+            inline = [inline_image(img, f"image_data[{j}]") for j, img in enumerate(images or [])]
+        except ValueError as e:
+            raise _bad(str(e)) from None
+        req = ModelRequest(rid=rid, input_ids=ids, gconfig=g, image_data=list(inline))
         try:
             resp = await (self.engine.agenerate_once(req) if once else self.engine.agenerate(req))
         except ValueError as e:
@@ -315,24 +322,22 @@ class Server(WeightRoutes, OpenAIRoutes):
         return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
 
 
-class _JsonByDefault:
-    """ASGI middleware: POST bodies without a JSON content type (``curl -d``) are read as JSON."""
-
-    def __init__(self, app: object) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: object, send: object) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] != "/update_weights_from_tensor":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
-        await self.app(scope, receive, send)  # type: ignore[operator]
-
-
 def build_app(srv: Server) -> FastAPI:
     """The FastAPI app of one Server (routes are thin wrappers over its methods)."""
     app = FastAPI(title="relayrl inference server", version="1")
-    app.add_middleware(_JsonByDefault)
+    raw = ("/update_weights_from_tensor",)  # a safetensors body, capped by max_upload_mb
+    app.add_middleware(
+        GuardMiddleware,
+        bound_host=srv.cfg.host,
+        max_body=srv.cfg.max_request_mb << 20,
+        body_timeout=srv.cfg.body_timeout,
+        raw_paths=raw,
+    )
     app.add_exception_handler(RequestValidationError, _validation_error)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:  # the engine's refusals of a request
+        return JSONResponse(status_code=400, content=error_body(str(exc) or type(exc).__name__, 400))
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -464,11 +469,15 @@ def make_server(cfg: ServerConfig) -> Server:
     )
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        return host == "localhost"
+def _write_token(token: str, port: int) -> Path:
+    """``$RELAYRL_CACHE/serve/admin-token-PORT`` (default cache ``~/.cache/relayrl``), mode 0600."""
+    folder = Path(os.environ.get("RELAYRL_CACHE") or Path.home() / ".cache" / "relayrl").expanduser() / "serve"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = folder / f"admin-token-{port}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return path
 
 
 def run_server(cfg: ServerConfig) -> None:
@@ -489,10 +498,13 @@ def run_server(cfg: ServerConfig) -> None:
     sock.listen(2048)
     srv = make_server(cfg)
     port = sock.getsockname()[1]
-    if not srv.token and not _is_loopback(cfg.host):
+    token_file = None
+    if not srv.token:  # admin routes are never open: a random token, in a file only this user reads
+        srv.token = secrets.token_urlsafe(32)
+        token_file = _write_token(srv.token, port)
         print(
-            f"relayrl serve: WARNING: listening on {cfg.host} with no admin token: anyone who can reach port {port} "
-            "can replace the weights or pause generation (set admin_token or RELAYRL_ADMIN_TOKEN)",
+            f"relayrl serve: no admin token given; admin routes need 'Authorization: Bearer <token>' with the "
+            f"token in {token_file} (or start with RELAYRL_ADMIN_TOKEN / --admin-token-file)",
             file=sys.stderr,
             flush=True,
         )
@@ -503,7 +515,16 @@ def run_server(cfg: ServerConfig) -> None:
         print(f"{LISTEN_PREFIX}http://{cfg.host}:{port}", flush=True)
         yield
         srv.engine.destroy()
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=60, backlog=2048)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=60,
+        backlog=2048,
+        limit_concurrency=cfg.max_connections,  # beyond: 503 at once
+    )
     uvicorn.Server(config).run(sockets=[sock])

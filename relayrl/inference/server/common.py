@@ -89,6 +89,17 @@ def confine_path(path: str, roots: list[str]) -> Path:
     return real
 
 
+def confine_file(path: Path, roots: list[str]) -> Path:
+    """A file found inside an allowed root, by its real path (symlinks followed): 403 if that lies
+    outside every root, 400 if it is not a regular file."""
+    real = path.resolve()
+    if not any(real.is_relative_to(Path(r).resolve()) for r in roots):
+        raise _bad(f"model_path: {path.name} links outside the allowed weight roots", 403)
+    if not real.is_file():
+        raise _bad(f"model_path: {path.name} is not a regular file")
+    return real
+
+
 def _version(v: object) -> int | None:
     if v is None or v == "":
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import secrets
 import selectors
 import signal
 import subprocess
@@ -68,6 +69,7 @@ class ServerGroup:
 
     def __init__(self, args: list[str], env: dict[str, str], startup_timeout: float) -> None:
         self.args, self.env, self.startup_timeout = args, env, startup_timeout
+        self.admin_token = env.get("RELAYRL_ADMIN_TOKEN", "")  # the servers' (launch_servers always gives one)
         self.procs: list[subprocess.Popen[str]] = []
         self.addresses: list[str] = []
 
@@ -174,12 +176,12 @@ def launch_servers(
     """Start ``n`` servers on 127.0.0.1 (free ports) and wait until all answer /health.
 
     ``overrides`` are ServerConfig dotted overrides (``inference.max_batch_size=32``). The
-    admin token travels in the environment, not on the command line.
+    admin token (``admin_token``, else RELAYRL_ADMIN_TOKEN, else a random one: ``group.admin_token``)
+    travels in the environment, not on the command line.
     """
     _install_handlers()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
-    if admin_token:
-        env["RELAYRL_ADMIN_TOKEN"] = admin_token
+    env["RELAYRL_ADMIN_TOKEN"] = admin_token or env.get("RELAYRL_ADMIN_TOKEN") or secrets.token_urlsafe(32)
     args = [f"model.path={model}", f"torch_threads={threads}", "host=127.0.0.1", *(overrides or [])]
     group = ServerGroup(args, env, startup_timeout)
     _groups.add(group)

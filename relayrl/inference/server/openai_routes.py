@@ -191,7 +191,7 @@ class OpenAIRoutes:
         if processor is None:
             raise _bad("messages: image content parts need a vision-language model; this server's takes text only")
         try:
-            vp = encode_prompt(self.tok, processor, typing.cast(list[dict[str, object]], messages), [])
+            vp = encode_prompt(self.tok, processor, _inline_images(typing.cast(list[dict[str, object]], messages)), [])
         except ValueError as e:
             raise _bad(f"messages: {e}") from None
         return vp.input_ids, list(vp.image_data)
@@ -290,4 +290,27 @@ def _text_parts_only(messages: list[object]) -> list[object]:
                 ],
             }
         out.append(m)
+    return out
+
+
+def _inline_images(messages: list[dict[str, object]]) -> list[dict[str, object]]:
+    """``messages`` with each image part's data decoded to bytes (``inline_image``: a data URL or
+    base64, never a path on this machine)."""
+    from relayrl.data.vision import inline_image
+
+    out, j = [], 0
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts: list[object] = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") in ("image", "image_url", "input_image"):
+                url = p.get("image") if p.get("type") == "image" else p.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                p = {"type": "image", "image": inline_image(url, f"image {j}")}
+                j += 1
+            parts.append(p)
+        out.append({**m, "content": parts})
     return out

@@ -66,11 +66,14 @@ class GenerateRequest(_Body):
     stream: bool = Field(False, description="streaming is not supported")
 
 
+MAX_BATCH_ITEMS = 4096  # prompts in one /generate batch (the engine queues them all at once)
+
+
 class GenerateBatchRequest(_Body):
     """SGLang's batch form of /generate: one reply per prompt, in order."""
 
-    input_ids: list[list[TokenId]] | None = Field(None, min_length=1)
-    text: list[str] | None = Field(None, min_length=1)
+    input_ids: list[list[TokenId]] | None = Field(None, min_length=1, max_length=MAX_BATCH_ITEMS)
+    text: list[str] | None = Field(None, min_length=1, max_length=MAX_BATCH_ITEMS)
     image_data: list[ImageData | list[ImageData] | None] | None = Field(None, description="one entry per item")
     sampling_params: OneOrMany[SamplingParams] = Field(default_factory=SamplingParams)
     return_logprob: OneOrMany[bool] = False

@@ -17,7 +17,7 @@ from fastapi import Request
 from relayrl.api.commands import ServerConfig
 from relayrl.api.io import WeightUpdate
 from relayrl.inference.local.engine import LocalEngine
-from relayrl.inference.server.common import _bad, _version, confine_path
+from relayrl.inference.server.common import _bad, _version, confine_file, confine_path
 from relayrl.inference.server.schemas import DestroyWeightGroup, DiskUpdate, DistributedUpdate, InitWeightGroup
 from relayrl.inference.weight_group import WeightBroadcastGroup, parse_dtype
 
@@ -65,12 +65,18 @@ class WeightRoutes:
 
     async def update_from_disk(self, req: DiskUpdate) -> dict[str, object]:
         path = confine_path(req.model_path, self.cfg.allowed_weight_roots)
-        files = sorted(path.glob("*.safetensors"))
+        # each file's real path too: a *.safetensors symlink inside the root may point out of it
+        files = [confine_file(fp, self.cfg.allowed_weight_roots) for fp in sorted(path.glob("*.safetensors"))]
         if not files:
             raise _bad(f"model_path {req.model_path!r} holds no *.safetensors file")
         tensors: dict[str, torch.Tensor] = {}
         for fp in files:
-            tensors.update(safetensors.torch.load_file(str(fp)))
+            try:
+                tensors.update(safetensors.torch.load_file(str(fp)))
+            except (safetensors.SafetensorError, OSError, ValueError) as e:
+                raise _bad(
+                    f"model_path {req.model_path!r}: {fp.name} is not a readable safetensors file ({e})"
+                ) from None
         return await self.apply(tensors, _version(req.weight_version))
 
     async def init_group(self, req: InitWeightGroup) -> dict[str, object]:

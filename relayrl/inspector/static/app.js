@@ -1,6 +1,6 @@
 // relayrl inspect: the page over runs' saved rollouts and metrics (vanilla JS, no dependencies).
-// Data arrive as scripts calling relayrlData(key, value) (data/manifest.js, data/rR/step_NNNNNN.js),
-// which works both from the local server and from an exported folder opened as file://.
+// Served, data arrive as JSON (data/manifest.json, data/rR/step_NNNNNN.json: readable by this origin only);
+// exported and opened as file://, as scripts calling relayrlData(key, value) (the .js files next to the page).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -23,7 +23,13 @@ window.relayrlData = (key, value) => {
 
 function load(key, src) {
   if (cache[key]) return Promise.resolve(cache[key]);
-  return new Promise((resolve, reject) => {
+  if (location.protocol !== "file:") { // served: JSON that only this page's origin may read
+    return fetch(src.replace(/\.js$/, ".json"), { credentials: "omit" }).then((r) => {
+      if (!r.ok) throw new Error(`cannot load ${src}: HTTP ${r.status}`);
+      return r.json();
+    }).then((value) => { cache[key] = value; return value; });
+  }
+  return new Promise((resolve, reject) => { // exported, opened from file:// (no fetch there)
     pending[key] = (value) => { cache[key] = value; resolve(value); };
     const s = document.createElement("script");
     s.src = src;
