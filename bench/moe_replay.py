@@ -52,7 +52,14 @@ def generate(model: torch.nn.Module, n: int, new: int, seed: int = 0) -> list[Mo
     gc = GenerationConfig(max_new_tokens=new, temperature=1.0, ignore_eos=True)
 
     async def go() -> list[ModelResponse]:
-        return await asyncio.gather(*(engine.agenerate(ModelRequest(str(i), p, gc)) for i, p in enumerate(prompts)))
+        # every request queued before the engine runs, so they share one batch however busy the machine is
+        # (bf16 rounding, hence routing, follows the batch's shape)
+        engine.pause()
+        calls = [asyncio.ensure_future(engine.agenerate(ModelRequest(str(i), p, gc))) for i, p in enumerate(prompts)]
+        while engine._waiting.qsize() < len(prompts):  # (a benchmark may look inside)
+            await asyncio.sleep(0.001)
+        engine.resume()
+        return await asyncio.gather(*calls)
 
     try:
         return asyncio.run(go())

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+GENERATOR_SIDE = ("mismatch/", "actor/behav_kl")
 
 
 def run_demo_cli(run_dir: Path, *args: str, timeout: int) -> dict:
@@ -46,7 +47,12 @@ def test_quick_demo_runs_end_to_end_and_repeats_exactly(tmp_path: Path):
     assert [r["step"] for r in _learning(tmp_path / "a")] == [0, 1, 2, 3, 4]  # eval before training, 4 steps
     assert "eval/accuracy_mean" in _learning(tmp_path / "a")[2]  # an eval between steps: step 3 must not see it
     again = run_demo_cli(tmp_path / "b", "--quick", timeout=300)  # seeded: the same numbers again
-    assert _learning(tmp_path / "a") == _learning(tmp_path / "b")
+    for ours, theirs in zip(_learning(tmp_path / "a"), _learning(tmp_path / "b"), strict=True):
+        # the generator's logprobs' last bits follow how LocalEngine happened to batch the step's requests (a
+        # busy machine batches differently): the generator-trainer gap agrees to 1e-5, everything else exactly
+        assert ours.keys() == theirs.keys()
+        close = {k for k in ours if k.startswith(GENERATOR_SIDE) and abs(ours[k] - theirs[k]) <= 1e-5}
+        assert {k: v for k, v in ours.items() if k not in close} == {k: v for k, v in theirs.items() if k not in close}
     assert {k: v for k, v in result.items() if "seconds" not in k and k not in ("run_dir", "curves")} == {
         k: v for k, v in again.items() if "seconds" not in k and k not in ("run_dir", "curves")
     }
