@@ -217,21 +217,6 @@ def _sft(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     overrides = [a for a in ns.args if a is not path]
-    if ns.admin_token is not None:
-        print(
-            "relayrl serve: WARNING: --admin-token shows the token to every user of this machine (ps); "
-            "use RELAYRL_ADMIN_TOKEN or --admin-token-file",
-            file=sys.stderr,
-        )
-    if ns.admin_token_file is not None:
-        try:
-            ns.admin_token = Path(ns.admin_token_file).read_text().strip()
-        except OSError as e:
-            print(f"relayrl serve: --admin-token-file {ns.admin_token_file}: {e.strerror}", file=sys.stderr)
-            return 2
-        if not ns.admin_token:
-            print(f"relayrl serve: --admin-token-file {ns.admin_token_file} is empty", file=sys.stderr)
-            return 2
     from relayrl.api.commands import SFTConfig
     from relayrl.api.config import ConfigError, load_config
 
