@@ -40,6 +40,10 @@ STEPS = [
 K3_AT_1E5 = 0.5e-10  # k3 of a gap of 1e-5 on every token
 
 
+TOKEN = "real-peers-train-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 def watch_versions(log: Path, route: str, seen: list[str], stop: threading.Event) -> None:
     """Poll the launched server's weight version (its port from the command line atop its log) until ``stop``."""
     port = None
@@ -49,7 +53,7 @@ def watch_versions(log: Path, route: str, seen: list[str], stop: threading.Event
             port = found.group(1) if found else None
         if port is not None:
             try:
-                v = str(httpx.get(f"http://127.0.0.1:{port}{route}", timeout=2).json()["weight_version"])
+                v = str(httpx.get(f"http://127.0.0.1:{port}{route}", headers=AUTH, timeout=2).json()["weight_version"])
                 if not seen or seen[-1] != v:
                     seen.append(v)
             except (httpx.HTTPError, ValueError, KeyError):
@@ -65,6 +69,7 @@ def train(
     run_dir = tmp_path / "run"
     cmd = [python, "-m", "relayrl.cli", "train", f"run_dir={run_dir}", f"model.path={tiny_dir}", *STEPS, *args]
     env = {**peer_environ(), "PYTHONPATH": str(path), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["RELAYRL_ADMIN_TOKEN"] = TOKEN  # launched servers need a credential; the watcher polls with it
     seen: list[str] = []
     stop = threading.Event()
     watcher = threading.Thread(
