@@ -173,9 +173,11 @@ class RemoteEngine(InferenceEngine):
         self._health = threading.Thread(target=self._health_loop, name="relayrl-health", daemon=True)
         self._health.start()
 
-    def _get(self, srv: Server, timeout: float = 30.0) -> Callable[[str], tuple[int, object]]:
+    def _get(self, srv: Server) -> Callable[[str], tuple[int, object]]:
+        """GET ``path`` of ``srv`` (detection at connect and re-admission), within inference.request_timeout."""
+
         def get(path: str) -> tuple[int, object]:
-            with self.sync_client(timeout) as c:
+            with self.sync_client(self.config.request_timeout) as c:
                 r = c.get(srv.url + path)
             try:
                 return r.status_code, r.json()
@@ -454,10 +456,19 @@ class RemoteEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ admin (sync, fanned out)
     def admin(self, srv: Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
-        with self.sync_client(timeout or self.config.request_timeout) as c:
-            r = c.request(
-                call.method, srv.url + call.path, json=call.json if content is None else None, content=content
-            )
+        """``call`` to ``srv`` within ``timeout`` (default inference.request_timeout); a timeout is
+        raised as the same httpx exception, its message naming the call and the setting."""
+        timeout = timeout or self.config.request_timeout
+        try:
+            with self.sync_client(timeout) as c:
+                r = c.request(
+                    call.method, srv.url + call.path, json=call.json if content is None else None, content=content
+                )
+        except httpx.TimeoutException as e:
+            raise type(e)(
+                f"{call.method} {srv.url}{call.path} got no answer within {timeout:g}s ({str(e) or type(e).__name__}); "
+                "give it longer with inference.request_timeout"
+            ) from e
         if r.status_code >= 400:
             raise RuntimeError(f"{srv.url}{call.path} answered {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else {}
