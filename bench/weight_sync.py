@@ -77,6 +77,7 @@ def main() -> None:
                 addresses=group.addresses,
                 weight_sync=mode,
                 weight_sync_dir=str(sync_dir) if mode == "disk" else "",
+                admin_token=group.admin_token,  # launched servers take weights only from the run's credential
             )
             remote = RemoteEngine(cfg)
             remote.initialize()

@@ -136,7 +136,7 @@ class TorchTrainEngine(TrainEngine):
             dist_utils.apply_fsdp2(model)
         elif dist_utils.is_distributed():  # replicated: start from rank 0's weights
             for p in model.parameters():
-                torch.distributed.broadcast(p.data, src=0)
+                dist_utils.broadcast_(p.data, src=0)
         self.model = model
         self._checked = CheckedForward(model, self.config.bf16, self.device)  # flash-attn / bf16: checked at first use
         self.model.train(self.trainable)

@@ -8,9 +8,11 @@ so code that calls them runs unchanged in one process, under ``torchrun``, or in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import typing
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, cast
 
@@ -55,20 +57,31 @@ def is_main() -> bool:
 _timeout_s = 1800.0  # the process group's timeout (train.collective_timeout), named when a wait expires
 
 
-def barrier(group: dist.ProcessGroup | None = None, what: str = "a barrier") -> None:
-    """Wait for every rank; ``Stalled`` (one line) when one does not come within the group's timeout."""
-    if not is_dist():
-        return
+@contextlib.contextmanager
+def _deadline(what: str) -> Iterator[None]:
+    """Turn a collective's timeout (the process group's, ``train.collective_timeout``) into one
+    ``Stalled`` line naming ``what`` waited, instead of the backend's multi-line error."""
     try:
-        dist.barrier(group)
+        yield
+    except Stalled:
+        raise
     except RuntimeError as e:  # gloo: "Timed out waiting ...", NCCL: "... Timeout"; DistBackendError is one
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+        text = str(e)
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
             raise
         raise Stalled(
             f"rank {rank()} of {world_size()} waited {_timeout_s:.0f}s at {what} for the other ranks: one stopped, "
             f"died or hangs (see its log and stall report); give them longer with train.collective_timeout "
-            f"({str(e).splitlines()[0][:200]})"
+            f"({text.strip().splitlines()[0][:200]})"
         ) from None
+
+
+def barrier(group: dist.ProcessGroup | None = None, what: str = "a barrier") -> None:
+    """Wait for every rank; ``Stalled`` (one line) when one does not come within the group's timeout."""
+    if not is_dist():
+        return
+    with _deadline(what):
+        dist.barrier(group)
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -90,7 +103,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum", group: dist.Proce
     if not is_dist() or world_size(group) == 1:
         return tensor.clone()
     buf = tensor.detach().to(_comm_device(group), copy=True)
-    dist.all_reduce(buf, op=getattr(dist.ReduceOp, _OPS[op]), group=group)
+    with _deadline(f"an all-reduce ({op})"):
+        dist.all_reduce(buf, op=getattr(dist.ReduceOp, _OPS[op]), group=group)
     return buf.to(tensor.device)
 
 
@@ -99,7 +113,8 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> li
     if not is_dist() or world_size(group) == 1:
         return [obj]
     out: list[object] = [None] * world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with _deadline("an all-gather"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -109,8 +124,17 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     if not is_dist() or world_size() == 1:
         return obj
     box: list[object] = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with _deadline(f"a broadcast (from rank {src})"):
+        dist.broadcast_object_list(box, src=src)
     return cast(T, box[0])
+
+
+def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """In place: rank ``src``'s ``tensor`` on every rank (on the backend's device; identity on one process)."""
+    if is_distributed():
+        with _deadline(f"a broadcast (from rank {src})"):
+            dist.broadcast(tensor, src=src)
+    return tensor
 
 
 def free_port() -> int:
@@ -166,14 +190,16 @@ def all_reduce_sum(value: float) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.all_reduce(t)
+    with _deadline("an all-reduce (sum)"):
+        dist.all_reduce(t)
     return float(t.item())
 
 
 def all_reduce_tensor_(t: torch.Tensor) -> torch.Tensor:
     """In-place sum over ranks (identity on one process)."""
     if is_distributed():
-        dist.all_reduce(t)
+        with _deadline("an all-reduce (sum)"):
+            dist.all_reduce(t)
     return t
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import json
 import logging
@@ -47,7 +48,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 
 import httpx
 import torch
@@ -84,6 +85,19 @@ def _check_status(url: str, call: Call, r: httpx.Response) -> None:
 
 def _url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address}"
+
+
+@contextlib.contextmanager
+def _naming_timeout(call: Call, srv: Server, timeout: float) -> Iterator[None]:
+    """An httpx timeout of ``call`` raised again as the same exception type (callers evict on it), its
+    message naming the call, the deadline and inference.request_timeout."""
+    try:
+        yield
+    except httpx.TimeoutException as e:
+        raise type(e)(
+            f"{call.method} {srv.url}{call.path} got no answer within {timeout:g}s ({str(e) or type(e).__name__}); "
+            "give it longer with inference.request_timeout"
+        ) from e
 
 
 class RemoteEngine(InferenceEngine):
@@ -173,10 +187,13 @@ class RemoteEngine(InferenceEngine):
         self._health = threading.Thread(target=self._health_loop, name="relayrl-health", daemon=True)
         self._health.start()
 
-    def _get(self, srv: Server, timeout: float = 30.0) -> Callable[[str], tuple[int, object]]:
+    def _get(self, srv: Server) -> Callable[[str], tuple[int, object]]:
+        """GET ``path`` of ``srv`` (detection at connect and re-admission), within inference.request_timeout."""
+
         def get(path: str) -> tuple[int, object]:
-            with self.sync_client(timeout) as c:
-                r = c.get(srv.url + path)
+            with _naming_timeout(Call("GET", path), srv, self.config.request_timeout):
+                with self.sync_client(self.config.request_timeout) as c:
+                    r = c.get(srv.url + path)
             try:
                 return r.status_code, r.json()
             except ValueError:
@@ -454,7 +471,10 @@ class RemoteEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ admin (sync, fanned out)
     def admin(self, srv: Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
-        with self.sync_client(timeout or self.config.request_timeout) as c:
+        """``call`` to ``srv`` within ``timeout`` (default inference.request_timeout); a timeout is
+        raised as the same httpx exception, its message naming the call and the setting."""
+        timeout = timeout or self.config.request_timeout
+        with _naming_timeout(call, srv, timeout), self.sync_client(timeout) as c:
             r = c.request(
                 call.method, srv.url + call.path, json=call.json if content is None else None, content=content
             )

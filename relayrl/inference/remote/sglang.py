@@ -79,6 +79,7 @@ if TYPE_CHECKING:
 
 MIN_SGLANG = (0, 5, 0)  # weight_version on weight updates, /pause_generation with modes, /get_server_info
 WEIGHT_GROUP = "weight_update_group"  # SGLang's default group name
+FLUSH_WAIT_S = 60  # /flush_cache?timeout: how long SGLang waits for requests it aborted to wind down
 
 
 class SGLangBackend:
@@ -437,7 +438,9 @@ class SGLangDisk(DiskSync):
         except RuntimeError as e:
             if "cache was not flushed" not in str(e):
                 raise
-            self.fleet.admin(srv, Call("POST", "/flush_cache?timeout=60"), timeout=90)
+            # SGLang waits up to FLUSH_WAIT_S for the flush; the call is given at least that (and 30 s to answer)
+            wait = max(self.fleet.config.request_timeout, FLUSH_WAIT_S + 30)
+            self.fleet.admin(srv, Call("POST", f"/flush_cache?timeout={FLUSH_WAIT_S}"), timeout=wait)
             self.confirm(srv, version)
 
 
@@ -481,7 +484,7 @@ class SGLangBroadcast(BroadcastSync):
         # trainer): SGLang refuses a second group of the same name
         for s in servers:
             try:
-                admin(s, sglang.destroy_weight_group(), timeout=30)
+                admin(s, sglang.destroy_weight_group(), timeout=self.fleet.config.request_timeout)
             except (httpx.HTTPError, RuntimeError):
                 pass  # a server that never joined, or one too old for the route (then init fails, named)
         self.group, self.members = None, []
@@ -507,22 +510,23 @@ class SGLangBroadcast(BroadcastSync):
         """Open ``srv``'s weight-update session (SGLang >= 0.5.23); False where it has none (older SGLang,
         ``relayrl serve``). Its in-flight requests are aborted first: each holds the model lock the session
         takes (their partial tokens come back and continue under the new weights)."""
-        admin = self.fleet.admin
-        admin(srv, self.backend.abort_all(), timeout=30)
+        admin, timeout = self.fleet.admin, self.fleet.config.request_timeout
+        admin(srv, self.backend.abort_all(), timeout=timeout)
         try:
-            admin(srv, self.backend.begin_update(), timeout=self.fleet.config.request_timeout)
+            admin(srv, self.backend.begin_update(), timeout=timeout)
         except RuntimeError as e:
             if " answered 404" in str(e):
                 return False
             if "already open" not in str(e):
                 raise
-            admin(srv, self.backend.end_update(), timeout=60)  # left open by an update that failed mid-way
-            admin(srv, self.backend.begin_update(), timeout=60)
+            admin(srv, self.backend.end_update(), timeout=timeout)  # left open by an update that failed mid-way
+            admin(srv, self.backend.begin_update(), timeout=timeout)
         return True
 
     def _end(self, srv: Server, quiet: bool) -> None:
         try:
-            self.backend.parse_update(self.fleet.admin(srv, self.backend.end_update(), timeout=60))
+            end = self.fleet.admin(srv, self.backend.end_update(), timeout=self.fleet.config.request_timeout)
+            self.backend.parse_update(end)
         except (httpx.HTTPError, RuntimeError):
             if not quiet:  # after a failed update: the next one closes it (_begin)
                 raise

@@ -273,7 +273,8 @@ class VLLMBackend:
         srv = fleet.servers[0]
         if srv.info is None or srv.info.server == "relayrl":  # relayrl's follow the temperature
             return
-        tops = [self.top_logprob(fleet.admin(srv, self.logprob_probe(t), timeout=60)) for t in (1.0, 0.5)]
+        timeout = fleet.config.request_timeout  # a just-started server under load answers slowly
+        tops = [self.top_logprob(fleet.admin(srv, self.logprob_probe(t), timeout=timeout)) for t in (1.0, 0.5)]
         if abs(tops[0] - tops[1]) < 1e-6 and tops[0] < -1e-4:
             raise UnsupportedServer(
                 f"{srv.url} returns logprobs that ignore the sampling temperature (vLLM's default raw_logprobs): "

@@ -245,7 +245,7 @@ def paused_for_update(fleet: Fleet, backend: Controls, servers: list[Server], up
     finally:
         for s in paused:
             try:
-                fleet.admin(s, backend.resume(), timeout=30)
+                fleet.admin(s, backend.resume(), timeout=fleet.config.request_timeout)
             except (httpx.HTTPError, RuntimeError) as e:
                 log.warning("%s did not resume after a weight update: %s", s.url, e)
 
@@ -272,7 +272,7 @@ class VLLMDisk(DiskSync):
             info.disk_transfer = False  # a vLLM before the disk backend: /collective_rpc (require_routes checked it)
             return
         try:
-            self.fleet.admin(srv, init_disk_transfer(), timeout=30)
+            self.fleet.admin(srv, init_disk_transfer(), timeout=self.fleet.config.request_timeout)
             info.disk_transfer = True
         except RuntimeError as e:
             if "/collective_rpc" not in info.routes:

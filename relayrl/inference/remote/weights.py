@@ -85,7 +85,7 @@ class WeightSync(ABC):
         """``srv`` is at ``version``: checked where it reports a version."""
         path = srv.info.version_path if srv.info is not None else None
         if path is not None:
-            got = version_of(self.fleet.admin(srv, Call("GET", path), timeout=30))
+            got = version_of(self.fleet.admin(srv, Call("GET", path), timeout=self.fleet.config.request_timeout))
             if got != version:
                 raise RuntimeError(f"{srv.url} reports weight version {got} after an update to {version}")
         srv.version = version
