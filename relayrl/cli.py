@@ -112,13 +112,23 @@ def _selftest(argv: list[str]) -> int:
     return selftest(argv)
 
 
-def _is_environment_error(e: Exception) -> bool:
-    """Errors that say what to change in the config, the data or the machine (exit 2, one line)."""
-    from relayrl.api.config import ConfigError
-    from relayrl.data.datasets import DatasetError
-    from relayrl.rollout.executor import FilterExhausted
+ENVIRONMENT_ERRORS = (
+    ("relayrl.api.config", "ConfigError"),
+    ("relayrl.data.datasets", "DatasetError"),
+    ("relayrl.rollout.executor", "FilterExhausted"),
+)
 
-    return isinstance(e, (ConfigError, DatasetError, FilterExhausted))
+
+def _is_environment_error(e: Exception) -> bool:
+    """Errors that say what to change in the config, the data or the machine (exit 2, one line).
+
+    Looked up only in modules already imported (an exception cannot be an instance of a class never
+    loaded), so a config error is reported without first importing the trainer (~10 s of CPU)."""
+    for module, name in ENVIRONMENT_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(e, cls):
+            return True
+    return False
 
 
 def _interrupted(command: str, e: KeyboardInterrupt) -> int:
@@ -294,6 +304,10 @@ def _train(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, raise_interrupted)  # set-up stops like Ctrl-C; the trainer takes over in fit
     cfg = load_config(RunConfig, path, overrides)
+    if cfg.launcher != "ray":  # (under Ray the paths are the nodes' to check)
+        from relayrl.data.preflight import check_run
+
+        check_run(cfg)  # a wrong path or device in one line before ~10 s of trainer imports (train() checks again)
     import json
 
     from relayrl.launch import LaunchError
@@ -371,6 +385,13 @@ def _eval(argv: list[str]) -> int:
             else:  # the checkpoint's own (the run's tokenizer, saved): the run's model directory may be gone
                 cfg.model.tokenizer_path = ""
             cfg.model.path = str(latest / "actor")
+    from relayrl.data.preflight import check_run
+
+    try:
+        check_run(cfg)  # a wrong path or device in one line, before the model code is imported
+    except ConfigError as e:
+        print(f"relayrl eval: {e}", file=sys.stderr)
+        return 2
     import json
 
     from relayrl import wiring

@@ -162,3 +162,26 @@ def test_curves_kl_panel_is_the_kl_to_the_reference(tmp_path):
     (tmp_path / "b" / "metrics.jsonl").write_text(json.dumps({"step": 1, "actor/behav_kl": 0.5}) + "\n")
     ax = next(a for a in figure([tmp_path / "b"]).axes if "behav_kl" in a.get_title() or "KL" in a.get_title())
     assert ax.get_title() == "generator-trainer gap (behav_kl)"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "model.path=checkpoints/missing/actor"],
+        ["train", "data.task=file", "data.train_path=nope.jsonl"],
+        ["train", "run.yaml"],  # bad YAML
+        ["eval", "model.path=/no/such/dir"],
+        ["sft", "model.path=./nowhere"],
+    ],
+)
+def test_config_errors_are_reported_before_the_model_code_is_imported(tmp_path, args):
+    """A wrong path or bad YAML is one line without importing transformers (~10 s of CPU on this
+    machine): preflight runs before the trainer is imported, and the CLI classifies an error without
+    importing the modules that define the other error types."""
+    (tmp_path / "run.yaml").write_text("rollout: {batch_size: 2\n")
+    probe = (
+        "import sys; from relayrl.cli import main; rc = main(sys.argv[1:]); print(rc, 'transformers' in sys.modules)"
+    )
+    p = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.stdout.split() == ["2", "False"], (p.stdout, p.stderr[-2000:])
+    assert len([ln for ln in p.stderr.splitlines() if ln.startswith("relayrl ")]) == 1, p.stderr

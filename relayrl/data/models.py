@@ -31,6 +31,7 @@ from transformers import (
 from transformers.image_processing_utils import BaseImageProcessor
 
 from relayrl.api.config import ModelConfig
+from relayrl.data.presets import TINY_PRESETS
 from relayrl.data.real_models import resolve_model_path
 from relayrl.data.vision import (
     VISION_TOKENS,
@@ -53,39 +54,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-TINY_PRESETS: dict[str, dict[str, int | str]] = {
-    # ~5M parameters with the offline vocabulary
-    "tiny": {
-        "hidden_size": 320,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
-    # ~30M parameters
-    "tiny-30m": {
-        "hidden_size": 512,
-        "intermediate_size": 1920,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
-    # ~1M parameters: a Qwen3-MoE (8 experts, top-2, every layer sparse) for MoE recipes and tests
-    "tiny-moe": {
-        "model_type": "qwen3_moe",
-        "hidden_size": 128,
-        "intermediate_size": 384,
-        "moe_intermediate_size": 128,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-    },
-}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

@@ -1,6 +1,8 @@
 """Checks of what a config points at on this machine (model directories, data files, devices),
 made before anything loads, so a wrong path fails in one line naming its field instead of a
-traceback from deep inside transformers or torch."""
+traceback from deep inside transformers or torch. It imports neither (``relayrl train`` runs it
+before importing the trainer, so a wrong path is reported in a second or two, not after ~10 s of
+imports)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,9 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from relayrl.api.config import ConfigError, ModelConfig, RunConfig
-from relayrl.data.models import TINY_PRESETS
+from relayrl.data.presets import TINY_PRESETS, VL_PRESETS
 from relayrl.data.real_models import is_gguf, resolve_model_path
-from relayrl.data.vision import VL_PRESETS
 
 
 def _hub_cached(repo_id: str) -> bool:
@@ -80,6 +79,8 @@ def check_device(field: str, device: str) -> None:
     """``cuda`` / ``cuda:N`` needs torch to see that device (``auto`` falls back to the CPU)."""
     if not device.startswith("cuda"):
         return
+    import torch  # here, not at the top: the other checks run before anything heavy is imported
+
     n = torch.cuda.device_count()
     index = int(device.split(":")[1]) if ":" in device else 0
     if index >= n:

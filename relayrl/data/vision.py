@@ -30,9 +30,10 @@ from transformers import (
 )
 from transformers.image_processing_utils import BaseImageProcessor
 
+from relayrl.data.presets import VL_PRESETS
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
-VL_PRESETS = {"tiny-vl": "qwen2_vl", "tiny-vl2.5": "qwen2_5_vl"}
 # small images keep the tiny models fast: at most 4x4 merged patches (16 vision tokens) per image
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
 
