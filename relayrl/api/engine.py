@@ -29,6 +29,10 @@ token ``i + 1``. Every token-level key of ``packed_batch`` is token-aligned: ``k
 belongs to ``input_ids[i]`` (``loss_mask[i] == 1`` when token ``i`` was generated).
 ``relayrl.train.packing.token_logprobs`` turns logits into token-aligned logprobs.
 Sequence-level keys (``rewards``) stay ``[n_seqs]``.
+
+A loss marked with ``relayrl.train.lmhead.token_stats_loss`` (it uses its first argument only
+through ``token_logprobs`` / ``token_entropy``, at loss tokens) may get a ``TokenStats`` instead:
+the LM head computed only at loss positions (docs/write_a_loss.md). Unmarked losses get logits.
 """
 
 LossWeightFn = Callable[[TensorDict], float]

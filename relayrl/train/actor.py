@@ -25,6 +25,7 @@ from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.train import algorithms as A
 from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
 from relayrl.train.engine import TorchTrainEngine
+from relayrl.train.lmhead import token_stats_loss
 from relayrl.train.mismatch import correction_weights, mismatch_metrics
 from relayrl.train.packing import segment_ids, token_entropy, token_logprobs, unpack
 from relayrl.utils import dist as dist_utils
@@ -388,7 +389,9 @@ class PPOActor:
             sink.add(stats, self.loss_weight(packed))
             return loss
 
-        return loss_fn
+        # it reads logprobs / entropies at loss tokens only: the engine may compute the LM head just there
+        # (relayrl.train.lmhead); distillation's reverse KL needs the full distributions, so it keeps logits
+        return loss_fn if self.needs_teacher else token_stats_loss(loss_fn)
 
     def staleness_stats(self, batch: TensorDict) -> dict[str, float]:
         """Histogram of ``engine version - token version`` over the loss tokens."""

@@ -30,6 +30,7 @@ from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.train import lora as L
 from relayrl.train.fastpath import CheckedForward
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
+from relayrl.train.lmhead import TokenStats, wants_token_stats
 from relayrl.train.mismatch import disable_dropout
 from relayrl.train.packing import (
     model_inputs,
@@ -103,6 +104,7 @@ class TorchTrainEngine(TrainEngine):
         self._steps = 0  # optimizer steps taken (skipped ones excluded)
         self._nan_skips = 0  # consecutive skipped steps
         self.lora = head == "lm" and trainable and model_config.lora.rank > 0
+        self._head_ok: bool | None = None  # the LM-head fast path applies to this model (decided once)
         self._moe: RoutingReplay | None = None  # MoE models: routed-experts replay and the router statistics
         # model.dtype=float16, trainable: fp32 master weights, fp16 autocast and dynamic loss scaling
         self.fp16 = trainable and model_config.dtype == "float16"
@@ -239,6 +241,73 @@ class TorchTrainEngine(TrainEngine):
             packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
         return logits
 
+    # logits a softcap / scale changes after lm_head: the fast path would differ, so they keep full logits
+    _SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+    def _head_stats_ok(self, packed: TensorDict) -> bool:
+        """Whether this micro-batch may take the LM-head fast path (``relayrl.train.lmhead``): an
+        ``lm`` head that is a plain ``nn.Linear`` (not LoRA-wrapped), logits neither soft-capped nor
+        scaled, no images, no fp16/bf16 autocast, no FSDP2 (its head weight is sharded outside the
+        root forward), a forward that takes ``logits_to_keep``, and ``loss_mask`` in the batch."""
+        model = self._require()
+        if self.head != "lm" or self.lora or self.fp16 or self._checked.bf16 or "loss_mask" not in packed:
+            return False
+        if "image_grid_thw" in packed or dist_utils.is_fsdp(model):
+            return False
+        if self._head_ok is None:
+            import inspect
+
+            head = model.get_output_embeddings()
+            cfgs = [model.config, getattr(model.config, "text_config", None)]
+            scaled = any(
+                getattr(c, a, None) not in (None, 1, 1.0) for c in cfgs if c is not None for a in self._SCALED_LOGITS
+            )
+            self._head_ok = (
+                type(head) is nn.Linear
+                and not scaled
+                and "logits_to_keep" in inspect.signature(model.forward).parameters
+                and not any(hasattr(p, "full_tensor") for p in model.parameters())
+            )
+        return self._head_ok
+
+    def _head_stats(self, packed: TensorDict) -> TokenStats:
+        """The model body's final hidden states ``[T, H]`` wrapped as a ``TokenStats``. The model's own
+        forward runs (its hooks, MoE replay, FSDP's root hooks all as usual) with ``logits_to_keep=1``;
+        a forward hook on the base model takes its ``last_hidden_state``."""
+        model = self._require()
+        moved = {k: v.to(self.device) for k, v in packed.items()}
+        if self._moe is not None:
+            self._moe.ids = moved.get("routed_experts")
+            self._moe.recorded = moved.get("recorded_experts")
+        inputs = model_inputs(moved)
+        body = getattr(model, model.base_model_prefix)
+        seen: list[torch.Tensor] = []
+
+        def grab(_m: nn.Module, _a: object, out: object) -> None:
+            seen.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)  # type: ignore[attr-defined]
+
+        def run() -> torch.Tensor:
+            seen.clear()
+            handle = body.register_forward_hook(grab)
+            try:
+                model(**inputs, logits_to_keep=1)
+            finally:
+                handle.remove()
+            return seen[-1][0]
+
+        hidden = self._checked(run)
+        if self._moe is not None:
+            packed["moe_aux_loss"] = self._moe.aux_loss()
+            packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
+        return TokenStats(hidden, typing.cast(nn.Linear, model.get_output_embeddings()), moved)
+
+    def _loss_input(self, loss_fn: LossFn, packed: TensorDict) -> torch.Tensor:
+        """What ``loss_fn`` gets: a ``TokenStats`` for a ``token_stats_loss`` where the fast path
+        applies (it speaks ``token_logprobs`` / ``token_entropy``), else the ``[T, V]`` logits."""
+        if wants_token_stats(loss_fn) and self._head_stats_ok(packed):
+            return typing.cast(torch.Tensor, self._head_stats(packed))
+        return self._logits(packed)
+
     def _to_device(self, packed: TensorDict) -> TensorDict:
         return {k: v.to(self.device) for k, v in packed.items()}
 
@@ -296,7 +365,7 @@ class TorchTrainEngine(TrainEngine):
         total = weight = 0.0
         for packed, dummy in self._micro_batches(batch):
             packed = self._to_device(packed)
-            loss = loss_fn(self._logits(packed), packed)
+            loss = loss_fn(self._loss_input(loss_fn, packed), packed)
             if not dummy:
                 w = float(loss_weight_fn(packed))
                 total += float(loss) * w
@@ -326,7 +395,7 @@ class TorchTrainEngine(TrainEngine):
         for i, ((packed, dummy), w) in enumerate(zip(mbs, weights, strict=True)):
             if fsdp:
                 typing.cast(FSDPModule, model).set_requires_gradient_sync(i == len(mbs) - 1)
-            loss = loss_fn(self._logits(packed), packed)
+            loss = loss_fn(self._loss_input(loss_fn, packed), packed)
             part = loss * (0.0 if dummy else w / total_w * scale)
             (part if self.scaler is None else self.scaler.scale(part)).backward()
             if not dummy:

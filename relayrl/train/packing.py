@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from relayrl.api.engine import TensorDict
 from relayrl.api.workflow import VISION_KEYS
+from relayrl.train.lmhead import TokenStats
 from relayrl.utils.batching import length_groups
 
 VARLEN_ATTN = "relayrl_varlen"
@@ -183,13 +184,17 @@ def _shifted(per_pred: torch.Tensor, packed: TensorDict) -> torch.Tensor:
 
 
 def token_logprobs(
-    logits: torch.Tensor, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024
+    logits: torch.Tensor | TokenStats, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024
 ) -> torch.Tensor:
     """``[T]``: value i = log p(input_ids[i] | earlier tokens of its sequence); 0 at each start.
 
     Computed as ``logit[label] - logsumexp(logits)`` in chunks of ``chunk`` tokens, so no
-    full ``[T, V]`` log-softmax is materialised (differentiable).
+    full ``[T, V]`` log-softmax is materialised (differentiable). Given a
+    ``relayrl.train.lmhead.TokenStats`` (what a ``token_stats_loss`` receives), the values at
+    loss tokens, 0 elsewhere.
     """
+    if isinstance(logits, TokenStats):
+        return logits.logprobs(temperature)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     ids = packed["input_ids"]
@@ -208,9 +213,12 @@ def token_logprobs(
 
 
 def token_entropy(
-    logits: torch.Tensor, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024
+    logits: torch.Tensor | TokenStats, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024
 ) -> torch.Tensor:
-    """``[T]``: entropy of the distribution that predicted token i (0 at each start)."""
+    """``[T]``: entropy of the distribution that predicted token i (0 at each start; a
+    ``TokenStats``: at loss tokens, 0 elsewhere)."""
+    if isinstance(logits, TokenStats):
+        return logits.entropy(temperature)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     parts = []
