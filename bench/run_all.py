@@ -30,6 +30,7 @@ ORDER = [
     "moe_replay",
     "decode_cost",
     "training",
+    "lm_head",
     "lora",
     "serving",
     "grpo_vs_trl_count",
@@ -55,6 +56,7 @@ OPTIONAL = {
     "overhead_count",
     "async_vs_sync_count",
     "lora",
+    "lm_head",
 }  # only with --only: run_all would take past ~15 minutes
 QUICK_ARGS = {
     "generation": ["--repeats", "1", "--models", "tiny"],
@@ -194,6 +196,14 @@ def describe(r: dict) -> tuple[str, str, str]:
             "packed ÷ padded train tokens/s",
             "–",
             f"{r['packed_tokens_per_s']:.0f} vs {r['padded_tokens_per_s']:.0f} tok/s; pad fraction {r['padded_pad_fraction']:.0%}",
+        )
+    if n == "lm_head":
+        f, q = r["full"], r["fast"]
+        return (
+            "full-logits ÷ LM-head fast path CPU per update step, vocab 49,152, 18% loss tokens (`--only lm_head`)",
+            "–",
+            f"{f['cpu_s_per_step']:.2f} vs {q['cpu_s_per_step']:.2f} s/step; peak RSS {f['peak_rss_mb']:.0f} vs "
+            f"{q['peak_rss_mb']:.0f} MB; loss {f['loss']:.6f} = {q['loss']:.6f}; {r['model']}",
         )
     if n == "lora":
         return (
