@@ -344,7 +344,12 @@ def test_ctrl_c_on_the_driver_names_the_latest_checkpoint_to_continue_from(clust
     argv += ["total_steps=1000", "checkpoint.every_n_steps=1"]
 
     def interrupt() -> None:
-        _wait_for_step(run_dir, 2)
+        # step 2's checkpoint renamed into place, not only its metrics row (written before the save: a Ctrl-C
+        # right after the row landed in the save and left step 1 the latest on a busy machine)
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "step_000002").is_dir():
+            assert time.monotonic() < deadline, f"{run_dir} never saved step 2"
+            time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)  # as a terminal's Ctrl-C reaches the driver
 
     sender = threading.Thread(target=interrupt)
