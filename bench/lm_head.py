@@ -104,7 +104,7 @@ def main() -> None:
         print(json.dumps(child(a.child, a.layers, a.steps, a.model)))
         return
     res: dict[str, object] = {
-        "name": "lm_head",
+        "name": Path(a.out).stem,  # lm_head, or lm_head_smollm2 with --model and that --out
         "model": a.model or f"llama-shaped from config: vocab 49152, hidden 576, {a.layers} layers, tied",
         "threads": 1,
         "steps": a.steps,

@@ -197,10 +197,11 @@ def describe(r: dict) -> tuple[str, str, str]:
             "–",
             f"{r['packed_tokens_per_s']:.0f} vs {r['padded_tokens_per_s']:.0f} tok/s; pad fraction {r['padded_pad_fraction']:.0%}",
         )
-    if n == "lm_head":
+    if n.startswith("lm_head"):
         f, q = r["full"], r["fast"]
         return (
-            "full-logits ÷ LM-head fast path CPU per update step, vocab 49,152, 18% loss tokens (`--only lm_head`)",
+            "full-logits ÷ LM-head fast path CPU per update step, vocab 49,152, 18% loss tokens "
+            + ("(`--only lm_head`)" if n == "lm_head" else "(real SmolLM2-135M; its JSON's `command`)"),
             "–",
             f"{f['cpu_s_per_step']:.2f} vs {q['cpu_s_per_step']:.2f} s/step; peak RSS {f['peak_rss_mb']:.0f} vs "
             f"{q['peak_rss_mb']:.0f} MB; loss {f['loss']:.6f} = {q['loss']:.6f}; {r['model']}",
