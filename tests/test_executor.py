@@ -394,3 +394,34 @@ def test_engine_rollout_verbs_delegate_to_the_executor(tiny_model, tokenizer, ro
         eng.destroy()
     assert batch["input_ids"].shape[0] == 6 and batch["group_id"].tolist() == [0, 0, 0, 1, 1, 1]
     assert ex.stats()["completed"] == 6
+
+
+def test_destroy_lets_tasks_started_by_episodes_finish_their_clean_up(engine, tokenizer, rows):
+    """An episode waiting on a future that a helper task settles (how RemoteEngine's batched HTTP calls
+    run): destroy cancels the helper and waits while it unwinds, instead of closing the loop under it
+    (which left "Task was destroyed but it is pending!" and skipped its clean-up, e.g. closing a connection)."""
+    helpers: list[asyncio.Task] = []
+    cleaned: list[bool] = []
+
+    class WaitsOnAHelper(RLVRWorkflow):
+        async def arun_episode(self, engine, data):
+            fut = asyncio.get_running_loop().create_future()
+
+            async def helper():
+                try:
+                    await asyncio.Event().wait()  # a request that never answers
+                finally:
+                    await asyncio.sleep(0.05)  # clean-up that needs the loop (closing a connection)
+                    cleaned.append(True)
+
+            helpers.append(asyncio.get_running_loop().create_task(helper()))
+            return await fut
+
+    ex = make(engine, batch_size=2, group_size=2)
+    ex.submit(rows[0], WaitsOnAHelper(task_reward_fn("arithmetic"), G, tokenizer))
+    deadline = time.monotonic() + 60
+    while len(helpers) < 2:  # both episodes of the group are waiting
+        assert time.monotonic() < deadline, "the episodes never started"
+        time.sleep(0.01)
+    ex.destroy()
+    assert all(h.done() and h.cancelled() for h in helpers) and cleaned == [True, True]

@@ -177,9 +177,14 @@ class WorkflowExecutor:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for t in asyncio.all_tasks():
-            if t is not asyncio.current_task():
-                t.cancel()
+        # Tasks the episodes started (an engine's batched HTTP calls, a user's helpers) are cancelled
+        # too, and given time to unwind (close their connections) before the loop closes: a task
+        # cancelled but never run again is destroyed pending, its clean-up skipped.
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        if others:
+            await asyncio.wait(others, timeout=10)
 
     def pause(self) -> None:
         """Start no new prompts (running episodes go on)."""
