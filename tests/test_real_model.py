@@ -213,3 +213,93 @@ def test_recipe_learns_as_its_header_states(real_cache: Path, tmp_path: Path):
     acc = [r["eval/accuracy_mean"] for r in rows if "eval/accuracy_mean" in r]
     assert len(acc) == 2  # before training and at step 10
     check_outcome((ROOT / "recipes" / "smollm2_grpo.py").read_text(), acc[0], acc[1], 10)
+
+
+CALC = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate arithmetic.",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_a_tool_calling_agent_on_the_real_tokenizer_keeps_the_generated_tokens(real_cache: Path):
+    """SmolLM2's ChatML template renders no tools (a request with tools is refused, naming the fix);
+    ``model.chat_template=hermes`` is the Hermes / Qwen2.5 tool format with SmolLM2's own default system
+    prompt, so a conversation without tools renders exactly as SmolLM2's own template does. An agent's
+    two calls through ``OpenAIClient`` (the client the proxy serves) on the real model: a call of
+    ``calc`` (named tool_choice: the untrained model writes no well-formed call unprompted), its result,
+    an answer. The first prompt is the real tokenizer's ids of the rendered text; the second is the first
+    prompt + the generated ids + only the new turns' ids (the generated text is never re-encoded); the
+    exported row is that sequence, the tool turn masked, its logprobs those of a teacher-forced forward."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.agents import OpenAIClient
+    from relayrl.api.config import InferenceConfig
+    from relayrl.api.io import GenerationConfig
+    from relayrl.data.chat import encode, render
+    from relayrl.data.models import load_tokenizer
+    from relayrl.inference.local import LocalEngine
+
+    model_dir = str(real_cache / "models" / NAME)
+    own = load_tokenizer(ModelConfig(path=model_dir))
+    tok = load_tokenizer(ModelConfig(path=model_dir, chat_template="hermes"))
+    question = [{"role": "user", "content": "What is 12 * 7? Use the calc tool."}]
+    for conv in (question, [{"role": "system", "content": "Be brief."}, *question]):
+        assert render(tok, conv) == render(own, conv)  # nothing changes for prompts without tools
+    with pytest.raises(ValueError, match="model.chat_template=hermes"):
+        render(own, question, CALC)
+    assert "<tools>" in render(tok, question, CALC) and "named SmolLM" in render(tok, question, CALC)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = LocalEngine(InferenceConfig(seed=0), model=model, tokenizer=tok)
+    engine.initialize()
+    client = OpenAIClient(engine, tok, GenerationConfig(max_new_tokens=48, top_k=0))
+    named = {"type": "function", "function": {"name": "calc"}}
+
+    async def episode() -> list:
+        messages: list = list(question)
+        first = await client.chat.completions.create(
+            model="policy", messages=messages, tools=CALC, tool_choice=named, temperature=0
+        )
+        reply = first.choices[0].message
+        if reply.tool_calls:  # a well-formed call: its result as a tool turn
+            turn = {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "84"}
+        else:  # a malformed one (the untrained model's JSON): the agent answers in a user turn
+            turn = {"role": "user", "content": "calc returned 84."}
+        messages += [reply, turn]
+        await client.chat.completions.create(model="policy", messages=messages, tools=CALC, temperature=0)
+        return messages
+
+    try:
+        messages = asyncio.run(episode())
+    finally:
+        engine.destroy()
+    r0, r1 = client.records
+    prefill = '<tool_call>\n{"name": "calc"'
+    assert r0.prompt_ids == encode(tok, render(tok, question, CALC) + prefill)  # the real tokenizer's ids
+    assert r1.parent is r0 and r1.prompt_ids[: len(r0.prompt_ids) + len(r0.output_ids)] == r0.prompt_ids + r0.output_ids
+    added = tok.decode(r1.prompt_ids[len(r0.prompt_ids) + len(r0.output_ids) :])
+    closing = "" if r0.output_ids[-1] == tok.eos_token_id else "<|im_end|>"  # a length-cut turn is closed
+    body = "<tool_response>\n84\n</tool_response>" if messages[-1]["role"] == "tool" else "calc returned 84."
+    assert added == closing + f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+    print(f"first reply ({r0.stop_reason}, {len(r0.output_ids)} tokens): {tok.decode(r0.output_ids)!r}")
+    row = client.export_trajectories()
+    assert row is not None and row["input_ids"].shape[0] == 1
+    ids, mask = row["input_ids"][0].tolist(), row["loss_mask"][0].tolist()
+    assert ids == r1.prompt_ids + r1.output_ids
+    generated = [i for i, m in enumerate(mask) if m]
+    n0 = len(r0.prompt_ids)
+    assert generated == list(range(n0, n0 + len(r0.output_ids))) + list(range(len(r1.prompt_ids), len(ids)))
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits[:-1], -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = row["logprobs"][0]
+    gaps = (ref[torch.tensor(generated) - 1] - got[torch.tensor(generated)]).abs()
+    assert float(gaps.max()) < 1e-4, float(gaps.max())

@@ -77,6 +77,10 @@ class ModelConfig:
     tokenizer_path: str = f(
         "", help="Tokenizer directory; empty means the model path (or the offline tokenizer for tiny models)."
     )
+    chat_template: str = f(
+        "",
+        help="The chat template prompts are rendered with: empty = the tokenizer's own; 'hermes' / 'llama3' = relayrl's tool-calling templates (for models whose template renders no tools, e.g. SmolLM2; hermes keeps the model's default system prompt); else a Jinja file.",
+    )
     dtype: str = f("float32", help="Parameter dtype.", choices=["float32", "bfloat16", "float16"])
     attn_impl: str = f(
         "auto",

@@ -74,7 +74,7 @@ def render(
     if tools and "tools" not in str(tokenizer.chat_template):
         raise ValueError(
             "the tokenizer's chat template does not render tools (it never reads `tools`); "
-            "use a template with tool support (Hermes / Qwen2.5, Llama-3.1)"
+            "use a template with tool support: model.chat_template=hermes (Hermes / Qwen2.5 format) or llama3"
         )
     text = tokenizer.apply_chat_template(
         typing.cast(list[dict[str, str]], list(messages)),

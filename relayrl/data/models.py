@@ -33,6 +33,7 @@ from transformers.image_processing_utils import BaseImageProcessor
 from relayrl.api.config import ModelConfig
 from relayrl.data.presets import TINY_PRESETS
 from relayrl.data.real_models import resolve_model_path
+from relayrl.data.templates import set_chat_template
 from relayrl.data.vision import (
     VISION_TOKENS,
     VL_PRESETS,
@@ -164,7 +165,13 @@ _PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # how buil
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
-    path = resolve_model_path(cfg.tokenizer_path or cfg.path)
+    """The tokenizer of ``cfg`` with ``model.chat_template`` applied (relayrl.data.templates)."""
+    tok = _load_tokenizer(resolve_model_path(cfg.tokenizer_path or cfg.path))
+    set_chat_template(tok, cfg.chat_template)
+    return tok
+
+
+def _load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     if path in TINY_PRESETS:
         return build_tokenizer()
     if path in VL_PRESETS:

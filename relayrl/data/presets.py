@@ -38,3 +38,5 @@ TINY_PRESETS: dict[str, dict[str, int | str]] = {
 
 # the tiny vision-language presets: name -> the model type built (relayrl.data.vision)
 VL_PRESETS = {"tiny-vl": "qwen2_vl", "tiny-vl2.5": "qwen2_5_vl"}
+
+CHAT_TEMPLATES = ("hermes", "llama3")  # model.chat_template names (relayrl.data.templates)
