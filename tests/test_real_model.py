@@ -303,3 +303,37 @@ def test_a_tool_calling_agent_on_the_real_tokenizer_keeps_the_generated_tokens(r
     got = row["logprobs"][0]
     gaps = (ref[torch.tensor(generated) - 1] - got[torch.tensor(generated)]).abs()
     assert float(gaps.max()) < 1e-4, float(gaps.max())
+
+
+def test_streamed_text_holds_back_a_character_split_across_tokens(real_cache: Path):
+    """SmolLM2's byte-level BPE writes "🙂" and "日" as two tokens each; decoded after the first, the text
+    ends in U+FFFD. A streamed reply (token by token, the real tokenizer) must send each character once,
+    whole: the deltas join to the final content, none carries U+FFFD (before: "naïve 🙂 �", the rest lost)."""
+    import asyncio
+
+    from relayrl.agents import OpenAIClient
+    from relayrl.api.io import GenerationConfig, ModelResponse, StreamChunk
+    from relayrl.data.models import load_tokenizer
+
+    tok = load_tokenizer(ModelConfig(path=str(real_cache / "models" / NAME)))
+    text = "naïve 🙂 日本!"
+    reply = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    assert any("\ufffd" in tok.decode(reply[:k]) for k in range(1, len(reply)))  # the case under test occurs
+
+    class Replay:  # an engine that streams ``reply``, one token a chunk (the detokenization is what is tested)
+        async def astream(self, req):
+            for t in reply:
+                yield StreamChunk(tokens=[t])
+            yield StreamChunk(
+                tokens=[], final=ModelResponse(req.input_ids, reply, [0.0] * len(reply), [0] * len(reply), "stop")
+            )
+
+    client = OpenAIClient(Replay(), tok, GenerationConfig(max_new_tokens=16))
+
+    async def stream() -> list[str]:
+        chunks = client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}], stream=True)
+        return [c.choices[0].delta.content or "" async for c in await chunks if c.choices]
+
+    deltas = asyncio.run(stream())
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas), deltas
+    assert len([d for d in deltas if d]) >= 4  # still token by token, not all at the end

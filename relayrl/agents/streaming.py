@@ -2,12 +2,13 @@
 
 Text goes out as it is decoded, minus what may still turn out not to be content: a tail that
 could begin a stop string (the stop string itself is never sent, as the final text excludes
-it), the stop token, trailing whitespace, and, when tools are on, everything from the tool-call
-marker on (``<tool_call>`` for Hermes; a Llama-3.1 reply that opens with ``{`` or
-``<|python_tag|>``). When the samples are done the call is recorded exactly as without
-streaming (``OpenAIClient.chat_result``) and each choice ends with one chunk carrying the rest
-of its content and its parsed tool calls, then one with ``finish_reason`` (and the logprobs,
-when asked for); with ``stream_options.include_usage`` a last chunk carries the usage.
+it), the stop token, trailing whitespace, a character whose bytes have not all come yet, and,
+when tools are on, everything from the tool-call marker on (``<tool_call>`` for Hermes; a
+Llama-3.1 reply that opens with ``{`` or ``<|python_tag|>``). When the samples are done the call
+is recorded exactly as without streaming (``OpenAIClient.chat_result``) and each choice ends with
+one chunk carrying the rest of its content and its parsed tool calls, then one with
+``finish_reason`` (and the logprobs, when asked for); with ``stream_options.include_usage`` a
+last chunk carries the usage.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def safe_prefix(text: str, stops: list[str], parser: str | None) -> str:
             return ""
     cut = min((j for j in (text.find(m) for m in marks) if j >= 0), default=-1)
     safe = text[:cut] if cut >= 0 else text[: len(text) - _partial(text, marks)]
-    return safe.rstrip()
+    # A byte-level BPE splits a character across tokens ("🙂" is two of SmolLM2's): until its last byte
+    # comes, the decoded text ends in U+FFFD, which the next token replaces; it is held back, not sent.
+    return safe.rstrip("\ufffd").rstrip()
 
 
 def _visible(client: Source, tokens: list[int], g: GenerationConfig) -> str:
