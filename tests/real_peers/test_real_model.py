@@ -14,6 +14,7 @@ the figures they print are in docs/real_models.md.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -21,10 +22,26 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+from relayrl.api.config import InferenceConfig, LoraConfig, ModelConfig
+from relayrl.api.io import GenerationConfig, ModelResponse, WeightUpdate
 from relayrl.data.real_models import pull
-from tests.real_peers.servers import ROOT, peer_env, peer_environ
+from relayrl.inference.remote import RemoteEngine
+from tests.real_peers.servers import (
+    ROOT,
+    RealServer,
+    free_port,
+    gap,
+    peer_env,
+    peer_environ,
+    run,
+    sglang_command,
+    teacher_forced,
+    vllm_command,
+)
 from tests.real_peers.test_train import TOKEN, launch, watch_versions
+from tests.real_peers.test_vllm import LORA, lora_update
 
 pytestmark = [pytest.mark.real_peers, pytest.mark.timeout(2400)]
 
@@ -112,3 +129,116 @@ def test_grpo_through_a_real_server_raises_the_reward(kind, smollm2, tmp_path):
     acc = [r["eval/accuracy_mean"] for r in rows if "eval/accuracy_mean" in r]
     print(f"{kind}: reward per step {[round(x, 3) for x in reward]}; held-out accuracy {acc}")
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.1, reward
+
+
+# ------------------------------------------------------------------ the served model itself (long)
+
+QUESTIONS = ["What is 3 + 8? Reply with just the number.", "Name a color.", "Write one word that rhymes with cat."]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """The pulled checkpoint here, fp32 and eval: what the trainer holds before an update."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2) -> list[list[int]]:
+    from relayrl.data.models import chat_ids, load_tokenizer
+
+    tok = load_tokenizer(ModelConfig(path=str(smollm2)))
+    return [chat_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def serve(kind: str, model: Path, tmp_path: Path, *extra: str, dtype: str = "float32") -> RealServer:
+    env = peer_env(kind)
+    command = vllm_command if kind == "vllm" else sglang_command
+    cmd = [a if a != "float32" else dtype for a in command(env, model, free_port(), *extra)]
+    environ = peer_environ(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True") if kind == "vllm" else peer_environ()
+    return RealServer(kind, cmd, environ, tmp_path / f"{kind}.log", timeout=600).start()
+
+
+def remote(kind: str, server: RealServer, sync: str, tmp_path: Path) -> RemoteEngine:
+    cfg = InferenceConfig(backend="remote", protocol=kind, weight_sync="disk" if sync == "adapter" else sync,
+                          weight_sync_dir=str(tmp_path / "w"), health_interval=0.2, request_timeout=300,
+                          max_retries=10, batch_window_ms=0)  # fmt: skip
+    lora = LoraConfig(rank=8, sync="adapter") if sync == "adapter" else LoraConfig()
+    eng = RemoteEngine(cfg, addresses=[server.address], model=ModelConfig(lora=lora))
+    eng.initialize()
+    return eng
+
+
+def follows_greedily(model: torch.nn.Module, out: ModelResponse) -> None:
+    """Each of ``out``'s tokens is ``model``'s argmax after the prefix before it, or within 1e-4 of it in
+    logprob (a near tie that fp32 kernels may break either way)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([out.input_tokens + out.output_tokens])).logits[0].float()
+    logp = torch.log_softmax(logits[len(out.input_tokens) - 1 : -1], -1)
+    chosen = logp[torch.arange(len(out.output_tokens)), torch.tensor(out.output_tokens)]
+    assert bool((logp.max(-1).values - chosen <= 1e-4).all()), (logp.max(-1).values - chosen).max()
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(
+    ("kind", "sync"), [("sglang", "broadcast"), ("sglang", "disk"), ("vllm", "disk"), ("vllm", "adapter")]
+)
+def test_the_served_greedy_output_follows_the_trainers_weights(kind, sync, smollm2, reference, chat_prompts, tmp_path):
+    """SmolLM2 served in fp32; the trainer's weights change (every weight perturbed, or a rank-8 LoRA
+    adapter on every projection) and are pushed by ``sync``: the served greedy output changes, and before
+    and after it is the greedy output of the weights the trainer holds, token by token."""
+    server = serve(kind, smollm2, tmp_path, *(LORA if sync == "adapter" else ()))
+    eng = remote(kind, server, sync, tmp_path)
+    g = GenerationConfig(max_new_tokens=16, greedy=True, ignore_eos=True)
+    try:
+        before = run(eng, [(p, g) for p in chat_prompts], prefix="before-")
+        if sync == "adapter":
+            update, new = lora_update(reference, version=1, seed=1)
+        else:
+            torch.manual_seed(0)
+            new = copy.deepcopy(reference)
+            with torch.no_grad():
+                for p in new.parameters():
+                    p.add_(torch.randn_like(p) * 0.05 * p.std())
+            update = WeightUpdate(kind="tensors", version=1, tensors=new.state_dict())
+        eng.update_weights(update)
+        after = run(eng, [(p, g) for p in chat_prompts], prefix="after-")
+    finally:
+        eng.destroy()
+        server.stop()
+    assert any(a.output_tokens != b.output_tokens for a, b in zip(after, before, strict=True))
+    for out in before:
+        follows_greedily(reference, out)
+    for out in after:
+        follows_greedily(new, out)
+        assert out.output_versions == [1] * 16
+    gaps = [gap(new, o, 1.0) for o in after]
+    changed = sum(a.output_tokens != b.output_tokens for a, b in zip(after, before, strict=True))
+    print(f"{kind} {sync}: greedy changed on {changed}/3 prompts; |Δ logprob| after the update, max {max(gaps):.2e}")
+    assert max(gaps) <= FP32_TOL
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_bf16_serving_logprob_gap(kind, smollm2, reference, chat_prompts, tmp_path):
+    """SmolLM2 served in bf16, 3 prompts x 4 samples x 32 tokens at T=1: each token's logprob against the
+    trainer's teacher-forced forward in bf16 and in fp32 (mean and max |Δ| printed: docs/real_models.md).
+    Bounds are loose (bf16 keeps 8 bits of mantissa): a wrong weight or a wrong position is off by far more."""
+    server = serve(kind, smollm2, tmp_path, dtype="bfloat16")
+    eng = remote(kind, server, "disk", tmp_path)
+    g = GenerationConfig(max_new_tokens=32, temperature=1.0, ignore_eos=True)
+    try:
+        outs = run(eng, [(p, g) for p in chat_prompts for _ in range(4)])
+    finally:
+        eng.destroy()
+        server.stop()
+    bf16 = copy.deepcopy(reference).to(torch.bfloat16)
+    for name, model in (("bf16", bf16), ("fp32", reference)):
+        diffs = torch.cat(
+            [(teacher_forced(model, o.input_tokens, o.output_tokens, 1.0) - torch.tensor(o.output_logprobs)).abs()
+             for o in outs]
+        )  # fmt: skip
+        print(f"{kind} bf16 server vs the trainer's {name} forward: |Δ logprob| mean {diffs.mean():.4f}, "
+              f"max {diffs.max():.4f} over {diffs.numel()} tokens")  # fmt: skip
+        assert float(diffs.mean()) < 0.1 and float(diffs.max()) < 2.0
