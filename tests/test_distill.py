@@ -210,6 +210,14 @@ def test_distillation_needs_a_teacher_and_a_shared_vocabulary(tmp_path: Path) ->
         train(load_config(RunConfig, None, over))
     with pytest.raises(ConfigError, match=r"actor.teacher.path='/no/such/dir': no such directory"):
         train(load_config(RunConfig, None, [f"run_dir={tmp_path}", "actor.teacher.path=/no/such/dir"]))
+    with pytest.raises(ConfigError, match=r"actor.teacher.path and actor.teacher.url are exclusive"):
+        load_config(
+            RunConfig, None, ["actor.teacher.path=tiny", "actor.teacher.url=127.0.0.1:1", "actor.teacher.top_k=5"]
+        )
+    with pytest.raises(
+        ConfigError, match=r"actor.teacher.url gives the server.s top-k logprobs: set actor.teacher.top_k >= 1"
+    ):
+        load_config(RunConfig, None, ["actor.teacher.url=127.0.0.1:1"])
 
 
 def test_trainer_distills_from_a_checkpoint_teacher(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ algorithm of your own: a backend-agnostic actor plus whatever engine runs it.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.lmhead import token_stats_loss
 from relayrl.train.mismatch import correction_weights, mismatch_metrics
 from relayrl.train.packing import segment_ids, token_entropy, token_logprobs, unpack
+from relayrl.train.teacher_server import server_teacher_targets
 from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats as tracker
 
@@ -192,11 +194,19 @@ class PPOActor:
         return self.ref_engine.forward(self._routing(batch, replay=False), temperature=self.temperature)
 
     def fill_teacher(self, batch: TensorDict) -> None:
-        """Distillation: the local teacher's ``teacher_logp`` (and ``teacher_ids``) for ``batch``, unless the
-        batch already carries them (a workflow's server teacher) or distillation is off."""
-        if self.needs_teacher and self.teacher_engine is not None and "teacher_logp" not in batch:
+        """Distillation: the teacher's ``teacher_logp`` (and ``teacher_ids``) for ``batch`` from the local teacher
+        or the served one (``actor.teacher.url``), unless the batch already carries them (a workflow's own
+        teacher) or distillation is off."""
+        if not self.needs_teacher or "teacher_logp" in batch:
+            return
+        teacher = self.config.teacher
+        if teacher.url:  # a served teacher: its top-k logprobs of each row's tokens
+            key = os.environ.get(teacher.api_key_env, "") if teacher.api_key_env else ""
+            batch.update(server_teacher_targets(batch, teacher.url, teacher.protocol, teacher.top_k,
+                                                self.temperature, teacher.timeout, key))  # fmt: skip
+        elif self.teacher_engine is not None:
             routed = self._routing(batch, replay=False)
-            batch.update(teacher_targets(self.teacher_engine, routed, self.config.teacher.top_k, self.temperature))
+            batch.update(teacher_targets(self.teacher_engine, routed, teacher.top_k, self.temperature))
 
     def _routing(self, batch: TensorDict, replay: bool | None = None) -> TensorDict:
         """The batch as the train engine should see it: without ``routed_experts`` unless routing is

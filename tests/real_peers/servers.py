@@ -211,3 +211,26 @@ def check_versions(results: list[ModelResponse], models: dict[int, torch.nn.Modu
             for i in (i for i, x in enumerate(v) if x == version):
                 assert abs(float(want[i]) - o.output_logprobs[i]) <= TOL, (i, version)
     assert any(len(set(o.output_versions)) > 1 for o in results)
+
+
+def check_teacher_server(url: str, protocol: str, model: torch.nn.Module) -> None:
+    """Distillation's served teacher (``actor.teacher.url``): the server's top-5 logprobs of each row's
+    positions are a teacher-forced forward's top 5 (the same ids, logprobs within 1e-4), zeros at each
+    row's first token and padding; at temperature 0.5 the logprobs are the server's over 0.5."""
+    from relayrl.train.teacher_server import server_teacher_targets
+
+    rows = [p + [40 + i, 41, 42 + 2 * i] * (i + 1) for i, p in enumerate(prompts(3))]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.bool)
+    got = server_teacher_targets({"input_ids": ids, "attention_mask": mask}, url, protocol, 5, 1.0)
+    for i, r in enumerate(rows):
+        with torch.inference_mode():
+            logp = torch.log_softmax(model(torch.tensor([r])).logits[0].float(), -1)
+        n, dist = len(r), logp[:-1]  # position t + 1 is drawn from the distribution after token t
+        served_ids, served = got["teacher_ids"][i, 1:n], got["teacher_logp"][i, 1:n]
+        assert (dist.gather(-1, served_ids) - served).abs().max() <= 1e-4  # each id's own logprob (ties: any order)
+        assert (dist.topk(5, -1).values - served).abs().max() <= 1e-4  # and they are the top 5
+        assert not got["teacher_logp"][i, 0].any() and not got["teacher_logp"][i, n:].any()
+    half = server_teacher_targets({"input_ids": ids, "attention_mask": mask}, url, protocol, 5, 0.5)
+    assert torch.allclose(half["teacher_logp"], got["teacher_logp"] / 0.5)

@@ -17,6 +17,7 @@ from relayrl.inference.remote import RemoteEngine
 from tests.real_peers.servers import (
     TOL,
     RealServer,
+    check_teacher_server,
     check_versions,
     free_port,
     gap,
@@ -171,3 +172,35 @@ def test_kill_9_and_readmission_over_broadcast(sglang, served_model):
         assert gap(new, out, 1.0) <= TOL and out.output_versions == [2] * 8
     finally:
         eng.destroy()
+
+
+def test_a_distillation_teacher_on_sglang_gives_the_forward_top_k(sglang, served_model):
+    check_teacher_server(sglang.url, "sglang", served_model)
+
+
+def test_the_trainer_distills_from_a_teacher_on_sglang_as_from_the_same_teacher_loaded_locally(
+    sglang, tiny_dir, tmp_path
+):
+    """``actor.loss=distill actor.teacher.url=<SGLang> actor.teacher.top_k=5``: the student (the tiny model
+    at another seed) samples locally and the served model scores its tokens. The run is the run with the
+    same model as a local teacher (``actor.teacher.path``, top 5): the same KL at every step, to the
+    server's 1e-5 logprob gap."""
+    import json
+
+    from relayrl.api.config import RunConfig, load_config
+    from relayrl.trainer import train
+
+    def distill(teacher: str, run_dir) -> list[float]:
+        over = [f"run_dir={run_dir}", "seed=1", "actor.loss=distill", teacher, "actor.teacher.top_k=5",
+                "rollout.batch_size=4", "rollout.group_size=2", "gconfig.max_new_tokens=6", "data.n_train=32",
+                "data.n_eval=4", "total_steps=3", "train.optimizer.lr=1e-4", "logging.tensorboard=false",
+                "logging.progress=off", "checkpoint.save_final=false", "eval.gconfig.max_new_tokens=6"]  # fmt: skip
+        train(load_config(RunConfig, None, over))
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [r["actor/distill_kl"] for r in rows if "actor/distill_kl" in r]
+
+    served = distill(f"actor.teacher.url={sglang.address}", tmp_path / "served")
+    local = distill(f"actor.teacher.path={tiny_dir}", tmp_path / "local")
+    print(f"distilling from SGLang (top 5): actor/distill_kl per step {served}; from the local teacher {local}")
+    assert len(served) == 3 and served[0] > 0.01
+    assert served == pytest.approx(local, rel=1e-3)

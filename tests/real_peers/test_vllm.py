@@ -25,6 +25,7 @@ from relayrl.inference.remote import RemoteEngine
 from tests.real_peers.servers import (
     TOL,
     RealServer,
+    check_teacher_server,
     check_versions,
     free_port,
     gap,
@@ -296,3 +297,7 @@ def test_kill_9_during_an_update_then_readmission_without_lora(vllm, served_mode
     finally:
         auto.destroy()
     assert re.search(r"/v1/load_lora_adapter", json.dumps(httpx.get(vllm.url + "/openapi.json").json()["paths"]))
+
+
+def test_a_distillation_teacher_on_vllm_gives_the_forward_top_k(vllm, served_model):
+    check_teacher_server(vllm.url, "vllm", served_model)
