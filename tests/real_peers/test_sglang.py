@@ -183,7 +183,7 @@ def test_the_trainer_distills_from_a_teacher_on_sglang_as_from_the_same_teacher_
 ):
     """``actor.loss=distill actor.teacher.url=<SGLang> actor.teacher.top_k=5``: the student (the tiny model
     at another seed) samples locally and the served model scores its tokens. The run is the run with the
-    same model as a local teacher (``actor.teacher.path``, top 5): the same KL at every step, to the
+    same model as a local teacher (``actor.teacher.path``, top 5): the same KL at both steps, to the
     server's 1e-5 logprob gap."""
     import json
 
@@ -193,7 +193,7 @@ def test_the_trainer_distills_from_a_teacher_on_sglang_as_from_the_same_teacher_
     def distill(teacher: str, run_dir) -> list[float]:
         over = [f"run_dir={run_dir}", "seed=1", "actor.loss=distill", teacher, "actor.teacher.top_k=5",
                 "rollout.batch_size=4", "rollout.group_size=2", "gconfig.max_new_tokens=6", "data.n_train=32",
-                "data.n_eval=4", "total_steps=3", "train.optimizer.lr=1e-4", "logging.tensorboard=false",
+                "data.n_eval=4", "total_steps=2", "train.optimizer.lr=1e-4", "logging.tensorboard=false",
                 "logging.progress=off", "checkpoint.save_final=false", "eval.gconfig.max_new_tokens=6"]  # fmt: skip
         train(load_config(RunConfig, None, over))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -202,5 +202,5 @@ def test_the_trainer_distills_from_a_teacher_on_sglang_as_from_the_same_teacher_
     served = distill(f"actor.teacher.url={sglang.address}", tmp_path / "served")
     local = distill(f"actor.teacher.path={tiny_dir}", tmp_path / "local")
     print(f"distilling from SGLang (top 5): actor/distill_kl per step {served}; from the local teacher {local}")
-    assert len(served) == 3 and served[0] > 0.01
+    assert len(served) == 2 and served[0] > 0.01
     assert served == pytest.approx(local, rel=1e-3)
