@@ -122,21 +122,44 @@ def check_steps(metric_rows: list[dict], total_steps: int, eta: int, batch_size:
 # ----------------------------------------------------------------------------------------
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["relayrl.trainer", "relayrl.cli"])
+# (the same preload as tests/peers' stand-ins: one forkserver per process serves both)
+_CTX.set_forkserver_preload(["relayrl.trainer", "relayrl.cli", "relayrl.inference.local", "fastapi", "uvicorn"])
 
 
-def _cli_main(argv: list[str], log: str) -> None:
+def _cli_main(
+    argv: list[str], log: str, err: str | None, cwd: str | None, env: dict[str, str] | None, session: bool
+) -> None:
+    import signal
+
+    # As a terminal starts a command: SIGINT raises KeyboardInterrupt (the forkserver's children inherit
+    # SIG_IGN when the suite runs in the background), in its own session if asked (Ctrl-C to the group).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if session:
+        os.setsid()
+    if cwd is not None:
+        os.chdir(cwd)
+    os.environ.update(env or {})
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND) if err else fd, 2)
     from relayrl.cli import main
 
     sys.exit(main(argv))
 
 
-def start_cli(argv: list[str], log: Path) -> mp.Process:
-    """``relayrl ARGV`` in a fresh process, stdout and stderr appended to ``log``."""
+def start_cli(
+    argv: list[str],
+    log: Path,
+    *,
+    err: Path | None = None,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    session: bool = False,
+) -> mp.Process:
+    """``relayrl ARGV`` in a fresh process, stdout and stderr appended to ``log`` (stderr to ``err`` if given),
+    run from ``cwd`` with ``env`` added to the environment, in a new session if ``session``."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = _CTX.Process(target=_cli_main, args=(argv, str(log)))
+    args = (argv, str(log), err and str(err), cwd and str(cwd), env, session)
+    proc = _CTX.Process(target=_cli_main, args=args)
     proc.start()
     return proc
