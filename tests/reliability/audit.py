@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -163,3 +165,19 @@ def start_cli(
     proc = _CTX.Process(target=_cli_main, args=args)
     proc.start()
     return proc
+
+
+def run_cli(
+    argv: list[str], *, cwd: str | Path | None = None, env: dict[str, str] | None = None, timeout: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """``relayrl ARGV`` run to its end by ``start_cli``: its exit status, stdout and stderr, as ``subprocess.run``
+    gives them (stdout and stderr go through files, removed afterwards)."""
+    with tempfile.TemporaryDirectory(prefix="relayrl-cli.") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        proc = start_cli(argv, out, err=err, cwd=cwd, env=env)
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["relayrl", *argv], timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(["relayrl", *argv], proc.exitcode, out.read_text(), err.read_text())
