@@ -161,6 +161,9 @@ def start_cli(
     """``relayrl ARGV`` in a fresh process, stdout and stderr appended to ``log`` (stderr to ``err`` if given),
     run from ``cwd`` with ``env`` added to the environment, in a new session if ``session``."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    for f in (log, err):  # there from the start, for a caller that polls them
+        if f is not None:
+            f.touch()
     args = (argv, str(log), err and str(err), cwd and str(cwd), env, session)
     proc = _CTX.Process(target=_cli_main, args=args)
     proc.start()
