@@ -120,7 +120,7 @@ def check_steps(metric_rows: list[dict], total_steps: int, eta: int, batch_size:
 
 # ----------------------------------------------------------------------------------------
 # Trainer processes: `relayrl train` run in a child of a forkserver that has already
-# imported relayrl (saves ~4 s of imports per start); SIGKILL reaches it like any process.
+# imported relayrl (saves ~10 s of imports per start); SIGKILL reaches it like any process.
 # ----------------------------------------------------------------------------------------
 
 _CTX = mp.get_context("forkserver")
