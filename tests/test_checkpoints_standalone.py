@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
+import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -22,8 +23,8 @@ from relayrl.api.config import ModelConfig, RunConfig, load_config
 from relayrl.data.models import load_tokenizer, vision_processor
 from relayrl.data.vision import build_image_processor
 from relayrl.trainer import train
+from tests.reliability.audit import run_cli, start_cli
 
-RELAYRL = Path(sys.executable).with_name("relayrl")
 WARM = Path(__file__).parent / "data" / "demo_sft"
 MESSAGES = [{"role": "user", "content": "12+34="}]
 EVAL = ["data.n_eval=8", "eval.n_samples=1"]  # greedy (eval's default): the same weights score the same
@@ -74,30 +75,28 @@ def _takes_it_as_is(ckpt: Path) -> str:
     assert tok.vocab_size == run_tok.vocab_size
     ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
     assert ids == run_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
-    proc = subprocess.Popen(
-        [str(RELAYRL), "serve", "--model", str(ckpt), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    log = Path(tempfile.mkdtemp(prefix="relayrl-serve.")) / "out"
+    proc = start_cli(["serve", "--model", str(ckpt), "--port", "0"], log)  # a real process, the trainer pre-imported
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "listening on" in line, proc.stderr.read() if proc.poll() is not None else line
-        url = line.split("listening on")[1].strip()
+        deadline = time.monotonic() + 120
+        while "listening on" not in (text := log.read_text() if log.exists() else ""):
+            assert proc.exitcode is None and time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.05)
+        url = text.split("listening on")[1].split()[0].strip()
         body = {"model": "m", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         answer = r.json()["choices"][0]["message"]["content"]
     finally:
         proc.terminate()
-        proc.communicate(timeout=30)
+        proc.join(timeout=30)
+        shutil.rmtree(log.parent)
     assert answer == _greedy_answer(ckpt)
     return answer
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([str(RELAYRL), *args], capture_output=True, text=True, timeout=300)
+    p = run_cli(list(args))  # `relayrl ARGS` in a process forked with the trainer imported
     assert p.returncode == 0, p.stderr[-2000:]
     return p
 

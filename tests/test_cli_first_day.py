@@ -30,6 +30,14 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
     return subprocess.run([RELAYRL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def _forked(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``relayrl ARGS`` as ``_run``, in a process forked with the trainer already imported (the same
+    ``relayrl.cli.main`` the console script calls; the tests of what the script itself does use ``_run``)."""
+    from tests.reliability.audit import run_cli
+
+    return run_cli(args, cwd=cwd, timeout=timeout)
+
+
 def _one_line(p: subprocess.CompletedProcess[str], *names: str) -> None:
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
@@ -65,12 +73,12 @@ def test_environment_errors_are_one_line(tmp_path, args, names):
 
         if torch.cuda.is_available():
             pytest.skip("this machine has a CUDA device")
-    _one_line(_run(args, tmp_path, timeout=120), *names)
+    _one_line(_forked(args, tmp_path, timeout=120), *names)
 
 
 def test_bad_yaml_names_line_and_column(tmp_path):
     (tmp_path / "run.yaml").write_text("total_steps: 3\nrollout: {batch_size: 2\nseed: 1\n")
-    _one_line(_run(["train", "run.yaml"], tmp_path, timeout=60), "run.yaml", "line 3, column 5")
+    _one_line(_forked(["train", "run.yaml"], tmp_path, timeout=60), "run.yaml", "line 3, column 5")
 
 
 def test_busy_port_names_the_port(tmp_path):
@@ -78,14 +86,14 @@ def test_busy_port_names_the_port(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        _one_line(_run(["serve", "--model", "tiny", "--port", str(port)], tmp_path, 120), f"port={port}", "--port")
+        _one_line(_forked(["serve", "--model", "tiny", "--port", str(port)], tmp_path, 120), f"port={port}", "--port")
 
 
 def test_filter_exhaustion_is_one_line_and_debug_shows_the_traceback(tmp_path):
     # A random model never answers 2-digit sums: every group has equal rewards and is filtered.
     args = ["train", *FAST, "rollout.dynamic_filter=true", "rollout.filter_patience=1", f"run_dir={tmp_path / 'r'}"]
-    _one_line(_run(args, tmp_path), "groups in a row were filtered", "rollout.filter_patience")
-    p = _run([*args, "--debug"], tmp_path)
+    _one_line(_forked(args, tmp_path), "groups in a row were filtered", "rollout.filter_patience")
+    p = _forked([*args, "--debug"], tmp_path)
     assert p.returncode == 1 and "Traceback" in p.stderr and "FilterExhausted" in p.stderr
 
 

@@ -320,12 +320,10 @@ def test_exported_page_works_from_files_and_screenshot_shows_tokens_and_curves(
 @pytest.mark.slow
 def test_the_demo_run_shows_its_rollouts_token_by_token(browser, tmp_path: Path) -> None:
     """The README's promise: `relayrl inspect runs/demo/grpo` after the demo (here its --quick run)."""
-    demo = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "demo", "--quick", "--run-dir", str(tmp_path / "demo")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    from tests.reliability.audit import run_cli
+
+    # `relayrl demo --quick` in a real process forked with the trainer imported (~10 s of imports saved)
+    demo = run_cli(["demo", "--quick", "--run-dir", str(tmp_path / "demo")], timeout=600)
     assert demo.returncode == 0, demo.stderr[-2000:]
     refused = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", "inspect", str(tmp_path / "demo")], capture_output=True, text=True

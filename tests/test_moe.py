@@ -301,24 +301,27 @@ def test_serve_returns_routed_experts_in_sglangs_format(tmp_path):
     """`relayrl serve` on a Qwen3-MoE checkpoint: ``return_routed_experts`` gives base64 int32
     ``[prompt + output - 1, layers, top_k]`` (single and batch form, per item), equal to the
     experts a plain forward of the checkpoint picks."""
-    import subprocess
-    import sys
+    import time
 
     import httpx
     from transformers import AutoModelForCausalLM
 
     from relayrl.data.families import save_tiny_family
+    from relayrl.inference.server import LISTEN_PREFIX
     from relayrl.utils.moe import decode_routed_experts
-    from tests.test_local_engine_memory import _wait_listening
+    from tests.reliability.audit import start_cli
 
     path = save_tiny_family("qwen3_moe", tmp_path / "moe", seed=1)
-    cmd = [sys.executable, "-m", "relayrl.cli", "serve", "--model", str(path), "--device", "cpu", "--port", "0"]
-    proc = subprocess.Popen(
-        [*cmd, "model.tokenizer_path=tiny"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
+    argv = ["serve", "--model", str(path), "--device", "cpu", "--port", "0", "model.tokenizer_path=tiny"]
+    log = tmp_path / "serve.log"
+    proc = start_cli(argv, log)  # `relayrl serve` in a real process forked with the trainer imported
     sp = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
     try:
-        url = _wait_listening(proc)
+        deadline = time.monotonic() + 120
+        while not (up := [ln for ln in log.read_text().splitlines() if ln.startswith(LISTEN_PREFIX)]):
+            assert proc.exitcode is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        url = up[0].strip()[len(LISTEN_PREFIX) :]
         one = httpx.post(
             url + "/generate",
             json={"input_ids": PROMPTS[0], "sampling_params": sp, "return_routed_experts": True},
@@ -332,7 +335,7 @@ def test_serve_returns_routed_experts_in_sglangs_format(tmp_path):
         remote = remote_generate(url.removeprefix("http://"))
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.join(timeout=30)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert "routed_experts" not in many[0]["meta_info"]
     for prompt, reply in ((PROMPTS[0], one), (PROMPTS[2], many[1])):

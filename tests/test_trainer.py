@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from relayrl.api.config import RunConfig, load_config
 from relayrl.trainer import train
+from tests.reliability.audit import run_cli, start_cli
 
 WARM = Path(__file__).parent / "data" / "demo_sft"  # an SFT warm start that answers some sums right
 
@@ -94,10 +95,9 @@ def test_modes_train_and_respect_staleness(tmp_path: Path, mode: list[str]) -> N
 
 
 def _run_cli(run_dir: Path, *extra: str, kill_after_ckpt: int | None = None) -> subprocess.CompletedProcess[str] | None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "relayrl.cli",
+    """``relayrl train`` in a real process (forked with the trainer imported), to its end or SIGKILLed
+    once step ``kill_after_ckpt``'s checkpoint exists."""
+    argv = [
         "train",
         f"run_dir={run_dir}",
         *FAST,
@@ -107,17 +107,19 @@ def _run_cli(run_dir: Path, *extra: str, kill_after_ckpt: int | None = None) -> 
         "rollout.max_staleness=0",
         *extra,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     if kill_after_ckpt is None:
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, check=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        p = run_cli(argv, timeout=400)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p
+    log = run_dir.parent / f"{run_dir.name}.log"
+    proc = start_cli(argv, log)
     target = run_dir / "checkpoints" / f"step_{kill_after_ckpt:06d}"
     deadline = time.monotonic() + 300
-    while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not target.exists() and proc.exitcode is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert proc.poll() is None, f"trainer ended before it could be killed:\n{proc.stdout.read() if proc.stdout else ''}"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.exitcode is None, f"trainer ended before it could be killed:\n{log.read_text()}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
     return None
 
 
@@ -148,10 +150,7 @@ def test_ctrl_c_saves_a_final_checkpoint_and_stops_the_servers(tmp_path: Path) -
     import psutil
 
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "relayrl.cli",
+    argv = [
         "train",
         f"run_dir={run}",
         *FAST,
@@ -161,27 +160,20 @@ def test_ctrl_c_saves_a_final_checkpoint_and_stops_the_servers(tmp_path: Path) -
         "inference.backend=remote",
         "inference.n_servers=1",
     ]
-    # SIG_DFL in the child: a suite started in the background (`cmd &`) ignores SIGINT, and Python
-    # then never turns it into KeyboardInterrupt
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    log = tmp_path / "train.log"
+    proc = start_cli(argv, log)  # a real process (forked with the trainer imported); SIGINT raises KeyboardInterrupt
     deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline:
+    while proc.exitcode is None and time.monotonic() < deadline:
         if (run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2:
             break
         time.sleep(0.1)
-    assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+    assert proc.exitcode is None, log.read_text()[-3000:]
     servers = psutil.Process(proc.pid).children(recursive=True)
     assert any("serve" in " ".join(c.cmdline()) for c in servers)
-    proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130 and "relayrl train: stopped by SIGINT after step" in out, out[-3000:]
+    os.kill(proc.pid, signal.SIGINT)
+    proc.join(timeout=120)
+    out = log.read_text()
+    assert proc.exitcode == 130 and "relayrl train: stopped by SIGINT after step" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     step = int(out.split("stopped by SIGINT after step ")[1].split(";")[0])
     assert step >= 2 and (run / "checkpoints" / f"step_{step:06d}" / "actor" / "model.safetensors").exists()
@@ -272,20 +264,13 @@ def test_eval_cli_scores_a_run_directorys_latest_checkpoint(tmp_path: Path) -> N
     train(cfg)
     in_run = {k: v for k, v in _metrics(cfg.run_dir)[-1].items() if k.startswith("eval/")}
     shutil.rmtree(base)
-    out = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir], capture_output=True, text=True, timeout=300
-    )
+    out = run_cli(["eval", cfg.run_dir])  # a real process, forked with the trainer imported
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result.pop("model").endswith("checkpoints/step_000002/actor")  # the trained policy, not the start
     assert result == in_run and result["eval/n_prompts"] == 6.0 and result["eval/failed"] == 0.0
     assert 1 / 6 <= result["eval/accuracy"] <= 3 / 6  # measured 2/6: the warm start's skill, not a random model's 0
-    bad = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "eval", cfg.run_dir, "eval.n_samples=0"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    bad = run_cli(["eval", cfg.run_dir, "eval.n_samples=0"])
     assert bad.returncode == 2 and "eval.n_samples=0 is out of range" in bad.stderr
 
 
@@ -305,14 +290,8 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path) -> None:
         "train.optimizer.lr_schedule=cosine",
         "train.optimizer.min_lr_ratio=0.1",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "train", f"run_dir={tmp_path / 'one'}", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    env = {"OMP_NUM_THREADS": "1"}
+    one = run_cli(["train", f"run_dir={tmp_path / 'one'}", *args], env=env, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run(
         [
@@ -331,7 +310,7 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=600,
-        env=env,
+        env={**os.environ, **env},
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert len([line for line in two.stdout.splitlines() if line.startswith("{")]) == 1  # the driver's summary only

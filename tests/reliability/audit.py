@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -118,25 +120,67 @@ def check_steps(metric_rows: list[dict], total_steps: int, eta: int, batch_size:
 
 # ----------------------------------------------------------------------------------------
 # Trainer processes: `relayrl train` run in a child of a forkserver that has already
-# imported relayrl (saves ~4 s of imports per start); SIGKILL reaches it like any process.
+# imported relayrl (saves ~10 s of imports per start); SIGKILL reaches it like any process.
 # ----------------------------------------------------------------------------------------
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["relayrl.trainer", "relayrl.cli"])
+# (the same preload as tests/peers' stand-ins: one forkserver per process serves both)
+_CTX.set_forkserver_preload(["relayrl.trainer", "relayrl.cli", "relayrl.inference.local", "fastapi", "uvicorn"])
 
 
-def _cli_main(argv: list[str], log: str) -> None:
+def _cli_main(
+    argv: list[str], log: str, err: str | None, cwd: str | None, env: dict[str, str] | None, session: bool
+) -> None:
+    import signal
+
+    # As a terminal starts a command: SIGINT raises KeyboardInterrupt (the forkserver's children inherit
+    # SIG_IGN when the suite runs in the background), in its own session if asked (Ctrl-C to the group).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if session:
+        os.setsid()
+    if cwd is not None:
+        os.chdir(cwd)
+    os.environ.update(env or {})
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND) if err else fd, 2)
     from relayrl.cli import main
 
     sys.exit(main(argv))
 
 
-def start_cli(argv: list[str], log: Path) -> mp.Process:
-    """``relayrl ARGV`` in a fresh process, stdout and stderr appended to ``log``."""
+def start_cli(
+    argv: list[str],
+    log: Path,
+    *,
+    err: Path | None = None,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    session: bool = False,
+) -> mp.Process:
+    """``relayrl ARGV`` in a fresh process, stdout and stderr appended to ``log`` (stderr to ``err`` if given),
+    run from ``cwd`` with ``env`` added to the environment, in a new session if ``session``."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = _CTX.Process(target=_cli_main, args=(argv, str(log)))
+    for f in (log, err):  # there from the start, for a caller that polls them
+        if f is not None:
+            f.touch()
+    args = (argv, str(log), err and str(err), cwd and str(cwd), env, session)
+    proc = _CTX.Process(target=_cli_main, args=args)
     proc.start()
     return proc
+
+
+def run_cli(
+    argv: list[str], *, cwd: str | Path | None = None, env: dict[str, str] | None = None, timeout: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """``relayrl ARGV`` run to its end by ``start_cli``: its exit status, stdout and stderr, as ``subprocess.run``
+    gives them (stdout and stderr go through files, removed afterwards)."""
+    with tempfile.TemporaryDirectory(prefix="relayrl-cli.") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        proc = start_cli(argv, out, err=err, cwd=cwd, env=env)
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["relayrl", *argv], timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(["relayrl", *argv], proc.exitcode, out.read_text(), err.read_text())

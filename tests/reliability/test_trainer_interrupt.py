@@ -1,4 +1,6 @@
-"""Ctrl-C / SIGTERM to a real ``relayrl train`` (the console script, a subprocess), then ``--recover``.
+"""Ctrl-C / SIGTERM to a real ``relayrl train`` process, then ``--recover``: the runs are children of
+``audit.start_cli``'s forkserver (the trainer imported once; the console script calls the same
+``relayrl.cli.main``, and tests/test_cli_first_day.py runs the script itself).
 
 The signal lands in rollout (sent by the run's reward function), inside the update (sent by its
 loss, between optimizer steps), in the weight push (sent while the generator loads the pushed
@@ -13,18 +15,15 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from audit import FAST, audit_prompts, check_steps, latest_state, metrics_rows, train_rows_of
+from audit import FAST, audit_prompts, check_steps, latest_state, metrics_rows, start_cli, train_rows_of
 from safetensors.torch import load_file
 
 HERE = Path(__file__).parent
-RELAYRL = Path(sys.executable).with_name("relayrl")  # the console script, as a user runs it
 T = 6
 # checkpoint.every_n_steps=0: the only checkpoint before the end is the one the interrupt writes.
 COMMON = [
@@ -42,28 +41,41 @@ COMPARED = ("actor/", "rollout/reward", "rollout/completion_len", "version", "pr
 GENERATOR_SIDE = ("actor/behav_kl",)
 
 
-def _start(run_dir: Path, args: list[str], signal_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, **(signal_env or {})}
-    return subprocess.Popen(
-        [str(RELAYRL), "train", f"run_dir={run_dir}", *args],
-        cwd=HERE,  # signal_hooks imports from the working directory, as user code does
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # SIG_DFL in the child, as a terminal gives it: a suite started in the background (`cmd &`,
-        # CI) ignores SIGINT, its children inherit that, and the signal sent in set-up was lost
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+class _Run:
+    """A ``relayrl train`` started by ``start_cli``: a real process (signals reach it as any other), forked
+    from a server that has already imported the trainer, so each run skips ~10 s of imports."""
+
+    def __init__(
+        self, run_dir: Path, args: list[str], signal_env: dict[str, str] | None = None, session: bool = False
+    ) -> None:
+        self.err = run_dir.parent / f"{run_dir.name}.{len(list(run_dir.parent.glob(run_dir.name + '.*.err')))}.err"
+        self.proc = start_cli(
+            ["train", f"run_dir={run_dir}", *args],
+            self.err.with_suffix(".out"),
+            err=self.err,
+            cwd=HERE,  # signal_hooks imports from the working directory, as user code does
+            env=signal_env,
+            session=session,
+        )
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def send_signal(self, sig: signal.Signals) -> None:
+        os.kill(self.proc.pid, sig)
 
 
-def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-    return proc.returncode, err
+def _start(run_dir: Path, args: list[str], signal_env: dict[str, str] | None = None, session: bool = False) -> _Run:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return _Run(run_dir, args, signal_env, session)
+
+
+def _finish(run: _Run) -> tuple[int, str]:
+    run.proc.join(timeout=300)
+    if run.proc.exitcode is None:
+        run.proc.kill()
+        run.proc.join()
+    return run.proc.exitcode, run.err.read_text()
 
 
 def _train(run_dir: Path, args: list[str]) -> str:
@@ -169,7 +181,7 @@ def test_signal_after_the_last_step_says_the_final_checkpoint_is_complete(tmp_pa
     _check_resume(run, straight)
 
 
-def _rows_seen(proc: subprocess.Popen[str], run: Path, n: int) -> list[float]:
+def _rows_seen(proc: _Run, run: Path, n: int) -> list[float]:
     """Wait until the run has logged ``n`` step rows (or ended); the times each new count was first seen."""
     seen: list[float] = []
     deadline = time.monotonic() + 240
@@ -239,15 +251,12 @@ def test_ctrl_c_in_a_terminal_with_reward_workers_is_one_line(tmp_path, straight
     """A terminal's Ctrl-C reaches the whole process group (the trainer and its reward workers)."""
     run = tmp_path / "run"
     args = [*SYNC, "rollout.reward_workers=2"]
-    proc = subprocess.Popen(
-        [str(RELAYRL), "train", f"run_dir={run}", *args],
-        cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    proc = _start(run, args, session=True)  # its own session: the group a terminal would signal
     deadline = time.monotonic() + 240
     while not metrics_rows_or_none(run) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert proc.poll() is None, proc.communicate()[1][-2000:]
-    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.poll() is None, proc.err.read_text()[-2000:]
+    os.killpg(proc.proc.pid, signal.SIGINT)
     rc, err = _finish(proc)
     _check_one_line(rc, err, signal.SIGINT)
     log = _train(run, [*args, "--recover"])
