@@ -240,7 +240,7 @@ def test_critic_gae_and_value_update(tiny_model, tokenizer):
         dict(batch)
     )
     raw_ref, _ = A.gae_advantage(
-        batch["rewards"].double(), batch["loss_mask"], values=v.double(), gamma=0.99, lam=0.95, norm=False
+        batch["rewards"].double(), batch["loss_mask"], values=v.double(), gamma=0.99, lam=0.95, adv_norm=False
     )
     assert torch.allclose(raw["advantages"].double(), raw_ref, atol=1e-6)
     assert not torch.allclose(raw["advantages"], batch["advantages"], atol=1e-3)

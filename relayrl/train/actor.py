@@ -175,6 +175,10 @@ class PPOActor:
         self.mismatch: dict[str, float] = {}
         self.trainer_logp: torch.Tensor | None = None
 
+    def reads(self, entry: A.Algorithm[Any]) -> dict[str, object]:
+        """The ``actor.*`` fields a registry entry declares (``reads=``), by name: its config arguments."""
+        return {name: getattr(self.config, name) for name in entry.reads}
+
     # ---------------------------------------------------------------- forward passes
 
     def compute_logp(self, batch: TensorDict) -> torch.Tensor:
@@ -209,19 +213,22 @@ class PPOActor:
         return {**out, "recorded_experts": batch["routed_experts"]}
 
     def prepare(self, batch: TensorDict, critic: Critic | None = None) -> TensorDict:
-        """Fill in every trainer-side key the configured algorithm needs, then the advantages."""
-        cfg = self.config
-        self._fill_old_logp(batch)
-        if self.needs_ref:
-            batch["ref_logp"] = self.compute_ref_logp(batch)
-        self.fill_teacher(batch)
-        if self.advantage.needs_critic:
-            if critic is None:
-                raise ValueError(
-                    f"actor.adv_estimator={cfg.adv_estimator!r} needs a Critic: actor.prepare(batch, critic)"
-                )
-            batch["values"] = critic.compute_values(batch)
-        return self.compute_advantages(batch)
+        """The trainer's step before ``ppo_update``: every logprob the configured algorithm needs (the
+        proximal / old policy's unless the update's own forward gives them, ``logp_from_update``; the
+        reference's, the teacher's), the critic's values, then the advantages."""
+        with tracker.record_timing("compute_logp"):
+            self._fill_old_logp(batch)
+            if self.needs_ref:
+                batch["ref_logp"] = self.compute_ref_logp(batch)
+            self.fill_teacher(batch)
+            if self.advantage.needs_critic:
+                if critic is None:
+                    raise ValueError(
+                        f"actor.adv_estimator={self.config.adv_estimator!r} needs a Critic: actor.prepare(batch, critic)"
+                    )
+                batch["values"] = critic.compute_values(batch)
+        with tracker.record_timing("compute_advantages"):
+            return self.compute_advantages(batch)
 
     # ---------------------------------------------------------------- advantages
 
@@ -270,11 +277,7 @@ class PPOActor:
             values=None if values is None else values.double(),
             baseline_rewards=batch.get("baseline_rewards"),
             token_rewards=token_rewards,
-            gamma=cfg.gamma,
-            lam=cfg.lam,
-            norm=cfg.adv_norm,
-            eps=cfg.adv_eps,
-            baseline=cfg.baseline,
+            **self.reads(self.advantage),
         )
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
         self.adv_stats.update(
@@ -297,7 +300,7 @@ class PPOActor:
 
     def _loss_fn(self, sink: _StatsSink, gap: _GapSink | None = None):
         cfg = self.config
-        policy_loss = self.loss.fn
+        policy_loss, reads = self.loss.fn, self.reads(self.loss)
         agg_mode, norm_len = cfg.loss_agg_mode, float(cfg.loss_norm_len)
         corr = cfg.rollout_correction
 
@@ -350,16 +353,8 @@ class PPOActor:
                 cu_seqlens=cu,
                 prox_logp=prox,
                 ref_logp=packed.get("ref_logp"),
-                eps_clip=cfg.eps_clip,
-                eps_clip_higher=cfg.eps_clip_higher,
-                c_clip=cfg.c_clip,
-                behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-                behav_imp_weight_floor=cfg.behav_imp_weight_floor,
-                behav_weight_level=cfg.behav_weight_level,
-                behav_weight_clip=cfg.behav_weight_clip,
-                agg_mode=agg_mode,
-                norm_len=norm_len,
                 distill_kl=distill_kl,
+                **reads,
             )
             stats["policy_loss"] = loss.detach()
             if distill_kl is not None:
