@@ -71,14 +71,11 @@ class Trainer:
     ) -> None:
         from relayrl import wiring  # the one module that knows every concrete part
 
-        if cfg.actor.overlong_buffer and not cfg.actor.overlong_max_len:
-            cfg.actor.overlong_max_len = cfg.gconfig.max_new_tokens  # DAPO's penalty ramps up to the limit
         validate_config(cfg)  # a config built or changed in code gets the load-time checks too
+        cfg = cfg.derived()  # the run's own copy with the derived values; the caller's config is left as given
         # imports, then every extension point (workflow, reward_fn, data.task, loss, estimator): fails now, not after
         # models load (a workflow passed in code is not resolved from the config)
         wiring.resolve_extensions(cfg, workflow_given=workflow is not None, reward_fn_given=reward_fn is not None)
-        if cfg.train.optimizer.lr_schedule != "constant" and not cfg.train.total_steps:
-            cfg.train.total_steps = cfg.total_steps * cfg.actor.ppo_epochs * cfg.actor.n_minibatches
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)

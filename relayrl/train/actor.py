@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from relayrl.api.config import ActorConfig, ConfigError, validate_config
+from relayrl.api.config import ActorConfig, ConfigError, check_overlong, validate_config
 from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.train import algorithms as A
 from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
@@ -114,11 +114,10 @@ def check_actor_config(config: ActorConfig) -> None:
     estimator / loss nobody registered. Runs before any model is built (Trainer) and again
     when an actor is made directly from code."""
     validate_config(config, "actor.")
-    if config.overlong_buffer > 0 and config.overlong_max_len <= config.overlong_buffer:
-        raise ConfigError(
-            f"actor.overlong_buffer={config.overlong_buffer} needs actor.overlong_max_len > overlong_buffer "
-            f"(the generation limit), got {config.overlong_max_len}"
-        )
+    try:
+        check_overlong(config, config.overlong_max_len)  # an actor alone has no gconfig: the limit is given
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     known = set(ActorConfig.__dataclass_fields__)
     for field, entry in (
         ("adv_estimator", A.advantage_entry(config.adv_estimator)),
@@ -166,7 +165,7 @@ class PPOActor:
         # the registry entries: what the actor does follows their declarations, never their names
         self.advantage, self.loss = A.advantage_entry(config.adv_estimator), A.loss_entry(config.loss)
         self.needs_ref = needs_reference(config)
-        # a run config resolves None to the sampling temperature; an actor built alone samples at 1.0
+        # a run's actor config carries the sampling temperature (RunConfig.derived); an actor built alone: 1.0
         self.temperature = 1.0 if config.temperature is None else config.temperature
         self.generator = torch.Generator().manual_seed(seed)
         self.adv_stats: dict[str, float] = {}
