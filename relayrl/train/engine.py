@@ -13,7 +13,6 @@ import contextlib
 import glob
 import math
 import os
-import random
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -499,7 +498,8 @@ class TorchTrainEngine(TrainEngine):
     def save(self, meta: SaveLoadMeta) -> None:
         """HF weights (safetensors) at ``meta.path`` (with LoRA: the peft adapter, as
         ``PeftModel.save_pretrained`` writes it); with ``with_optim`` also ``train_state.pt``
-        (optimizer, scheduler, step, version, RNG) and ``rng_rank{r}.pt`` for an exact resume."""
+        (optimizer, scheduler, step, version). The RNGs are the trainer's to save (``rng.pt``, taken
+        at the step boundary): the engine's own copy, taken later, was overwritten on every resume."""
         model = self._require()
         os.makedirs(meta.path, exist_ok=True)
         weights = self.state_dict()
@@ -527,11 +527,6 @@ class TorchTrainEngine(TrainEngine):
                     },
                     os.path.join(meta.path, TRAIN_STATE),
                 )
-        if meta.with_optim:
-            rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-            if torch.cuda.is_available():
-                rng["cuda"] = torch.cuda.get_rng_state()
-            torch.save(rng, os.path.join(meta.path, f"rng_rank{dist_utils.rank()}.pt"))
         dist_utils.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
@@ -565,13 +560,6 @@ class TorchTrainEngine(TrainEngine):
         if self.scheduler is not None and ts["scheduler"] is not None:
             self.scheduler.load_state_dict(ts["scheduler"])
         self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]
-        rng_path = os.path.join(meta.path, f"rng_rank{dist_utils.rank()}.pt")
-        if os.path.exists(rng_path):
-            rng = load_state_file(rng_path)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
 
 
 class AdapterOffReference(TorchTrainEngine):
