@@ -22,7 +22,7 @@ import torch
 
 from relayrl.api.config import ActorConfig, ConfigError, check_overlong, validate_config
 from relayrl.api.engine import TensorDict, TrainEngine
-from relayrl.train import algorithms as A
+from relayrl.train import algorithms
 from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.lmhead import token_stats_loss
@@ -120,8 +120,8 @@ def check_actor_config(config: ActorConfig) -> None:
         raise ConfigError(str(e)) from None
     known = set(ActorConfig.__dataclass_fields__)
     for field, entry in (
-        ("adv_estimator", A.advantage_entry(config.adv_estimator)),
-        ("loss", A.loss_entry(config.loss)),
+        ("adv_estimator", algorithms.advantage_entry(config.adv_estimator)),
+        ("loss", algorithms.loss_entry(config.loss)),
     ):
         unknown = [r for r in entry.reads if r not in known]
         if unknown:
@@ -133,18 +133,20 @@ def check_actor_config(config: ActorConfig) -> None:
 def needs_reference(config: ActorConfig) -> bool:
     """A reference model is built when ``kl_coef`` > 0 or the estimator or loss declares ``needs_ref``."""
     return (
-        config.kl_coef > 0 or A.advantage_entry(config.adv_estimator).needs_ref or A.loss_entry(config.loss).needs_ref
+        config.kl_coef > 0
+        or algorithms.advantage_entry(config.adv_estimator).needs_ref
+        or algorithms.loss_entry(config.loss).needs_ref
     )
 
 
 def needs_teacher(config: ActorConfig) -> bool:
     """Distillation is on when ``distill_coef`` > 0 or the loss declares ``needs_teacher`` (``distill``)."""
-    return config.distill_coef > 0 or A.loss_entry(config.loss).needs_teacher
+    return config.distill_coef > 0 or algorithms.loss_entry(config.loss).needs_teacher
 
 
 def needs_critic(config: ActorConfig) -> bool:
     """A value model is built when the estimator declares ``needs_critic`` (GAE)."""
-    return A.advantage_entry(config.adv_estimator).needs_critic
+    return algorithms.advantage_entry(config.adv_estimator).needs_critic
 
 
 class PPOActor:
@@ -163,7 +165,7 @@ class PPOActor:
         self.teacher_engine = teacher_engine  # distillation's local teacher (actor.teacher.path)
         self.needs_teacher = needs_teacher(config)
         # the registry entries: what the actor does follows their declarations, never their names
-        self.advantage, self.loss = A.advantage_entry(config.adv_estimator), A.loss_entry(config.loss)
+        self.advantage, self.loss = algorithms.advantage_entry(config.adv_estimator), algorithms.loss_entry(config.loss)
         self.needs_ref = needs_reference(config)
         # a run's actor config carries the sampling temperature (RunConfig.derived); an actor built alone: 1.0
         self.temperature = 1.0 if config.temperature is None else config.temperature
@@ -174,7 +176,7 @@ class PPOActor:
         self.mismatch: dict[str, float] = {}
         self.trainer_logp: torch.Tensor | None = None
 
-    def reads(self, entry: A.Algorithm[Any]) -> dict[str, object]:
+    def reads(self, entry: algorithms.Algorithm[Any]) -> dict[str, object]:
         """The ``actor.*`` fields a registry entry declares (``reads=``), by name: its config arguments."""
         return {name: getattr(self.config, name) for name in entry.reads}
 
@@ -247,7 +249,7 @@ class PPOActor:
                 )
             mask = mask & ~batch["truncated"].bool().unsqueeze(1)
             batch["loss_mask"] = mask.to(batch["loss_mask"].dtype)
-        rewards = A.shape_rewards(
+        rewards = algorithms.shape_rewards(
             batch["rewards"].double(),
             cfg.reward_scale,
             cfg.reward_bias,
@@ -257,15 +259,15 @@ class PPOActor:
             overlong_buffer=cfg.overlong_buffer,
             overlong_penalty=cfg.overlong_penalty,
         )
-        token_rewards = A.last_token_rewards(rewards, mask)
+        token_rewards = algorithms.last_token_rewards(rewards, mask)
         if cfg.kl_in_reward and cfg.kl_coef > 0:
             if "ref_logp" not in batch:
                 raise ValueError("actor.kl_in_reward needs batch key 'ref_logp' (actor.prepare computes it)")
             logp = batch.get("prox_logp", batch.get("old_logp", batch["logprobs"]))
-            kl = A.kl_penalty(logp.double(), batch["ref_logp"].double(), cfg.kl_estimator) * mask
+            kl = algorithms.kl_penalty(logp.double(), batch["ref_logp"].double(), cfg.kl_estimator) * mask
             token_rewards = token_rewards - cfg.kl_coef * kl
             rewards = token_rewards.sum(1)  # outcome estimators see the KL-penalised total
-            self.adv_stats["kl_reward"] = float(A.masked_mean(kl, mask))
+            self.adv_stats["kl_reward"] = float(algorithms.masked_mean(kl, mask))
         if self.advantage.needs_groups and "group_id" not in batch:
             raise ValueError(f"actor.adv_estimator={cfg.adv_estimator!r} needs the sequence-level batch key 'group_id'")
         values = batch.get("values")
@@ -283,8 +285,8 @@ class PPOActor:
             {
                 "reward_mean": float(batch["rewards"].float().mean()),
                 "shaped_reward_mean": float(rewards.mean()),
-                "adv_mean": float(A.masked_mean(adv, mask)),
-                "adv_abs_mean": float(A.masked_mean(adv.abs(), mask)),
+                "adv_mean": float(algorithms.masked_mean(adv, mask)),
+                "adv_abs_mean": float(algorithms.masked_mean(adv.abs(), mask)),
             }
         )
         return batch
@@ -338,8 +340,8 @@ class PPOActor:
                 )
                 advantages = advantages * w
                 mask = mask if corr.masked_in_norm else keep
-                stats_w = {"weight_mean": A.masked_mean(w, packed["loss_mask"].bool())}
-                stats_w["dropped_frac"] = A.masked_mean((~keep).float(), packed["loss_mask"].bool())
+                stats_w = {"weight_mean": algorithms.masked_mean(w, packed["loss_mask"].bool())}
+                stats_w["dropped_frac"] = algorithms.masked_mean((~keep).float(), packed["loss_mask"].bool())
             distill_kl = None
             if self.needs_teacher:  # per-token reverse KL to the teacher, reweighted like the advantages
                 distill_kl = token_reverse_kl(logits, packed, self.temperature)
@@ -359,22 +361,22 @@ class PPOActor:
             if distill_kl is not None:
                 stats.update(distill_stats(distill_kl, mask))
                 if cfg.distill_coef > 0:
-                    loss = loss + cfg.distill_coef * A.agg_loss(distill_kl, mask, cu, agg_mode, norm_len)
+                    loss = loss + cfg.distill_coef * algorithms.agg_loss(distill_kl, mask, cu, agg_mode, norm_len)
             if corr.mode != "off":
                 stats.update({f"correction_{k}": v for k, v in stats_w.items()})
             # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
             # that generated them (staleness in async runs; any inference/training mismatch always)
             r = before - packed["logprobs"]
-            stats["behav_kl"] = A.masked_mean(r.exp() - 1 - r, mask)
+            stats["behav_kl"] = algorithms.masked_mean(r.exp() - 1 - r, mask)
             if cfg.kl_coef > 0 and not cfg.kl_in_reward:
-                kl = A.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, agg_mode, norm_len)
+                kl = algorithms.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, agg_mode, norm_len)
                 loss = loss + cfg.kl_coef * kl
                 stats["kl_loss"] = kl.detach()
             if cfg.entropy_coef > 0:
-                ent = A.entropy_bonus(token_ent, mask, cu, agg_mode, norm_len)
+                ent = algorithms.entropy_bonus(token_ent, mask, cu, agg_mode, norm_len)
                 loss = loss - cfg.entropy_coef * ent
             else:
-                ent = A.masked_mean(token_ent, mask)
+                ent = algorithms.masked_mean(token_ent, mask)
             stats["entropy"] = ent.detach()
             if "moe_aux_loss" in packed:  # MoE models: the engine's load-balancing loss of this forward
                 stats["moe_aux_loss"] = packed["moe_aux_loss"].detach()
@@ -531,7 +533,7 @@ class Critic:
                 sink = _StatsSink()
 
                 def loss_fn(logits: torch.Tensor, packed: TensorDict, sink: _StatsSink = sink) -> torch.Tensor:
-                    loss, stats = A.value_loss(
+                    loss, stats = algorithms.value_loss(
                         prefix_values(logits, packed),
                         packed["values"],
                         packed["returns"],
@@ -548,7 +550,7 @@ class Critic:
 
 
 # --------------------------------------------------------------------------------------
-# A user-written algorithm: REINFORCE in the two-class pattern (seed 002)
+# A user-written algorithm: REINFORCE in the two-class pattern
 # --------------------------------------------------------------------------------------
 
 

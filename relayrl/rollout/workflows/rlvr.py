@@ -1,7 +1,7 @@
 """RLVR: one sampled completion per episode, scored by a verifiable reward function.
 
 The executor runs ``group_size`` episodes per prompt, so the workflow itself samples once.
-Reward functions follow contract 2: ``reward_fn(prompt, completions, prompt_ids,
+Reward functions (``relayrl.api.workflow.RewardFn``) are ``reward_fn(prompt, completions, prompt_ids,
 completion_ids, **data) -> float``. They run
 
 - in a ``RewardPool`` (worker processes, per-call timeout) when one is given;
@@ -43,7 +43,7 @@ class AsyncRewardPool(Protocol):
 
 
 def prompt_ids_of(tokenizer: PreTrainedTokenizerBase, data: DataItem, prompt_format: str = "chat") -> list[int]:
-    """Prompt ids of a row (contract 1: ``messages`` ends with the user turn): chat-templated, or the
+    """Prompt ids of a row (``messages`` ends with the user turn, as ``relayrl.data.datasets`` checks): chat-templated, or the
     turns' plain text for base models (``prompt_format="plain"``, also used when the tokenizer has no template)."""
     from relayrl.data.chat import prompt_ids
 
@@ -124,7 +124,7 @@ async def compute_reward(
     prompt_ids: list[int] | None = None,
     completion_ids: list[int] | None = None,
 ) -> float:
-    """Score one completion with a contract-2 reward fn (see module doc for where it runs)."""
+    """Score one completion with a reward fn (the signature and where it runs: module doc for where it runs)."""
     p_ids = list(resp.input_tokens if prompt_ids is None else prompt_ids)
     c_ids = list(resp.output_tokens if completion_ids is None else completion_ids)
     kwargs: dict[str, object] = {k: v for k, v in data.items() if k not in _NAMED and k not in _NOT_FOR_REWARDS}
