@@ -14,7 +14,6 @@ algorithm of your own: a backend-agnostic actor plus whatever engine runs it.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 
 from relayrl.api.config import ActorConfig, ConfigError, check_overlong, validate_config
 from relayrl.api.engine import TensorDict, TrainEngine
+from relayrl.rollout.staleness import token_staleness
 from relayrl.train import algorithms
 from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
 from relayrl.train.engine import TorchTrainEngine
@@ -390,13 +390,10 @@ class PPOActor:
         return loss_fn if self.needs_teacher else token_stats_loss(loss_fn)
 
     def staleness_stats(self, batch: TensorDict) -> dict[str, float]:
-        """Histogram of ``engine version - token version`` over the loss tokens."""
-        mask = batch["loss_mask"].bool()
-        if "versions" not in batch or not bool(mask.any()):
+        """Mean and max of ``engine version - token version`` over the loss tokens (``token_staleness``)."""
+        if "versions" not in batch:
             return {}
-        lag = (self.engine.get_version() - batch["versions"][mask]).tolist()
-        out = {f"staleness/{k}": float(n) for k, n in sorted(Counter(lag).items())}
-        return {**out, "staleness_mean": sum(lag) / len(lag), "staleness_max": float(max(lag))}
+        return token_staleness(batch["versions"], batch["loss_mask"], self.engine.get_version())
 
     def recomputes_logp(self, batch: TensorDict) -> bool:
         """Whether the policy's logprobs before the update come from the trainer: a ``needs_prox_logp``
