@@ -30,7 +30,7 @@ from relayrl.trainer import train
 from relayrl.utils.logging import summary
 
 
-@register_loss("cispo")
+@register_loss("cispo", reads=("eps_clip", "eps_clip_higher", "loss_agg_mode", "loss_norm_len"))
 def cispo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -39,15 +39,15 @@ def cispo_loss(
     cu_seqlens: torch.Tensor,
     eps_clip: float = 0.2,
     eps_clip_higher: float | None = None,
-    agg_mode: str = "token-mean",
-    norm_len: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    loss_norm_len: float = 0.0,
     **_: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped, stop-gradient importance weight times the REINFORCE term, aggregated like PPO."""
     ratio = (logp.detach() - old_logp).clamp(-20.0, 20.0).exp()
     high = eps_clip if eps_clip_higher is None else eps_clip_higher
     weight = ratio.clamp(1.0 - eps_clip, 1.0 + high)
-    loss = agg_loss(-weight * advantages * logp, loss_mask, cu_seqlens, agg_mode, norm_len)
+    loss = agg_loss(-weight * advantages * logp, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len)
     return loss, {
         "clip_frac": masked_mean((weight != ratio).float(), loss_mask),
         "ratio_mean": masked_mean(ratio, loss_mask),

@@ -157,21 +157,20 @@ def _interrupted(command: str, e: KeyboardInterrupt) -> int:
 
 def _serve(argv: list[str]) -> int:
     """``relayrl serve [CONFIG.yaml] [key=value ...] [--model M] [--host H] [--port P] [--device D]``."""
-    p = argparse.ArgumentParser(prog="relayrl serve", description="Serve a model over HTTP (ServerConfig).")
-    p.add_argument("args", nargs="*", help="an optional YAML config, then dotted overrides such as port=0")
-    p.add_argument("--model", help="model path or tiny preset (model.path)")
-    p.add_argument("--lora-adapter", help="a peft adapter dir merged into the model (model.lora.adapter_path)")
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="TCP port; 0 picks a free one")
-    p.add_argument(
-        "--admin-token", help="bearer token for admin endpoints (visible in the process list: prefer the next)"
-    )
-    p.add_argument("--admin-token-file", help="a file holding the admin token (or set RELAYRL_ADMIN_TOKEN)")
-    p.add_argument("--threads", type=int, help="torch threads (torch_threads)")
-    p.add_argument("--device", help="auto (cuda when available), cpu, cuda or cuda:N (inference.device)")
-    ns = p.parse_args(argv)
-    path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
-    overrides = [a for a in ns.args if a is not path]
+
+    def options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="model path or tiny preset (model.path)")
+        p.add_argument("--lora-adapter", help="a peft adapter dir merged into the model (model.lora.adapter_path)")
+        p.add_argument("--host", help="bind address (default 127.0.0.1)")
+        p.add_argument("--port", type=int, help="TCP port; 0 picks a free one")
+        p.add_argument(
+            "--admin-token", help="bearer token for admin endpoints (visible in the process list: prefer the next)"
+        )
+        p.add_argument("--admin-token-file", help="a file holding the admin token (or set RELAYRL_ADMIN_TOKEN)")
+        p.add_argument("--threads", type=int, help="torch threads (torch_threads)")
+        p.add_argument("--device", help="auto (cuda when available), cpu, cuda or cuda:N (inference.device)")
+
+    ns, path, overrides = _config_args("relayrl serve", argv, options, "Serve a model over HTTP (ServerConfig).")
     if ns.admin_token is not None:
         print(
             "relayrl serve: WARNING: --admin-token shows the token to every user of this machine (ps); "
@@ -199,13 +198,9 @@ def _serve(argv: list[str]) -> int:
         if value is not None:
             overrides.append(f"{key}={value}")
     from relayrl.api.commands import ServerConfig
-    from relayrl.api.config import ConfigError, load_config
+    from relayrl.api.config import load_config
 
-    try:
-        cfg = load_config(ServerConfig, path, overrides)
-    except ConfigError as e:
-        print(f"relayrl serve: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(ServerConfig, path, overrides)  # a ConfigError: one line and exit 2 (main)
     from relayrl.data.preflight import check_device, check_model
 
     check_model(cfg.model)
@@ -218,23 +213,13 @@ def _serve(argv: list[str]) -> int:
 
 def _sft(argv: list[str]) -> int:
     """``relayrl sft [CONFIG.yaml] [key=value ...]``: SFT, then one JSON line with the result."""
-    p = argparse.ArgumentParser(
-        prog="relayrl sft", description="Supervised fine-tuning (SFTConfig); loss on completion tokens."
+    _, path, overrides = _config_args(
+        "relayrl sft", argv, description="Supervised fine-tuning (SFTConfig); loss on completion tokens."
     )
-    p.add_argument(
-        "args", nargs="*", help="an optional YAML config, then dotted overrides such as data.train_path=x.jsonl"
-    )
-    ns = p.parse_args(argv)
-    path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
-    overrides = [a for a in ns.args if a is not path]
     from relayrl.api.commands import SFTConfig
-    from relayrl.api.config import ConfigError, load_config
+    from relayrl.api.config import load_config
 
-    try:
-        cfg = load_config(SFTConfig, path, overrides)
-    except ConfigError as e:
-        print(f"relayrl sft: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(SFTConfig, path, overrides)
     from relayrl.data.preflight import check_files, check_model
 
     check_model(cfg.model)
@@ -264,10 +249,14 @@ def _sft(argv: list[str]) -> int:
 
 
 def _config_args(
-    prog: str, argv: list[str], extra: Callable[[argparse.ArgumentParser], object] | None = None
+    prog: str,
+    argv: list[str],
+    extra: Callable[[argparse.ArgumentParser], object] | None = None,
+    description: str | None = None,
 ) -> tuple[argparse.Namespace, str | None, list[str]]:
-    """Parse ``[CONFIG.yaml] [key=value ...]`` plus the options ``extra`` adds."""
-    p = argparse.ArgumentParser(prog=prog)
+    """Parse ``[CONFIG.yaml] [key=value ...]`` plus the options ``extra`` adds. A ``ConfigError`` the
+    command raises afterwards is reported by ``main``: one line naming the command, exit status 2."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument(
         "args", nargs="*", help="an optional YAML config, then dotted overrides such as train.optimizer.lr=1e-5"
     )
@@ -359,15 +348,11 @@ def _eval(argv: list[str]) -> int:
     ns, path, overrides = _config_args("relayrl eval", argv)
     from pathlib import Path
 
-    from relayrl.api.config import ConfigError, RunConfig, load_config
+    from relayrl.api.config import RunConfig, load_config
     from relayrl.utils.checkpoint import CheckpointManager
 
     run_dir = Path(path) if path is not None and Path(path).is_dir() else None
-    try:
-        cfg = load_config(RunConfig, run_dir / "config.yaml" if run_dir else path, overrides)
-    except ConfigError as e:
-        print(f"relayrl eval: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(RunConfig, run_dir / "config.yaml" if run_dir else path, overrides)
     if run_dir is not None:
         latest = CheckpointManager(run_dir, cfg.checkpoint).latest()
         if latest is not None and cfg.model.lora.rank > 0:  # a peft adapter on the run's base model
@@ -387,22 +372,14 @@ def _eval(argv: list[str]) -> int:
             cfg.model.path = str(latest / "actor")
     from relayrl.data.preflight import check_run
 
-    try:
-        check_run(cfg)  # a wrong path or device in one line, before the model code is imported
-    except ConfigError as e:
-        print(f"relayrl eval: {e}", file=sys.stderr)
-        return 2
+    check_run(cfg)  # a wrong path or device in one line, before the model code is imported
     import json
 
     from relayrl import wiring
     from relayrl.data.models import load_tokenizer
     from relayrl.evaluation import evaluate
 
-    try:
-        wiring.resolve_extensions(cfg)
-    except ConfigError as e:
-        print(f"relayrl eval: {e}", file=sys.stderr)
-        return 2
+    wiring.resolve_extensions(cfg)
     tokenizer = load_tokenizer(cfg.model)
     _, rows = wiring.load_rows(cfg, tokenizer)
     if not rows:

@@ -24,6 +24,7 @@ from relayrl.data.vision import png_data_urls, row_from_json, row_to_json
 from relayrl.evaluation import evaluate
 from relayrl.rewards.pool import RewardPool
 from relayrl.rollout.executor import WorkflowExecutor
+from relayrl.rollout.staleness import token_staleness
 from relayrl.utils import stats
 from relayrl.utils.logging import MetricLogger
 from relayrl.utils.rollouts import RolloutWriter
@@ -61,13 +62,11 @@ class Driver:
         n = int(batch["rewards"].shape[0])
         self.samples += n
         loss_tokens = batch["loss_mask"].bool()
-        lag = (step - 1) - batch["versions"][loss_tokens]
-        with stats.scope("rollout"):
+        with stats.scope("rollout"):  # the staleness of the batch the version step - 1 trained on
             stats.gauge(
                 reward=float(batch["rewards"].float().mean()),
                 completion_len=float(loss_tokens.sum(1).float().mean()),
-                staleness_mean=float(lag.float().mean()) if lag.numel() else 0.0,
-                staleness_max=float(lag.max()) if lag.numel() else 0.0,
+                **token_staleness(batch["versions"], loss_tokens, step - 1),
             )
             for key, value in batch.items():  # workflows' per-episode counters (num_turns, malformed_tool_calls, ...)
                 if key not in ("rewards", "prompt_index", "group_id") and value.dim() == 1 and value.shape[0] == n:

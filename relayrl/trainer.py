@@ -71,14 +71,11 @@ class Trainer:
     ) -> None:
         from relayrl import wiring  # the one module that knows every concrete part
 
-        if cfg.actor.overlong_buffer and not cfg.actor.overlong_max_len:
-            cfg.actor.overlong_max_len = cfg.gconfig.max_new_tokens  # DAPO's penalty ramps up to the limit
         validate_config(cfg)  # a config built or changed in code gets the load-time checks too
+        cfg = cfg.derived()  # the run's own copy with the derived values; the caller's config is left as given
         # imports, then every extension point (workflow, reward_fn, data.task, loss, estimator): fails now, not after
         # models load (a workflow passed in code is not resolved from the config)
         wiring.resolve_extensions(cfg, workflow_given=workflow is not None, reward_fn_given=reward_fn is not None)
-        if cfg.train.optimizer.lr_schedule != "constant" and not cfg.train.total_steps:
-            cfg.train.total_steps = cfg.total_steps * cfg.actor.ppo_epochs * cfg.actor.n_minibatches
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
@@ -246,10 +243,7 @@ class Trainer:
         with guard.held():
             if d and share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
                 d.engine.release_memory()
-            with stats.record_timing("compute_logp"):
-                self.compute_logp(batch)
-            with stats.record_timing("compute_advantages"):
-                self.actor.compute_advantages(batch)
+            self.actor.prepare(batch, self.critic)  # old / ref logprobs, values, advantages (timed there)
             self.doctor.before_update(self.step + 1)
             with stats.record_timing("ppo_update"), stats.scope("actor"):
                 actor_stats = self.actor.ppo_update(batch)
@@ -275,17 +269,6 @@ class Trainer:
     def _latest_step(self) -> int | None:
         latest = self.ckpt.latest() if self.driver else None
         return dist_utils.broadcast_object(None if latest is None else int(latest.name.removeprefix("step_")))
-
-    def compute_logp(self, batch: TensorDict) -> None:
-        """Recompute logprobs the losses need: proximal/old policy (unless the update's own
-        forward provides them, ``actor.logp_from_update``), reference, values."""
-        if self.actor.recomputes_logp(batch) and not self.actor.logp_from_update:
-            batch["prox_logp"] = self.actor.compute_logp(batch)
-        if self.actor.ref_engine is not None:
-            batch["ref_logp"] = self.actor.compute_ref_logp(batch)
-        self.actor.fill_teacher(batch)
-        if self.critic is not None:
-            batch["values"] = self.critic.compute_values(batch)
 
     def _reseed_generation(self) -> None:
         """Step N's samples come from a stream that depends only on (seed, N), so a resumed

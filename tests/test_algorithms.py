@@ -159,7 +159,7 @@ def test_group_edge_cases(name):
 
 def test_grpo_without_std_equals_dr_grpo():
     rewards, mask, gid, _ = rand_batch(3)
-    a1, _ = A.grpo_advantage(rewards, mask, gid, norm=False)
+    a1, _ = A.grpo_advantage(rewards, mask, gid, adv_norm=False)
     a2, _ = A.dr_grpo_advantage(rewards, mask, gid)
     assert torch.equal(a1, a2)
 
@@ -195,7 +195,7 @@ def test_reinforce_and_reinforce_pp_match_loops(gamma):
             assert ret[i, t].item() == pytest.approx(ret_ref[i][t], abs=1e-9)
             assert adv[i, t].item() == pytest.approx(ret_ref[i][t] - base if mask[i, t] else 0.0, abs=1e-9)
 
-    adv, ret = A.reinforce_pp_advantage(rewards, mask, token_rewards=token_rewards, gamma=gamma, norm=True)
+    adv, ret = A.reinforce_pp_advantage(rewards, mask, token_rewards=token_rewards, gamma=gamma, adv_norm=True)
     vals = [ret_ref[i][t] for i in range(5) for t in range(8) if mask[i, t]]
     mean = sum(vals) / len(vals)
     std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
@@ -227,7 +227,7 @@ def test_gae_matches_loop(gamma, lam):
         A.last_token_rewards(rewards, mask) + 0.05 * torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask
     )
     adv, ret = A.gae_advantage(
-        rewards, mask, values=values, token_rewards=token_rewards, gamma=gamma, lam=lam, norm=False
+        rewards, mask, values=values, token_rewards=token_rewards, gamma=gamma, lam=lam, adv_norm=False
     )
     white, ret_w = A.gae_advantage(rewards, mask, values=values, token_rewards=token_rewards, gamma=gamma, lam=lam)
     for i in range(4):
@@ -312,7 +312,9 @@ def test_ppo_loss_matches_loop(mode, spread, c_clip):
     logp, old, adv, mask, cu = random_packed(9, n_seqs=6, spread=spread)
     logp.requires_grad_(True)
     lo, hi = 0.2, 0.28
-    loss, stats = A.ppo_loss(logp, old, adv, mask, cu, eps_clip=lo, eps_clip_higher=hi, c_clip=c_clip, agg_mode=mode)
+    loss, stats = A.ppo_loss(
+        logp, old, adv, mask, cu, eps_clip=lo, eps_clip_higher=hi, c_clip=c_clip, loss_agg_mode=mode
+    )
     per_tok, clipped, ratios = [], 0, []
     for t in range(len(logp)):
         r = math.exp(float(logp[t].detach() - old[t]))
@@ -333,7 +335,9 @@ def test_ppo_loss_matches_loop(mode, spread, c_clip):
     h = 1e-6
     lp2 = logp.detach().clone()
     lp2[t] += h
-    up = A.ppo_loss(lp2, old, adv, mask, cu, eps_clip=lo, eps_clip_higher=hi, c_clip=c_clip, agg_mode=mode)[0].item()
+    up = A.ppo_loss(lp2, old, adv, mask, cu, eps_clip=lo, eps_clip_higher=hi, c_clip=c_clip, loss_agg_mode=mode)[
+        0
+    ].item()
     assert logp.grad[t].item() == pytest.approx((up - loss.item()) / h, abs=1e-4)
 
 
@@ -528,7 +532,7 @@ def test_matches_trl_grpo_trainer_loss(name):
     gid = torch.arange(len(rewards)) // case["num_generations"]
     ones = torch.ones(len(rewards), 1, dtype=torch.bool)
     adv_fn = A.dr_grpo_advantage if case["scale_rewards"] == "none" else A.grpo_advantage
-    adv, _ = adv_fn(rewards=rewards, loss_mask=ones, group_id=gid, eps=1e-4)
+    adv, _ = adv_fn(rewards=rewards, loss_mask=ones, group_id=gid, adv_eps=1e-4)
     # rel 1e-7: TRL's nanstd computes its Bessel factor count / (count - 1) in float32
     assert adv[:, 0].tolist() == pytest.approx(case["advantages"], rel=1e-7, abs=1e-12)
 
@@ -536,7 +540,7 @@ def test_matches_trl_grpo_trainer_loss(name):
     kw = dict(eps_clip=case["epsilon"], eps_clip_higher=case["epsilon_high"])
     if name == "grpo":
         loss, _ = A.ppo_loss(
-            logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, agg_mode="seq-mean-token-mean", **kw
+            logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, loss_agg_mode="seq-mean-token-mean", **kw
         )
         loss = loss + case["beta"] * A.kl_loss(logp, p["ref_logp"], p["loss_mask"], cu, "k3", "seq-mean-token-mean")
     elif name == "dr_grpo":
@@ -546,18 +550,20 @@ def test_matches_trl_grpo_trainer_loss(name):
             p["advantages"],
             p["loss_mask"],
             cu,
-            agg_mode="seq-mean-token-sum-norm",
-            norm_len=case["max_completion_length"],
+            loss_agg_mode="seq-mean-token-sum-norm",
+            loss_norm_len=case["max_completion_length"],
             **kw,
         )
     elif name == "dapo":
-        loss, stats = A.ppo_loss(logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, agg_mode="token-mean", **kw)
+        loss, stats = A.ppo_loss(
+            logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, loss_agg_mode="token-mean", **kw
+        )
         loss = loss - case["entropy_coef"] * A.entropy_bonus(p["entropy"], p["loss_mask"], cu)
         # TRL's region clip ratio only counts clipping that zeroes the gradient; ours counts the same tokens
         assert stats["clip_frac"].item() == pytest.approx(case["clip_ratio_region"])
     else:
         loss, _ = A.gspo_loss(
-            logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, agg_mode="seq-mean-token-mean", **kw
+            logp, p["old_logp"], p["advantages"], p["loss_mask"], cu, loss_agg_mode="seq-mean-token-mean", **kw
         )
     assert loss.item() == pytest.approx(case["loss"], rel=1e-9, abs=1e-12)
     loss.backward()

@@ -74,13 +74,13 @@ def test_full_vocabulary_reverse_kl_matches_a_loop(seed: int, temperature: float
     cu, m = packed["cu_seqlens"], packed["loss_mask"]
     flat = [(x, bool(b)) for x, b in zip([x for r in want for x in r], m.tolist(), strict=True)]
     token_mean = sum(x for x, b in flat if b) / sum(b for _, b in flat)
-    loss, _ = distill_loss(logits, None, None, m, cu, distill_kl=kl, agg_mode="token-mean")
+    loss, _ = distill_loss(logits, None, None, m, cu, distill_kl=kl, loss_agg_mode="token-mean")
     assert abs(float(loss) - token_mean) < 1e-5
     seq_means = [
         sum(x for x, b in zip(r, m[s:e].tolist(), strict=True) if b) / max(1, int(m[s:e].sum()))
         for r, s, e in zip(want, cu[:-1].tolist(), cu[1:].tolist(), strict=True)
     ]
-    loss, _ = distill_loss(logits, None, None, m, cu, distill_kl=kl, agg_mode="seq-mean-token-mean")
+    loss, _ = distill_loss(logits, None, None, m, cu, distill_kl=kl, loss_agg_mode="seq-mean-token-mean")
     assert abs(float(loss) - sum(seq_means) / 3) < 1e-5
 
 

@@ -199,7 +199,9 @@ def _run(loss: str, tiny_model, tokenizer) -> tuple[list[dict[str, float]], dict
 
 
 def test_user_loss_declaring_needs_prox_logp_gets_exactly_what_decoupled_ppo_gets(tiny_model, tokenizer):
-    A.register_loss("user_decoupled", needs_prox_logp=True)(_copy_of_decoupled)
+    A.register_loss("user_decoupled", needs_prox_logp=True, reads=A.loss_entry("decoupled_ppo").reads)(
+        _copy_of_decoupled
+    )
     try:
         ref_stats, ref_batch, ref_params = _run("decoupled_ppo", tiny_model, tokenizer)
         stats, batch, params = _run("user_decoupled", tiny_model, tokenizer)
@@ -224,10 +226,27 @@ def test_without_the_declaration_the_user_loss_gets_no_proximal_policy(tiny_mode
         del A.LOSSES["user_plain"]
 
 
+def test_a_loss_is_given_the_actor_fields_it_reads_by_name(tiny_model, tokenizer):
+    seen: list[dict[str, object]] = []
+
+    @A.register_loss("user_reads", reads=("kl_coef", "eps_clip"))
+    def user_reads(logp, advantages, loss_mask, cu_seqlens, **kw):
+        seen.append({k: v for k, v in kw.items() if k in ActorConfig.__dataclass_fields__})
+        return -(logp * advantages)[loss_mask].mean(), {}
+
+    try:
+        eng = make_engine(tiny_model)
+        actor = PPOActor(ActorConfig(loss="user_reads", eps_clip=0.3), eng)
+        actor.ppo_update(actor.prepare(make_batch(eng, tokenizer)))
+        assert seen and all(s == {"kl_coef": 0.0, "eps_clip": 0.3} for s in seen)
+    finally:
+        del A.LOSSES["user_reads"]
+
+
 def test_user_group_estimator_is_checked_for_group_ids(tiny_model, tokenizer):
     @A.register_advantage("user_group_mean", needs_groups=True, reads=("adv_eps",))
     def user_group_mean(rewards, loss_mask, group_id, **_):
-        return A.grpo_advantage(rewards, loss_mask, group_id, norm=False)
+        return A.grpo_advantage(rewards, loss_mask, group_id, adv_norm=False)
 
     try:
         eng = make_engine(tiny_model)

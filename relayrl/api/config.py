@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from relayrl.api.distill import TeacherConfig
 from relayrl.api.fields import (
@@ -451,11 +451,6 @@ class ActorConfig:
             raise ValueError(
                 "loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_len > 0 (e.g. gconfig.max_new_tokens)"
             )
-        if self.overlong_buffer > 0 and 0 < self.overlong_max_len <= self.overlong_buffer:
-            raise ValueError(
-                f"overlong_buffer={self.overlong_buffer} needs overlong_max_len > overlong_buffer "
-                f"(the generation limit), got {self.overlong_max_len}"
-            )
 
 
 @dataclass
@@ -630,6 +625,7 @@ class RunConfig:
     ray: RayConfig = f(RayConfig(), help="launcher=ray: cluster, resources per trainer rank and server, placement.")
 
     def __post_init__(self) -> None:
+        # shown resolved in a loaded or saved config; the run itself takes it from ``derived``
         if self.actor.temperature is None:  # one source of truth: the sampling temperature
             self.actor.temperature = sampling_temperature(self.gconfig)
 
@@ -645,11 +641,9 @@ class RunConfig:
         values["eval"] = {**ev, "gconfig": {**base, **train_g, "greedy": True, **ev_g}}
 
     def validate(self) -> None:
-        """Rules across sections (checked after each section's own). Resolves ``actor.temperature``
-        (None = the sampling temperature: one source of truth) and refuses a different one."""
-        if self.actor.temperature is None:
-            self.actor.temperature = sampling_temperature(self.gconfig)
-        if self.actor.temperature != sampling_temperature(self.gconfig):
+        """Rules across sections (checked after each section's own): ``actor.temperature``, when set, is
+        the sampling temperature (one source of truth); the overlong buffer fits the generation limit."""
+        if self.actor.temperature not in (None, sampling_temperature(self.gconfig)):
             raise ValueError(
                 f"actor.temperature={self.actor.temperature} differs from the rollouts' sampling temperature "
                 f"(gconfig.temperature={self.gconfig.temperature}, greedy={self.gconfig.greedy}): the importance ratios "
@@ -660,9 +654,30 @@ class RunConfig:
                 f"inference.launch_gpus={self.inference.launch_gpus} with launcher=ray: Ray hands each server "
                 "its GPUs (ray.server_gpus); leave launch_gpus empty"
             )
-        limit = self.actor.overlong_max_len or self.gconfig.max_new_tokens
-        if self.actor.overlong_buffer and limit <= self.actor.overlong_buffer:
-            raise ValueError(
-                f"actor.overlong_buffer={self.actor.overlong_buffer} must be below the generation limit "
-                f"(actor.overlong_max_len or gconfig.max_new_tokens = {limit})"
-            )
+        check_overlong(self.actor, self.actor.overlong_max_len or self.gconfig.max_new_tokens)
+
+    def derived(self) -> RunConfig:
+        """What the run uses, derived once from a validated config and never written back into it:
+        ``actor.temperature`` the sampling temperature, ``actor.overlong_max_len`` the generation
+        limit (DAPO's penalty ramps up to it) and ``train.total_steps`` the optimizer steps of the
+        LR schedule, where they are left unset."""
+        a, t = self.actor, self.train
+        actor = replace(
+            a,
+            temperature=sampling_temperature(self.gconfig),
+            overlong_max_len=a.overlong_max_len or (self.gconfig.max_new_tokens if a.overlong_buffer else 0),
+        )
+        steps = t.total_steps or (
+            self.total_steps * a.ppo_epochs * a.n_minibatches if t.optimizer.lr_schedule != "constant" else 0
+        )
+        return replace(self, actor=actor, train=replace(t, total_steps=steps))
+
+
+def check_overlong(actor: ActorConfig, limit: int) -> None:
+    """DAPO's overlong penalty ramps over the ``overlong_buffer`` tokens before the generation ``limit``
+    (``actor.overlong_max_len``, or in a run ``gconfig.max_new_tokens``): the buffer must be shorter."""
+    if actor.overlong_buffer and limit <= actor.overlong_buffer:
+        raise ValueError(
+            f"actor.overlong_buffer={actor.overlong_buffer} must be below the generation limit "
+            f"(actor.overlong_max_len or gconfig.max_new_tokens = {limit})"
+        )

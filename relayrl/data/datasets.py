@@ -1,6 +1,6 @@
 """Datasets from files, validated row by row, and a resumable shuffling dataloader.
 
-Rows follow contract 1: ``id``, ``messages`` (chat turns ending with the user's) and
+Rows hold ``id``, ``messages`` (chat turns ending with the user's) and
 ``answer``; other columns pass through to workflows and reward functions untouched.
 """
 
@@ -67,7 +67,7 @@ def _is_parts(content: object) -> bool:
 
 
 def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: str) -> DataItem:
-    """One validated contract-1 row; DatasetError names the row and the field otherwise."""
+    """One validated row (``id``, ``messages``, ``answer``); DatasetError names the row and the field otherwise."""
     if not isinstance(record, dict):
         raise DatasetError(f"row {index}: expected an object, got {type(record).__name__}")
     where = f"row {index} (id={record.get('id', index)!r})"

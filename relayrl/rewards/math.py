@@ -1,6 +1,6 @@
 """Math answer rewards: plain numbers fast, everything else through ``math-verify``.
 
-``gsm8k_reward_fn`` has the reward signature of seed 002 (prompt, completions, prompt_ids,
+``gsm8k_reward_fn`` has the reward-function signature (``relayrl.api.workflow.RewardFn``: prompt, completions, prompt_ids,
 completion_ids, **data) and reads the reference from ``data["answer"]`` (a GSM8K solution's
 text after ``####``, or a bare answer).
 """

@@ -1,4 +1,4 @@
-"""Verifiers of the synthetic tasks in ``relayrl.data.tasks`` (contract-2 reward fns).
+"""Verifiers of the synthetic tasks in ``relayrl.data.tasks`` (reward fns: ``relayrl.api.workflow.RewardFn``).
 
 Completion format, shared by all tasks: the completion *is* the answer, optionally
 followed by an end-of-sequence marker. The text is cut at the first newline or special

@@ -413,6 +413,7 @@ class WorkflowExecutor:
             g.traj["group_id"] = torch.full_like(g.traj["prompt_index"], self._next_group)
             self._next_group += 1
         version = self.engine.get_version()
+        # per group, by its oldest token: the measure expiry bounds (token-level: staleness.token_staleness)
         self.last_staleness = [version - g.oldest for g in groups]
         self.last_prompt_ids = [g.prompt.data.get("id", g.prompt.index) for g in groups]
         self.staleness_counts.update(self.last_staleness)

@@ -21,6 +21,8 @@ consumption time, so the bound holds unconditionally; the capacity rule keeps th
 
 from __future__ import annotations
 
+import torch
+
 
 def rollout_capacity(
     *,
@@ -73,3 +75,12 @@ def is_expired(oldest_version: int, current_version: int, max_staleness: int) ->
 def default_max_concurrent(batch_size: int, max_staleness: int, configured: int = 0) -> int:
     """``configured`` or, when 0, ``batch_size * (max_staleness + 1)``."""
     return configured if configured > 0 else batch_size * (max_staleness + 1)
+
+
+def token_staleness(versions: torch.Tensor, loss_mask: torch.Tensor, version: int) -> dict[str, float]:
+    """``staleness_mean`` / ``staleness_max`` of ``version - token version`` over the loss tokens
+    (0 without any): the one measure the driver (``rollout/``) and the actor (``actor/``) report."""
+    lag = (version - versions[loss_mask.bool()]).double()
+    if not lag.numel():
+        return {"staleness_mean": 0.0, "staleness_max": 0.0}
+    return {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}

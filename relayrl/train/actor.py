@@ -15,15 +15,15 @@ algorithm of your own: a backend-agnostic actor plus whatever engine runs it.
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from relayrl.api.config import ActorConfig, ConfigError, validate_config
+from relayrl.api.config import ActorConfig, ConfigError, check_overlong, validate_config
 from relayrl.api.engine import TensorDict, TrainEngine
-from relayrl.train import algorithms as A
+from relayrl.rollout.staleness import token_staleness
+from relayrl.train import algorithms
 from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.lmhead import token_stats_loss
@@ -116,15 +116,14 @@ def check_actor_config(config: ActorConfig) -> None:
     estimator / loss nobody registered. Runs before any model is built (Trainer) and again
     when an actor is made directly from code."""
     validate_config(config, "actor.")
-    if config.overlong_buffer > 0 and config.overlong_max_len <= config.overlong_buffer:
-        raise ConfigError(
-            f"actor.overlong_buffer={config.overlong_buffer} needs actor.overlong_max_len > overlong_buffer "
-            f"(the generation limit), got {config.overlong_max_len}"
-        )
+    try:
+        check_overlong(config, config.overlong_max_len)  # an actor alone has no gconfig: the limit is given
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     known = set(ActorConfig.__dataclass_fields__)
     for field, entry in (
-        ("adv_estimator", A.advantage_entry(config.adv_estimator)),
-        ("loss", A.loss_entry(config.loss)),
+        ("adv_estimator", algorithms.advantage_entry(config.adv_estimator)),
+        ("loss", algorithms.loss_entry(config.loss)),
     ):
         unknown = [r for r in entry.reads if r not in known]
         if unknown:
@@ -136,18 +135,20 @@ def check_actor_config(config: ActorConfig) -> None:
 def needs_reference(config: ActorConfig) -> bool:
     """A reference model is built when ``kl_coef`` > 0 or the estimator or loss declares ``needs_ref``."""
     return (
-        config.kl_coef > 0 or A.advantage_entry(config.adv_estimator).needs_ref or A.loss_entry(config.loss).needs_ref
+        config.kl_coef > 0
+        or algorithms.advantage_entry(config.adv_estimator).needs_ref
+        or algorithms.loss_entry(config.loss).needs_ref
     )
 
 
 def needs_teacher(config: ActorConfig) -> bool:
     """Distillation is on when ``distill_coef`` > 0 or the loss declares ``needs_teacher`` (``distill``)."""
-    return config.distill_coef > 0 or A.loss_entry(config.loss).needs_teacher
+    return config.distill_coef > 0 or algorithms.loss_entry(config.loss).needs_teacher
 
 
 def needs_critic(config: ActorConfig) -> bool:
     """A value model is built when the estimator declares ``needs_critic`` (GAE)."""
-    return A.advantage_entry(config.adv_estimator).needs_critic
+    return algorithms.advantage_entry(config.adv_estimator).needs_critic
 
 
 class PPOActor:
@@ -166,9 +167,9 @@ class PPOActor:
         self.teacher_engine = teacher_engine  # distillation's local teacher (actor.teacher.path)
         self.needs_teacher = needs_teacher(config)
         # the registry entries: what the actor does follows their declarations, never their names
-        self.advantage, self.loss = A.advantage_entry(config.adv_estimator), A.loss_entry(config.loss)
+        self.advantage, self.loss = algorithms.advantage_entry(config.adv_estimator), algorithms.loss_entry(config.loss)
         self.needs_ref = needs_reference(config)
-        # a run config resolves None to the sampling temperature; an actor built alone samples at 1.0
+        # a run's actor config carries the sampling temperature (RunConfig.derived); an actor built alone: 1.0
         self.temperature = 1.0 if config.temperature is None else config.temperature
         self.generator = torch.Generator().manual_seed(seed)
         self.adv_stats: dict[str, float] = {}
@@ -176,6 +177,10 @@ class PPOActor:
         # logprobs it was measured on: the update's own forward before its first optimizer step
         self.mismatch: dict[str, float] = {}
         self.trainer_logp: torch.Tensor | None = None
+
+    def reads(self, entry: algorithms.Algorithm[Any]) -> dict[str, object]:
+        """The ``actor.*`` fields a registry entry declares (``reads=``), by name: its config arguments."""
+        return {name: getattr(self.config, name) for name in entry.reads}
 
     # ---------------------------------------------------------------- forward passes
 
@@ -219,19 +224,22 @@ class PPOActor:
         return {**out, "recorded_experts": batch["routed_experts"]}
 
     def prepare(self, batch: TensorDict, critic: Critic | None = None) -> TensorDict:
-        """Fill in every trainer-side key the configured algorithm needs, then the advantages."""
-        cfg = self.config
-        self._fill_old_logp(batch)
-        if self.needs_ref:
-            batch["ref_logp"] = self.compute_ref_logp(batch)
-        self.fill_teacher(batch)
-        if self.advantage.needs_critic:
-            if critic is None:
-                raise ValueError(
-                    f"actor.adv_estimator={cfg.adv_estimator!r} needs a Critic: actor.prepare(batch, critic)"
-                )
-            batch["values"] = critic.compute_values(batch)
-        return self.compute_advantages(batch)
+        """The trainer's step before ``ppo_update``: every logprob the configured algorithm needs (the
+        proximal / old policy's unless the update's own forward gives them, ``logp_from_update``; the
+        reference's, the teacher's), the critic's values, then the advantages."""
+        with tracker.record_timing("compute_logp"):
+            self._fill_old_logp(batch)
+            if self.needs_ref:
+                batch["ref_logp"] = self.compute_ref_logp(batch)
+            self.fill_teacher(batch)
+            if self.advantage.needs_critic:
+                if critic is None:
+                    raise ValueError(
+                        f"actor.adv_estimator={self.config.adv_estimator!r} needs a Critic: actor.prepare(batch, critic)"
+                    )
+                batch["values"] = critic.compute_values(batch)
+        with tracker.record_timing("compute_advantages"):
+            return self.compute_advantages(batch)
 
     # ---------------------------------------------------------------- advantages
 
@@ -251,7 +259,7 @@ class PPOActor:
                 )
             mask = mask & ~batch["truncated"].bool().unsqueeze(1)
             batch["loss_mask"] = mask.to(batch["loss_mask"].dtype)
-        rewards = A.shape_rewards(
+        rewards = algorithms.shape_rewards(
             batch["rewards"].double(),
             cfg.reward_scale,
             cfg.reward_bias,
@@ -261,15 +269,15 @@ class PPOActor:
             overlong_buffer=cfg.overlong_buffer,
             overlong_penalty=cfg.overlong_penalty,
         )
-        token_rewards = A.last_token_rewards(rewards, mask)
+        token_rewards = algorithms.last_token_rewards(rewards, mask)
         if cfg.kl_in_reward and cfg.kl_coef > 0:
             if "ref_logp" not in batch:
                 raise ValueError("actor.kl_in_reward needs batch key 'ref_logp' (actor.prepare computes it)")
             logp = batch.get("prox_logp", batch.get("old_logp", batch["logprobs"]))
-            kl = A.kl_penalty(logp.double(), batch["ref_logp"].double(), cfg.kl_estimator) * mask
+            kl = algorithms.kl_penalty(logp.double(), batch["ref_logp"].double(), cfg.kl_estimator) * mask
             token_rewards = token_rewards - cfg.kl_coef * kl
             rewards = token_rewards.sum(1)  # outcome estimators see the KL-penalised total
-            self.adv_stats["kl_reward"] = float(A.masked_mean(kl, mask))
+            self.adv_stats["kl_reward"] = float(algorithms.masked_mean(kl, mask))
         if self.advantage.needs_groups and "group_id" not in batch:
             raise ValueError(f"actor.adv_estimator={cfg.adv_estimator!r} needs the sequence-level batch key 'group_id'")
         values = batch.get("values")
@@ -280,19 +288,15 @@ class PPOActor:
             values=None if values is None else values.double(),
             baseline_rewards=batch.get("baseline_rewards"),
             token_rewards=token_rewards,
-            gamma=cfg.gamma,
-            lam=cfg.lam,
-            norm=cfg.adv_norm,
-            eps=cfg.adv_eps,
-            baseline=cfg.baseline,
+            **self.reads(self.advantage),
         )
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
         self.adv_stats.update(
             {
                 "reward_mean": float(batch["rewards"].float().mean()),
                 "shaped_reward_mean": float(rewards.mean()),
-                "adv_mean": float(A.masked_mean(adv, mask)),
-                "adv_abs_mean": float(A.masked_mean(adv.abs(), mask)),
+                "adv_mean": float(algorithms.masked_mean(adv, mask)),
+                "adv_abs_mean": float(algorithms.masked_mean(adv.abs(), mask)),
             }
         )
         return batch
@@ -307,7 +311,7 @@ class PPOActor:
 
     def _loss_fn(self, sink: _StatsSink, gap: _GapSink | None = None):
         cfg = self.config
-        policy_loss = self.loss.fn
+        policy_loss, reads = self.loss.fn, self.reads(self.loss)
         agg_mode, norm_len = cfg.loss_agg_mode, float(cfg.loss_norm_len)
         corr = cfg.rollout_correction
 
@@ -346,8 +350,8 @@ class PPOActor:
                 )
                 advantages = advantages * w
                 mask = mask if corr.masked_in_norm else keep
-                stats_w = {"weight_mean": A.masked_mean(w, packed["loss_mask"].bool())}
-                stats_w["dropped_frac"] = A.masked_mean((~keep).float(), packed["loss_mask"].bool())
+                stats_w = {"weight_mean": algorithms.masked_mean(w, packed["loss_mask"].bool())}
+                stats_w["dropped_frac"] = algorithms.masked_mean((~keep).float(), packed["loss_mask"].bool())
             distill_kl = None
             if self.needs_teacher:  # per-token reverse KL to the teacher, reweighted like the advantages
                 distill_kl = token_reverse_kl(logits, packed, self.temperature)
@@ -360,37 +364,29 @@ class PPOActor:
                 cu_seqlens=cu,
                 prox_logp=prox,
                 ref_logp=packed.get("ref_logp"),
-                eps_clip=cfg.eps_clip,
-                eps_clip_higher=cfg.eps_clip_higher,
-                c_clip=cfg.c_clip,
-                behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-                behav_imp_weight_floor=cfg.behav_imp_weight_floor,
-                behav_weight_level=cfg.behav_weight_level,
-                behav_weight_clip=cfg.behav_weight_clip,
-                agg_mode=agg_mode,
-                norm_len=norm_len,
                 distill_kl=distill_kl,
+                **reads,
             )
             stats["policy_loss"] = loss.detach()
             if distill_kl is not None:
                 stats.update(distill_stats(distill_kl, mask))
                 if cfg.distill_coef > 0:
-                    loss = loss + cfg.distill_coef * A.agg_loss(distill_kl, mask, cu, agg_mode, norm_len)
+                    loss = loss + cfg.distill_coef * algorithms.agg_loss(distill_kl, mask, cu, agg_mode, norm_len)
             if corr.mode != "off":
                 stats.update({f"correction_{k}": v for k, v in stats_w.items()})
             # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
             # that generated them (staleness in async runs; any inference/training mismatch always)
             r = before - packed["logprobs"]
-            stats["behav_kl"] = A.masked_mean(r.exp() - 1 - r, mask)
+            stats["behav_kl"] = algorithms.masked_mean(r.exp() - 1 - r, mask)
             if cfg.kl_coef > 0 and not cfg.kl_in_reward:
-                kl = A.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, agg_mode, norm_len)
+                kl = algorithms.kl_loss(logp, packed["ref_logp"], mask, cu, cfg.kl_estimator, agg_mode, norm_len)
                 loss = loss + cfg.kl_coef * kl
                 stats["kl_loss"] = kl.detach()
             if cfg.entropy_coef > 0:
-                ent = A.entropy_bonus(token_ent, mask, cu, agg_mode, norm_len)
+                ent = algorithms.entropy_bonus(token_ent, mask, cu, agg_mode, norm_len)
                 loss = loss - cfg.entropy_coef * ent
             else:
-                ent = A.masked_mean(token_ent, mask)
+                ent = algorithms.masked_mean(token_ent, mask)
             stats["entropy"] = ent.detach()
             if "moe_aux_loss" in packed:  # MoE models: the engine's load-balancing loss of this forward
                 stats["moe_aux_loss"] = packed["moe_aux_loss"].detach()
@@ -404,13 +400,10 @@ class PPOActor:
         return loss_fn if self.needs_teacher else token_stats_loss(loss_fn)
 
     def staleness_stats(self, batch: TensorDict) -> dict[str, float]:
-        """Histogram of ``engine version - token version`` over the loss tokens."""
-        mask = batch["loss_mask"].bool()
-        if "versions" not in batch or not bool(mask.any()):
+        """Mean and max of ``engine version - token version`` over the loss tokens (``token_staleness``)."""
+        if "versions" not in batch:
             return {}
-        lag = (self.engine.get_version() - batch["versions"][mask]).tolist()
-        out = {f"staleness/{k}": float(n) for k, n in sorted(Counter(lag).items())}
-        return {**out, "staleness_mean": sum(lag) / len(lag), "staleness_max": float(max(lag))}
+        return token_staleness(batch["versions"], batch["loss_mask"], self.engine.get_version())
 
     def recomputes_logp(self, batch: TensorDict) -> bool:
         """Whether the policy's logprobs before the update come from the trainer: a ``needs_prox_logp``
@@ -547,7 +540,7 @@ class Critic:
                 sink = _StatsSink()
 
                 def loss_fn(logits: torch.Tensor, packed: TensorDict, sink: _StatsSink = sink) -> torch.Tensor:
-                    loss, stats = A.value_loss(
+                    loss, stats = algorithms.value_loss(
                         prefix_values(logits, packed),
                         packed["values"],
                         packed["returns"],
@@ -564,7 +557,7 @@ class Critic:
 
 
 # --------------------------------------------------------------------------------------
-# A user-written algorithm: REINFORCE in the two-class pattern (seed 002)
+# A user-written algorithm: REINFORCE in the two-class pattern
 # --------------------------------------------------------------------------------------
 
 

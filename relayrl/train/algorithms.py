@@ -190,13 +190,13 @@ def _broadcast(adv: Tensor, loss_mask: Tensor) -> Tensor:
 
 @register_advantage("grpo", needs_groups=True, reads=("adv_norm", "adv_eps"))
 def grpo_advantage(
-    rewards: Tensor, loss_mask: Tensor, group_id: Tensor, norm: bool = True, eps: float = 1e-6, **_: object
+    rewards: Tensor, loss_mask: Tensor, group_id: Tensor, adv_norm: bool = True, adv_eps: float = 1e-6, **_: object
 ) -> tuple[Tensor, Tensor]:
-    """GRPO: ``(r - group mean) / (group std + eps)`` (std optional); a group of one gets 0."""
+    """GRPO: ``(r - group mean) / (group std + adv_eps)`` (std optional); a group of one gets 0."""
     mean, std, count = _group_stats(rewards, group_id)
     adv = rewards - mean
-    if norm:
-        adv = adv / (std + eps)
+    if adv_norm:
+        adv = adv / (std + adv_eps)
     adv = torch.where(count > 1, adv, 0.0)
     out = _broadcast(adv, loss_mask)
     return out, out
@@ -205,7 +205,7 @@ def grpo_advantage(
 @register_advantage("dr_grpo", needs_groups=True)
 def dr_grpo_advantage(rewards: Tensor, loss_mask: Tensor, group_id: Tensor, **_: object) -> tuple[Tensor, Tensor]:
     """Dr.GRPO: ``r - group mean`` (no std; the length normalisation is removed in the loss)."""
-    return grpo_advantage(rewards, loss_mask, group_id, norm=False)
+    return grpo_advantage(rewards, loss_mask, group_id, adv_norm=False)
 
 
 @register_advantage("rloo", needs_groups=True)
@@ -240,8 +240,8 @@ def reinforce_pp_advantage(
     loss_mask: Tensor,
     token_rewards: Tensor | None = None,
     gamma: float = 1.0,
-    norm: bool = True,
-    eps: float = 1e-8,
+    adv_norm: bool = True,
+    adv_eps: float = 1e-8,
     **_: object,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++: return-to-go of per-token rewards (KL penalties included), whitened over the batch.
@@ -252,11 +252,11 @@ def reinforce_pp_advantage(
         token_rewards = last_token_rewards(rewards, loss_mask)
     returns = discounted_returns(token_rewards, loss_mask, gamma)
     adv = returns
-    if norm:
+    if adv_norm:
         m = loss_mask.bool()
         vals = returns[m]
         if vals.numel() > 1:
-            adv = (returns - vals.mean()) / (vals.std() + eps)
+            adv = (returns - vals.mean()) / (vals.std() + adv_eps)
         else:
             adv = returns - vals.mean() if vals.numel() else returns
     return adv * loss_mask.to(adv.dtype), returns
@@ -284,16 +284,16 @@ def gae_advantage(
     token_rewards: Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
-    norm: bool = True,
-    eps: float = 1e-6,
+    adv_norm: bool = True,
+    adv_eps: float = 1e-6,
     **_: object,
 ) -> tuple[Tensor, Tensor]:
     """GAE over the generated tokens of each row (non-generated tokens are skipped).
 
     ``values[t]`` is V of the state just before token ``t`` was generated; the state after the
     last token is terminal (value 0). ``returns = advantages + values`` (critic targets, from
-    the raw advantages). With ``norm`` the advantages are whitened over the batch's loss tokens,
-    ``(A - mean) / sqrt(var + eps)`` with the unbiased variance, as verl's and TRL's PPO do.
+    the raw advantages). With ``adv_norm`` the advantages are whitened over the batch's loss tokens,
+    ``(A - mean) / sqrt(var + adv_eps)`` with the unbiased variance, as verl's and TRL's PPO do.
     """
     if values is None:
         raise ValueError("gae needs the token-level batch key 'values' (from a Critic)")
@@ -310,10 +310,10 @@ def gae_advantage(
         next_value = m * values[:, t] + (1 - m) * next_value
         adv[:, t] = running * m
     returns = (adv + values) * mask
-    if norm:
+    if adv_norm:
         sel = adv[loss_mask.bool()]
         if sel.numel() > 1:
-            adv = (adv - sel.mean()) * torch.rsqrt(sel.var(unbiased=True) + eps) * mask
+            adv = (adv - sel.mean()) * torch.rsqrt(sel.var(unbiased=True) + adv_eps) * mask
     return adv, returns
 
 
@@ -371,15 +371,15 @@ def ppo_loss(
     eps_clip: float = 0.2,
     eps_clip_higher: float | None = None,
     c_clip: float | None = None,
-    agg_mode: str = "token-mean",
-    norm_len: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    loss_norm_len: float = 0.0,
     **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (with DAPO clip-higher and dual clip), ratio against ``old_logp``."""
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     per_token, stats = _clipped_surrogate(ratio, advantages, loss_mask, eps_clip, eps_clip_higher, c_clip)
-    return agg_loss(per_token, loss_mask, cu_seqlens, agg_mode, norm_len), {
+    return agg_loss(per_token, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len), {
         **stats,
         **_ratio_stats(ratio, log_ratio, loss_mask),
     }
@@ -400,8 +400,8 @@ def decoupled_ppo_loss(
     behav_imp_weight_floor: float | None = None,
     behav_weight_level: str = "token",
     behav_weight_clip: str = "mask",
-    agg_mode: str = "token-mean",
-    norm_len: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    loss_norm_len: float = 0.0,
     **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL): clip against the proximal policy, reweight by pi_prox / pi_behav.
@@ -444,7 +444,7 @@ def decoupled_ppo_loss(
         floored = behav_weight < behav_imp_weight_floor
         capped, keep = capped | floored, keep & ~floored
     behav_weight = torch.where(keep, behav_weight, 0.0)
-    loss = agg_loss(per_token * behav_weight, loss_mask, cu_seqlens, agg_mode, norm_len)
+    loss = agg_loss(per_token * behav_weight, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len)
     stats["behav_capped_frac"] = masked_mean((loss_mask.bool() & capped).float(), loss_mask)
     stats["behav_weight_mean"] = masked_mean(behav_weight, keep)
     return loss, {**stats, **_ratio_stats(ratio, log_ratio, loss_mask)}
@@ -459,8 +459,8 @@ def gspo_loss(
     cu_seqlens: Tensor,
     eps_clip: float = 3e-4,
     eps_clip_higher: float | None = 4e-4,
-    agg_mode: str = "seq-mean-token-mean",
-    norm_len: float = 0.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    loss_norm_len: float = 0.0,
     **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: one ratio per sequence, the geometric mean of its token ratios, clipped.
@@ -475,7 +475,7 @@ def gspo_loss(
     log_ratio = (seq_log_ratio.detach() + logp - logp.detach()).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     per_token, stats = _clipped_surrogate(ratio, advantages, loss_mask, eps_clip, eps_clip_higher, None)
-    return agg_loss(per_token, loss_mask, cu_seqlens, agg_mode, norm_len), {
+    return agg_loss(per_token, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len), {
         **stats,
         **_ratio_stats(ratio, log_ratio, loss_mask),
     }
@@ -488,13 +488,13 @@ def reinforce_loss(
     advantages: Tensor,
     loss_mask: Tensor,
     cu_seqlens: Tensor,
-    agg_mode: str = "token-mean",
-    norm_len: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    loss_norm_len: float = 0.0,
     **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """REINFORCE: ``-logp * advantage`` (seed 002's loss, with rewards as the advantage)."""
+    """REINFORCE: ``-logp * advantage`` (``ReinforceActor``'s loss, with rewards as the advantage)."""
     log_ratio = logp.detach() - old_logp
-    return agg_loss(-logp * advantages, loss_mask, cu_seqlens, agg_mode, norm_len), _ratio_stats(
+    return agg_loss(-logp * advantages, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len), _ratio_stats(
         log_ratio.exp(), log_ratio, loss_mask
     )
 
@@ -507,15 +507,15 @@ def distill_loss(
     loss_mask: Tensor,
     cu_seqlens: Tensor,
     distill_kl: Tensor | None = None,
-    agg_mode: str = "token-mean",
-    norm_len: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    loss_norm_len: float = 0.0,
     **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """On-policy distillation alone: the per-token reverse KL to the teacher (``distill_kl``, computed
     by the actor with ``relayrl.train.distill.token_reverse_kl``), aggregated; the rewards and advantages are not used."""
     if distill_kl is None:
         raise ValueError("distill needs distill_kl (the actor computes it from the teacher's batch keys)")
-    return agg_loss(distill_kl, loss_mask, cu_seqlens, agg_mode, norm_len), {}
+    return agg_loss(distill_kl, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len), {}
 
 
 def value_loss(

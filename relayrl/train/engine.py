@@ -13,7 +13,6 @@ import contextlib
 import glob
 import math
 import os
-import random
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from transformers import PreTrainedModel
 from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
-from relayrl.train import lora as L
+from relayrl.train import lora
 from relayrl.train.fastpath import CheckedForward
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
 from relayrl.train.lmhead import TokenStats, wants_token_stats
@@ -127,7 +126,7 @@ class TorchTrainEngine(TrainEngine):
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
-            model = typing.cast(PreTrainedModel, L.apply_lora(model, self.model_config.lora))
+            model = typing.cast(PreTrainedModel, lora.apply_lora(model, self.model_config.lora))
         typing.cast(nn.Module, model).to(self.device)  # (transformers types PreTrainedModel.to oddly)
         if not self.trainable:
             model.requires_grad_(False)
@@ -348,7 +347,7 @@ class TorchTrainEngine(TrainEngine):
         return values[torch.arange(values.shape[0]), lengths - 1]
 
     def as_reward_fn(self) -> Callable[..., float]:
-        """A reward function (contract 2) scoring prompt_ids + completion_ids; run it inline."""
+        """A reward function (``relayrl.api.workflow.RewardFn``) scoring prompt_ids + completion_ids; run it inline."""
         if self.head != "reward":
             raise ValueError(f"as_reward_fn needs head='reward', this engine has head={self.head!r}")
 
@@ -481,15 +480,15 @@ class TorchTrainEngine(TrainEngine):
             if target is None:
                 raise ValueError("update_weights: rank 0 needs the inference engine to push to (None on other ranks)")
             if self.lora and target.accepts_adapters:  # the adapter alone, as peft saves it
-                adapter = {k: v.detach().to("cpu").clone() for k, v in L.adapter_state_dict(tensors).items()}
-                config = L.adapter_config_json(model, self.model_config.path)
+                adapter = {k: v.detach().to("cpu").clone() for k, v in lora.adapter_state_dict(tensors).items()}
+                config = lora.adapter_config_json(model, self.model_config.path)
                 target.update_weights(
                     WeightUpdate(kind="adapter", version=self.get_version(), tensors=adapter, adapter_config=config)
                 )
                 dist_utils.barrier()
                 return
             if self.lora:  # merged into new tensors: the base weights are never touched
-                tensors = L.merged_state_dict(tensors, L.lora_layers(model))
+                tensors = lora.merged_state_dict(tensors, lora.lora_layers(model))
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
             target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
         dist_utils.barrier()
@@ -499,7 +498,8 @@ class TorchTrainEngine(TrainEngine):
     def save(self, meta: SaveLoadMeta) -> None:
         """HF weights (safetensors) at ``meta.path`` (with LoRA: the peft adapter, as
         ``PeftModel.save_pretrained`` writes it); with ``with_optim`` also ``train_state.pt``
-        (optimizer, scheduler, step, version, RNG) and ``rng_rank{r}.pt`` for an exact resume."""
+        (optimizer, scheduler, step, version). The RNGs are the trainer's to save (``rng.pt``, taken
+        at the step boundary): the engine's own copy, taken later, was overwritten on every resume."""
         model = self._require()
         os.makedirs(meta.path, exist_ok=True)
         weights = self.state_dict()
@@ -507,10 +507,10 @@ class TorchTrainEngine(TrainEngine):
         if dist_utils.rank() == 0:
             if self.lora:  # the base model's path goes into adapter_config.json, as peft records it
                 base = self.model_config.path  # absolute when a directory: the adapter loads from anywhere
-                model.peft_config[L.ADAPTER].base_model_name_or_path = (
+                model.peft_config[lora.ADAPTER].base_model_name_or_path = (
                     str(Path(base).resolve()) if Path(base).is_dir() else base
                 )
-                weights = L.adapter_state_dict(weights)
+                weights = lora.adapter_state_dict(weights)
             model.save_pretrained(meta.path, state_dict=weights)
             if meta.tokenizer_path:
                 from transformers import AutoTokenizer
@@ -527,11 +527,6 @@ class TorchTrainEngine(TrainEngine):
                     },
                     os.path.join(meta.path, TRAIN_STATE),
                 )
-        if meta.with_optim:
-            rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-            if torch.cuda.is_available():
-                rng["cuda"] = torch.cuda.get_rng_state()
-            torch.save(rng, os.path.join(meta.path, f"rng_rank{dist_utils.rank()}.pt"))
         dist_utils.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
@@ -540,7 +535,7 @@ class TorchTrainEngine(TrainEngine):
         model = self._require()
         if self.lora:
             dist_utils.load_full_model_state_dict(
-                model, L.read_adapter(meta.path, list(model.state_dict())), partial=True
+                model, lora.read_adapter(meta.path, list(model.state_dict())), partial=True
             )
         else:
             files = sorted(glob.glob(os.path.join(meta.path, "*.safetensors")))
@@ -565,13 +560,6 @@ class TorchTrainEngine(TrainEngine):
         if self.scheduler is not None and ts["scheduler"] is not None:
             self.scheduler.load_state_dict(ts["scheduler"])
         self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]
-        rng_path = os.path.join(meta.path, f"rng_rank{dist_utils.rank()}.pt")
-        if os.path.exists(rng_path):
-            rng = load_state_file(rng_path)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
 
 
 class AdapterOffReference(TorchTrainEngine):

@@ -30,7 +30,8 @@ class Algorithm(Generic[F]):
     passed (also without ``kl_coef``); ``needs_prox_logp``: the trainer's logprobs before the
     update arrive as ``prox_logp`` and the generator's as ``old_logp`` (decoupled PPO);
     ``needs_teacher``: the teacher's next-token distributions arrive as ``teacher_logp`` (and
-    ``teacher_ids`` for top-k), with the policy's ``logits`` (on-policy distillation); ``reads``: the ``actor.*`` fields the function is given (checked to exist; listed in docs).
+    ``teacher_ids`` for top-k), with the policy's ``logits`` (on-policy distillation); ``reads``: the ``actor.*`` fields the function is given, each as a keyword argument of the field's name
+    (checked to exist); nothing else of the config is passed.
     """
 
     fn: F

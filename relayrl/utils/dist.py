@@ -161,7 +161,8 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def is_distributed() -> bool:
-    """More than one rank (a group of one behaves like no group)."""
+    """More than one rank (a group of one behaves like no group); ``is_dist`` is only whether a group
+    exists, which ``rank`` / ``world_size`` and the stats export need to ask a group of one."""
     return world_size() > 1
 
 
@@ -185,14 +186,7 @@ def device_for_rank() -> torch.device:
 
 def all_reduce_sum(value: float) -> float:
     """Sum a float over ranks (identity on one process)."""
-    if not is_distributed():
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    with _deadline("an all-reduce (sum)"):
-        dist.all_reduce(t)
-    return float(t.item())
+    return float(all_reduce(torch.tensor([float(value)], dtype=torch.float64)).item())
 
 
 def all_reduce_tensor_(t: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,7 @@ from relayrl.inference.remote.launch import Launched
 from relayrl.inference.remote.peers import make_backend
 from relayrl.inference.remote.protocol import (
     DEAD_ERRORS,
+    AdminError,
     Call,
     JsonDict,
     ProtocolError,
@@ -479,7 +480,7 @@ class RemoteEngine(InferenceEngine):
                 call.method, srv.url + call.path, json=call.json if content is None else None, content=content
             )
         if r.status_code >= 400:
-            raise RuntimeError(f"{srv.url}{call.path} answered {r.status_code}: {r.text[:500]}")
+            raise AdminError(srv.url + call.path, r.status_code, r.text[:500])
         return r.json() if r.content else {}
 
     def fan_out(self, fn: Callable[[Server], object], servers: list[Server]) -> None:

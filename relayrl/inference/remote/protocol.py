@@ -33,6 +33,14 @@ class ServerError(RuntimeError):
     """A server answered 5xx (retried elsewhere)."""
 
 
+class AdminError(RuntimeError):
+    """An admin call answered 4xx / 5xx: ``status`` and the start of the reply's ``body``."""
+
+    def __init__(self, where: str, status: int, body: str) -> None:
+        super().__init__(f"{where} answered {status}: {body}")
+        self.status, self.body = status, body
+
+
 class UnsupportedServer(RuntimeError):
     """A server that lacks what this run needs (the message says what, and what provides it)."""
 

@@ -46,6 +46,7 @@ from relayrl.api.io import GenerationConfig
 from relayrl.inference.remote.launch import Launched, PeerServerGroup, gpu_env
 from relayrl.inference.remote.protocol import (
     DEAD_ERRORS,
+    AdminError,
     Call,
     Getter,
     JsonDict,
@@ -435,7 +436,7 @@ class SGLangDisk(DiskSync):
     def push(self, srv: Server, data: object, version: int) -> None:
         try:
             super().push(srv, data, version)
-        except RuntimeError as e:
+        except RuntimeError as e:  # an AdminError, or a 200 whose body says success=false: SGLang's text tells
             if "cache was not flushed" not in str(e):
                 raise
             # SGLang waits up to FLUSH_WAIT_S for the flush; the call is given at least that (and 30 s to answer)
@@ -514,10 +515,10 @@ class SGLangBroadcast(BroadcastSync):
         admin(srv, self.backend.abort_all(), timeout=timeout)
         try:
             admin(srv, self.backend.begin_update(), timeout=timeout)
-        except RuntimeError as e:
-            if " answered 404" in str(e):
+        except AdminError as e:
+            if e.status == 404:
                 return False
-            if "already open" not in str(e):
+            if "already open" not in e.body:
                 raise
             admin(srv, self.backend.end_update(), timeout=timeout)  # left open by an update that failed mid-way
             admin(srv, self.backend.begin_update(), timeout=timeout)

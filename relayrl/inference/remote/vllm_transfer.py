@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from relayrl.api.io import WeightUpdate
-from relayrl.inference.remote.protocol import Call, JsonDict, PeerInfo, Server, UnsupportedServer
+from relayrl.inference.remote.protocol import AdminError, Call, JsonDict, PeerInfo, Server, UnsupportedServer
 from relayrl.inference.remote.weights import (
     BroadcastSync,
     DiskSync,
@@ -274,7 +274,7 @@ class VLLMDisk(DiskSync):
         try:
             self.fleet.admin(srv, init_disk_transfer(), timeout=self.fleet.config.request_timeout)
             info.disk_transfer = True
-        except RuntimeError as e:
+        except AdminError as e:
             if "/collective_rpc" not in info.routes:
                 raise UnsupportedServer(
                     f"{srv.url} refused vLLM's disk weight transfer ({e}): start it with "

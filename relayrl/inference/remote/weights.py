@@ -40,7 +40,7 @@ class Fleet(Protocol):
     paused: bool  # generation is paused by the trainer (a sync that pauses servers leaves them so)
 
     def admin(self, srv: Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
-        """Send ``call`` to ``srv`` now; its JSON reply, or RuntimeError naming a 4xx/5xx."""
+        """Send ``call`` to ``srv`` now; its JSON reply, or ``AdminError`` (its ``status``) on a 4xx/5xx."""
         ...
 
     def fan_out(self, fn: Callable[[Server], object], servers: list[Server]) -> None:

@@ -19,8 +19,8 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
-from relayrl.api.workflow import RolloutWorkflow, Trajectory, routed_experts_row
-from relayrl.rollout.workflows.rlvr import AsyncRewardPool, RewardFn, compute_reward, prompt_ids_of
+from relayrl.api.workflow import Trajectory, routed_experts_row
+from relayrl.rollout.workflows.rlvr import AsyncRewardPool, PromptWorkflow, RewardFn
 
 
 class TokenBuffer:
@@ -67,7 +67,7 @@ class TokenBuffer:
         }
 
 
-class MultiTurnWorkflow(RolloutWorkflow):
+class MultiTurnWorkflow(PromptWorkflow):
     """Up to ``max_turns`` attempts; an attempt is correct when its reward is > 0.
 
     Extra sequence-level keys: ``num_turns`` (int64) and ``raw_rewards`` (undiscounted).
@@ -89,15 +89,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if not 0.0 < turn_discount <= 1.0:
             raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
-        self.reward_fn = reward_fn
-        self.gconfig = gconfig
-        self.tokenizer = tokenizer
-        self.max_turns = max_turns
-        self.turn_discount = turn_discount
-        self.feedback = feedback
-        self.reward_pool = reward_pool
-        self.reward_timeout = reward_timeout
-        self.prompt_format = prompt_format
+        super().__init__(reward_fn, gconfig, tokenizer, reward_pool, reward_timeout, prompt_format)
+        self.max_turns, self.turn_discount, self.feedback = max_turns, turn_discount, feedback
 
     def feedback_ids(self, history: list[dict[str, object]], answer_ids: list[int]) -> list[int]:
         """Tokens between a wrong answer and the next attempt: the end-of-turn token if the answer
@@ -108,7 +101,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         return user_turn_ids(self.tokenizer, history, answer_ids, self.feedback, self.prompt_format)
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        prompt = prompt_ids_of(self.tokenizer, data, self.prompt_format)
+        prompt = self.prompt_ids(data)
         buf = TokenBuffer(prompt)
         history = list(typing.cast(list[dict[str, object]], data["messages"]))
         rid = uuid.uuid4().hex
@@ -117,16 +110,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         for turn in range(self.max_turns):
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=self.gconfig))
             buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions, resp.routed_experts)
-            raw = await compute_reward(
-                self.reward_fn,
-                engine,
-                self.tokenizer,
-                resp,
-                data,
-                self.reward_pool,
-                self.reward_timeout,
-                prompt_ids=prompt,
-            )
+            raw = await self.reward(engine, resp, data, prompt_ids=prompt)
             reward = raw * self.turn_discount**turn
             if raw > 0 or turn == self.max_turns - 1:
                 break

@@ -13,35 +13,18 @@ import asyncio
 import uuid
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
-from relayrl.api.io import GenerationConfig, ModelRequest
-from relayrl.api.workflow import RolloutWorkflow, Trajectory, trajectory_from_response
-from relayrl.rollout.workflows.rlvr import AsyncRewardPool, RewardFn, compute_reward, prompt_ids_of
+from relayrl.api.io import ModelRequest
+from relayrl.api.workflow import Trajectory, trajectory_from_response
+from relayrl.rollout.workflows.rlvr import PromptWorkflow
 
 
-class ReMaxWorkflow(RolloutWorkflow):
+class ReMaxWorkflow(PromptWorkflow):
     """One sampled row with ``rewards`` (sampled) and ``baseline_rewards`` (greedy)."""
 
-    def __init__(
-        self,
-        reward_fn: RewardFn,
-        gconfig: GenerationConfig,
-        tokenizer: PreTrainedTokenizerBase,
-        reward_pool: AsyncRewardPool | None = None,
-        reward_timeout: float | None = None,
-        prompt_format: str = "chat",
-    ) -> None:
-        self.prompt_format = prompt_format
-        self.reward_fn = reward_fn
-        self.gconfig = gconfig
-        self.tokenizer = tokenizer
-        self.reward_pool = reward_pool
-        self.reward_timeout = reward_timeout
-
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        ids = prompt_ids_of(self.tokenizer, data, self.prompt_format)
+        ids = self.prompt_ids(data)
         rid = uuid.uuid4().hex
         resp, greedy = await asyncio.gather(
             engine.agenerate(ModelRequest(rid=rid, input_ids=ids, gconfig=self.gconfig)),
@@ -49,12 +32,7 @@ class ReMaxWorkflow(RolloutWorkflow):
         )
         if resp.output_len == 0:
             return None
-        reward, baseline = await asyncio.gather(
-            *(
-                compute_reward(self.reward_fn, engine, self.tokenizer, r, data, self.reward_pool, self.reward_timeout)
-                for r in (resp, greedy)
-            )
-        )
+        reward, baseline = await asyncio.gather(*(self.reward(engine, r, data) for r in (resp, greedy)))
         return trajectory_from_response(
             resp,
             reward,

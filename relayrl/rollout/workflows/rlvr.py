@@ -1,7 +1,7 @@
 """RLVR: one sampled completion per episode, scored by a verifiable reward function.
 
 The executor runs ``group_size`` episodes per prompt, so the workflow itself samples once.
-Reward functions follow contract 2: ``reward_fn(prompt, completions, prompt_ids,
+Reward functions (``relayrl.api.workflow.RewardFn``) are ``reward_fn(prompt, completions, prompt_ids,
 completion_ids, **data) -> float``. They run
 
 - in a ``RewardPool`` (worker processes, per-call timeout) when one is given;
@@ -43,7 +43,7 @@ class AsyncRewardPool(Protocol):
 
 
 def prompt_ids_of(tokenizer: PreTrainedTokenizerBase, data: DataItem, prompt_format: str = "chat") -> list[int]:
-    """Prompt ids of a row (contract 1: ``messages`` ends with the user turn): chat-templated, or the
+    """Prompt ids of a row (``messages`` ends with the user turn, as ``relayrl.data.datasets`` checks): chat-templated, or the
     turns' plain text for base models (``prompt_format="plain"``, also used when the tokenizer has no template)."""
     from relayrl.data.chat import prompt_ids
 
@@ -124,7 +124,7 @@ async def compute_reward(
     prompt_ids: list[int] | None = None,
     completion_ids: list[int] | None = None,
 ) -> float:
-    """Score one completion with a contract-2 reward fn (see module doc for where it runs)."""
+    """Score one completion with a reward fn (the signature and where it runs: module doc for where it runs)."""
     p_ids = list(resp.input_tokens if prompt_ids is None else prompt_ids)
     c_ids = list(resp.output_tokens if completion_ids is None else completion_ids)
     kwargs: dict[str, object] = {k: v for k, v in data.items() if k not in _NAMED and k not in _NOT_FOR_REWARDS}
@@ -150,9 +150,9 @@ async def compute_reward(
     return float(value)
 
 
-class RLVRWorkflow(RolloutWorkflow):
-    """Chat-templated prompt -> one sample -> reward; adds sequence-level ``truncated``
-    (True when the completion hit ``max_new_tokens``)."""
+class PromptWorkflow(RolloutWorkflow):
+    """What the built-in workflows share: the run's six standard arguments, a row's prompt ids and
+    the reward of a completion (``compute_reward`` with the workflow's pool and timeout)."""
 
     def __init__(
         self,
@@ -163,24 +163,47 @@ class RLVRWorkflow(RolloutWorkflow):
         reward_timeout: float | None = None,
         prompt_format: str = "chat",
     ) -> None:
-        self.reward_fn = reward_fn
-        self.gconfig = gconfig
-        self.tokenizer = tokenizer
-        self.reward_pool = reward_pool
-        self.reward_timeout = reward_timeout
-        self.prompt_format = prompt_format
+        self.reward_fn, self.gconfig, self.tokenizer = reward_fn, gconfig, tokenizer
+        self.reward_pool, self.reward_timeout, self.prompt_format = reward_pool, reward_timeout, prompt_format
+
+    def prompt_ids(self, data: DataItem) -> list[int]:
+        return prompt_ids_of(self.tokenizer, data, self.prompt_format)
+
+    async def reward(
+        self,
+        engine: InferenceEngine,
+        resp: ModelResponse,
+        data: DataItem,
+        prompt_ids: list[int] | None = None,
+        completion_ids: list[int] | None = None,
+    ) -> float:
+        """``compute_reward`` of ``resp`` (scored on ``prompt_ids`` / ``completion_ids`` when given)."""
+        return await compute_reward(
+            self.reward_fn,
+            engine,
+            self.tokenizer,
+            resp,
+            data,
+            self.reward_pool,
+            self.reward_timeout,
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+        )
+
+
+class RLVRWorkflow(PromptWorkflow):
+    """Chat-templated prompt -> one sample -> reward; adds sequence-level ``truncated``
+    (True when the completion hit ``max_new_tokens``)."""
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
         vp = row_vision(data)  # a row with images (relayrl.data.datasets.attach_vision)
-        ids = vp.input_ids if vp is not None else prompt_ids_of(self.tokenizer, data, self.prompt_format)
+        ids = vp.input_ids if vp is not None else self.prompt_ids(data)
         images: list[str | bytes] = list(vp.image_data) if vp is not None else []
         req = ModelRequest(rid=uuid.uuid4().hex, input_ids=ids, gconfig=self.gconfig, image_data=images)
         resp = await engine.agenerate(req)
         if resp.output_len == 0:
             return None  # nothing to train on
-        reward = await compute_reward(
-            self.reward_fn, engine, self.tokenizer, resp, data, self.reward_pool, self.reward_timeout
-        )
+        reward = await self.reward(engine, resp, data)
         extras = {"truncated": torch.tensor([resp.stop_reason == "length"], dtype=torch.bool)}
         if vp is not None:  # the trainer's vision inputs travel with the episode
             extras.update(pixel_values=vp.vision.pixel_values[None], image_grid_thw=vp.vision.image_grid_thw[None])

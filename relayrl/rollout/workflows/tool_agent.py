@@ -23,10 +23,10 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
-from relayrl.api.workflow import RolloutWorkflow, Trajectory
+from relayrl.api.workflow import Trajectory
 from relayrl.rollout.tools import calculator
 from relayrl.rollout.workflows.multi_turn import TokenBuffer
-from relayrl.rollout.workflows.rlvr import AsyncRewardPool, RewardFn, compute_reward, prompt_ids_of
+from relayrl.rollout.workflows.rlvr import AsyncRewardPool, PromptWorkflow, RewardFn
 
 Tool = Callable[[str], Awaitable[str]]
 
@@ -39,7 +39,7 @@ def _one_token(tokenizer: PreTrainedTokenizerBase, text: str, what: str) -> int 
     return int(ids[0]) if len(ids) == 1 else None
 
 
-class ToolAgentWorkflow(RolloutWorkflow):
+class ToolAgentWorkflow(PromptWorkflow):
     """Generate, run tool calls, append results (masked), continue; one row per episode.
 
     Extra sequence-level keys: ``num_tool_calls`` (int64) and ``truncated`` (bool).
@@ -60,18 +60,13 @@ class ToolAgentWorkflow(RolloutWorkflow):
         reward_timeout: float | None = None,
         prompt_format: str = "chat",
     ) -> None:
-        self.reward_fn = reward_fn
-        self.gconfig = gconfig
-        self.tokenizer = tokenizer
+        super().__init__(reward_fn, gconfig, tokenizer, reward_pool, reward_timeout, prompt_format)
         self.tool: Tool = tool if tool is not None else calculator()
         self.max_tool_calls = max_tool_calls
         self.call_start, self.call_end = call_start, call_end
         self.call_start_id = _one_token(tokenizer, call_start, "call_start")
         self.call_end_id = _one_token(tokenizer, call_end, "call_end")
-        self.prompt_format = prompt_format
         self.result_prefix, self.result_suffix = result_prefix, result_suffix
-        self.reward_pool = reward_pool
-        self.reward_timeout = reward_timeout
 
     def result_ids(self, result: str) -> list[int]:
         text = self.result_prefix + result + self.result_suffix
@@ -95,7 +90,7 @@ class ToolAgentWorkflow(RolloutWorkflow):
         return True, (text[start + len(self.call_start) : end] if start >= 0 else None)
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        prompt = prompt_ids_of(self.tokenizer, data, self.prompt_format)
+        prompt = self.prompt_ids(data)
         buf = TokenBuffer(prompt)
         rid = uuid.uuid4().hex
         user_stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}
@@ -135,17 +130,7 @@ class ToolAgentWorkflow(RolloutWorkflow):
                 last = []
         if not any(buf.mask):
             return None
-        reward = await compute_reward(
-            self.reward_fn,
-            engine,
-            self.tokenizer,
-            resp,
-            data,
-            self.reward_pool,
-            self.reward_timeout,
-            prompt_ids=prompt,
-            completion_ids=last,
-        )
+        reward = await self.reward(engine, resp, data, prompt_ids=prompt, completion_ids=last)
         return buf.trajectory(
             reward,
             num_tool_calls=torch.tensor([calls], dtype=torch.int64),
