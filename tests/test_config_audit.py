@@ -39,6 +39,10 @@ ELSEWHERE = {
     "LoraConfig.target_modules": "tests/test_lora.py::test_target_modules_are_checked_at_start_up",
     "LoraConfig.adapter_path": "tests/test_lora.py::test_checkpoint_is_a_peft_adapter_and_resumes_exactly",
     "TeacherConfig.top_k": "tests/test_distill.py::test_distill_alone_and_added_to_ppo_in_the_actor",
+    "TeacherConfig.url": "tests/test_distill.py::test_a_served_teacher_is_asked_for_each_rows_tokens_with_its_key",
+    "TeacherConfig.protocol": "tests/test_distill.py::test_a_served_teacher_is_asked_for_each_rows_tokens_with_its_key",
+    "TeacherConfig.api_key_env": "tests/test_distill.py::test_a_served_teacher_is_asked_for_each_rows_tokens_with_its_key",
+    "TeacherConfig.timeout": "tests/test_distill.py::test_a_served_teacher_is_asked_for_each_rows_tokens_with_its_key",
     "ActorConfig.moe_aux_loss_coef": "tests/test_moe.py::test_load_balancing_loss_matches_transformers_and_is_logged",
     "InferenceConfig.cuda_graphs": "tests/test_failsafe.py::test_a_failing_graph_capture_falls_back_to_eager_steps",
     "InferenceConfig.weight_bucket_mb": "tests/test_peers.py::test_broadcast_to_sglang_in_buckets_with_tensor_parallel_ranks",
@@ -82,6 +86,8 @@ RUNS = {
     "gae-kl": ["actor.adv_estimator=gae", "actor.kl_coef=0.1"],
     # launched servers over HTTP
     "remote": ["inference.backend=remote", "inference.n_servers=1"],
+    # the fields only REINFORCE and decoupled PPO declare (reads=)
+    "reinforce-decoupled": ["actor.adv_estimator=reinforce", "actor.loss=decoupled_ppo"],
 }
 NOT_A_USE = ("/relayrl/api/", "/dataclasses.py", "/copy.py")  # readers whose reads are not a use
 

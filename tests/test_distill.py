@@ -286,3 +286,70 @@ def test_a_rollout_correction_reweights_the_kl_like_the_advantages() -> None:
     s2 = weighted.ppo_update(weighted.prepare(b2))[0]
     assert s2["correction_weight_mean"] == pytest.approx(2.0)
     assert s2["distill_kl"] == pytest.approx(2 * s1["distill_kl"], rel=1e-4)
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_served_teacher_is_asked_for_each_rows_tokens_with_its_key(protocol: str, monkeypatch) -> None:
+    """``actor.teacher.url``: each row's tokens (padding cut) go to the server in its protocol, with the key
+    from ``api_key_env`` as a Bearer token, and its top-k answer becomes ``teacher_logp`` / ``teacher_ids``
+    at the positions it names (a vLLM entry ranked past k is dropped; zeros at the first token and padding).
+    A local HTTP server answering as the real ones do (their own tests: tests/real_peers/)."""
+    import http.server
+    import threading
+
+    from relayrl.api.distill import TeacherConfig
+
+    seen: list[tuple[str, str, list[int]]] = []
+
+    class Peer(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _send(self, body: object) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._send({"data": [{"id": "teacher"}]})
+
+        def do_POST(self) -> None:
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids = req.get("input_ids", req.get("prompt"))
+            seen.append((self.path, self.headers.get("Authorization", ""), ids))
+            if self.path == "/generate":
+                top = [None] + [[[-0.5, t, None], [-1.5, t + 1, None]] for t in ids[1:]]
+                self._send({"meta_info": {"input_top_logprobs": top}})
+            else:
+                ranked = [None] + [
+                    {str(t): {"logprob": -0.5, "rank": 1}, str(t + 1): {"logprob": -1.5, "rank": 2},
+                     "99": {"logprob": -9.0, "rank": 40}}
+                    for t in ids[1:]
+                ]  # fmt: skip
+                self._send({"choices": [{"prompt_logprobs": ranked}]})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("TEACHER_KEY", "sekrit")
+    teacher = TeacherConfig(url=f"127.0.0.1:{server.server_address[1]}", protocol=protocol, top_k=2,
+                            api_key_env="TEACHER_KEY", timeout=30.0)  # fmt: skip
+    actor = PPOActor(ActorConfig(loss="distill", teacher=teacher), engine=None)  # type: ignore[arg-type]
+    batch = {
+        "input_ids": torch.tensor([[3, 10, 11, 12], [4, 20, 0, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool),
+    }
+    try:
+        actor.fill_teacher(batch)
+    finally:
+        server.shutdown()
+    route = "/generate" if protocol == "sglang" else "/v1/completions"
+    assert sorted(s[2] for s in seen) == [[3, 10, 11, 12], [4, 20]]
+    assert {s[:2] for s in seen} == {(route, "Bearer sekrit")}
+    logp, ids = batch["teacher_logp"], batch["teacher_ids"]
+    assert ids.shape == logp.shape == (2, 4, 2)
+    assert ids[0, 1:].tolist() == [[10, 11], [11, 12], [12, 13]] and ids[1, 1].tolist() == [20, 21]
+    assert logp[0, 1:].tolist() == [[-0.5, -1.5]] * 3 and logp[1, 1].tolist() == [-0.5, -1.5]
+    assert not logp[:, 0].any() and not logp[1, 2:].any() and not ids[1, 2:].any()
