@@ -174,12 +174,22 @@ def test_kill_9_and_readmission_over_broadcast(sglang, served_model):
         eng.destroy()
 
 
-def test_a_distillation_teacher_on_sglang_gives_the_forward_top_k(sglang, served_model):
+def serve_the_reference(server, model, tmp_path) -> None:
+    """Put ``model``'s weights back on the module's server (earlier tests leave others there)."""
+    eng = engine(server, weight_sync="disk", weight_sync_dir=str(tmp_path / "reset"))
+    try:
+        eng.update_weights(WeightUpdate(kind="tensors", version=eng.get_version() + 1, tensors=model.state_dict()))
+    finally:
+        eng.destroy()
+
+
+def test_a_distillation_teacher_on_sglang_gives_the_forward_top_k(sglang, served_model, tmp_path):
+    serve_the_reference(sglang, served_model, tmp_path)
     check_teacher_server(sglang.url, "sglang", served_model)
 
 
 def test_the_trainer_distills_from_a_teacher_on_sglang_as_from_the_same_teacher_loaded_locally(
-    sglang, tiny_dir, tmp_path
+    sglang, tiny_dir, served_model, tmp_path
 ):
     """``actor.loss=distill actor.teacher.url=<SGLang> actor.teacher.top_k=5``: the student (the tiny model
     at another seed) samples locally and the served model scores its tokens. The run is the run with the
@@ -199,6 +209,7 @@ def test_the_trainer_distills_from_a_teacher_on_sglang_as_from_the_same_teacher_
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return [r["actor/distill_kl"] for r in rows if "actor/distill_kl" in r]
 
+    serve_the_reference(sglang, served_model, tmp_path)  # tiny_dir's weights
     served = distill(f"actor.teacher.url={sglang.address}", tmp_path / "served")
     local = distill(f"actor.teacher.path={tiny_dir}", tmp_path / "local")
     print(f"distilling from SGLang (top 5): actor/distill_kl per step {served}; from the local teacher {local}")
