@@ -288,6 +288,18 @@ def _train(argv: list[str]) -> int:
         overrides.append("recover=auto")
     import signal
 
+    # the caller's handlers come back on return (main() called in a Python process: Ctrl-C works after it)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _train_run(path, overrides)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _train_run(path: str | None, overrides: list[str]) -> int:
+    import signal
+
     from relayrl.api.config import RunConfig, load_config
     from relayrl.utils.interrupt import raise_interrupted
 

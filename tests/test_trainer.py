@@ -374,3 +374,20 @@ def test_every_part_reports_its_own_metrics_once(tmp_path: Path) -> None:
         assert r["critic/optimizer_steps"] == 1.0
         assert {"rollout/staleness_max", "rollout/group_staleness_max"} <= set(r)
         assert 0 <= r["rollout/staleness_mean"] <= r["rollout/staleness_max"] <= 1
+
+
+def test_train_called_from_python_gives_the_callers_signal_handlers_back(tmp_path):
+    """``relayrl.cli.main(["train", ...])`` in a Python process (a notebook, a script, a test) left SIGINT
+    ignored after a finished run and SIGTERM raising: Ctrl-C then no longer stopped the caller."""
+    from relayrl.cli import main
+
+    def handlers() -> dict[int, object]:
+        return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    before = handlers()
+    assert before[signal.SIGINT] is signal.default_int_handler  # pytest's own: what a Python process has
+    argv = ["train", f"run_dir={tmp_path / 'run'}", *FAST, "total_steps=1", "eval.every_n_steps=0"]
+    assert main(argv) == 0
+    assert handlers() == before
+    assert main(["train", f"run_dir={tmp_path / 'bad'}", "model.path=/nonexistent/model"]) == 2  # a config error
+    assert handlers() == before

@@ -149,7 +149,7 @@ def test_a_request_past_its_deadline_is_retried_on_the_other_server(servers):
     eng = RemoteEngine(cfg, addresses=servers.addresses)
     eng.initialize()
     servers.procs[1].send_signal(signal.SIGSTOP)
-    g = GenerationConfig(max_new_tokens=4)
+    g = GenerationConfig(max_new_tokens=4, min_new_tokens=4)  # a sampled end-of-sequence cannot end one early
 
     async def run() -> list:
         return await asyncio.gather(
@@ -160,7 +160,7 @@ def test_a_request_past_its_deadline_is_retried_on_the_other_server(servers):
         outs = asyncio.run(run())
     finally:
         eng.destroy()
-    assert [len(o.output_tokens) for o in outs] == [4] * 4
+    assert [(len(o.output_tokens), o.stop_reason) for o in outs] == [(4, "length")] * 4
     assert eng.counters["retried"] >= 1 and eng.counters["evictions"] == 0
 
 
