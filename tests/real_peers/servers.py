@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -191,10 +192,14 @@ def gap(model: torch.nn.Module, out: ModelResponse, temperature: float) -> float
     return float((ref - torch.tensor(out.output_logprobs)).abs().max())
 
 
-def in_flight(eng: RemoteEngine, n: int, after_s: float = 0.1) -> None:
-    """Wait until ``n`` requests are in flight on ``eng``'s servers, then ``after_s`` more (tokens being generated)."""
+def in_flight(eng: RemoteEngine, n: int, after_s: float = 0.1, sender: threading.Thread | None = None) -> None:
+    """Wait until ``n`` requests are in flight on ``eng``'s servers, then ``after_s`` more (tokens being generated).
+    With ``sender`` (the thread sending them), also return once it has finished: its requests came and went
+    between two looks (a test that tries again then does; waiting on would only hit the deadline)."""
     deadline = time.monotonic() + 60
     while sum(s.in_flight for s in eng.servers) < n:
+        if sender is not None and not sender.is_alive():
+            return
         assert time.monotonic() < deadline, "the requests never reached the server"
         time.sleep(0.005)
     time.sleep(after_s)

@@ -137,12 +137,14 @@ def launch(kind: str, env: Path, tmp_path: Path) -> tuple[str, str, list[str]]:
     )
 
 
+@pytest.mark.long  # CI runs the same launch and sync path on SmolLM2: test_smollm2_peers.py
 def test_relayrl_train_launches_real_sglang_and_syncs_by_broadcast(tmp_path, tiny_dir):
     route, update_route, args = launch("sglang", peer_env("sglang"), tmp_path)
     rows, seen = train(tmp_path, tiny_dir, route, *args)
     check(rows, seen, tmp_path, "sglang", update_route)
 
 
+@pytest.mark.long  # CI runs the same launch and sync path on SmolLM2: test_smollm2_peers.py
 def test_relayrl_train_launches_real_vllm_and_syncs_from_disk(tmp_path, tiny_dir):
     route, update_route, args = launch("vllm", peer_env("vllm"), tmp_path)
     rows, seen = train(tmp_path, tiny_dir, route, *args)

@@ -120,7 +120,7 @@ def test_pause_with_requests_in_flight_then_resume(vllm, served_model, tmp_path)
             results: list = []
             t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(3)])))
             t.start()
-            in_flight(eng, 3, after_s=0.05)
+            in_flight(eng, 3, after_s=0.05, sender=t)
             eng.pause()
             try:
                 assert httpx.get(vllm.url + "/is_paused", timeout=10).json()["is_paused"] is True
@@ -154,7 +154,7 @@ def test_a_weight_update_mid_generation_tags_every_token_with_its_version(vllm, 
             results: list = []
             t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(3)])))
             t.start()
-            in_flight(eng, 3, after_s=0.05)
+            in_flight(eng, 3, after_s=0.05, sender=t)
             version += 1
             models[version] = new if models[version - 1] is served_model else served_model
             eng.update_weights(WeightUpdate(kind="tensors", version=version, tensors=models[version].state_dict()))
