@@ -362,6 +362,41 @@ def test_weights_from_disk_and_upload(server, roots):
     assert httpx.get(server + "/health", timeout=10).status_code == 200
 
 
+def test_a_prompt_is_scored_for_a_distillation_teacher_as_sglang_scores_it(server, tiny_model):
+    """``max_new_tokens: 0`` + ``logprob_start_len`` + ``top_logprobs_num`` (what ``actor.teacher.url`` with
+    ``protocol: sglang`` sends): the prompt's top-k are a teacher-forced forward's, nothing is generated."""
+    from tests.real_peers.servers import check_teacher_server
+
+    check_teacher_server(server, "sglang", tiny_model)  # the top 5 per position, within 1e-4 (also at T=0.5)
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+    meta = httpx.post(server + "/generate", json={**body, "logprob_start_len": 2}, timeout=30).json()["meta_info"]
+    with torch.inference_mode():
+        logp = torch.log_softmax(tiny_model(torch.tensor([PROMPT])).logits[0].float(), -1)
+    want = [float(logp[t - 1, PROMPT[t]]) for t in range(2, len(PROMPT))]
+    assert [e[1] for e in meta["input_token_logprobs"]] == PROMPT[2:] and meta["completion_tokens"] == 0
+    assert max(abs(e[0] - w) for e, w in zip(meta["input_token_logprobs"], want, strict=True)) <= 1e-4
+    # after generation too (SGLang's input logprobs of a generating request), first token null
+    out = gen(server, PROMPT, max_new_tokens=2)
+    assert "input_token_logprobs" not in out.json()["meta_info"]
+    r = httpx.post(
+        server + "/generate", json={**body, "sampling_params": {"max_new_tokens": 2}, "logprob_start_len": 0}
+    )
+    assert (
+        r.json()["meta_info"]["input_token_logprobs"][0] == [None, PROMPT[0], None] and len(r.json()["output_ids"]) == 2
+    )
+    for bad, needle in (
+        ({"logprob_start_len": 5}, "logprob_start_len=5 must be a prompt position"),
+        ({"top_logprobs_num": 3}, "for top_logprobs_num"),
+        ({"logprob_start_len": 0, "top_logprobs_num": 101}, "top_logprobs_num"),
+    ):
+        r = httpx.post(server + "/generate", json={**body, **bad}, timeout=30)
+        assert r.status_code == 400 and needle in r.text, r.text
+    batch = {"input_ids": [PROMPT, PROMPT], "sampling_params": {"max_new_tokens": 0}}
+    r = httpx.post(server + "/generate", json=batch, timeout=30)
+    assert r.status_code == 400 and "is for a single /generate request" in r.text, r.text
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
 def test_openai_endpoints(server, tiny_model, tokenizer):
     prompt = "12+3="
     ids = [int(i) for i in tokenizer.encode(prompt)]

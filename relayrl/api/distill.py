@@ -29,7 +29,7 @@ class TeacherConfig:
         "and its top-k logprobs (actor.teacher.top_k >= 1) are the teacher (relayrl.train.teacher_server). "
         "Exclusive with path; it must serve a model with the student's tokenizer.",
     )
-    protocol: str = f("sglang", help="The teacher server's API: sglang (/generate) or vllm (/v1/completions).",
+    protocol: str = f("sglang", help="The teacher server's API: sglang (/generate: SGLang or relayrl serve) or vllm (/v1/completions).",
                       choices=["sglang", "vllm"])  # fmt: skip
     api_key_env: str = f(
         "",

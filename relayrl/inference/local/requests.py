@@ -61,6 +61,30 @@ class RequestControl:
         await asyncio.to_thread(self._call_in_loop, score)
         return top_logprobs(found[0], output, gconfig, k)
 
+    async def aprompt_logprobs(
+        self, ids: list[int], start: int, k: int
+    ) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+        """A teacher-forced forward of ``ids`` on the loop thread (between steps: the weights a request
+        would see), at temperature 1: each token's logprob from position ``start`` (None at position 0,
+        which nothing predicts) and, for ``k`` > 0, the ``k`` most likely (id, logprob) there."""
+        found: list[torch.Tensor] = []
+
+        def score() -> None:
+            assert self.model is not None
+            with torch.inference_mode():
+                logits = self.model(torch.tensor([ids], device=self.device), use_cache=False).logits[0, :-1]
+            found.append(torch.log_softmax(logits.float(), -1).cpu())
+
+        await asyncio.to_thread(self._call_in_loop, score)
+        logp = found[0][max(start, 1) - 1 :]  # row t - 1: the distribution token t was drawn from
+        picked = logp.gather(-1, torch.tensor(ids[max(start, 1) :]).unsqueeze(-1)).squeeze(-1).tolist()
+        first: list[float | None] = [None] if start == 0 else []
+        if k == 0:
+            return first + picked, []
+        vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        tops = [[(int(j), float(v)) for v, j in zip(vr, ir, strict=True)] for vr, ir in zip(vals, idx, strict=True)]
+        return first + picked, ([[]] if start == 0 else []) + tops
+
     def abort_rid(self, rid: str) -> int:
         """End the requests with this rid (running, set aside or queued) with stop_reason ``abort``
         and their partial output, not continued (SGLang's single-request abort); returns how many."""

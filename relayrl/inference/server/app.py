@@ -38,6 +38,7 @@ import os
 import secrets
 import socket
 import sys
+import typing
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -131,6 +132,8 @@ class Server(WeightRoutes, OpenAIRoutes):
     def gconfig(
         self, sp: SamplingParams, prompt_len: int, field: str = "sampling_params", prompt: str = "input_ids"
     ) -> GenerationConfig:
+        if sp.max_new_tokens == 0:  # only a single /generate scores a prompt
+            raise _bad(f"{field}.max_new_tokens=0 (score the prompt) is for a single /generate request, not {prompt}")
         greedy = sp.temperature < GREEDY_BELOW  # as SGLang and vLLM do: a tinier one only overflows the logits
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
         g = GenerationConfig(
@@ -211,12 +214,19 @@ class Server(WeightRoutes, OpenAIRoutes):
             raise _bad("give exactly one of input_ids or text")
         ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))
         self.check_ids(ids, "input_ids")
+        if req.logprob_start_len >= len(ids) or (req.top_logprobs_num and req.logprob_start_len < 0):
+            raise _bad(
+                f"logprob_start_len={req.logprob_start_len} must be a prompt position (0 <= it < {len(ids)}) "
+                f"{'for top_logprobs_num' if req.top_logprobs_num else ''}".rstrip()
+            )
+        if req.sampling_params.max_new_tokens == 0:  # score the prompt only: a distillation teacher's call
+            return await self.score_prompt(req, ids)
         g = self.gconfig(req.sampling_params, len(ids))
         self.check_routed(req.return_routed_experts, "return_routed_experts")
         rid = req.rid or uuid.uuid4().hex
         images: list[str | bytes] = [req.image_data] if isinstance(req.image_data, str) else list(req.image_data or [])
         r = await self.run(rid, ids, g, once=True, images=images)
-        return self.reply(
+        out = self.reply(
             rid,
             r,
             req.return_logprob,
@@ -224,6 +234,42 @@ class Server(WeightRoutes, OpenAIRoutes):
             [] if req.sampling_params.no_stop_trim else g.stop,
             req.return_routed_experts,
         )
+        if req.return_logprob and req.logprob_start_len >= 0:
+            meta = typing.cast(dict[str, object], out["meta_info"])
+            meta.update(await self.input_logprobs(ids, req.logprob_start_len, req.top_logprobs_num))
+        return out
+
+    async def input_logprobs(self, ids: list[int], start: int, k: int) -> dict[str, object]:
+        """SGLang's ``input_token_logprobs`` (and ``input_top_logprobs`` for k > 0) from prompt position ``start``."""
+        picked, tops = await self.engine.aprompt_logprobs(ids, start, k)
+        meta: dict[str, object] = {
+            "input_token_logprobs": [[lp, t, None] for lp, t in zip(picked, ids[start:], strict=True)]
+        }
+        if k:
+            meta["input_top_logprobs"] = [[[lp, j, None] for j, lp in top] or None for top in tops]
+        return meta
+
+    async def score_prompt(self, req: GenerateRequest, ids: list[int]) -> dict[str, object]:
+        """``max_new_tokens: 0``: nothing generated; with ``return_logprob`` and ``logprob_start_len``, the
+        prompt's logprobs (what ``actor.teacher.url`` with ``protocol: sglang`` asks a teacher for)."""
+        if req.image_data or req.return_routed_experts:
+            raise _bad(
+                "sampling_params.max_new_tokens=0 scores a text prompt: image_data and routed experts do not apply"
+            )
+        self.n_served += 1
+        meta: dict[str, object] = {
+            "id": req.rid or uuid.uuid4().hex,
+            "prompt_tokens": len(ids),
+            "completion_tokens": 0,
+            "finish_reason": {"type": "length", "length": 0},
+            "weight_version": str(self.engine.get_version()),
+            "output_token_versions": [],
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = []
+            if req.logprob_start_len >= 0:
+                meta.update(await self.input_logprobs(ids, req.logprob_start_len, req.top_logprobs_num))
+        return {"text": "", "output_ids": [], "meta_info": meta}
 
     def check_routed(self, wanted: bool, field: str) -> None:
         if wanted and self.engine.routing_shape is None:

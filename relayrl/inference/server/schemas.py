@@ -22,7 +22,9 @@ TokenId = StrictInt  # JSON true/false or "5" are not token ids (lax ints would 
 
 
 class SamplingParams(_Body):
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(
+        128, ge=0, description="0: score the prompt only (single /generate; see logprob_start_len)"
+    )
     min_new_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -46,6 +48,7 @@ _T = TypeVar("_T")
 OneOrMany = Annotated[Annotated[_T, Tag("<one>")] | Annotated[list[_T], Tag("<many>")], Discriminator(_one_or_many_tag)]
 
 
+MAX_TOP_LOGPROBS = 100  # top_logprobs_num: a distillation teacher's top-k (the full vocabulary is a local teacher's)
 ImageData = str  # SGLang's image item: base64 text, a data: URL or a file path on the server
 
 
@@ -57,6 +60,20 @@ class GenerateRequest(_Body):
     )
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = False
+    logprob_start_len: int = Field(
+        -1,
+        ge=-1,
+        description="SGLang: with return_logprob, meta_info.input_token_logprobs of the prompt from this position "
+        "(-1: none); the first token's is null. With max_new_tokens 0 nothing is generated: a distillation "
+        "teacher's prompt scoring (actor.teacher.url)",
+    )
+    top_logprobs_num: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="SGLang: with logprob_start_len, meta_info.input_top_logprobs: the k most likely "
+        "[logprob, id, null] of the distribution each prompt token was drawn from (temperature 1)",
+    )
     return_routed_experts: bool = Field(
         False,
         description="MoE models: meta_info.routed_experts, base64 of int32 [prompt + output - 1, n_moe_layers, "
