@@ -111,7 +111,7 @@ def test_replies_never_hold_invalid_json():
         ('{"input_ids": [3, -1]}', "input_ids[1]=-1"),
         ('{"input_ids": [3, 4], "sampling_params": {"top_p": 1.5}}', "sampling_params.top_p"),
         ('{"input_ids": [3, 4], "sampling_params": {"temperature": -1}}', "sampling_params.temperature"),
-        ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 0}}', "sampling_params.max_new_tokens"),
+        ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokens": -1}}', "sampling_params.max_new_tokens"),
         ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 5}}', "min_new_tokens"),
         ('{"input_ids": [3, 4], "sampling_params": {"stop_token_ids": [5000]}}', "stop_token_ids[0]=5000"),
         ('{"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5000}}', "exceeds the model"),

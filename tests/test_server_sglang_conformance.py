@@ -123,7 +123,7 @@ def test_errors_are_openai_error_objects_the_sdk_reads(server):
         client.completions.create(model="tiny", prompt=[3, 4], max_tokens=0)
     assert isinstance(e.value.body, dict) and "max_tokens" in e.value.body["message"], e.value.body
     assert e.value.body["code"] == 400 and e.value.body["type"] == "BadRequestError"
-    r = _generate(server, 0)
+    r = _generate(server, -1)  # (0 is SGLang's "score the prompt only": tests/test_server.py)
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.max_new_tokens"
 
 
