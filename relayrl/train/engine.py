@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import inspect
 import math
 import os
 import typing
@@ -32,6 +33,7 @@ from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_
 from relayrl.train.lmhead import TokenStats, wants_token_stats
 from relayrl.train.mismatch import disable_dropout
 from relayrl.train.packing import (
+    VARLEN_ATTN,
     model_inputs,
     pack,
     resolve_attn_impl,
@@ -40,6 +42,7 @@ from relayrl.train.packing import (
     unpack,
     vision_tokens,
 )
+from relayrl.train.prefix import SharedPrefix, shared_layout
 from relayrl.train.vision import vision_forward
 from relayrl.utils import dist as dist_utils
 from relayrl.utils.moe import RoutingReplay, routing_shape
@@ -214,8 +217,9 @@ class TorchTrainEngine(TrainEngine):
         for rows in self._plan(batch):
             yield (pack(batch, rows), False) if rows else (pack(batch, [0]), True)
 
-    def _logits(self, packed: TensorDict) -> torch.Tensor:
-        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch.
+    def _logits(self, packed: TensorDict, shared: bool = False) -> torch.Tensor:
+        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch; ``shared``:
+        in the shared-prefix layout where it applies (``_shared_layout``), the same logits.
 
         MoE models: the routers use the micro-batch's ``routed_experts`` when it has them
         (replay; the ids stay set until the next micro-batch, so activation checkpointing
@@ -227,6 +231,9 @@ class TorchTrainEngine(TrainEngine):
             self._moe.ids = moved.get("routed_experts")
             self._moe.recorded = moved.get("recorded_experts")
         model, inputs = self._require(), model_inputs(moved)
+        layout = self._shared_layout(packed) if shared else None
+        if layout is not None:  # the model lays the plain layout's positions out itself (hidden[index])
+            inputs = {**layout.model_inputs(), "logits_to_keep": layout.index}
         images: contextlib.AbstractContextManager[dict[str, object]] = (
             vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
         )
@@ -254,8 +261,6 @@ class TorchTrainEngine(TrainEngine):
         if "image_grid_thw" in packed or dist_utils.is_fsdp(model):
             return False
         if self._head_ok is None:
-            import inspect
-
             head = model.get_output_embeddings()
             cfgs = [model.config, getattr(model.config, "text_config", None)]
             scaled = any(
@@ -264,10 +269,30 @@ class TorchTrainEngine(TrainEngine):
             self._head_ok = (
                 type(head) is nn.Linear
                 and not scaled
-                and "logits_to_keep" in inspect.signature(model.forward).parameters
+                and self._takes_logits_to_keep()
                 and not any(hasattr(p, "full_tensor") for p in model.parameters())
             )
         return self._head_ok
+
+    def _takes_logits_to_keep(self) -> bool:
+        return "logits_to_keep" in inspect.signature(self._require().forward).parameters
+
+    def _shared_layout(self, packed: TensorDict) -> SharedPrefix | None:
+        """The micro-batch's shared-prefix layout (``relayrl.train.prefix``), or None where rows share no
+        prompt or the layout does not apply: ``train.shared_prefix=off``, not an ``lm`` head, LoRA,
+        fp16/bf16 autocast, MoE (routing replay and the load-balancing loss are per plain token),
+        images, torch.distributed (FSDP2 or replicated), or an attention other than ``relayrl_varlen``
+        (flash-attn, sdpa, eager)."""
+        if self.config.shared_prefix == "off":
+            return None
+        if self.head != "lm" or self.lora or self.fp16 or self._checked.bf16 or self._moe is not None:
+            return None
+        if hasattr(self._require(), "peft_config") or self._checked.flash or self._checked.tested_attn != VARLEN_ATTN:
+            return None
+        if "image_grid_thw" in packed or dist_utils.is_distributed() or not self._takes_logits_to_keep():
+            return None
+        layout = shared_layout(packed)
+        return None if layout is None else layout.to(self.device)
 
     def _head_stats(self, packed: TensorDict) -> TokenStats:
         """The model body's final hidden states ``[T, H]`` wrapped as a ``TokenStats``. The model's own
@@ -278,7 +303,8 @@ class TorchTrainEngine(TrainEngine):
         if self._moe is not None:
             self._moe.ids = moved.get("routed_experts")
             self._moe.recorded = moved.get("recorded_experts")
-        inputs = model_inputs(moved)
+        layout = self._shared_layout(moved)
+        inputs = model_inputs(moved) if layout is None else layout.model_inputs()
         body = getattr(model, model.base_model_prefix)
         seen: list[torch.Tensor] = []
 
@@ -292,7 +318,7 @@ class TorchTrainEngine(TrainEngine):
                 model(**inputs, logits_to_keep=1)
             finally:
                 handle.remove()
-            return seen[-1][0]
+            return seen[-1][0] if layout is None else seen[-1][0][layout.index]
 
         hidden = self._checked(run)
         if self._moe is not None:
@@ -330,7 +356,7 @@ class TorchTrainEngine(TrainEngine):
         out: torch.Tensor | None = None
         for packed, dummy in self._micro_batches(batch):
             packed = self._to_device(packed)
-            values = post(self._logits(packed), packed)
+            values = post(self._logits(packed, shared=True), packed)
             if out is None:
                 out = torch.zeros(bsz, seqlen, *values.shape[1:], dtype=torch.float32)
             if not dummy:
