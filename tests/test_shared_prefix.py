@@ -16,10 +16,11 @@ from relayrl.train.packing import (
     model_inputs,
     pack,
     register_varlen_attention,
+    segment_ids,
     token_entropy,
     token_logprobs,
 )
-from relayrl.train.prefix import MIN_SHARED, plan_runs, shared_layout
+from relayrl.train.prefix import MIN_SHARED, plan_micro_batches, plan_runs, shared_layout
 
 MOE = {"mixtral", "qwen3_moe"}  # the engine keeps the plain layout (routing replay, load-balancing loss)
 FULL_LOGITS = {"gemma2"}  # soft-capped logits: no LM-head fast path, so no shared training loss
@@ -179,22 +180,44 @@ def test_no_grad_forward_uses_the_shared_layout_with_the_same_logprobs(family: s
     assert bool((shared[batch["attention_mask"]].ne(0)).sum() > 100)
 
 
-def test_train_batch_loss_and_grad_norm_equal_with_the_switch_off() -> None:
-    out = {}
+def test_micro_batches_keep_a_trees_rows_together_within_the_computed_token_budget() -> None:
+    batch = rows_batch()
+    lengths = batch["attention_mask"].sum(1).tolist()
+    groups = plan_micro_batches(batch["input_ids"], lengths, budget=80)
+    assert sorted(r for g in groups for r in g) == list(range(10))
+    for g in groups:
+        layout = shared_layout(pack(batch, g))
+        assert (sum(lengths[r] for r in g) if layout is None else int(layout.input_ids.numel())) <= 80
+    by_row = {r: i for i, g in enumerate(groups) for r in g}
+    # the 27-token prompt's rows (batch rows 2, 5, 8) cost 26 + 4 + 12 + 7 = 49: one micro-batch
+    assert by_row[2] == by_row[5] == by_row[8]
+    # p1's five rows cost 17 + 4 + 8 + 8 + 12 + 17 = 66: together too
+    assert len({by_row[r] for r in (1, 3, 6, 7, 9)}) == 1
+    big = plan_micro_batches(batch["input_ids"], lengths, budget=40)  # a tree past the budget: chunks, each sharing
+    assert all(sum(lengths[r] for r in g) <= 40 or shared_layout(pack(batch, g)) is not None for g in big)
+
+
+@pytest.mark.parametrize("mb_max_tokens", [8192, 80])
+def test_train_batch_and_forward_equal_with_the_switch_off(mb_max_tokens: int) -> None:
+    out, logp = {}, {}
     for mode in ("auto", "off"):
         torch.manual_seed(0)
-        engine = engine_for("qwen2", shared_prefix=mode)
-        batch = rows_batch()
+        engine = engine_for("qwen2", shared_prefix=mode, mb_max_tokens=mb_max_tokens)
+        batch = {**rows_batch(), "adv": torch.linspace(-1, 1, 10)}  # a sequence-level key
 
         @token_stats_loss
         def loss_fn(logits: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
             lp = token_logprobs(logits, packed)
             mask = packed["loss_mask"].bool()
-            return -torch.where(mask, lp * torch.linspace(-1, 1, mask.shape[0]), 0.0).sum() / mask.sum()
+            return -torch.where(mask, lp * packed["adv"][segment_ids(packed)], 0.0).sum() / mask.sum()
 
+        logp[mode] = engine.forward(batch)
         out[mode] = engine.train_batch(batch, loss_fn, lambda p: float(p["loss_mask"].sum()))
     assert out["auto"]["loss"] == pytest.approx(out["off"]["loss"], rel=1e-6)
     assert out["auto"]["grad_norm"] == pytest.approx(out["off"]["grad_norm"], rel=1e-6)
+    close(logp["auto"], logp["off"], "forward logprobs")
+    if mb_max_tokens == 80:  # the trees' rows together: fewer micro-batches than the plain plan's
+        assert out["auto"]["n_mbs"] < out["off"]["n_mbs"]
 
 
 def test_fallbacks_keep_the_plain_layout() -> None:

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 import torch
 
 from relayrl.api.engine import TensorDict
-from relayrl.train.packing import TREE_KWARG, document_attention
+from relayrl.train.packing import TREE_KWARG, document_attention, split_by_token_budget
 
 MIN_SHARED = 16  # fewer shared tokens are not worth a tree (and rarely a prompt)
+MAX_RUN = 256  # rows one tree may take (bounds the plan's O(rows x MAX_RUN) search)
 
 Attend = Callable[..., torch.Tensor]
 
@@ -135,7 +136,7 @@ def plan_runs(rows: list[list[int]], min_shared: int = MIN_SHARED) -> list[tuple
     for j in range(1, n + 1):
         best[j], cut[j] = best[j - 1], (j - 1, 0)
         shared = 1 << 62
-        for i in range(j - 2, -1, -1):  # the run i..j-1 shares min(adj[i..j-2])
+        for i in range(j - 2, max(j - 1 - MAX_RUN, 0) - 1, -1):  # the run i..j-1 shares min(adj[i..j-2])
             shared = min(shared, adj[i])
             if shared < min_shared:
                 break
@@ -148,6 +149,30 @@ def plan_runs(rows: list[list[int]], min_shared: int = MIN_SHARED) -> list[tuple
         runs.append(([order[r] for r in range(i, j)], shared))
         j = i
     return runs[::-1]
+
+
+def plan_micro_batches(
+    ids: torch.Tensor, lengths: list[int], budget: int, min_shared: int = MIN_SHARED
+) -> list[list[int]]:
+    """Rows of a padded batch (``ids [B, L]``, real ``lengths``) in micro-batches of at most ``budget``
+    *computed* tokens that keep each tree's rows together: the trees of the whole batch (a tree larger
+    than the budget in chunks that each still share the prefix) and the plain rows, bin-packed by what
+    they cost in the shared layout (``relayrl.train.packing.split_by_token_budget``)."""
+    rows = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    units: list[tuple[list[int], int]] = []  # (rows, tokens computed)
+    for members, shared in plan_runs(rows, min_shared):
+        p = max(shared - 1, 0)
+        chunk: list[int] = []
+        cost = p
+        for r in members:
+            if chunk and cost + lengths[r] - p > budget:
+                units.append((chunk, cost))
+                chunk, cost = [], p
+            chunk.append(r)
+            cost += lengths[r] - p
+        units.append((chunk, cost))
+    groups = split_by_token_budget([cost for _, cost in units], budget)
+    return [sorted(r for u in g for r in units[u][0]) for g in groups]
 
 
 def shared_layout(packed: TensorDict, min_shared: int = MIN_SHARED) -> SharedPrefix | None:
