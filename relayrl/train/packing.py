@@ -9,7 +9,8 @@ dropped (every packed token is real).
 
 The model then runs on ``[1, T]`` with a per-document attention (``relayrl_varlen``,
 registered with transformers' ``AttentionInterface``) or flash-attn's varlen kernel, so no
-``T x T`` mask is ever built and no compute is spent on padding.
+``T x T`` mask is ever built and no compute is spent on padding. Rows sharing a prompt can instead
+compute it once (``relayrl.train.prefix``).
 """
 
 from __future__ import annotations
@@ -258,8 +259,10 @@ def varlen_attention_forward(
     allocated, and 64 short documents take a couple of SDPA calls instead of 64. Without
     ``cu_seq_lens_q`` it is plain causal SDPA (one document). ``sliding_window`` (Mistral,
     Gemma2/3: a token sees the last ``sliding_window`` tokens, itself included) and ``softcap``
-    (Gemma2: ``tanh(scores / c) * c``) are honoured as transformers' eager attention does. Returns
-    ``[1, T, H, D]`` like transformers' other attention functions.
+    (Gemma2: ``tanh(scores / c) * c``) are honoured as transformers' eager attention does. With
+    ``relayrl_tree`` in kwargs (a ``relayrl.train.prefix.SharedPrefix``) the tokens are in the
+    shared-prefix layout, which runs its own documents and trees. Returns ``[1, T, H, D]`` like
+    transformers' other attention functions.
     """
     if attention_mask is not None and query.shape[0] != 1:
         raise ValueError("relayrl_varlen attention expects packed input ([1, T]) without an attention mask")

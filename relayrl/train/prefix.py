@@ -24,7 +24,11 @@ documents (unshared rows and the prefixes) as before, then each tree's segments 
 (``[n_segments, H_kv, P + W, D]``) with a ``[W, P + W]`` boolean mask built from position ids (so
 sliding windows and Gemma2's soft-capped scores apply as in the plain layout; GQA via ``enable_gqa``).
 Its cost is ``n x W x (P + W)``; a tree-shaped mask over the whole tree document would be
-``(P + n W)^2``. No ``T x T`` mask is built.
+``(P + n W)^2`` (``bench/tree_attention.py``: 1.9 vs 2.0 ms for 35 + 8 x 9 tokens, 335 vs 2,190 ms
+for 200 + 8 x 500, forward + backward on CPU). No ``T x T`` mask is built.
+
+Micro-batches (:func:`plan_micro_batches`) keep a tree's rows together and count the tokens the
+shared layout computes against the budget.
 
 Where it is used: ``TorchTrainEngine`` (``train.shared_prefix``, docs/benchmarks.md).
 """
