@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relayrl.api.config import ModelConfig, TrainEngineConfig
+from relayrl.api.config import LoraConfig, ModelConfig, TrainEngineConfig
 from relayrl.data.families import FAMILIES, build_tiny_family
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.lmhead import TokenStats, token_stats_loss
@@ -50,9 +50,10 @@ def rows_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": att, "loss_mask": loss}
 
 
-def engine_for(family: str, **config: object) -> TorchTrainEngine:
+def engine_for(family: str, model_config: ModelConfig | None = None, **config: object) -> TorchTrainEngine:
     model = build_tiny_family(family, seed=3)
-    engine = TorchTrainEngine(TrainEngineConfig(**config), ModelConfig(path="tiny"), model=model)  # type: ignore[arg-type]
+    mc = model_config or ModelConfig(path="tiny")
+    engine = TorchTrainEngine(TrainEngineConfig(**config), mc, model=model)  # type: ignore[arg-type]
     engine.initialize()
     return engine
 
@@ -197,12 +198,16 @@ def test_micro_batches_keep_a_trees_rows_together_within_the_computed_token_budg
     assert all(sum(lengths[r] for r in g) <= 40 or shared_layout(pack(batch, g)) is not None for g in big)
 
 
-@pytest.mark.parametrize("mb_max_tokens", [8192, 80])
-def test_train_batch_and_forward_equal_with_the_switch_off(mb_max_tokens: int) -> None:
+@pytest.mark.parametrize(("mb_max_tokens", "checkpointing"), [(8192, False), (80, False), (8192, True)])
+def test_train_batch_and_forward_equal_with_the_switch_off(mb_max_tokens: int, checkpointing: bool) -> None:
+    """One update's loss and grad norm, and forward's logprobs, with train.shared_prefix auto and off; with
+    micro-batches that split the plain plan's groups, and under activation checkpointing (the layout goes
+    through the recomputed forward)."""
     out, logp = {}, {}
     for mode in ("auto", "off"):
         torch.manual_seed(0)
-        engine = engine_for("qwen2", shared_prefix=mode, mb_max_tokens=mb_max_tokens)
+        mc = ModelConfig(path="tiny", gradient_checkpointing=checkpointing)
+        engine = engine_for("qwen2", mc, shared_prefix=mode, mb_max_tokens=mb_max_tokens)
         batch = {**rows_batch(), "adv": torch.linspace(-1, 1, 10)}  # a sequence-level key
 
         @token_stats_loss
@@ -238,3 +243,5 @@ def test_fallbacks_keep_the_plain_layout() -> None:
     assert sdpa._shared_layout(packed) is None
     images = dict(packed, image_grid_thw=torch.ones(1, 3, dtype=torch.long))
     assert engine_for("llama")._shared_layout(images) is None
+    lora = engine_for("llama", ModelConfig(path="tiny", lora=LoraConfig(rank=4)))  # a LoRA-wrapped model and head
+    assert lora._shared_layout(packed) is None
