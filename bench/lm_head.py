@@ -9,31 +9,40 @@ train_batch steps after one warm-up; CPU time from ``resource.getrusage``. ``--m
 real checkpoint instead (e.g. the directory ``relayrl models pull smollm2-135m-instruct`` prints).
 
     python bench/lm_head.py            # writes bench/results/lm_head.json
+
+``--shared-prefix`` (issue #37): the 64 rows are 8 GRPO groups of 8 samples sharing their 36-token
+prompt, and the fast path runs with ``train.shared_prefix`` off ("fast") and auto ("shared": each
+group's prompt computed once, ``relayrl.train.prefix``); writes bench/results/shared_prefix.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 OUT = Path(__file__).resolve().parent / "results" / "lm_head.json"
+OUT_SHARED = OUT.with_name("shared_prefix.json")
+GROUP = 8  # --shared-prefix: samples per prompt
 
 
-def child(mode: str, layers: int, steps: int, model_dir: str | None) -> dict[str, float]:
+def child(mode: str, layers: int, steps: int, model_dir: str | None, shared_prompts: bool = False) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from relayrl.api.config import ModelConfig, TrainEngineConfig
     from relayrl.train.engine import TorchTrainEngine
     from relayrl.train.lmhead import token_stats_loss
-    from relayrl.train.packing import token_entropy, token_logprobs
+    from relayrl.train.packing import pack, token_entropy, token_logprobs
+    from relayrl.train.prefix import shared_layout
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -52,11 +61,14 @@ def child(mode: str, layers: int, steps: int, model_dir: str | None) -> dict[str
         )
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     vocab = model.config.vocab_size
-    engine = TorchTrainEngine(TrainEngineConfig(mb_max_tokens=4096), ModelConfig(path="bench"), model=model)
+    config = TrainEngineConfig(mb_max_tokens=4096, shared_prefix="auto" if mode == "shared" else "off")
+    engine = TorchTrainEngine(config, ModelConfig(path="bench"), model=model)
     engine.initialize()
     n, prompt, comp = 64, 36, 8
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (n, prompt + comp), generator=g)
+    if shared_prompts:  # groups of GROUP rows share their prompt
+        ids[:, :prompt] = ids[::GROUP, :prompt].repeat_interleave(GROUP, 0)
     loss_mask = torch.zeros(n, prompt + comp, dtype=torch.bool)
     loss_mask[:, prompt:] = True
     adv = torch.randn(n, generator=g)
@@ -71,7 +83,8 @@ def child(mode: str, layers: int, steps: int, model_dir: str | None) -> dict[str
         loss = torch.where(mask, -logp * adv[packed["batch_row"]][seq] if "batch_row" in packed else -logp, 0.0)
         return loss.sum() / mask.sum() + 0.0 * ent.sum()
 
-    fn = token_stats_loss(loss_fn) if mode == "fast" else loss_fn
+    fn = loss_fn if mode == "full" else token_stats_loss(loss_fn)
+    layout = shared_layout(pack(batch))  # what the shared mode's one micro-batch computes
     weight = lambda p: float(p["loss_mask"].sum())  # noqa: E731
     engine.train_batch(batch, fn, weight)  # warm-up
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -87,6 +100,7 @@ def child(mode: str, layers: int, steps: int, model_dir: str | None) -> dict[str
         "peak_rss_mb_after_warmup_step": round(rss_before / 1024, 1),
         "tokens": int(ids.numel()),
         "loss_tokens": int(loss_mask.sum()),
+        "computed_tokens": int(ids.numel()) - (layout.saved if mode == "shared" and layout is not None else 0),
         "loss": round(float(stats["loss"]), 6),
         "grad_norm": round(float(stats["grad_norm"]), 6),
     }
@@ -97,29 +111,37 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--model", default=None, help="a real HF model directory instead of the config-built one")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None, help="default: bench/results/lm_head.json (shared_prefix.json)")
+    ap.add_argument("--shared-prefix", action="store_true", help="8 groups of 8 rows sharing a prompt: fast vs shared")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.layers, a.steps, a.model)))
+        print(json.dumps(child(a.child, a.layers, a.steps, a.model, a.shared_prefix)))
         return
+    a.out = a.out or str(OUT_SHARED if a.shared_prefix else OUT)
+    modes = ("fast", "shared") if a.shared_prefix else ("full", "fast")
     res: dict[str, object] = {
         "name": Path(a.out).stem,  # lm_head, or lm_head_smollm2 with --model and that --out
         "model": a.model or f"llama-shaped from config: vocab 49152, hidden 576, {a.layers} layers, tied",
         "threads": 1,
         "steps": a.steps,
     }
-    for mode in ("full", "fast"):
+    for mode in modes:
         cmd = [sys.executable, __file__, "--child", mode, "--layers", str(a.layers), "--steps", str(a.steps)]
         cmd += ["--model", a.model] if a.model else []
+        cmd += ["--shared-prefix"] if a.shared_prefix else []
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         res[mode] = json.loads(out.strip().splitlines()[-1])
         print(mode, res[mode], flush=True)
-    full, fast = res["full"], res["fast"]
+    full, fast = res[modes[0]], res[modes[1]]
     assert isinstance(full, dict) and isinstance(fast, dict)
     res["cpu_speedup"] = round(full["cpu_s_per_step"] / fast["cpu_s_per_step"], 3)
     res["ratio"] = res["cpu_speedup"]  # the headline (bench/run_all.py's table): full ÷ fast CPU per update step
     res["peak_rss_ratio"] = round(fast["peak_rss_mb"] / full["peak_rss_mb"], 3)
+    flags = (["--model", "DIR"] if a.model else []) + (["--shared-prefix"] if a.shared_prefix else [])
+    res["command"] = " ".join(
+        ["python bench/lm_head.py", *flags, "--steps", str(a.steps), "--out", os.path.relpath(a.out, ROOT)]
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps({k: res[k] for k in ("cpu_speedup", "peak_rss_ratio")}))

@@ -31,6 +31,7 @@ ORDER = [
     "decode_cost",
     "training",
     "lm_head",
+    "shared_prefix",
     "lora",
     "serving",
     "grpo_vs_trl_count",
@@ -57,6 +58,7 @@ OPTIONAL = {
     "async_vs_sync_count",
     "lora",
     "lm_head",
+    "shared_prefix",
 }  # only with --only: run_all would take past ~15 minutes
 QUICK_ARGS = {
     "generation": ["--repeats", "1", "--models", "tiny"],
@@ -76,6 +78,7 @@ NEW = {
     "inspect",
 }
 SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
+    "shared_prefix": ("lm_head", ["--shared-prefix"]),
     "grpo_vs_trl_count": ("grpo_vs_trl", ["--task", "count"]),
     "grpo_vs_trl_count_async": (
         "grpo_vs_trl",
@@ -205,6 +208,17 @@ def describe(r: dict) -> tuple[str, str, str]:
             "–",
             f"{f['cpu_s_per_step']:.2f} vs {q['cpu_s_per_step']:.2f} s/step; peak RSS {f['peak_rss_mb']:.0f} vs "
             f"{q['peak_rss_mb']:.0f} MB; loss {f['loss']:.6f} = {q['loss']:.6f}; {r['model']}",
+        )
+    if n.startswith("shared_prefix"):
+        f, q = r["fast"], r["shared"]
+        return (
+            "LM-head fast path ÷ with shared-prefix training CPU per update step, 8 groups × 8 rows sharing a "
+            "36-token prompt "
+            + ("(`--only shared_prefix`)" if n == "shared_prefix" else "(real SmolLM2-135M; its JSON's `command`)"),
+            "–",
+            f"{f['cpu_s_per_step']:.2f} vs {q['cpu_s_per_step']:.2f} s/step; peak RSS {f['peak_rss_mb']:.0f} vs "
+            f"{q['peak_rss_mb']:.0f} MB; tokens computed {f['computed_tokens']} vs {q['computed_tokens']}; loss "
+            f"{f['loss']:.6f} / {q['loss']:.6f}, grad norm {f['grad_norm']:.6f} / {q['grad_norm']:.6f}; {r['model']}",
         )
     if n == "lora":
         return (

@@ -115,6 +115,14 @@ class TrainEngineConfig:
     dropout: bool = f(
         False, help="Keep the model config's dropout while training (RL: off, so the trainer scores what was sampled)."
     )
+    shared_prefix: str = f(
+        "auto",
+        help="'auto': rows of a micro-batch that share at least 16 leading tokens (a GRPO group's prompt) compute "
+        "them once in the built-in actor loss's forward and backward and in the no-grad logprob forwards, with the "
+        "same results (single process, relayrl_varlen attention, no LoRA / MoE / images / autocast); 'off': every "
+        "row computes its own prompt.",
+        choices=["auto", "off"],
+    )
     fsdp: bool = f(True, help="Shard with FSDP2 when torch.distributed runs with more than one rank.")
     max_nan_skips: int = f(3, help="Consecutive non-finite steps skipped before the run stops.", ge=0)
     collective_timeout: float = f(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import inspect
 import math
 import os
 import typing
@@ -23,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
-from relayrl.api.config import ModelConfig, OptimizerConfig, TrainEngineConfig
+from relayrl.api.config import ModelConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.train import lora
@@ -32,6 +33,7 @@ from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_
 from relayrl.train.lmhead import TokenStats, wants_token_stats
 from relayrl.train.mismatch import disable_dropout
 from relayrl.train.packing import (
+    VARLEN_ATTN,
     model_inputs,
     pack,
     resolve_attn_impl,
@@ -40,6 +42,8 @@ from relayrl.train.packing import (
     unpack,
     vision_tokens,
 )
+from relayrl.train.prefix import SharedPrefix, plan_micro_batches, shared_layout
+from relayrl.train.schedule import lr_factor
 from relayrl.train.vision import vision_forward
 from relayrl.utils import dist as dist_utils
 from relayrl.utils.moe import RoutingReplay, routing_shape
@@ -54,25 +58,6 @@ if typing.TYPE_CHECKING:
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a NaN/inf loss or gradient."""
-
-
-def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
-    """LR multiplier after ``step`` scheduler steps.
-
-    Warmup: ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first step
-    already trains, the last warmup step is at the peak). Then ``constant`` = 1; ``linear`` /
-    ``cosine`` decay from the peak to ``min_lr_ratio``, reached at step ``total_steps - 1``.
-    """
-    if step < opt.warmup_steps:
-        return (step + 1) / opt.warmup_steps
-    if opt.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step + 1 - opt.warmup_steps) / max(1, total_steps - opt.warmup_steps))
-    if opt.lr_schedule == "linear":
-        decay = 1.0 - progress
-    else:
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
 
 
 class TorchTrainEngine(TrainEngine):
@@ -188,8 +173,9 @@ class TorchTrainEngine(TrainEngine):
 
     # ---------------------------------------------------------------- micro-batches
 
-    def _plan(self, batch: TensorDict) -> list[list[int]]:
-        """Rows of each of this rank's micro-batches (possibly empty lists: dummy micro-batches)."""
+    def _plan(self, batch: TensorDict, shared: bool = False) -> list[list[int]]:
+        """Rows of each of this rank's micro-batches (possibly empty lists: dummy micro-batches); ``shared``:
+        a tree's rows together, the budget counting the tokens the shared-prefix layout computes."""
         if "attention_mask" not in batch or "input_ids" not in batch:
             raise ValueError(f"batch needs 'input_ids' and 'attention_mask', got keys {sorted(batch)}")
         # the vision tower's patches count too: a row with images costs its tokens plus its patches
@@ -199,7 +185,11 @@ class TorchTrainEngine(TrainEngine):
         budget = self.config.mb_max_tokens
         world = dist_utils.world_size()
         if world == 1:
-            return split_by_token_budget(lengths, budget)
+            return (
+                plan_micro_batches(batch["input_ids"], lengths, budget)
+                if shared
+                else split_by_token_budget(lengths, budget)
+            )
         if len(lengths) < world:
             raise ValueError(f"batch has {len(lengths)} sequences, fewer than the {world} ranks that share it")
         shares = split_by_token_budget(lengths, sum(lengths) + 1, min_groups=world, multiple_of=world)
@@ -209,13 +199,14 @@ class TorchTrainEngine(TrainEngine):
             [mine[j] for j in g] for g in split_by_token_budget([lengths[i] for i in mine], budget, min_groups=n_mb)
         ]
 
-    def _micro_batches(self, batch: TensorDict) -> Iterator[tuple[TensorDict, bool]]:
+    def _micro_batches(self, batch: TensorDict, shared: bool = False) -> Iterator[tuple[TensorDict, bool]]:
         """(packed micro-batch, is_dummy); a dummy re-packs row 0 so every rank runs alike."""
-        for rows in self._plan(batch):
+        for rows in self._plan(batch, shared):
             yield (pack(batch, rows), False) if rows else (pack(batch, [0]), True)
 
-    def _logits(self, packed: TensorDict) -> torch.Tensor:
-        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch.
+    def _logits(self, packed: TensorDict, shared: bool = False) -> torch.Tensor:
+        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch; ``shared``:
+        in the shared-prefix layout where it applies (``_shared_layout``), the same logits.
 
         MoE models: the routers use the micro-batch's ``routed_experts`` when it has them
         (replay; the ids stay set until the next micro-batch, so activation checkpointing
@@ -227,6 +218,9 @@ class TorchTrainEngine(TrainEngine):
             self._moe.ids = moved.get("routed_experts")
             self._moe.recorded = moved.get("recorded_experts")
         model, inputs = self._require(), model_inputs(moved)
+        layout = self._shared_layout(moved) if shared else None
+        if layout is not None:  # the model lays the plain layout's positions out itself (hidden[index])
+            inputs = {**layout.model_inputs(), "logits_to_keep": layout.index}
         images: contextlib.AbstractContextManager[dict[str, object]] = (
             vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
         )
@@ -254,8 +248,6 @@ class TorchTrainEngine(TrainEngine):
         if "image_grid_thw" in packed or dist_utils.is_fsdp(model):
             return False
         if self._head_ok is None:
-            import inspect
-
             head = model.get_output_embeddings()
             cfgs = [model.config, getattr(model.config, "text_config", None)]
             scaled = any(
@@ -264,10 +256,31 @@ class TorchTrainEngine(TrainEngine):
             self._head_ok = (
                 type(head) is nn.Linear
                 and not scaled
-                and "logits_to_keep" in inspect.signature(model.forward).parameters
+                and self._takes_logits_to_keep()
                 and not any(hasattr(p, "full_tensor") for p in model.parameters())
             )
         return self._head_ok
+
+    def _takes_logits_to_keep(self) -> bool:
+        return "logits_to_keep" in inspect.signature(self._require().forward).parameters
+
+    def _shares(self, batch: TensorDict) -> bool:
+        """Whether the shared-prefix layout (``relayrl.train.prefix``) may run on this (packed) batch: not
+        with ``train.shared_prefix=off``, a value/reward head, LoRA, fp16/bf16 autocast, MoE (routing
+        replay and the load-balancing loss are per plain token), images, torch.distributed (FSDP2 or
+        replicated), an attention other than ``relayrl_varlen`` (flash-attn, sdpa, eager)."""
+        if self.config.shared_prefix == "off":
+            return False
+        if self.head != "lm" or self.lora or self.fp16 or self._checked.bf16 or self._moe is not None:
+            return False
+        if hasattr(self._require(), "peft_config") or self._checked.flash or self._checked.tested_attn != VARLEN_ATTN:
+            return False
+        return "image_grid_thw" not in batch and not dist_utils.is_distributed() and self._takes_logits_to_keep()
+
+    def _shared_layout(self, packed: TensorDict) -> SharedPrefix | None:
+        """The micro-batch's shared-prefix layout on the device, or None (no rows share a prompt, or not ``_shares``)."""
+        layout = shared_layout(packed) if self._shares(packed) else None
+        return None if layout is None else layout.to(self.device)
 
     def _head_stats(self, packed: TensorDict) -> TokenStats:
         """The model body's final hidden states ``[T, H]`` wrapped as a ``TokenStats``. The model's own
@@ -278,7 +291,8 @@ class TorchTrainEngine(TrainEngine):
         if self._moe is not None:
             self._moe.ids = moved.get("routed_experts")
             self._moe.recorded = moved.get("recorded_experts")
-        inputs = model_inputs(moved)
+        layout = self._shared_layout(moved)
+        inputs = model_inputs(moved) if layout is None else layout.model_inputs()
         body = getattr(model, model.base_model_prefix)
         seen: list[torch.Tensor] = []
 
@@ -292,13 +306,17 @@ class TorchTrainEngine(TrainEngine):
                 model(**inputs, logits_to_keep=1)
             finally:
                 handle.remove()
-            return seen[-1][0]
+            return seen[-1][0] if layout is None else seen[-1][0][layout.index]
 
         hidden = self._checked(run)
         if self._moe is not None:
             packed["moe_aux_loss"] = self._moe.aux_loss()
             packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
         return TokenStats(hidden, typing.cast(nn.Linear, model.get_output_embeddings()), moved)
+
+    def _shares_loss(self, loss_fn: LossFn, batch: TensorDict) -> bool:
+        """Whether ``loss_fn``'s micro-batches take the shared-prefix layout: a ``token_stats_loss`` on the LM-head fast path."""
+        return wants_token_stats(loss_fn) and self._head_stats_ok(batch) and self._shares(batch)
 
     def _loss_input(self, loss_fn: LossFn, packed: TensorDict) -> torch.Tensor:
         """What ``loss_fn`` gets: a ``TokenStats`` for a ``token_stats_loss`` where the fast path
@@ -328,9 +346,10 @@ class TorchTrainEngine(TrainEngine):
         post = post_fn or self.default_post_fn(temperature)
         bsz, seqlen = batch["input_ids"].shape
         out: torch.Tensor | None = None
-        for packed, dummy in self._micro_batches(batch):
+        shared = self._shares(batch)
+        for packed, dummy in self._micro_batches(batch, shared):
             packed = self._to_device(packed)
-            values = post(self._logits(packed), packed)
+            values = post(self._logits(packed, shared), packed)
             if out is None:
                 out = torch.zeros(bsz, seqlen, *values.shape[1:], dtype=torch.float32)
             if not dummy:
@@ -362,7 +381,7 @@ class TorchTrainEngine(TrainEngine):
     @torch.no_grad()
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> float:
         total = weight = 0.0
-        for packed, dummy in self._micro_batches(batch):
+        for packed, dummy in self._micro_batches(batch, self._shares_loss(loss_fn, batch)):
             packed = self._to_device(packed)
             loss = loss_fn(self._loss_input(loss_fn, packed), packed)
             if not dummy:
@@ -381,7 +400,8 @@ class TorchTrainEngine(TrainEngine):
         model = self._require()
         if self.optimizer is None:
             raise RuntimeError("train_batch on a frozen engine (trainable=False)")
-        mbs = [(self._to_device(p), dummy) for p, dummy in self._micro_batches(batch)]
+        shared = self._shares_loss(loss_fn, batch)
+        mbs = [(self._to_device(p), dummy) for p, dummy in self._micro_batches(batch, shared)]
         weights = [0.0 if dummy else float(loss_weight_fn(p)) for p, dummy in mbs]
         total_w = dist_utils.all_reduce_sum(sum(weights))
         if not total_w > 0:

@@ -9,14 +9,15 @@ dropped (every packed token is real).
 
 The model then runs on ``[1, T]`` with a per-document attention (``relayrl_varlen``,
 registered with transformers' ``AttentionInterface``) or flash-attn's varlen kernel, so no
-``T x T`` mask is ever built and no compute is spent on padding.
+``T x T`` mask is ever built and no compute is spent on padding. Rows sharing a prompt can instead
+compute it once (``relayrl.train.prefix``).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from relayrl.utils.batching import length_groups
 
 VARLEN_ATTN = "relayrl_varlen"
 PACK_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "row_index")
+TREE_KWARG = "relayrl_tree"  # the model forward's keyword that carries a shared-prefix layout to the attention
 
 
 # --------------------------------------------------------------------------------------
@@ -257,8 +259,10 @@ def varlen_attention_forward(
     allocated, and 64 short documents take a couple of SDPA calls instead of 64. Without
     ``cu_seq_lens_q`` it is plain causal SDPA (one document). ``sliding_window`` (Mistral,
     Gemma2/3: a token sees the last ``sliding_window`` tokens, itself included) and ``softcap``
-    (Gemma2: ``tanh(scores / c) * c``) are honoured as transformers' eager attention does. Returns
-    ``[1, T, H, D]`` like transformers' other attention functions.
+    (Gemma2: ``tanh(scores / c) * c``) are honoured as transformers' eager attention does. With
+    ``relayrl_tree`` in kwargs (a ``relayrl.train.prefix.SharedPrefix``) the tokens are in the
+    shared-prefix layout, which runs its own documents and trees. Returns ``[1, T, H, D]`` like
+    transformers' other attention functions.
     """
     if attention_mask is not None and query.shape[0] != 1:
         raise ValueError("relayrl_varlen attention expects packed input ([1, T]) without an attention mask")
@@ -269,29 +273,50 @@ def varlen_attention_forward(
         return out.transpose(1, 2).contiguous(), None
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _causal_attention(q, k, v, drop, scaling, gqa, window, softcap)  # type: ignore[arg-type]
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor | None = None,
+        k_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return _causal_attention(q, k, v, drop, scaling, gqa, window, softcap, q_pos, k_pos)  # type: ignore[arg-type]
 
+    tree = kwargs.get(TREE_KWARG)  # a shared-prefix layout (relayrl.train.prefix.SharedPrefix) lays out the tokens
+    if tree is not None:
+        return tree.attention(query, key, value, attend).transpose(0, 1).unsqueeze(0).contiguous(), None  # type: ignore[attr-defined]
     cu = kwargs.get("cu_seq_lens_q")
     bounds = [] if cu is None else (cu.tolist() if isinstance(cu, torch.Tensor) else list(cu))  # type: ignore[call-overload]
     if len(bounds) <= 2:
         return attend(query, key, value).transpose(1, 2).contiguous(), None
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
-    q, k, v = query[0], key[0], value[0]  # [H, T, D]
+    positions, outs = document_attention(query[0], key[0], value[0], bounds[:-1], lengths, attend)
+    out = torch.cat(outs, 1)[:, torch.argsort(torch.cat(positions))]  # back to packed order: [H, T, D]
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Causal attention within each document ``[start, start + length)`` of ``[H, T, D]`` tensors,
+    documents of similar length batched (right-padded, the padding repeating the last token).
+    Returns the packed positions of the outputs and the outputs ``[H, tokens, D]``, per batch."""
     positions, outs = [], []
-    for group in length_groups(lengths):
-        starts = torch.tensor([bounds[i] for i in group], device=q.device)
+    for group in length_groups(list(lengths)):
+        first = torch.tensor([starts[i] for i in group], device=q.device)
         lens = torch.tensor([lengths[i] for i in group], device=q.device)
         cols = torch.arange(int(lens.max()), device=q.device)
-        idx = starts[:, None] + torch.minimum(
-            cols[None, :], lens[:, None] - 1
-        )  # [n, W]; padding repeats the last token
+        idx = first[:, None] + torch.minimum(cols[None, :], lens[:, None] - 1)  # [n, W]
         o = attend(q[:, idx].transpose(0, 1), k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1))  # [n, H, W, D]
         real = cols[None, :] < lens[:, None]
         outs.append(o.transpose(0, 1)[:, real])  # [H, tokens of the group, D]
         positions.append(idx[real])
-    out = torch.cat(outs, 1)[:, torch.argsort(torch.cat(positions))]  # back to packed order: [H, T, D]
-    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+    return positions, outs
 
 
 def _causal_attention(
@@ -303,13 +328,20 @@ def _causal_attention(
     gqa: bool,
     window: int | None,
     softcap: float | None,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``[n, H, W, D]`` queries over ``[n, H_kv, W, D]`` keys/values, with an
-    optional sliding window and logit soft-cap (then an explicit mask / the eager formula)."""
-    if not window and not softcap:
+    """Causal attention of ``[n, H, W, D]`` queries over ``[n, H_kv, W', D]`` keys/values, with an
+    optional sliding window and logit soft-cap (then an explicit mask / the eager formula).
+
+    Causal means by position: query i sees key j where ``k_pos[j] <= q_pos[i]`` (and, with a
+    window, ``k_pos[j] > q_pos[i] - window``); ``q_pos``/``k_pos`` (``[W]``, ``[W']``) default to
+    ``0..W-1`` for both (square). A shared-prefix segment passes its prefix's keys before its own."""
+    if q_pos is None and not window and not softcap:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop, scale=scale, enable_gqa=gqa)
-    width = q.shape[2]
-    rows, cols = torch.arange(width, device=q.device)[:, None], torch.arange(width, device=q.device)[None, :]
+    if q_pos is None or k_pos is None:
+        q_pos = k_pos = torch.arange(q.shape[2], device=q.device)
+    rows, cols = q_pos[:, None], k_pos[None, :]
     allowed = cols <= rows
     if window:
         allowed = allowed & (cols > rows - int(window))
