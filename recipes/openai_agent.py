@@ -218,7 +218,7 @@ def main(argv: list[str]) -> dict[str, float]:
     checkpoint = opts["warm_start"]  # the shipped one, or an earlier run's run_dir/sft/final; empty: SFT here
     if checkpoint and not opts["model"]:
         model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    else:
+    elif not checkpoint:
         sft = run_sft(
             SFTConfig(
                 run_dir=f"{run_dir}/sft",

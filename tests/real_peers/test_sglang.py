@@ -47,6 +47,9 @@ def engine(server: RealServer, **kw) -> RemoteEngine:
             "backend": "remote",
             "protocol": "sglang",
             "health_interval": 0.2,
+            # a busy machine (the other peer starting beside it) answers /health slowly: only a dead or
+            # killed server (connection refused) is evicted here, never a slow one
+            "health_timeout": 60,
             "request_timeout": 120,
             "max_retries": 10,
             "batch_window_ms": 0,
