@@ -215,6 +215,24 @@ def test_recipe_learns_as_its_header_states(real_cache: Path, tmp_path: Path):
     check_outcome((ROOT / "recipes" / "smollm2_grpo.py").read_text(), acc[0], acc[1], 10)
 
 
+@pytest.mark.long
+def test_the_openai_sdk_agent_recipe_runs_on_the_real_model(real_cache: Path, tmp_path: Path):
+    """recipes/openai_agent.py model=<SmolLM2>: no SFT, the real tokenizer with the Hermes tool format; one
+    step of GRPO over the agent's episodes, whose saved rows are generated ids ending on <|im_end|>
+    (minutes: docs/real_models.md has a 3-step run)."""
+    model = real_cache / "models" / NAME
+    cmd = [sys.executable, str(ROOT / "recipes" / "openai_agent.py"), f"model={model}", f"run_dir={tmp_path}"]
+    cmd += ["total_steps=1", "n_eval=2", "rollout.batch_size=2", "rollout.group_size=2", "logging.rollouts_per_step=4"]
+    out = subprocess.run(cmd, cwd=ROOT, env=_env(real_cache), capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 1 and 0.0 <= result["reward_before"] <= 1.0
+    assert not (tmp_path / "sft").exists()  # a real model is trained from where it is
+    rows = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert rows and all("<tools>" in r["prompt"] and "SmolLM" in r["prompt"] for r in rows)  # Hermes + its system
+    assert all(r["tokens"]["ids"][-1] == 2 or r["stop"] == "length" for r in rows)  # <|im_end|> (id 2) ends a turn
+
+
 CALC = [
     {
         "type": "function",
