@@ -24,13 +24,17 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs" / "benchmarks.md"
 START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- table:end -->"
+SMOLLM2 = str(Path("~/.cache/relayrl/models/smollm2-135m-instruct").expanduser())  # relayrl models pull
 ORDER = [
     "generation",
+    "generation_smollm2",
     "families",
     "moe_replay",
     "decode_cost",
     "training",
     "lm_head",
+    "roofline_smollm2",
+    "roofline_qwen0_5b_6l",
     "lora",
     "serving",
     "grpo_vs_trl_count",
@@ -39,6 +43,7 @@ ORDER = [
     "grpo_vs_trl_count_seed2",
     "grpo_vs_trl_count_sampling",
     "grpo_vs_trl",
+    "grpo_vs_trl_smollm2",
     "async_vs_sync",
     "async_vs_sync_count",
     "weight_sync",
@@ -57,6 +62,11 @@ OPTIONAL = {
     "async_vs_sync_count",
     "lora",
     "lm_head",
+    # the real / 0.5B-shaped model ones (minutes each on one core; the SmolLM2 ones need `relayrl models pull`)
+    "generation_smollm2",
+    "roofline_smollm2",
+    "roofline_qwen0_5b_6l",
+    "grpo_vs_trl_smollm2",
 }  # only with --only: run_all would take past ~15 minutes
 QUICK_ARGS = {
     "generation": ["--repeats", "1", "--models", "tiny"],
@@ -98,6 +108,13 @@ SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
     "overhead_count": ("overhead", ["--task", "count", "--steps", "8"]),
     "inspect": ("inspect_load", []),  # not bench/inspect.py: it would shadow the standard library's inspect
     "async_vs_sync_count": ("async_vs_sync", ["--task", "count", "--steps", "12"]),
+    "generation_smollm2": ("generation", ["--model", SMOLLM2, "--repeats", "1"]),
+    "roofline_smollm2": ("roofline", ["--model", SMOLLM2]),
+    "roofline_qwen0_5b_6l": ("roofline", ["--config", "qwen0.5b", "--layers", "6"]),
+    "grpo_vs_trl_smollm2": (
+        "grpo_vs_trl",
+        ["--warm-start", SMOLLM2, "--steps", "2", "--repeats", "1", "--eval-rows", "8", "--tag", "smollm2"],
+    ),
 }
 RL_BENCHES = {
     "grpo_vs_trl_count": "count",
@@ -165,6 +182,26 @@ def describe(r: dict) -> tuple[str, str, str]:
             f"{m}: {v['engine_tok_s']:.0f} vs {v['generate_tok_s']:.0f} tok/s" for m, v in r["models"].items()
         )
         return "LocalEngine ÷ HF `generate` tokens/s (worst model)", "–", models
+    if n.startswith("generation_"):  # a real chat model (generation.py --model)
+        runs = r["runs"][0]
+        return (
+            f"LocalEngine ÷ HF `generate` tokens/s, {r['model'].rstrip('/').split('/')[-1]}, 64 chat prompts "
+            f"(`--only {n}`)",
+            r.get("goal", "–"),
+            f"{r['engine_tok_s']:.0f} vs {r['generate_tok_s']:.0f} tok/s; stop ids {r['stop_token_ids']}; ended on "
+            f"the template's end of turn: {runs['ended_on_end_of_turn']['engine']} / "
+            f"{runs['ended_on_end_of_turn']['generate']} of 64 (engine / generate), the rest at the cap; generate "
+            f"samples the raw logits: {r['generate_samples_raw_logits']}",
+        )
+    if n.startswith("roofline_"):
+        rel, hf = r["relayrl"], r["hf"]
+        return (
+            f"HF padded ÷ relayrl `train_batch` step seconds, {r['model']} (`--only {n}`)",
+            "–",
+            f"{rel['wall_s_per_step']:.1f} vs {hf['wall_s_per_step']:.1f} s/step; useful GFLOP/s {rel['useful_gflop_s']:.1f} "
+            f"vs {hf['useful_gflop_s']:.1f} = {rel['useful_fraction_of_peak']:.0%} vs {hf['useful_fraction_of_peak']:.0%} of "
+            f"the torch.mm peak {r['peak_gflop_s']:.1f}; peak RSS {rel['peak_rss_mb']:.0f} vs {hf['peak_rss_mb']:.0f} MB",
+        )
     if n == "families":
         per = ", ".join(f"{m} {v * 1e3:.1f}" for m, v in r["models"].items())
         return (
