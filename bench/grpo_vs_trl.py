@@ -56,11 +56,24 @@ a defect: relayrl's ``inference.seed`` (LocalEngine's sampling stream; the run's
 ``--first-seed``) and TRL's ``seed`` (its sampling; its prompts are ``common.rl_rows``' order, not
 shuffled). ``--doctor-every N`` has relayrl's runs save ``relayrl doctor`` records every N steps
 (``logging.doctor_every``; the last 3 kept) and puts the doctor's verdict on each run's recorded
-steps in the result (``doctor``). ``--warm-start DIR`` starts both sides from another checkpoint.
+steps in the result (``doctor``). ``--warm-start DIR`` starts both sides from another checkpoint
+(e.g. SmolLM2-135M-Instruct: ``--tag smollm2``; ``--eval-rows 8`` keeps its held-out scoring short).
+
+The same work on both sides: both load the checkpoint's own tokenizer (``common.checkpoint_tokenizer``,
+what relayrl's Trainer loads; SmolLM2's ChatML one, never the bench's character tokenizer) and stop
+completions on the same token ids, the model's generation-config EOS (``common.stop_token_ids``, what
+LocalEngine stops on; SmolLM2: ``<|im_end|>``): the TRL side raises if ``GRPOTrainer`` would stop on
+any other set. Each side records its stop ids, mean completion length, trained tokens per step
+(relayrl: the packed positions, ``actor/n_tokens``; TRL: the padded ``[B, L]`` positions of its
+training forwards, and the real tokens among them) and peak RSS (its own process). When the mean
+completion lengths differ by more than 10% (``LENGTH_TOLERANCE``) the result has no ``ratio`` (the
+measured one is kept as ``ratio_unmatched``, with a warning on stderr): the sides did different work.
 
     python bench/grpo_vs_trl.py [--task count|arithmetic] [--repeats 3] [--steps N] [--sides a,b] [--tag T] [--quick]
     python bench/grpo_vs_trl.py --task count --sides relayrl,relayrl_async,trl,trl_2threads --tag async
     python bench/grpo_vs_trl.py --task count --first-seed 2 --sampling-seeds 11,12,13,14,15,16,17 --tag sampling
+    python bench/grpo_vs_trl.py --warm-start ~/.cache/relayrl/models/smollm2-135m-instruct --steps 2 --repeats 1 \
+        --eval-rows 8 --tag smollm2
 """
 
 from __future__ import annotations
