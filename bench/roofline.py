@@ -24,6 +24,9 @@ scores and values over each document's real length (causal: n(n+1)/2 query-key p
 ``hf``: the last 9 of every row); forward + backward = 3 x forward (relayrl's checkpointed LM head:
 4x). ``useful`` FLOPs count real tokens only; the headline is useful FLOP/s ÷ peak.
 
+Rates are FLOPs per CPU second of the one thread (its wall-clock rate is recorded too; on the shared
+machine other jobs' threads take turns on the cores, so wall time runs ahead of CPU time).
+
 Peak: ``torch.mm`` on one thread at the model's own matmul shapes (the projections, MLP and LM head
 at this micro-batch's token count, and their backward transposes), best of a few repeats, measured in
 this same run before and after the sides (the machine may be shared: both are recorded, the higher
@@ -124,7 +127,8 @@ def count_flops(s: dict[str, int], positions: int, doc_lens: list[int], head_pos
 
 
 def peak_mm(s: dict[str, int], tokens: int, head_rows: int, repeats: int = 3) -> dict[str, float]:
-    """GFLOP/s of one-thread ``torch.mm`` at each of the model's matmul shapes (best of ``repeats``)."""
+    """GFLOP per CPU second of one-thread ``torch.mm`` at each of the model's matmul shapes (best of
+    ``repeats``; CPU time, not wall: on the shared machine a descheduled thread is not a slower CPU)."""
     import torch
 
     torch.set_num_threads(1)
@@ -143,9 +147,9 @@ def peak_mm(s: dict[str, int], tokens: int, head_rows: int, repeats: int = 3) ->
         torch.mm(a, b)  # warm-up
         best = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             torch.mm(a, b)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, time.process_time() - t0)
         out[name] = round(2 * m * k * n / best / 1e9, 2)
     return out
 
@@ -249,8 +253,10 @@ def child(side: str, model_dir: str | None, config: str | None, layers: int, ste
         "lm_head_positions": head_positions,
         "gflop_per_step": round(flops / 1e9, 1),
         "useful_gflop_per_step": round(useful / 1e9, 1),
-        "gflop_s": round(flops / wall / 1e9, 2),
-        "useful_gflop_s": round(useful / wall / 1e9, 2),
+        # per CPU second (the headline: one thread, on a machine shared with other jobs) and per wall second
+        "gflop_s": round(flops / cpu / 1e9, 2),
+        "useful_gflop_s": round(useful / cpu / 1e9, 2),
+        "gflop_per_wall_s": round(flops / wall / 1e9, 2),
         "loss": round(loss, 6),
         "peak_rss_mb": common.peak_rss_mb(),
         "params": sum(p.numel() for p in model.parameters()),
@@ -306,8 +312,8 @@ def main() -> None:
         res[side]["fraction_of_peak"] = round(res[side]["gflop_s"] / peak, 3)
         res[side]["useful_fraction_of_peak"] = round(res[side]["useful_gflop_s"] / peak, 3)
     if {"relayrl", "hf"} <= set(res):
-        res["ratio"] = round(res["hf"]["wall_s_per_step"] / res["relayrl"]["wall_s_per_step"], 3)
-        res["ratio_is"] = "hf padded step seconds / relayrl train_batch step seconds (same tokens)"
+        res["ratio"] = round(res["hf"]["cpu_s_per_step"] / res["relayrl"]["cpu_s_per_step"], 3)
+        res["ratio_is"] = "hf padded step CPU seconds / relayrl train_batch step CPU seconds (same tokens, 1 thread)"
     res["settings"] = {
         "rows": ROWS,
         "prompt_tokens": [PROMPT_MIN, PROMPT_MAX],

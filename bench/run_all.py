@@ -196,9 +196,9 @@ def describe(r: dict) -> tuple[str, str, str]:
     if n.startswith("roofline_"):
         rel, hf = r["relayrl"], r["hf"]
         return (
-            f"HF padded ÷ relayrl `train_batch` step seconds, {r['model']} (`--only {n}`)",
+            f"HF padded ÷ relayrl `train_batch` step CPU seconds, {r['model']} (`--only {n}`)",
             "–",
-            f"{rel['wall_s_per_step']:.1f} vs {hf['wall_s_per_step']:.1f} s/step; useful GFLOP/s {rel['useful_gflop_s']:.1f} "
+            f"{rel['cpu_s_per_step']:.1f} vs {hf['cpu_s_per_step']:.1f} CPU s/step; useful GFLOP per CPU s {rel['useful_gflop_s']:.1f} "
             f"vs {hf['useful_gflop_s']:.1f} = {rel['useful_fraction_of_peak']:.0%} vs {hf['useful_fraction_of_peak']:.0%} of "
             f"the torch.mm peak {r['peak_gflop_s']:.1f}; peak RSS {rel['peak_rss_mb']:.0f} vs {hf['peak_rss_mb']:.0f} MB",
         )
