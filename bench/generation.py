@@ -161,7 +161,8 @@ def chat_prompts(tokenizer, seed: int) -> list[list[int]]:  # noqa: ANN001
 
     rows = make_task("arithmetic", 0, N_PROMPTS // 2, 2, seed)[1] + make_task("count", 0, N_PROMPTS // 2, 2, seed)[1]
     random.Random(seed).shuffle(rows)
-    return [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True) for r in rows]
+    texts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False) for r in rows]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def no_warper_applied(model: torch.nn.Module, prompts: list[list[int]], eos: list[int], pad: int) -> bool:
