@@ -196,7 +196,7 @@ def describe(r: dict) -> tuple[str, str, str]:
     if n.startswith("roofline_"):
         rel, hf = r["relayrl"], r["hf"]
         return (
-            f"HF padded ÷ relayrl `train_batch` step CPU seconds, {r['model']} (`--only {n}`)",
+            f"HF padded ÷ relayrl `train_batch` step CPU seconds, {r['model'].split('/')[-1]} (`--only {n}`)",
             "–",
             f"{rel['cpu_s_per_step']:.1f} vs {hf['cpu_s_per_step']:.1f} CPU s/step; useful GFLOP per CPU s {rel['useful_gflop_s']:.1f} "
             f"vs {hf['useful_gflop_s']:.1f} = {rel['useful_fraction_of_peak']:.0%} vs {hf['useful_fraction_of_peak']:.0%} of "
@@ -351,6 +351,8 @@ def describe_grpo(r: dict) -> tuple[str, str, str]:
         if r.get("task") == "count"
         else "relayrl ÷ TRL `GRPOTrainer` samples/s, short answers (arithmetic)"
     )
+    if str(r["settings"].get("warm_start", "")).startswith("/"):  # --warm-start DIR: a real model
+        what += f", from {r['settings']['warm_start'].rstrip('/').split('/')[-1]} (`--only {r['name']}`)"
     if "relayrl_async" in r:
         what += ", with relayrl η = 1 and TRL 2 threads (`--only grpo_vs_trl_count_async`)"
     elif r["settings"].get("sampling_seeds"):
@@ -363,7 +365,7 @@ def describe_grpo(r: dict) -> tuple[str, str, str]:
     return (
         what,
         "≥ 3, reward no worse",
-        f"{_med(rel, 'samples_per_s'):.0f} vs {_med(trl, 'samples_per_s'):.0f} samples/s; {'; '.join(sides) + '; ' if sides else ''}"
+        f"{_med(rel, 'samples_per_s'):.3g} vs {_med(trl, 'samples_per_s'):.3g} samples/s; {'; '.join(sides) + '; ' if sides else ''}"
         f"{cpu}{lengths}held-out accuracy {r['held_out_accuracy_before']:.2f} → {_med(rel, 'held_out_accuracy'):.2f} (relayrl) / "
         f"{_med(trl, 'held_out_accuracy'):.2f} (TRL); last-5 train reward {_med(rel, 'final_reward'):.2f} / {_med(trl, 'final_reward'):.2f}",
     )
