@@ -100,6 +100,7 @@ def held_out_accuracy(
     greedy: bool = False,
     seed: int = 0,
     workload: str = "arithmetic",
+    tokenizer=None,  # noqa: ANN001 - the model's own (checkpoint_tokenizer); default: the bench's character tokenizer
 ) -> float:
     """Mean accuracy of ``n_samples`` temperature-1 samples (or greedy) per held-out prompt,
     scored by the task verifier; decoded by LocalEngine on a copy of ``model``."""
@@ -107,15 +108,16 @@ def held_out_accuracy(
     from relayrl.inference.local import LocalEngine
     from relayrl.rollout.workflows.rlvr import RLVRWorkflow
 
+    tokenizer = tokenizer or build_tokenizer()
     engine = LocalEngine(
-        InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=build_tokenizer()
+        InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=tokenizer
     )
     engine.initialize()
     try:
         w = WORKLOADS[workload]
         g = GenerationConfig(max_new_tokens=w["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, greedy=greedy)
         n = 1 if greedy else n_samples
-        workflow = RLVRWorkflow(task_reward_fn(w["task"]["name"]), g, build_tokenizer())
+        workflow = RLVRWorkflow(task_reward_fn(w["task"]["name"]), g, tokenizer)
         out = evaluate(engine, workflow, list(rows), n_samples=n)
     finally:
         engine.destroy()
@@ -178,10 +180,51 @@ def warm_start(quick: bool = False, log=print, workload: str = "arithmetic") -> 
     return final
 
 
+def checkpoint_tokenizer(path: Path):  # noqa: ANN201 - a PreTrainedTokenizerFast
+    """The tokenizer of checkpoint ``path`` as relayrl's Trainer loads it (``model.path=path``): SmolLM2's
+    own for a SmolLM2 directory, the character tokenizer for the bench's SFT checkpoints."""
+    from relayrl.data.models import load_tokenizer
+
+    return load_tokenizer(ModelConfig(path=str(path)))
+
+
 def load_warm(path: Path) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.generation_config.pad_token_id = build_tokenizer().pad_token_id
+    model.generation_config.pad_token_id = checkpoint_tokenizer(path).pad_token_id
     return model
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer=None) -> list[int]:  # noqa: ANN001
+    """The token ids LocalEngine stops a completion on (``relayrl.inference.local.engine``): the generation
+    config's ``eos_token_id`` (one or several), else the model config's, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return sorted({eos} if isinstance(eos, int) else set(eos or []))
+
+
+def end_of_turn_id(tokenizer) -> int | None:  # noqa: ANN001
+    """The token the chat template puts right after an assistant message's text (``<|im_end|>`` in
+    ChatML): where the template says a turn ends. None without a chat template or such a token."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    full = tokenizer.apply_chat_template(msgs, tokenize=False)
+    cut = full.rindex("ok") + len("ok")
+    head = tokenizer(full[:cut], add_special_tokens=False)["input_ids"]
+    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    return int(ids[len(head)]) if len(ids) > len(head) and ids[: len(head)] == head else None
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process image in MB (``VmHWM``: reset at exec, unlike ``ru_maxrss``,
+    which a spawned child can inherit from the process it was forked from)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 # One GRPO step on both sides of grpo_vs_trl (and the base of async_vs_sync / overhead).
@@ -270,7 +313,11 @@ def pin_trainer_and_servers() -> tuple[int, int]:
 
 
 def run_relayrl(
-    overrides: list[str], evaluate_after: bool = True, inline_reward: bool = False, pin: bool = False
+    overrides: list[str],
+    evaluate_after: bool = True,
+    inline_reward: bool = False,
+    pin: bool = False,
+    eval_rows: int = 0,
 ) -> dict:
     """Build a Trainer from ``overrides``, time ``fit()``, return per-step metrics, the wall and
     CPU time and (optionally) held-out sampled accuracy of the trained policy.
@@ -278,7 +325,8 @@ def run_relayrl(
     ``inline_reward``: the RLVR workflow calls the reward fn inline on the rollout loop
     (``reward_timeout=None``) instead of on a reward thread (what ``relayrl train`` does:
     ``rollout.reward_timeout`` must be > 0). The workload is ``data.task``'s. ``pin``: once the
-    trainer has launched its servers, trainer and servers run on separate cores."""
+    trainer has launched its servers, trainer and servers run on separate cores. ``eval_rows``: score
+    only the first N held-out prompts (0: all; a real model's evaluation is slow on CPU)."""
     import shutil
 
     from relayrl.api.config import RunConfig, load_config
@@ -303,7 +351,13 @@ def run_relayrl(
         trainer.fit()
         seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         model = trainer.actor_engine.model
-        acc = held_out_accuracy(model, held_out, workload=cfg.data.task) if evaluate_after else None
+        tok = load_tokenizer(cfg.model)
+        acc = (
+            held_out_accuracy(model, held_out[: eval_rows or None], workload=cfg.data.task, tokenizer=tok)
+            if evaluate_after
+            else None
+        )
+        stop_ids = sorted(getattr(trainer.engine, "eos_ids", ()))
     finally:
         trainer.close()
     steps = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -325,12 +379,18 @@ def run_relayrl(
         "phase_s_per_step": phases,
         "threads": torch.get_num_threads(),
         "pinned_cores": cores,
+        "stop_token_ids": stop_ids,
+        # the packed positions each step's forward/backward computed (actor/n_tokens), mean over steps
+        "trained_tokens_per_step": statistics.mean(m.get("actor/n_tokens", 0.0) for m in steps),
     }
 
 
 def _child(fn, args, queue) -> None:  # noqa: ANN001
     try:
-        queue.put(("ok", fn(*args)))
+        value = fn(*args)
+        if isinstance(value, dict):  # every side's peak memory, measured in its own process
+            value.setdefault("peak_rss_mb", peak_rss_mb())
+        queue.put(("ok", value))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         import traceback
 

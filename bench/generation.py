@@ -15,6 +15,17 @@ Prints one line per repeat and a JSON object as the last line; writes
 ``bench/results/generation.json``.
 
     python bench/generation.py [--repeats 3] [--models tiny,tiny-30m]
+
+``--model DIR`` measures a real chat model instead (e.g. SmolLM2-135M-Instruct; writes
+``bench/results/generation_<name>.json``): 64 chat prompts (the ``arithmetic`` and ``count`` tasks'
+user turns, half each, through the model's chat template with the generation prompt), the same
+sampling, no EOS bias; both sides stop on the model's generation-config EOS ids (SmolLM2:
+``<|im_end|>``), which must hold the token the chat template ends an assistant turn with. The
+result records how many completions of each side end on that token (the rest hit the cap), and a
+check that ``generate``'s processed scores equal the raw logits (no top-k / top-p warper applied:
+transformers' default ``top_k=50`` must not apply).
+
+    python bench/generation.py --model ~/.cache/relayrl/models/smollm2-135m-instruct --repeats 1
 """
 
 from __future__ import annotations
@@ -25,10 +36,13 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, ModelRequest
@@ -54,10 +68,20 @@ def eos_biased_model(preset: str) -> torch.nn.Module:
     return model
 
 
-def run_generate(model: torch.nn.Module, prompts: list[list[int]], seed: int) -> tuple[int, float, list[int]]:
+def run_generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    seed: int,
+    eos: int | list[int] = EOS,
+    pad: int = PAD,
+    last: list | None = None,
+) -> tuple[int, float, list[int]]:
+    """HF ``generate`` on the left-padded batch; (tokens up to and including the first stop token, seconds,
+    lengths). ``last``: filled with each completion's last token."""
     length = max(len(p) for p in prompts)
-    ids = torch.tensor([[PAD] * (length - len(p)) + p for p in prompts])
+    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
+    stops = {eos} if isinstance(eos, int) else set(eos)
     torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -69,26 +93,32 @@ def run_generate(model: torch.nn.Module, prompts: list[list[int]], seed: int) ->
             top_k=0,
             top_p=1.0,
             max_new_tokens=MAX_NEW,
-            eos_token_id=EOS,
-            pad_token_id=PAD,
+            eos_token_id=eos,
+            pad_token_id=pad,
         )
     elapsed = time.perf_counter() - start
     lengths = []
     for row in out[:, length:].tolist():
-        lengths.append(row.index(EOS) + 1 if EOS in row else len(row))
+        n = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        lengths.append(n)
+        if last is not None:
+            last.append(row[n - 1])
     return sum(lengths), elapsed, lengths
 
 
-def run_engine(engine: LocalEngine, prompts: list[list[int]]) -> tuple[int, float, list[int]]:
+def run_engine(engine: LocalEngine, prompts: list[list[int]], last: list | None = None) -> tuple[int, float, list[int]]:
     g = GenerationConfig(max_new_tokens=MAX_NEW, temperature=1.0, top_k=0, top_p=1.0)
 
-    async def go() -> list[int]:
-        resps = await asyncio.gather(*[engine.agenerate(ModelRequest(str(i), p, g)) for i, p in enumerate(prompts)])
-        return [r.output_len for r in resps]
+    async def go() -> list:
+        return await asyncio.gather(*[engine.agenerate(ModelRequest(str(i), p, g)) for i, p in enumerate(prompts)])
 
     start = time.perf_counter()
-    lengths = asyncio.run(go())
-    return sum(lengths), time.perf_counter() - start, lengths
+    resps = asyncio.run(go())
+    elapsed = time.perf_counter() - start
+    if last is not None:
+        last.extend(r.output_tokens[-1] for r in resps)
+    lengths = [r.output_len for r in resps]
+    return sum(lengths), elapsed, lengths
 
 
 def bench_model(preset: str, repeats: int) -> dict[str, object]:
@@ -124,13 +154,163 @@ def bench_model(preset: str, repeats: int) -> dict[str, object]:
     }
 
 
+def chat_prompts(tokenizer, seed: int) -> list[list[int]]:  # noqa: ANN001
+    """64 chat prompts: the user turns of the arithmetic and count tasks (half each, in a seeded order),
+    through the model's chat template with the generation prompt."""
+    from relayrl.data.tasks import make_task
+
+    rows = make_task("arithmetic", 0, N_PROMPTS // 2, 2, seed)[1] + make_task("count", 0, N_PROMPTS // 2, 2, seed)[1]
+    random.Random(seed).shuffle(rows)
+    texts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False) for r in rows]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def no_warper_applied(model: torch.nn.Module, prompts: list[list[int]], eos: list[int], pad: int) -> bool:
+    """True when ``generate`` (with this benchmark's arguments) samples from the raw logits / temperature:
+    its processed scores equal its raw logits at every step (a top-k / top-p warper would put -inf there)."""
+    length = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=4,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            output_scores=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return all(
+        torch.equal(s, raw) and bool(torch.isfinite(s).all()) for s, raw in zip(out.scores, out.logits, strict=True)
+    )
+
+
+def bench_real(model_dir: str, repeats: int) -> dict[str, object]:
+    """LocalEngine vs ``generate`` on a real chat model (see the module doc)."""
+    import common
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.api.config import ModelConfig
+    from relayrl.data.models import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(ModelConfig(path=model_dir))
+    stops = common.stop_token_ids(model, tokenizer)
+    eot = common.end_of_turn_id(tokenizer)
+    if eot not in stops:
+        raise RuntimeError(f"the chat template ends a turn with token {eot}, the model stops on {stops}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    engine = LocalEngine(InferenceConfig(max_batch_size=N_PROMPTS, seed=0), model, tokenizer=tokenizer)
+    engine.initialize()
+    if sorted(engine.eos_ids) != stops:
+        raise RuntimeError(f"LocalEngine stops on {sorted(engine.eos_ids)}, generate on {stops}")
+    unwarped = no_warper_applied(model, chat_prompts(tokenizer, 999)[:4], stops, pad)
+    run_engine(engine, chat_prompts(tokenizer, 999)[:8])  # warm-up
+    ratios, eng_tps, gen_tps, runs = [], [], [], []
+    for r in range(repeats):
+        prompts = chat_prompts(tokenizer, r)
+        g_last: list[int] = []
+        e_last: list[int] = []
+        c0 = time.process_time()  # CPU seconds of the process (all threads: the engine's loop runs on its own)
+        g_tok, g_s, g_len = run_generate(model, prompts, seed=r, eos=stops, pad=pad, last=g_last)
+        c1 = time.process_time()
+        e_tok, e_s, e_len = run_engine(engine, prompts, last=e_last)
+        c2 = time.process_time()
+        gen_tps.append(g_tok / g_s)
+        eng_tps.append(e_tok / e_s)
+        ratios.append(eng_tps[-1] / gen_tps[-1])
+        runs.append(
+            {
+                "generate": {
+                    "tokens": g_tok,
+                    "seconds": round(g_s, 2),
+                    "cpu_seconds": round(c1 - c0, 2),
+                    "mean_len": round(statistics.mean(g_len), 1),
+                },
+                "engine": {
+                    "tokens": e_tok,
+                    "seconds": round(e_s, 2),
+                    "cpu_seconds": round(c2 - c1, 2),
+                    "mean_len": round(statistics.mean(e_len), 1),
+                },
+                "ratio_cpu": round((e_tok / (c2 - c1)) / (g_tok / (c1 - c0)), 3),
+                # what dropping finished rows alone can win on generate's own samples, at a constant cost per row
+                # step: the row-steps generate runs (every row until the longest ends) / the tokens it keeps
+                "drop_finished_rows_ceiling": round(len(g_len) * max(g_len) / g_tok, 3),
+                # a completion ends where the template ends a turn (its last token), else it hit the cap
+                "ended_on_end_of_turn": {
+                    "generate": sum(t == eot for t in g_last),
+                    "engine": sum(t == eot for t in e_last),
+                },
+                "hit_cap": {
+                    "generate": sum(n == MAX_NEW and t != eot for n, t in zip(g_len, g_last, strict=True)),
+                    "engine": sum(n == MAX_NEW and t != eot for n, t in zip(e_len, e_last, strict=True)),
+                },
+                "ended_otherwise": {
+                    "generate": sum(n < MAX_NEW and t != eot for n, t in zip(g_len, g_last, strict=True)),
+                    "engine": sum(n < MAX_NEW and t != eot for n, t in zip(e_len, e_last, strict=True)),
+                },
+            }
+        )
+        print(
+            f"{model_dir} repeat {r}: generate {g_tok} tok {g_s:.2f}s ({gen_tps[-1]:.1f} tok/s) | LocalEngine {e_tok} "
+            f"tok {e_s:.2f}s ({eng_tps[-1]:.1f} tok/s) | ratio {ratios[-1]:.2f} | {runs[-1]}",
+            flush=True,
+        )
+    engine.destroy()
+    return {
+        "name": "generation_" + Path(model_dir).name.split("-")[0],
+        "model": model_dir,
+        "ratio": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3),
+        "ratio_max": round(max(ratios), 3),
+        "ratios": [round(x, 3) for x in ratios],
+        "ratio_cpu": round(statistics.median(x["ratio_cpu"] for x in runs), 3),
+        "drop_finished_rows_ceiling": round(statistics.median(x["drop_finished_rows_ceiling"] for x in runs), 3),
+        "goal": ">= 2",
+        "engine_tok_s": round(statistics.median(eng_tps), 1),
+        "generate_tok_s": round(statistics.median(gen_tps), 1),
+        "stop_token_ids": stops,
+        "end_of_turn_id": eot,
+        "generate_samples_raw_logits": unwarped,
+        "runs": runs,
+        "baseline": "transformers model.generate (sampling, temperature 1, top_k=0, top_p=1.0, eos = the model's)",
+        "settings": {
+            "n_prompts": N_PROMPTS,
+            "prompts": "chat: arithmetic + count task user turns, the model's chat template",
+            "max_new_tokens": MAX_NEW,
+            "temperature": 1.0,
+            "top_k": 0,
+            "top_p": 1.0,
+            "repeats": repeats,
+            "torch_threads": 1,
+            "machine": "2 CPU cores shared with other jobs",
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="tiny,tiny-30m")
+    ap.add_argument("--model", default="", help="a real chat model directory instead (see the module doc)")
+    ap.add_argument("--out", default="", help="--model: the result file (default bench/results/generation_<name>.json)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.model:
+        res = bench_real(args.model, args.repeats)
+        out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{res['name']}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        print(json.dumps(res))
+        return
     results = {m: bench_model(m, args.repeats) for m in args.models.split(",")}
     summary = {
         "name": "generation",

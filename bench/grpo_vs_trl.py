@@ -56,11 +56,24 @@ a defect: relayrl's ``inference.seed`` (LocalEngine's sampling stream; the run's
 ``--first-seed``) and TRL's ``seed`` (its sampling; its prompts are ``common.rl_rows``' order, not
 shuffled). ``--doctor-every N`` has relayrl's runs save ``relayrl doctor`` records every N steps
 (``logging.doctor_every``; the last 3 kept) and puts the doctor's verdict on each run's recorded
-steps in the result (``doctor``). ``--warm-start DIR`` starts both sides from another checkpoint.
+steps in the result (``doctor``). ``--warm-start DIR`` starts both sides from another checkpoint
+(e.g. SmolLM2-135M-Instruct: ``--tag smollm2``; ``--eval-rows 8`` keeps its held-out scoring short).
+
+The same work on both sides: both load the checkpoint's own tokenizer (``common.checkpoint_tokenizer``,
+what relayrl's Trainer loads; SmolLM2's ChatML one, never the bench's character tokenizer) and stop
+completions on the same token ids, the model's generation-config EOS (``common.stop_token_ids``, what
+LocalEngine stops on; SmolLM2: ``<|im_end|>``): the TRL side raises if ``GRPOTrainer`` would stop on
+any other set. Each side records its stop ids, mean completion length, trained tokens per step
+(relayrl: the packed positions, ``actor/n_tokens``; TRL: the padded ``[B, L]`` positions of its
+training forwards, and the real tokens among them) and peak RSS (its own process). When the mean
+completion lengths differ by more than 10% (``LENGTH_TOLERANCE``) the result has no ``ratio`` (the
+measured one is kept as ``ratio_unmatched``, with a warning on stderr): the sides did different work.
 
     python bench/grpo_vs_trl.py [--task count|arithmetic] [--repeats 3] [--steps N] [--sides a,b] [--tag T] [--quick]
     python bench/grpo_vs_trl.py --task count --sides relayrl,relayrl_async,trl,trl_2threads --tag async
     python bench/grpo_vs_trl.py --task count --first-seed 2 --sampling-seeds 11,12,13,14,15,16,17 --tag sampling
+    python bench/grpo_vs_trl.py --warm-start ~/.cache/relayrl/models/smollm2-135m-instruct --steps 2 --repeats 1 \
+        --eval-rows 8 --tag smollm2
 """
 
 from __future__ import annotations
@@ -68,6 +81,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -85,14 +99,17 @@ def run_trl(
     workload: str = "arithmetic",
     threads: int = 1,
     sampling_seed: int | None = None,
+    eval_rows: int = 0,
 ) -> dict:
     """One TRL GRPOTrainer run with the ``common.RL`` settings on the prompts of run ``seed``, sampling
-    with ``sampling_seed`` (default ``seed``); wall time of ``train()``."""
+    with ``sampling_seed`` (default ``seed``); wall time of ``train()``.
+
+    The checkpoint's own tokenizer (as relayrl's Trainer loads it), and TRL must stop completions on
+    exactly the token ids LocalEngine stops on (``common.stop_token_ids``): it raises otherwise."""
     torch.set_num_threads(threads)
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from relayrl.data.models import build_tokenizer
     from relayrl.rewards.tasks import task_reward_fn
 
     rl, w = common.RL, common.WORKLOADS[workload]
@@ -147,15 +164,37 @@ def run_trl(
         shuffle_dataset=False,
     )
     model = common.load_warm(Path(ckpt))
+    tokenizer = common.checkpoint_tokenizer(Path(ckpt))
+    stop_ids = common.stop_token_ids(model, tokenizer)  # before TRL / transformers touch the model's config
     trainer = GRPOTrainer(
-        model=model, reward_funcs=task_reward, args=args, train_dataset=dataset, processing_class=build_tokenizer()
+        model=model, reward_funcs=task_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
+    trl_stop = sorted(set(trainer.eos_token_ids) | set(_ids(trainer.generation_config.eos_token_id)))
+    if trl_stop != stop_ids:  # e.g. a tokenizer whose eos differs from the model's end of turn
+        raise RuntimeError(f"TRL would stop on {trl_stop}, relayrl's LocalEngine on {stop_ids}: not the same work")
+    positions = [0, 0]  # [padded positions, real tokens] of the training forwards (grad on; generation is no_grad)
+
+    def count(_mod, _args, kwargs):  # noqa: ANN001, ANN202
+        if torch.is_grad_enabled() and kwargs.get("input_ids") is not None:
+            positions[0] += kwargs["input_ids"].numel()
+            mask = kwargs.get("attention_mask")
+            positions[1] += int(mask.sum()) if mask is not None else kwargs["input_ids"].numel()
+
+    hook = trainer.model.register_forward_pre_hook(count, with_kwargs=True)
     c0, t0 = common.cpu_seconds(), time.perf_counter()
     trainer.train()
     seconds, cpu = time.perf_counter() - t0, common.cpu_seconds() - c0
+    hook.remove()
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    acc = common.held_out_accuracy(trainer.model, held_out, workload=workload) if evaluate_after else None
+    acc = (
+        common.held_out_accuracy(trainer.model, held_out[: eval_rows or None], workload=workload, tokenizer=tokenizer)
+        if evaluate_after
+        else None
+    )
     return {
+        "stop_token_ids": sorted(set(trainer.eos_token_ids) | set(_ids(trainer.generation_config.eos_token_id))),
+        "trained_tokens_per_step": positions[0] / steps,  # the padded [B, prompt + completion] it computes
+        "real_tokens_per_step": positions[1] / steps,
         "seconds": seconds,
         "cpu_seconds": cpu,
         "samples": steps * n,
@@ -166,6 +205,10 @@ def run_trl(
         "completion_len": [h.get("completions/mean_length") for h in logs],
         "completion_len_max": [h.get("completions/max_length") for h in logs],
     }
+
+
+def _ids(x: int | list[int] | None) -> list[int]:
+    return [] if x is None else [x] if isinstance(x, int) else list(x)
 
 
 def run_side(
@@ -179,13 +222,33 @@ def run_side(
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read by the child's OpenMP runtime at start
         try:
             return common.in_child(
-                run_trl, str(ckpt), str(out / run), seed, args.steps, args.trl_cb, True, args.task, 2, sampling_seed
+                run_trl,
+                str(ckpt),
+                str(out / run),
+                seed,
+                args.steps,
+                args.trl_cb,
+                True,
+                args.task,
+                2,
+                sampling_seed,
+                args.eval_rows,
             )
         finally:
             os.environ.pop("OMP_WAIT_POLICY") if before is None else os.environ.update(OMP_WAIT_POLICY=before)
     if name == "trl":
         return common.in_child(
-            run_trl, str(ckpt), str(out / run), seed, args.steps, args.trl_cb, True, args.task, 1, sampling_seed
+            run_trl,
+            str(ckpt),
+            str(out / run),
+            seed,
+            args.steps,
+            args.trl_cb,
+            True,
+            args.task,
+            1,
+            sampling_seed,
+            args.eval_rows,
         )
     overrides = common.relayrl_overrides(ckpt, out / run, seed, args.steps, args.task)
     if name == "relayrl_async":
@@ -194,7 +257,7 @@ def run_side(
         overrides.append(f"inference.seed={sampling_seed}")
     if args.doctor_every:
         overrides.append(f"logging.doctor_every={args.doctor_every}")
-    res = common.in_child(common.run_relayrl, overrides, True, name == "relayrl_inline")
+    res = common.in_child(common.run_relayrl, overrides, True, name == "relayrl_inline", False, args.eval_rows)
     res["completion_len"] = [m.get("rollout/completion_len") for m in res.pop("steps")]
     if args.doctor_every:
         res["doctor"] = doctor_verdicts(out / run)
@@ -218,6 +281,7 @@ def doctor_verdicts(run_dir: Path) -> dict:
     return out
 
 
+LENGTH_TOLERANCE = 0.10  # the largest relative gap in mean completion length for a ratio to be reported
 SIDES = ["relayrl", "relayrl_inline", "relayrl_async", "trl", "trl_2threads"]
 DEFAULT_SIDES = "relayrl,trl"
 
@@ -240,6 +304,7 @@ def main() -> None:
     ap.add_argument(
         "--warm-start", default="", help="checkpoint directory to start from instead of common.warm_start's cached one"
     )
+    ap.add_argument("--eval-rows", type=int, default=0, help="held-out prompts scored before and after (0: all 200)")
     ap.add_argument("--tag", default="", help="suffix of the result name (e.g. 'async' for a run with extra sides)")
     ap.add_argument("--trl-cb", action="store_true", help="TRL: transformers continuous batching instead of generate")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
@@ -264,7 +329,12 @@ def main() -> None:
     if not (ckpt / "config.json").is_file():
         ap.error(f"--warm-start {ckpt} holds no config.json (a Hugging Face checkpoint directory)")
     _, held_out = common.task_rows(args.task)
-    acc_before = common.held_out_accuracy(common.load_warm(ckpt), held_out, workload=args.task)
+    acc_before = common.held_out_accuracy(
+        common.load_warm(ckpt),
+        held_out[: args.eval_rows or None],
+        workload=args.task,
+        tokenizer=common.checkpoint_tokenizer(ckpt),
+    )
     args.name = "grpo_vs_trl" + "".join(f"_{x}" for x in (args.task, args.tag) if x and x != "arithmetic")
     out = common.CACHE / args.name
     runs: dict[str, list[dict]] = {k: [] for k in names}
@@ -309,6 +379,14 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, acc_before:
             "reward_curves": [[round(v, 3) for v in x["rewards"]] for x in rs],
             **({"doctor": [x["doctor"] for x in rs]} if "doctor" in rs[0] else {}),
             "torch_threads": rs[0]["threads"],
+            "stop_token_ids": rs[0].get("stop_token_ids"),
+            "trained_tokens_per_step": round(statistics.mean(x["trained_tokens_per_step"] for x in rs), 1),
+            **(
+                {"real_tokens_per_step": round(statistics.mean(x["real_tokens_per_step"] for x in rs), 1)}
+                if "real_tokens_per_step" in rs[0]
+                else {}
+            ),
+            "peak_rss_mb": common.spread([x["peak_rss_mb"] for x in rs]),
         }
         if "phase_s_per_step" in rs[0]:
             out["phase_s_per_step"] = {
@@ -329,11 +407,38 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, acc_before:
                 for x, y in zip(runs["relayrl"], runs["trl"], strict=True)
             ]
         )
+    # The same work on both sides: the same stop tokens, and mean completion lengths within LENGTH_TOLERANCE
+    # (a side whose completions end earlier trains on fewer tokens; its samples/s means something else).
+    same_work = {}
+    for k in (k for k in runs if k.startswith("relayrl")):
+        a, b = result[k]["completion_len_mean"], result["trl"]["completion_len_mean"]
+        gap = abs(a - b) / max(a, b) if a and b else None
+        same_work[k] = {
+            "completion_len_gap": None if gap is None else round(gap, 4),
+            "same_stop_tokens": result[k]["stop_token_ids"] == result["trl"]["stop_token_ids"],
+            "ok": gap is not None
+            and gap <= LENGTH_TOLERANCE
+            and result[k]["stop_token_ids"] == result["trl"]["stop_token_ids"],
+        }
+    headline_ok = same_work.get("relayrl", {}).get("ok", True)
+    if not headline_ok:
+        print(
+            f"WARNING: relayrl and TRL did not do the same work ({same_work['relayrl']}): no ratio reported "
+            "(ratio_unmatched keeps the measured one)",
+            file=sys.stderr,
+            flush=True,
+        )
     w = common.WORKLOADS[args.task]
     return {
         "name": args.name,
         "task": args.task,
-        "ratio": s["median"],
+        "ratio": s["median"] if headline_ok else None,
+        **(
+            {}
+            if headline_ok
+            else {"ratio_unmatched": s["median"], "warning": "completion lengths or stop tokens differ"}
+        ),
+        "same_work": same_work,
         "ratio_min": s["min"],
         "ratio_max": s["max"],
         "ratios": s["values"],
@@ -352,6 +457,7 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, acc_before:
             "seeds": [seed for seed, _ in args.plan],
             "sampling_seeds": [s for _, s in args.plan] if args.plan[0][1] is not None else None,
             "doctor_every": args.doctor_every or None,
+            "eval_rows": args.eval_rows or len(common.task_rows(args.task)[1]),
             "warm_start": args.warm_start or "common.warm_start (cached under runs/bench/sft-<key>/final)",
             "sides": list(runs),
             "model": common.BENCH_MODEL,

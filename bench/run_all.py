@@ -24,14 +24,18 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs" / "benchmarks.md"
 START, END = "<!-- table:start (bench/run_all.py writes this part) -->", "<!-- table:end -->"
+SMOLLM2 = str(Path("~/.cache/relayrl/models/smollm2-135m-instruct").expanduser())  # relayrl models pull
 ORDER = [
     "generation",
+    "generation_smollm2",
     "families",
     "moe_replay",
     "decode_cost",
     "training",
     "lm_head",
     "shared_prefix",
+    "roofline_smollm2",
+    "roofline_qwen0_5b_6l",
     "lora",
     "serving",
     "grpo_vs_trl_count",
@@ -40,6 +44,7 @@ ORDER = [
     "grpo_vs_trl_count_seed2",
     "grpo_vs_trl_count_sampling",
     "grpo_vs_trl",
+    "grpo_vs_trl_smollm2",
     "async_vs_sync",
     "async_vs_sync_count",
     "weight_sync",
@@ -59,6 +64,11 @@ OPTIONAL = {
     "lora",
     "lm_head",
     "shared_prefix",
+    # the real / 0.5B-shaped model ones (minutes each on one core; the SmolLM2 ones need `relayrl models pull`)
+    "generation_smollm2",
+    "roofline_smollm2",
+    "roofline_qwen0_5b_6l",
+    "grpo_vs_trl_smollm2",
 }  # only with --only: run_all would take past ~15 minutes
 QUICK_ARGS = {
     "generation": ["--repeats", "1", "--models", "tiny"],
@@ -101,6 +111,13 @@ SCRIPTS = {  # benchmark -> (script, arguments); default: bench/<benchmark>.py
     "overhead_count": ("overhead", ["--task", "count", "--steps", "8"]),
     "inspect": ("inspect_load", []),  # not bench/inspect.py: it would shadow the standard library's inspect
     "async_vs_sync_count": ("async_vs_sync", ["--task", "count", "--steps", "12"]),
+    "generation_smollm2": ("generation", ["--model", SMOLLM2, "--repeats", "1"]),
+    "roofline_smollm2": ("roofline", ["--model", SMOLLM2]),
+    "roofline_qwen0_5b_6l": ("roofline", ["--config", "qwen0.5b", "--layers", "6"]),
+    "grpo_vs_trl_smollm2": (
+        "grpo_vs_trl",
+        ["--warm-start", SMOLLM2, "--steps", "2", "--repeats", "1", "--eval-rows", "8", "--tag", "smollm2"],
+    ),
 }
 RL_BENCHES = {
     "grpo_vs_trl_count": "count",
@@ -168,6 +185,26 @@ def describe(r: dict) -> tuple[str, str, str]:
             f"{m}: {v['engine_tok_s']:.0f} vs {v['generate_tok_s']:.0f} tok/s" for m, v in r["models"].items()
         )
         return "LocalEngine ÷ HF `generate` tokens/s (worst model)", "–", models
+    if n.startswith("generation_"):  # a real chat model (generation.py --model)
+        runs = r["runs"][0]
+        return (
+            f"LocalEngine ÷ HF `generate` tokens/s, {r['model'].rstrip('/').split('/')[-1]}, 64 chat prompts "
+            f"(`--only {n}`)",
+            r.get("goal", "–"),
+            f"{r['engine_tok_s']:.0f} vs {r['generate_tok_s']:.0f} tok/s; stop ids {r['stop_token_ids']}; ended on "
+            f"the template's end of turn: {runs['ended_on_end_of_turn']['engine']} / "
+            f"{runs['ended_on_end_of_turn']['generate']} of 64 (engine / generate), the rest at the cap; generate "
+            f"samples the raw logits: {r['generate_samples_raw_logits']}",
+        )
+    if n.startswith("roofline_"):
+        rel, hf = r["relayrl"], r["hf"]
+        return (
+            f"HF padded ÷ relayrl `train_batch` step CPU seconds, {r['model'].split('/')[-1]} (`--only {n}`)",
+            "–",
+            f"{rel['cpu_s_per_step']:.1f} vs {hf['cpu_s_per_step']:.1f} CPU s/step; useful GFLOP per CPU s {rel['useful_gflop_s']:.1f} "
+            f"vs {hf['useful_gflop_s']:.1f} = {rel['useful_fraction_of_peak']:.0%} vs {hf['useful_fraction_of_peak']:.0%} of "
+            f"the torch.mm peak {r['peak_gflop_s']:.1f}; peak RSS {rel['peak_rss_mb']:.0f} vs {hf['peak_rss_mb']:.0f} MB",
+        )
     if n == "families":
         per = ", ".join(f"{m} {v * 1e3:.1f}" for m, v in r["models"].items())
         return (
@@ -328,6 +365,8 @@ def describe_grpo(r: dict) -> tuple[str, str, str]:
         if r.get("task") == "count"
         else "relayrl ÷ TRL `GRPOTrainer` samples/s, short answers (arithmetic)"
     )
+    if str(r["settings"].get("warm_start", "")).startswith("/"):  # --warm-start DIR: a real model
+        what += f", from {r['settings']['warm_start'].rstrip('/').split('/')[-1]} (`--only {r['name']}`)"
     if "relayrl_async" in r:
         what += ", with relayrl η = 1 and TRL 2 threads (`--only grpo_vs_trl_count_async`)"
     elif r["settings"].get("sampling_seeds"):
@@ -340,7 +379,7 @@ def describe_grpo(r: dict) -> tuple[str, str, str]:
     return (
         what,
         "≥ 3, reward no worse",
-        f"{_med(rel, 'samples_per_s'):.0f} vs {_med(trl, 'samples_per_s'):.0f} samples/s; {'; '.join(sides) + '; ' if sides else ''}"
+        f"{_med(rel, 'samples_per_s'):.3g} vs {_med(trl, 'samples_per_s'):.3g} samples/s; {'; '.join(sides) + '; ' if sides else ''}"
         f"{cpu}{lengths}held-out accuracy {r['held_out_accuracy_before']:.2f} → {_med(rel, 'held_out_accuracy'):.2f} (relayrl) / "
         f"{_med(trl, 'held_out_accuracy'):.2f} (TRL); last-5 train reward {_med(rel, 'final_reward'):.2f} / {_med(trl, 'final_reward'):.2f}",
     )

@@ -156,3 +156,59 @@ def test_pinning_moves_every_thread_of_a_process(tmp_path: Path) -> None:
             os.sched_setaffinity(int(tid), set(cores))
         ev.set()
         child.kill()
+
+
+def test_roofline_tiny_config_measures_both_sides(tmp_path: Path) -> None:
+    """bench/roofline.py end to end on a 2-layer model: both sides' FLOP/s, peak RSS and the torch.mm peak."""
+    out = tmp_path / "roofline.json"
+    subprocess.run(
+        [sys.executable, str(BENCH / "roofline.py"), "--config", "tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    r = json.loads(out.read_text())
+    assert r["peak_gflop_s"] > 0 and r["ratio"] > 0
+    for side in ("relayrl", "hf"):
+        s = r[side]
+        assert s["tokens"] == 64 * 36 + 64 * 8 and s["gflop_s"] > 0 and s["peak_rss_mb"] > 0
+        assert 0 < s["useful_fraction_of_peak"] <= s["fraction_of_peak"]
+    # relayrl computes the LM head at the 8 loss positions of each row, HF (logits_to_keep) at the last 9
+    assert r["relayrl"]["lm_head_positions"] == 64 * 8 and r["hf"]["lm_head_positions"] == 64 * 9
+    assert r["relayrl"]["positions_computed"] == r["relayrl"]["tokens"] < r["hf"]["positions_computed"]
+
+
+def test_roofline_flop_count_by_hand() -> None:
+    import roofline
+
+    s = {"h": 4, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 2, "inter": 8, "vocab": 10}
+    # per token: q 2*4*4 + k,v 2*2*4*2 + o 2*4*4 + mlp 3*2*4*8 = 32 + 32 + 32 + 192 = 288
+    # attention of a 3-token document: 2 * 2 * heads 2 * head_dim 2 * 6 pairs = 96
+    body = 2 * (3 * 288 + 96)
+    assert roofline.count_flops(s, 3, [3], 2, 4) == 3 * body + 4 * 2 * 2 * 4 * 10
+
+
+def test_generation_real_model_path_stops_on_the_chat_templates_end_of_turn(tmp_path: Path) -> None:
+    """generation.py --model on a saved tiny chat model: both sides stop on the template's end-of-turn
+    token, generate samples the raw logits (no top-k), and every completion ends on it or at the cap."""
+    from relayrl.data.models import build_tiny_model, build_tokenizer
+
+    model_dir = tmp_path / "tinychat"
+    build_tiny_model("tiny", seed=0).save_pretrained(model_dir)
+    build_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "gen.json"
+    subprocess.run(
+        [sys.executable, str(BENCH / "generation.py"), "--model", str(model_dir), "--repeats", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    r = json.loads(out.read_text())
+    assert r["name"] == "generation_tinychat" and r["ratio"] > 0 and r["generate_samples_raw_logits"] is True
+    assert r["stop_token_ids"] == [r["end_of_turn_id"]] == [1]
+    run = r["runs"][0]
+    assert run["ended_otherwise"] == {"generate": 0, "engine": 0}
+    for side in ("generate", "engine"):
+        assert run["ended_on_end_of_turn"][side] + run["hit_cap"][side] == 64
