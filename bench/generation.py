@@ -68,6 +68,29 @@ def eos_biased_model(preset: str) -> torch.nn.Module:
     return model
 
 
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
+    return ids, torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
+
+
+def _sample(model: torch.nn.Module, prompts: list[list[int]], eos: int | list[int], pad: int, n: int, **extra):
+    """HF ``generate`` sampling from the raw logits (temperature 1, no top-k / top-p) on the left-padded batch."""
+    ids, mask = _left_padded(prompts, pad)
+    return model.generate(  # type: ignore[operator]
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=n,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        **extra,
+    )
+
+
 def run_generate(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -78,24 +101,12 @@ def run_generate(
 ) -> tuple[int, float, list[int]]:
     """HF ``generate`` on the left-padded batch; (tokens up to and including the first stop token, seconds,
     lengths). ``last``: filled with each completion's last token."""
-    length = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
     stops = {eos} if isinstance(eos, int) else set(eos)
+    length = max(len(p) for p in prompts)
     torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=MAX_NEW,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
+        out = _sample(model, prompts, eos, pad, MAX_NEW)
     elapsed = time.perf_counter() - start
     lengths = []
     for row in out[:, length:].tolist():
@@ -168,24 +179,8 @@ def chat_prompts(tokenizer, seed: int) -> list[list[int]]:  # noqa: ANN001
 def no_warper_applied(model: torch.nn.Module, prompts: list[list[int]], eos: list[int], pad: int) -> bool:
     """True when ``generate`` (with this benchmark's arguments) samples from the raw logits / temperature:
     its processed scores equal its raw logits at every step (a top-k / top-p warper would put -inf there)."""
-    length = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=4,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            output_scores=True,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        out = _sample(model, prompts, eos, pad, 4, output_scores=True, output_logits=True, return_dict_in_generate=True)
     return all(
         torch.equal(s, raw) and bool(torch.isfinite(s).all()) for s, raw in zip(out.scores, out.logits, strict=True)
     )

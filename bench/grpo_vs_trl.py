@@ -217,9 +217,11 @@ def run_side(
     """One run of side ``name`` in a fresh process, on the prompts of run ``seed``; ``sampling_seed``:
     relayrl's ``inference.seed`` / TRL's ``seed`` (None: the defaults, 0 / ``seed``)."""
     run = f"{name}-{seed}" + ("" if sampling_seed is None else f"-s{sampling_seed}")
-    if name == "trl_2threads":  # OpenMP threads that spin at barriers: 10-17x slower on the shared 2-core machine
+    if name in ("trl", "trl_2threads"):
+        threads = 2 if name == "trl_2threads" else 1
         before = os.environ.get("OMP_WAIT_POLICY")
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read by the child's OpenMP runtime at start
+        if threads > 1:  # OpenMP threads that spin at barriers: 10-17x slower on the shared 2-core machine
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read by the child's OpenMP runtime at start
         try:
             return common.in_child(
                 run_trl,
@@ -230,26 +232,12 @@ def run_side(
                 args.trl_cb,
                 True,
                 args.task,
-                2,
+                threads,
                 sampling_seed,
                 args.eval_rows,
             )
         finally:
-            os.environ.pop("OMP_WAIT_POLICY") if before is None else os.environ.update(OMP_WAIT_POLICY=before)
-    if name == "trl":
-        return common.in_child(
-            run_trl,
-            str(ckpt),
-            str(out / run),
-            seed,
-            args.steps,
-            args.trl_cb,
-            True,
-            args.task,
-            1,
-            sampling_seed,
-            args.eval_rows,
-        )
+            os.environ.pop("OMP_WAIT_POLICY", None) if before is None else os.environ.update(OMP_WAIT_POLICY=before)
     overrides = common.relayrl_overrides(ckpt, out / run, seed, args.steps, args.task)
     if name == "relayrl_async":
         overrides.append("rollout.max_staleness=1")
