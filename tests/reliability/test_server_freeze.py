@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 
+import httpx
 import pytest
 import safetensors.torch
 from audit import FAST, TOKEN, check_steps, metrics_rows, remote_cfg
@@ -25,6 +26,7 @@ from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
 from relayrl.data.models import build_tiny_model
 from relayrl.inference.remote import RemoteEngine
 from relayrl.inference.server.launcher import launch_servers
+from relayrl.inference.weight_group import WeightBroadcastGroup
 from relayrl.trainer import Trainer
 from relayrl.utils.deadline import Stalled
 
@@ -276,3 +278,51 @@ def test_a_weight_sync_dir_whose_writes_block_stops_with_one_line(servers, sync_
     print(f"weight-sync dir blocks: stopped after {waited:.1f}s: {msg}")
     assert msg.startswith("writing weights v7 to inference.weight_sync_dir=")
     assert "inference.request_timeout" in msg and "\n" not in msg
+
+
+@pytest.mark.timeout(120)
+def test_a_server_frozen_during_a_broadcast_is_evicted_and_the_other_updated(servers, monkeypatch):
+    """weight_sync=broadcast: server 1 is SIGSTOPped as the trainer starts the collective (its first
+    bucket). The health check evicts it, the push ends at once and goes to server 0 through a new
+    group; thawed, server 1 rejoins with the current weights. Before the fix the trainer waited for
+    the frozen server's reply for ``request_timeout`` (300 s here)."""
+    cfg = InferenceConfig(
+        backend="remote",
+        admin_token=TOKEN,
+        weight_sync="broadcast",
+        request_timeout=300,
+        health_interval=0.2,
+        health_timeout=0.5,
+    )
+    eng = RemoteEngine(cfg, addresses=servers.addresses)
+    eng.initialize()
+    frozen: list[float] = []
+    send = WeightBroadcastGroup.broadcast
+
+    def freeze_then_send(group: WeightBroadcastGroup, tensors: dict) -> None:
+        if not frozen:  # the trainer (rank 0) is inside the broadcast: server 1 freezes now
+            servers.procs[1].send_signal(signal.SIGSTOP)
+            frozen.append(time.monotonic())
+        send(group, tensors)
+
+    monkeypatch.setattr(WeightBroadcastGroup, "broadcast", freeze_then_send)
+    new = build_tiny_model("tiny", seed=3).state_dict()
+    try:
+        eng.update_weights(WeightUpdate(kind="tensors", version=11, tensors=new))  # above the other tests' versions
+        done = time.monotonic()
+        assert [s.alive for s in eng.servers] == [True, False] and eng.servers[0].version == 11
+        servers.procs[1].send_signal(signal.SIGCONT)  # thawed: re-admitted with v11
+        deadline = time.monotonic() + 60
+        while not eng.servers[1].alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [(s.alive, s.version) for s in eng.servers] == [(True, 11), (True, 11)]
+        eng.update_weights(WeightUpdate(kind="tensors", version=12, tensors=new))  # both again, one group
+        versions = [
+            int(httpx.get(f"http://{a}/get_weight_version", timeout=10).json()["weight_version"])
+            for a in servers.addresses
+        ]
+    finally:
+        servers.procs[1].send_signal(signal.SIGCONT)
+        eng.destroy()
+    print(f"server frozen during a broadcast: update returned {done - frozen[0]:.1f}s after the freeze")
+    assert versions == [12, 12]

@@ -123,3 +123,35 @@ def test_async_run_killed_and_recovered_loses_no_prompt(tmp_path, seed):
     trained, pending, dropped = audit_prompts(train_rows_of(run), rows, state, batch_size=2, seed=1)
     assert sum(trained.values()) == 2 * T
     assert not dropped, f"prompts lost across the kill: {dict(dropped)}"
+
+
+def _kill_and_recover(run: Path, args: list[str], seed: int) -> None:
+    """SIGKILL the run while prompts are in flight, resume it with ``--recover``: none lost, none trained twice."""
+    _train_and_kill(run, args, seed)
+    assert latest_state(run)["executor"]["pending"]  # the checkpoint it resumes from holds prompts in flight
+    _train(run, [*args, "--recover"])
+    assert "resumed from" in _log(run).read_text()
+    rows = metrics_rows(run)
+    check_steps(rows, T, eta=1, batch_size=2)
+    trained, pending, dropped = audit_prompts(train_rows_of(run), rows, latest_state(run), batch_size=2, seed=1)
+    assert sum(trained.values()) == 2 * T
+    assert not dropped, f"prompts lost across the kill: {dict(dropped)}"
+
+
+# Generation on two `relayrl serve` servers the run launches (they die with the killed trainer; the
+# resumed run launches its own).
+REMOTE = [*ASYNC, "inference.backend=remote", "inference.n_servers=2", "inference.health_interval=0.2"]
+
+
+@pytest.mark.timeout(240)
+def test_async_run_over_servers_killed_and_recovered_loses_no_prompt(tmp_path):
+    _kill_and_recover(tmp_path / "run", REMOTE, seed=6)
+
+
+# Episodes of an agent written against the OpenAI API (relayrl.agents.OpenAIAgentWorkflow).
+AGENT = [*ASYNC, "workflow=tests.reliability.agent_workflow:make"]
+
+
+@pytest.mark.timeout(240)
+def test_async_agent_run_killed_and_recovered_loses_no_prompt(tmp_path):
+    _kill_and_recover(tmp_path / "run", AGENT, seed=7)

@@ -213,9 +213,10 @@ def settle(
 ) -> None:
     """Run this side of a collective (on a thread) while the servers' HTTP calls run theirs.
 
-    A failed call (a dead server, a refusal) or a failed collective ends the wait at once:
-    the rest cannot complete without that member (its thread and the servers' handlers time
-    out on their own). Failures go to ``errors`` (the caller drops its group), dead servers are evicted."""
+    A failed call (a dead server, a refusal), a failed collective or a member evicted meanwhile
+    (frozen: the health check) ends the wait at once: the rest cannot complete without that member
+    (its thread and the servers' handlers time out on their own). Failures go to ``errors`` (the
+    caller drops its group); dead servers, and those whose call timed out, are evicted."""
     failed: list[BaseException] = []
 
     def run() -> None:
@@ -233,11 +234,14 @@ def settle(
         for f in done:
             try:
                 f.result()
-            except DEAD_ERRORS as e:
-                fleet.evict(owner[f], repr(e))
-                errors.append(ConnectionError(f"{owner[f].url} died during a weight broadcast"))
+            except (*DEAD_ERRORS, httpx.TimeoutException) as e:
+                fleet.evict(owner[f], f"no answer during a weight broadcast: {e!r}")
+                errors.append(ConnectionError(f"{owner[f].url} died or froze during a weight broadcast"))
             except BaseException as e:  # noqa: BLE001 - collected, raised by the caller
                 errors.append(e)
+        gone = [owner[f].url for f in pending if not owner[f].alive]
+        if gone and not errors:  # evicted meanwhile: its reply, and its part of the collective, never come
+            errors.append(ConnectionError(f"{', '.join(gone)} evicted during a weight broadcast"))
     if not errors and not failed:
         thread.join()
     errors.extend(failed)
