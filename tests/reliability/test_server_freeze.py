@@ -326,3 +326,43 @@ def test_a_server_frozen_during_a_broadcast_is_evicted_and_the_other_updated(ser
         eng.destroy()
     print(f"server frozen during a broadcast: update returned {done - frozen[0]:.1f}s after the freeze")
     assert versions == [12, 12]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "mode", ["disk"]
+)  # broadcast: see docs/reliability.md (a member stalled behind it times out too)
+def test_a_server_that_never_answers_a_weight_update_is_evicted_after_request_timeout(servers, sync_dir, mode):
+    """No health check runs (interval 1000 s): server 1 accepts the update's connections and never
+    answers (SIGSTOPped as the trainer sends it the load call); ``inference.request_timeout``
+    alone evicts it, and the update completes on server 0."""
+    cfg = InferenceConfig(
+        backend="remote",
+        admin_token=TOKEN,
+        weight_sync=mode,
+        weight_sync_dir=str(sync_dir),
+        request_timeout=3,
+        health_interval=1000,
+    )
+    eng = RemoteEngine(cfg, addresses=servers.addresses)
+    eng.initialize()
+    frozen: list[float] = []
+    admin = eng.admin
+
+    def freeze_then_call(srv, call, *args, **kwargs):  # the update's load call to server 1 finds it frozen
+        loads = call.path.startswith(("/update_weights_from_disk", "/update_weights_from_distributed"))
+        if srv is eng.servers[1] and loads and not frozen:
+            servers.procs[1].send_signal(signal.SIGSTOP)
+            frozen.append(time.monotonic())
+        return admin(srv, call, *args, **kwargs)
+
+    eng.admin = freeze_then_call  # type: ignore[method-assign]
+    try:
+        eng.update_weights(WeightUpdate(kind="tensors", version=21, tensors=build_tiny_model("tiny").state_dict()))
+        done = time.monotonic()
+        states = [(s.alive, s.version) for s in eng.servers]
+    finally:
+        servers.procs[1].send_signal(signal.SIGCONT)
+        eng.destroy()
+    print(f"{mode}: a server that never answers the update: evicted, update returned {done - frozen[0]:.1f}s after")
+    assert frozen and states[0] == (True, 21) and states[1][0] is False
