@@ -158,6 +158,7 @@ def test_pinning_moves_every_thread_of_a_process(tmp_path: Path) -> None:
         child.kill()
 
 
+@pytest.mark.long  # two processes importing the trainer (~40 s); CI: test_roofline_flop_count_by_hand
 def test_roofline_tiny_config_measures_both_sides(tmp_path: Path) -> None:
     """bench/roofline.py end to end on a 2-layer model: both sides' FLOP/s, peak RSS and the torch.mm peak."""
     out = tmp_path / "roofline.json"
