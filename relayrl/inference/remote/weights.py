@@ -213,8 +213,8 @@ def settle(
 ) -> None:
     """Run this side of a collective (on a thread) while the servers' HTTP calls run theirs.
 
-    A failed call (a dead server, a refusal), a failed collective or a member evicted meanwhile
-    (frozen: the health check) ends the wait at once: the rest cannot complete without that member
+    A failed call (a dead server, a refusal), a failed collective or a member evicted during it
+    (frozen: the health check; not one still being re-admitted) ends the wait at once: the rest cannot complete without that member
     (its thread and the servers' handlers time out on their own). Failures go to ``errors`` (the
     caller drops its group); dead servers, and those whose call timed out, are evicted."""
     failed: list[BaseException] = []
@@ -228,6 +228,7 @@ def settle(
     thread = threading.Thread(target=run, name="relayrl-weight-broadcast", daemon=True)
     thread.start()
     owner = dict(zip(replies, servers, strict=True))
+    evictions = {f: owner[f].evictions for f in replies}  # (a server being re-admitted is not alive yet)
     pending = set(replies)
     while pending and not failed and not errors:
         done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
@@ -239,7 +240,7 @@ def settle(
                 errors.append(ConnectionError(f"{owner[f].url} died or froze during a weight broadcast"))
             except BaseException as e:  # noqa: BLE001 - collected, raised by the caller
                 errors.append(e)
-        gone = [owner[f].url for f in pending if not owner[f].alive]
+        gone = [owner[f].url for f in pending if owner[f].evictions > evictions[f]]
         if gone and not errors:  # evicted meanwhile: its reply, and its part of the collective, never come
             errors.append(ConnectionError(f"{', '.join(gone)} evicted during a weight broadcast"))
     if not errors and not failed:
