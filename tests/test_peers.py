@@ -176,6 +176,18 @@ def test_sglang_without_get_weight_version_reads_model_info(stopper, tmp_path, t
         eng.destroy()
 
 
+def test_a_disk_update_whose_cache_flush_was_refused_waits_for_the_flush(stopper, tmp_path, tiny_model):
+    """SGLang >= 0.5.23 fails a disk update whose cache flush found requests still winding down; relayrl
+    then calls /flush_cache, which answers plain text, not JSON (a JSONDecodeError failed the update)."""
+    p = started(stopper, "sglang", "--version", "0.5.23", "--refuse-flush", "1")
+    eng = engine("sglang", [p.address], weight_sync="disk", weight_sync_dir=str(tmp_path))
+    try:
+        eng.update_weights(WeightUpdate(kind="tensors", version=3, tensors=tiny_model.state_dict()))
+        assert eng.get_version() == 3 and eng.counters["evictions"] == 0
+    finally:
+        eng.destroy()
+
+
 def test_old_sglang_is_refused_at_start_up_naming_the_version(stopper):
     p = started(stopper, "sglang", "--version", "0.4.6")
     with pytest.raises(UnsupportedServer, match=r"SGLang 0\.4\.6; relayrl needs SGLang >= 0\.5\.0"):

@@ -193,6 +193,7 @@ class SGLangStandIn:
         self.counts = {"aborted": 0, "health_503": 0, "buckets": 0, "abort_rid": 0}
         self.sessions = version_tuple(version) >= (0, 5, 23)  # /begin_weight_update ... /end_weight_update
         self.session_open = False
+        self.refuse_flush = 0  # --refuse-flush N: the next N disk updates find requests "still running"
 
     def _spawn_worker(self) -> subprocess.Popen[str]:
         return subprocess.Popen(
@@ -341,6 +342,12 @@ class SGLangStandIn:
             self.int_version = v
             if obj.weight_version is not None:
                 self.weight_version = obj.weight_version
+        if obj.flush_cache and self.refuse_flush > 0:  # SGLang 0.5.23 weight_updater.flush_cache_after_weight_update
+            self.refuse_flush -= 1
+            return _refused(
+                "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+                "Retract or finish them, then call /flush_cache."
+            )
         return JSONResponse(
             {"success": True, "message": f"Succeeded to update model weights ({n} tensors).", "num_paused_requests": 0}
         )
@@ -550,7 +557,10 @@ def build_app(s: SGLangStandIn) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        return Response("Cache flushed.\n", media_type="text/plain")
+        return Response(  # SGLang's plain-text answer (http_server.flush_cache), not JSON
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+            "the operation will not be performed.)\n"
+        )
 
     model_info = {"model_path": "tiny", "tokenizer_path": "tiny", "is_generation": True}
     if s.new_layout:
@@ -581,6 +591,7 @@ def main() -> None:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--load-delay", type=float, default=0.0, help="extra seconds each weight load holds the model lock")
     ap.add_argument("--model-path", default="tiny", help="tiny, or tiny-vl / tiny-vl2.5 (takes image_data)")
+    ap.add_argument("--refuse-flush", type=int, default=0, help="the first N disk updates answer 'cache was not flushed'")
     ap.add_argument("--enable-lora", action="store_true")
     ap.add_argument("--max-lora-rank", type=int, default=None)
     ap.add_argument("--lora-target-modules", nargs="*", default=None)
@@ -593,6 +604,7 @@ def main() -> None:
         "max_loras_per_batch": args.max_loras_per_batch,
     }
     stand_in = SGLangStandIn(args.version, args.tp_size, args.load_delay, args.model_path, lora)
+    stand_in.refuse_flush = args.refuse_flush
     listen(build_app(stand_in), "sglang stand-in", args.host, args.port)
 
 

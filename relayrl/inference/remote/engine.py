@@ -473,7 +473,8 @@ class RemoteEngine(InferenceEngine):
     # ------------------------------------------------------------------ admin (sync, fanned out)
     def admin(self, srv: Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
         """``call`` to ``srv`` within ``timeout`` (default inference.request_timeout); a timeout is
-        raised as the same httpx exception, its message naming the call and the setting."""
+        raised as the same httpx exception, its message naming the call and the setting. A JSON body is
+        returned parsed, any other as ``{"text": body}`` (SGLang's ``/flush_cache`` answers plain text)."""
         timeout = timeout or self.config.request_timeout
         with _naming_timeout(call, srv, timeout), self.sync_client(timeout) as c:
             r = c.request(
@@ -481,7 +482,12 @@ class RemoteEngine(InferenceEngine):
             )
         if r.status_code >= 400:
             raise AdminError(srv.url + call.path, r.status_code, r.text[:500])
-        return r.json() if r.content else {}
+        if not r.content:
+            return {}
+        try:
+            return r.json()
+        except ValueError:
+            return {"text": r.text}
 
     def fan_out(self, fn: Callable[[Server], object], servers: list[Server]) -> None:
         """Run ``fn(server)`` on all servers at once; dead ones and those that time out (frozen) are
