@@ -176,11 +176,13 @@ def test_sglang_without_get_weight_version_reads_model_info(stopper, tmp_path, t
         eng.destroy()
 
 
-def test_a_disk_update_whose_cache_flush_was_refused_waits_for_the_flush(stopper, tmp_path, tiny_model):
-    """SGLang >= 0.5.23 fails a disk update whose cache flush found requests still winding down; relayrl
-    then calls /flush_cache, which answers plain text, not JSON (a JSONDecodeError failed the update)."""
+@pytest.mark.parametrize("sync", ["disk", "broadcast"])
+def test_an_update_whose_cache_flush_was_refused_waits_for_the_flush(stopper, tmp_path, tiny_model, sync):
+    """SGLang >= 0.5.23 fails a weight load whose cache flush found requests still winding down
+    (weights loaded); relayrl then waits on /flush_cache, which answers plain text. Before: the disk
+    update failed with a JSONDecodeError, the broadcast with the 400."""
     p = started(stopper, "sglang", "--version", "0.5.23", "--refuse-flush", "1")
-    eng = engine("sglang", [p.address], weight_sync="disk", weight_sync_dir=str(tmp_path))
+    eng = engine("sglang", [p.address], weight_sync=sync, weight_sync_dir=str(tmp_path))
     try:
         eng.update_weights(WeightUpdate(kind="tensors", version=3, tensors=tiny_model.state_dict()))
         assert eng.get_version() == 3 and eng.counters["evictions"] == 0

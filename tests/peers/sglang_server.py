@@ -342,12 +342,8 @@ class SGLangStandIn:
             self.int_version = v
             if obj.weight_version is not None:
                 self.weight_version = obj.weight_version
-        if obj.flush_cache and self.refuse_flush > 0:  # SGLang 0.5.23 weight_updater.flush_cache_after_weight_update
-            self.refuse_flush -= 1
-            return _refused(
-                "Weights were updated, but the cache was not flushed because requests are still running or queued. "
-                "Retract or finish them, then call /flush_cache."
-            )
+        if refused := self.flush_refused(obj.flush_cache):
+            return refused
         return JSONResponse(
             {"success": True, "message": f"Succeeded to update model weights ({n} tensors).", "num_paused_requests": 0}
         )
@@ -442,7 +438,20 @@ class SGLangStandIn:
             self.int_version = v
             if obj.weight_version is not None:
                 self.weight_version = obj.weight_version
+        if refused := self.flush_refused(obj.flush_cache):
+            return refused
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    def flush_refused(self, flush: bool) -> Response | None:
+        """``--refuse-flush N``: the next N loads that flush find requests still winding down and fail
+        after loading (SGLang 0.5.23 ``weight_updater.flush_cache_after_weight_update``)."""
+        if not flush or self.refuse_flush <= 0:
+            return None
+        self.refuse_flush -= 1
+        return _refused(
+            "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+            "Retract or finish them, then call /flush_cache."
+        )
 
     async def abort_request(self, request: Request) -> Response:
         """SGLang's ``AbortReq``: ``abort_all`` ends every running request as ``abort``; a rid is only counted."""
@@ -591,7 +600,9 @@ def main() -> None:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--load-delay", type=float, default=0.0, help="extra seconds each weight load holds the model lock")
     ap.add_argument("--model-path", default="tiny", help="tiny, or tiny-vl / tiny-vl2.5 (takes image_data)")
-    ap.add_argument("--refuse-flush", type=int, default=0, help="the first N disk updates answer 'cache was not flushed'")
+    ap.add_argument(
+        "--refuse-flush", type=int, default=0, help="the first N disk updates answer 'cache was not flushed'"
+    )
     ap.add_argument("--enable-lora", action="store_true")
     ap.add_argument("--max-lora-rank", type=int, default=None)
     ap.add_argument("--lora-target-modules", nargs="*", default=None)

@@ -247,10 +247,13 @@ def test_a_cancelled_request_is_aborted_on_the_server(vllm, tmp_path):
 
     async def go():
         keep = GenerationConfig(max_new_tokens=40, temperature=1.0, ignore_eos=True)
-        drop = GenerationConfig(max_new_tokens=240, temperature=1.0, ignore_eos=True)
+        drop = GenerationConfig(max_new_tokens=N_LONG, temperature=1.0, ignore_eos=True)  # seconds, not ms
         a = asyncio.ensure_future(eng.agenerate(ModelRequest("keep", prompts(1)[0], keep)))
         b = asyncio.ensure_future(eng.agenerate(ModelRequest("give-up", prompts(2)[1], drop)))
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 60  # cancel once vLLM generates (the batch's call has arrived), not at a
+        while await asyncio.to_thread(metric, vllm, "vllm:generation_tokens_total") <= before:  # fixed time
+            assert time.monotonic() < deadline, "vLLM generated nothing"
+            await asyncio.sleep(0.05)
         b.cancel()
         out = await a
         await asyncio.sleep(0.5)  # the abort call is on its way
@@ -263,7 +266,7 @@ def test_a_cancelled_request_is_aborted_on_the_server(vllm, tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         generated = metric(vllm, "vllm:generation_tokens_total") - before
-        assert generated < 40 + 240, "the cancelled request ran to its end on the server"
+        assert generated < 40 + N_LONG, "the cancelled request ran to its end on the server"
     finally:
         eng.destroy()
 

@@ -304,7 +304,8 @@ class SGLangBackend:
     def parse_version(self, body: object) -> int | None:
         return version_of(body)
 
-    def parse_update(self, body: object) -> None:
+    @staticmethod
+    def parse_update(body: object) -> None:
         if isinstance(body, dict) and body.get("success") is False:
             raise RuntimeError(f"weight update refused: {body.get('message')}")
 
@@ -428,21 +429,30 @@ def broadcast_backend(peer: str) -> str:
     return "nccl" if torch.cuda.is_available() and peer != "relayrl" else "gloo"
 
 
+def load_flushed(fleet: Fleet, srv: Server, call: Call) -> object:
+    """``call`` (a weight load) to ``srv``, its reply checked. SGLang flushes its prefix cache after
+    loading (KV of the old weights must not serve the continued requests) and fails the call, weights
+    loaded, when requests it just aborted are still winding down; then the flush is waited for
+    (``/flush_cache?timeout``, which answers plain text) and the load counts as done."""
+    try:
+        reply = fleet.admin(srv, call)
+        SGLangBackend.parse_update(reply)  # a 200 whose body says success=false
+        return reply
+    except RuntimeError as e:  # an AdminError or the refusal above: SGLang's text tells
+        if "cache was not flushed" not in str(e):
+            raise
+    # SGLang waits up to FLUSH_WAIT_S for the flush; the call is given at least that (and 30 s to answer)
+    wait = max(fleet.config.request_timeout, FLUSH_WAIT_S + 30)
+    fleet.admin(srv, Call("POST", f"/flush_cache?timeout={FLUSH_WAIT_S}"), timeout=wait)
+    return {"success": True, "message": "weights loaded; the cache flushed once the aborted requests ended"}
+
+
 class SGLangDisk(DiskSync):
-    """weight_sync=disk: ``/update_weights_from_disk``. SGLang flushes its prefix cache after loading
-    (KV of the old weights must not serve the continued requests) and fails the call when the requests
-    it just aborted are still winding down; then the flush is waited for (``/flush_cache?timeout``)."""
+    """weight_sync=disk: ``/update_weights_from_disk`` through ``load_flushed``."""
 
     def push(self, srv: Server, data: object, version: int) -> None:
-        try:
-            super().push(srv, data, version)
-        except RuntimeError as e:  # an AdminError, or a 200 whose body says success=false: SGLang's text tells
-            if "cache was not flushed" not in str(e):
-                raise
-            # SGLang waits up to FLUSH_WAIT_S for the flush; the call is given at least that (and 30 s to answer)
-            wait = max(self.fleet.config.request_timeout, FLUSH_WAIT_S + 30)
-            self.fleet.admin(srv, Call("POST", f"/flush_cache?timeout={FLUSH_WAIT_S}"), timeout=wait)
-            self.confirm(srv, version)
+        load_flushed(self.fleet, srv, self.load(str(data), version))
+        self.confirm(srv, version)
 
 
 class SGLangBroadcast(BroadcastSync):
@@ -560,7 +570,7 @@ class SGLangBroadcast(BroadcastSync):
                     version if b == len(parts) - 1 else None,
                     abort=b == 0,
                 )
-                replies = [ex.submit(self.fleet.admin, s, call) for s in servers]
+                replies = [ex.submit(load_flushed, self.fleet, s, call) for s in servers]
                 settle(self.fleet, servers, replies, functools.partial(group.broadcast, bucket), errors)
                 if errors:
                     break
