@@ -1,4 +1,4 @@
-"""ReMax + a user-written REINFORCE actor: seed 002's example, end to end on relayrl.
+"""ReMax + a user-written REINFORCE actor: a whole new algorithm, end to end on relayrl.
 
     python recipes/remax_reinforce.py [key=value ...]      # e.g. total_steps=20
 
@@ -7,7 +7,7 @@
 2. The algorithm is the two-class pattern: ``ReinforceActor`` holds the backend-agnostic
    REINFORCE loss and calls only ``engine.train_batch``; ``TorchReinforceActor`` binds it to
    ``TorchTrainEngine`` (save/load/update_weights come with the engine).
-3. The loop is seed 002's ``main``, with the settings of recipes/algorithms/remax.yaml: the demo's
+3. The loop is rollout -> train_reinforce -> update_weights, with the settings of recipes/algorithms/remax.yaml: the demo's
    SFT warm start (tests/data/demo_sft; random weights never earn a reward on 2-digit addition),
    128 prompts per step, and the sampled held-out accuracy (200 prompts x 4 samples) evaluated
    before and after.
@@ -47,7 +47,8 @@ def main(overrides: list[str]) -> dict[str, object]:
 
     rollout = LocalEngine(cfg.inference, model=load_model(cfg.model, cfg.seed), tokenizer=tokenizer)
     rollout.initialize()
-    WorkflowExecutor(cfg.rollout, rollout).initialize()
+    executor = WorkflowExecutor(cfg.rollout, rollout)
+    executor.initialize()
     actor = TorchReinforceActor(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
     actor.initialize()
     workflow = ReMaxWorkflow(reward_fn=reward_fn, gconfig=cfg.gconfig, tokenizer=tokenizer)
@@ -61,8 +62,9 @@ def main(overrides: list[str]) -> dict[str, object]:
     rewards = []
     for step in range(cfg.total_steps):
         with stats.record_timing("rollout"):
-            batch = rollout.rollout_batch(next(dataloader), workflow=workflow)
-        batch["rewards"] = batch["rewards"] - batch["baseline_rewards"]  # seed 002: reward difference
+            batch = executor.rollout_batch(next(dataloader), workflow=workflow)
+        # ReMax: the sampled reward minus the greedy one
+        batch["rewards"] = batch["rewards"] - batch["baseline_rewards"]
         with stats.record_timing("train_step"), stats.scope("actor"):
             stats.scalar(**actor.train_reinforce(batch))
         with stats.record_timing("update_weights"):
@@ -73,6 +75,7 @@ def main(overrides: list[str]) -> dict[str, object]:
         grad_norm = metrics.get("actor/grad_norm", float("nan"))
         print(f"step {step + 1}: reward - greedy {rewards[-1]:+.3f}  grad norm {grad_norm:.3f}")
     after = held_out_accuracy()
+    executor.destroy()
     rollout.destroy()
     print(
         f"held-out accuracy (sampled): {before:.3f} -> {after:.3f} after {cfg.total_steps} steps | "

@@ -1,5 +1,5 @@
 """Separate producer: the executor generates in the background while the trainer trains
-(seed 001's third usage mode), and evaluation takes priority over production.
+(the third way to use relayrl), and evaluation takes priority over production.
 
     python recipes/separate_producer.py [key=value ...]      # e.g. total_steps=20
 
