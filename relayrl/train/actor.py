@@ -103,9 +103,9 @@ class _GapSink:
         """(logprobs, entropies), every rank's share summed (a dummy micro-batch repeats a row: averaged away)."""
         total, count = self.sum, self.count
         if dist_utils.is_distributed():
-            both = dist_utils.all_reduce_tensor_(torch.cat([total, count[None]]))
+            both = dist_utils.all_reduce(torch.cat([total, count[None]]))
             total, count = both[:2], both[2]
-            flips = dist_utils.all_reduce_tensor_(torch.tensor(self.flips, dtype=torch.float64)).tolist()
+            flips = dist_utils.all_reduce(torch.tensor(self.flips, dtype=torch.float64)).tolist()
             self.flips = (flips[0], flips[1])
         out = (total / count.clamp(min=1.0)).float()
         return out[0], out[1]

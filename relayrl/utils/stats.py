@@ -236,7 +236,7 @@ class StatsTracker:
             if reset:
                 self._accs = {}
                 self._masks = {}
-        distributed = not local and dist_utils.is_dist() and dist_utils.world_size(group) > 1
+        distributed = not local and dist_utils.world_size(group) > 1
         if distributed:
             accs = _reduce_across_ranks(accs, group)
         out: dict[str, float] = {}
