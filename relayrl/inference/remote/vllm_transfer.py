@@ -311,7 +311,6 @@ class VLLMBroadcast(BroadcastSync):
         self.group: VLLMTransferGroup | None = None
         self.members: list[tuple[str, int]] = []
         self.collective = transfer_backend()
-        self.proven = False  # an update over ``collective`` succeeded
         self.disk: VLLMDisk | None = None  # the fallback, once NCCL failed at first use
         self.written: tuple[int, str] | None = None  # the fallback's last directory: (version, path)
 
@@ -322,19 +321,16 @@ class VLLMBroadcast(BroadcastSync):
             require_routes(srv.info, srv.url, "broadcast")
 
     def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
-        """``_broadcast``; at the first use of NCCL, a failure switches to disk reloads."""
+        """Disk reloads once NCCL failed at first use; else the transfer group."""
         if self.disk is not None:
             return self._reload(tensors, version, servers)
-        try:
-            self._broadcast(tensors, version, servers)
-        except ConnectionError:
-            raise
-        except Exception as e:
-            if self.proven or self.collective != "nccl":
-                raise
-            self._fall_back(e, servers)
-            self._reload(tensors, version, servers)
-        self.proven = True
+        super().broadcast(tensors, version, servers)
+
+    def fall_back(
+        self, error: Exception, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]
+    ) -> None:
+        self._fall_back(error, servers)
+        self._reload(tensors, version, servers)
 
     def _fall_back(self, error: Exception, servers: list[Server]) -> None:
         why, where = reason(error), self.fleet.config.weight_sync_dir
