@@ -9,7 +9,7 @@ each row's next position.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 from transformers import DynamicCache
 
 from relayrl.inference.local.decode import SlabLayer, cat_left_padded, slab_layers
@@ -151,8 +151,8 @@ class SlabBatch(EngineState):
         if self._static is not None and (self._static_stale or not self._static.has_room(len(self._rows))):
             self._cache.layers = self._static.load(slab_layers(self._cache), self._mask_bool, self._pos)  # type: ignore[assignment]
             self._static_stale = False
-        self._mask = F.pad(self._mask, (0, 1), value=1)
-        self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
+        self._mask = functional.pad(self._mask, (0, 1), value=1)
+        self._mask_bool = functional.pad(self._mask_bool, (0, 1), value=True)
         self.counters["kv_peak"] = max(self.counters["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
         assert self._cache is not None
         if self._static is not None:
