@@ -4,6 +4,8 @@
 (``slab.py``), request control (``requests.py``) and memory release (``memory.py``) are mixins that
 derive from ``EngineState`` and read and write these fields on the loop thread. The declarations
 here are for readers and the type checker: one list of what the parts share, with one type each.
+The fields stay on the engine rather than in an object it holds (``self.state.rows``): the mixins are
+parts of one engine on one thread, and the decode loop reads them every step.
 """
 
 from __future__ import annotations
