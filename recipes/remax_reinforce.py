@@ -21,19 +21,60 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import torch
 
 from relayrl import wiring
 from relayrl.api.config import RunConfig, load_config
+from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.data.models import load_model, load_tokenizer
 from relayrl.evaluation import evaluate
 from relayrl.inference.local import LocalEngine
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.rollout.workflows import ReMaxWorkflow
 from relayrl.rollout.workflows.rlvr import RLVRWorkflow
-from relayrl.train.actor import TorchReinforceActor
+from relayrl.train.engine import TorchTrainEngine
+from relayrl.train.packing import segment_ids, token_logprobs
 from relayrl.utils import stats
+
+# ------------------------------------------------------------------ the user-written algorithm
+
+
+def reinforce_loss_fn(logits: torch.Tensor, data: TensorDict) -> torch.Tensor:
+    """``-log pi(token) * reward`` averaged over generated tokens of a packed micro-batch."""
+    logprobs = token_logprobs(logits, data)
+    loss_mask = data["loss_mask"].bool()
+    rewards = data["rewards"].to(logprobs.dtype)[segment_ids(data)]  # sequence reward on each token
+    loss = torch.where(loss_mask, -logprobs * rewards, 0.0)
+    return loss.sum() / loss_mask.count_nonzero().clamp(min=1)
+
+
+class ReinforceActor:
+    """The algorithm: works with any ``TrainEngine`` (single process, FSDP2, ...)."""
+
+    def __init__(self, engine: TrainEngine):
+        self.engine = engine
+
+    def train_reinforce(self, data: TensorDict) -> dict[str, float]:
+        self.engine.train()
+        return self.engine.train_batch(
+            data, loss_fn=reinforce_loss_fn, loss_weight_fn=lambda x: float(x["loss_mask"].count_nonzero())
+        )
+
+
+class TorchReinforceActor(TorchTrainEngine):
+    """The backend binding: a TorchTrainEngine that also speaks ``train_reinforce``."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.actor = ReinforceActor(self)
+
+    def train_reinforce(self, data: TensorDict) -> dict[str, float]:
+        return self.actor.train_reinforce(data)
+
+
+# ------------------------------------------------------------------ the loop
 
 
 def main(overrides: list[str]) -> dict[str, object]:
