@@ -464,7 +464,7 @@ class SGLangBroadcast(BroadcastSync):
         self.members: list[tuple[str, int]] = []
         self.collective = broadcast_backend(backend.name)
 
-    def fall_back(
+    def nccl_failed(
         self, error: Exception, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]
     ) -> None:
         """The group is built again over gloo and stays gloo."""

@@ -326,13 +326,10 @@ class VLLMBroadcast(BroadcastSync):
             return self._reload(tensors, version, servers)
         super().broadcast(tensors, version, servers)
 
-    def fall_back(
+    def nccl_failed(
         self, error: Exception, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]
     ) -> None:
-        self._fall_back(error, servers)
-        self._reload(tensors, version, servers)
-
-    def _fall_back(self, error: Exception, servers: list[Server]) -> None:
+        """Disk reloads from ``inference.weight_sync_dir`` from now on (none set: the error says to set it)."""
         why, where = reason(error), self.fleet.config.weight_sync_dir
         if not where:
             raise RuntimeError(
@@ -348,6 +345,7 @@ class VLLMBroadcast(BroadcastSync):
             raise RuntimeError(f"{NCCL_TRANSFER} failed at first use ({why}); reloading from disk instead: {e}") from e
         fall_back(NCCL_TRANSFER, why, f"disk reloads from inference.weight_sync_dir ({where}) through /collective_rpc")
         self.disk, self.group = disk, None
+        self._reload(tensors, version, servers)
 
     def _reload(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
         assert self.disk is not None

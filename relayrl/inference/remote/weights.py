@@ -179,13 +179,13 @@ class BroadcastSync(WeightSync):
     by rebuilding the group with it.
 
     NCCL fails safe (``relayrl.utils.failsafe``): a failure at its first use for another reason than a
-    dead server hands the update to the peer's ``fall_back``, which sends it another way from then on."""
+    dead server hands the update to the peer's ``nccl_failed``, which sends it another way from then on."""
 
     collective = "gloo"  # the group's backend: "nccl" or "gloo" (set by the peer's sync)
     proven = False  # a broadcast over ``collective`` succeeded: a later failure is raised, not fallen back from
 
     def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
-        """``_broadcast``, or at the first use of NCCL, when it fails, ``fall_back``."""
+        """``_broadcast``, or at the first use of NCCL, when it fails, ``nccl_failed``."""
         try:
             self._broadcast(tensors, version, servers)
         except ConnectionError:
@@ -193,7 +193,7 @@ class BroadcastSync(WeightSync):
         except Exception as e:
             if self.proven or self.collective != "nccl":
                 raise
-            self.fall_back(e, tensors, version, servers)
+            self.nccl_failed(e, tensors, version, servers)
         self.proven = True
 
     @abstractmethod
@@ -201,7 +201,7 @@ class BroadcastSync(WeightSync):
         """``tensors`` to ``servers`` (the group rebuilt if its members changed), each confirmed at ``version``."""
 
     @abstractmethod
-    def fall_back(
+    def nccl_failed(
         self, error: Exception, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]
     ) -> None:
         """NCCL failed at its first use with ``error``: switch to the peer's other way and send this update by it."""
