@@ -1,4 +1,4 @@
-"""Colocated, high-level: the whole run in a few lines (seed 001's ``fit``-style usage mode).
+"""Colocated, high-level: the whole run in a few lines (the ``fit``-style way to use relayrl).
 
     python recipes/colocated_highlevel.py [key=value ...]     # e.g. total_steps=20
 

@@ -1,9 +1,9 @@
-"""Colocated, low-level: every step of the RL loop written out (seed 001's second usage mode).
+"""Colocated, low-level: every step of the RL loop written out (the second of three ways to use relayrl).
 
     python recipes/colocated_lowlevel.py [key=value ...]     # e.g. total_steps=20 train.optimizer.lr=1e-4
 
-Generation (LocalEngine) runs in this process; the loop is the one of seed 002's ``main``:
-rollout -> compute_logp -> compute_advantages -> ppo_update -> update_weights. The settings are
+Generation (LocalEngine) runs in this process; the loop is the trainer's step written out:
+rollout -> prepare (logprobs, advantages) -> ppo_update -> update_weights. The settings are
 recipes/algorithms/grpo.yaml's without its KL term (so no reference model to build): the demo's
 SFT warm start (tests/data/demo_sft; random weights never earn a reward on 2-digit addition),
 32 prompts x 8 samples per step, and the sampled held-out accuracy (200 prompts x 4 samples)
@@ -46,7 +46,8 @@ def main(overrides: list[str]) -> dict[str, object]:
 
     rollout = LocalEngine(cfg.inference, model=load_model(cfg.model, cfg.seed), tokenizer=tokenizer)
     rollout.initialize()
-    WorkflowExecutor(cfg.rollout, rollout).initialize()  # gives the engine its rollout verbs
+    executor = WorkflowExecutor(cfg.rollout, rollout)  # runs the workflow's episodes on the engine
+    executor.initialize()
     actor_engine = TorchTrainEngine(cfg.train, cfg.model, model=load_model(cfg.model, cfg.seed), seed=cfg.seed)
     actor_engine.initialize()
     actor = PPOActor(cfg.actor, actor_engine)
@@ -61,11 +62,8 @@ def main(overrides: list[str]) -> dict[str, object]:
     batches = (train_rows[i : i + cfg.rollout.batch_size] for i in itertools.count(0, cfg.rollout.batch_size))
     for step in range(cfg.total_steps):
         with stats.record_timing("rollout"):
-            batch = rollout.rollout_batch(next(batches), workflow)
-        with stats.record_timing("compute_logp"):
-            batch["prox_logp"] = actor.compute_logp(batch)
-        with stats.record_timing("compute_advantages"):
-            actor.compute_advantages(batch)
+            batch = executor.rollout_batch(next(batches), workflow)
+        actor.prepare(batch)  # the logprobs the loss needs, then the advantages (as the Trainer's step)
         with stats.record_timing("ppo_update"), stats.scope("actor"):
             for s in actor.ppo_update(batch):  # each optimizer step also advances the LR schedule
                 stats.scalar(**{k: v for k, v in s.items() if isinstance(v, float)})
@@ -79,6 +77,7 @@ def main(overrides: list[str]) -> dict[str, object]:
             f"lr {metrics['actor/lr']:.2e}"
         )
     after = held_out_accuracy()
+    executor.destroy()
     rollout.destroy()
     last = history[-1]["reward"] if history else float("nan")
     print(

@@ -1,5 +1,5 @@
 """Separate producer: the executor generates in the background while the trainer trains
-(seed 001's third usage mode), and evaluation takes priority over production.
+(the third way to use relayrl), and evaluation takes priority over production.
 
     python recipes/separate_producer.py [key=value ...]      # e.g. total_steps=20
 
@@ -71,8 +71,7 @@ def main(overrides: list[str]) -> dict[str, float]:
     result: dict[str, float] = {"accuracy_before": before, "accuracy_after": before}
     for step in range(1, cfg.total_steps + 1):
         batch = executor.prepare_batch(dataloader, workflow)  # the producer keeps running meanwhile
-        batch["prox_logp"] = actor.compute_logp(batch)
-        actor.compute_advantages(batch)
+        actor.prepare(batch)  # the proximal logprobs, then the advantages (as the Trainer's step)
         actor.ppo_update(batch)
         actor_engine.set_version(step)
         actor_engine.update_weights(engine)

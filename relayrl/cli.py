@@ -358,6 +358,7 @@ def _eval(argv: list[str]) -> int:
     model it started from if it has none; a LoRA run's checkpoint is an adapter, merged into its
     base); a YAML config evaluates its ``model.path`` (plus ``model.lora.adapter_path``)."""
     ns, path, overrides = _config_args("relayrl eval", argv)
+    from dataclasses import replace
     from pathlib import Path
 
     from relayrl.api.config import RunConfig, load_config
@@ -375,13 +376,14 @@ def _eval(argv: list[str]) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            cfg.model.lora.adapter_path = str(latest / "actor")
+            lora = replace(cfg.model.lora, adapter_path=str(latest / "actor"))
+            cfg = replace(cfg, model=replace(cfg.model, lora=lora))
         elif latest is not None:
             if not (latest / "actor" / "tokenizer_config.json").is_file():  # written before checkpoints had one
-                cfg.model.tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
+                tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
             else:  # the checkpoint's own (the run's tokenizer, saved): the run's model directory may be gone
-                cfg.model.tokenizer_path = ""
-            cfg.model.path = str(latest / "actor")
+                tokenizer_path = ""
+            cfg = replace(cfg, model=replace(cfg.model, path=str(latest / "actor"), tokenizer_path=tokenizer_path))
     from relayrl.data.preflight import check_run
 
     check_run(cfg)  # a wrong path or device in one line, before the model code is imported

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import math
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from relayrl.api.config import ActorConfig, ModelConfig, OptimizerConfig, RunConfig, TrainEngineConfig, load_config
 from relayrl.train import algorithms as A
-from relayrl.train.actor import Critic, PPOActor, ReinforceActor, TorchReinforceActor, minibatches
+from relayrl.train.actor import Critic, PPOActor, minibatches
 from relayrl.train.engine import TorchTrainEngine
 
 torch.set_num_threads(1)
@@ -258,6 +259,16 @@ def test_critic_gae_and_value_update(tiny_model, tokenizer):
     actor.ppo_update(batch)
 
 
+def _remax_reinforce_recipe():
+    """recipes/remax_reinforce.py as a module (its REINFORCE actor is user code, not relayrl's)."""
+    path = RECIPES.parent / "remax_reinforce.py"
+    spec = importlib.util.spec_from_file_location("remax_reinforce", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_reinforce_actor_two_class_pattern(tiny_model, tokenizer):
     eng = make_engine(tiny_model)
     batch = make_batch(eng, tokenizer, seed=5)
@@ -269,7 +280,12 @@ def test_reinforce_actor_two_class_pattern(tiny_model, tokenizer):
     actor.compute_advantages(batch)
     assert torch.allclose(batch["advantages"], adv.float())
     batch["old_logp"] = batch["logprobs"]
-    from relayrl.train.actor import reinforce_loss_fn
+    recipe = _remax_reinforce_recipe()  # the user-written REINFORCE actor lives in its recipe
+    reinforce_loss_fn, ReinforceActor, TorchReinforceActor = (
+        recipe.reinforce_loss_fn,
+        recipe.ReinforceActor,
+        recipe.TorchReinforceActor,
+    )
 
     a = eng.eval_batch(batch, reinforce_loss_fn, lambda x: float(x["loss_mask"].count_nonzero()))
     b = eng.eval_batch(batch, actor._loss_fn(_Sink()), actor.loss_weight)

@@ -379,23 +379,6 @@ def test_wait_times_out_with_the_counts_and_bad_calls_name_the_problem(engine, t
     assert ex.stats()["submitted"] == 2 and ex.stats()["completed"] == 2
 
 
-def test_engine_rollout_verbs_delegate_to_the_executor(tiny_model, tokenizer, rows):
-    """``InferenceEngine.submit / wait`` (the AReaL-lite verbs on the engine) reach its executor."""
-    eng = LocalEngine(InferenceConfig(seed=2), model=tiny_model, tokenizer=tokenizer)
-    eng.initialize()
-    ex = WorkflowExecutor(RolloutConfig(batch_size=2, group_size=3), eng)
-    ex.initialize()
-    try:
-        for row in rows[:2]:
-            eng.submit(row, Delayed(tokenizer))
-        batch = eng.wait(2, timeout=60)
-    finally:
-        ex.destroy()
-        eng.destroy()
-    assert batch["input_ids"].shape[0] == 6 and batch["group_id"].tolist() == [0, 0, 0, 1, 1, 1]
-    assert ex.stats()["completed"] == 6
-
-
 def test_destroy_lets_tasks_started_by_episodes_finish_their_clean_up(engine, tokenizer, rows):
     """An episode waiting on a future that a helper task settles (how RemoteEngine's batched HTTP calls
     run): destroy cancels the helper and waits while it unwinds, instead of closing the loop under it

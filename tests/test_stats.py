@@ -157,7 +157,7 @@ def test_bad_input_errors_name_the_key():
 
 
 def test_module_level_default_tracker_without_torch_distributed():
-    assert not dist_utils.is_dist() and dist_utils.rank() == 0 and dist_utils.world_size() == 1
+    assert not dist_utils.is_distributed() and dist_utils.rank() == 0 and dist_utils.world_size() == 1
     stats.reset()
     with stats.record_timing("step"), stats.scope("actor"):
         stats.denominator(n=torch.tensor([True, True, False]))
@@ -213,7 +213,7 @@ def _worker(rank: int, port: int, queue: mp.Queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        assert dist_utils.is_dist() and dist_utils.world_size() == 2 and dist_utils.rank() == rank
+        assert dist_utils.is_distributed() and dist_utils.world_size() == 2 and dist_utils.rank() == rank
         tr = StatsTracker()
         _record(tr, rank)
         out = tr.export()

@@ -633,9 +633,10 @@ class RunConfig:
     ray: RayConfig = f(RayConfig(), help="launcher=ray: cluster, resources per trainer rank and server, placement.")
 
     def __post_init__(self) -> None:
-        # shown resolved in a loaded or saved config; the run itself takes it from ``derived``
+        # shown resolved in a loaded or saved config (a copy: an ActorConfig passed in is not written to);
+        # the run itself takes it from ``derived``, which resolves it the same way
         if self.actor.temperature is None:  # one source of truth: the sampling temperature
-            self.actor.temperature = sampling_temperature(self.gconfig)
+            self.actor = replace(self.actor, temperature=sampling_temperature(self.gconfig))
 
     @staticmethod
     def inherit(values: dict[str, YamlValue]) -> None:

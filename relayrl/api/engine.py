@@ -7,8 +7,7 @@ FSDP2, and the same workflow runs against an in-process engine or a fleet of ser
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
@@ -46,37 +45,17 @@ PostFn = Callable[[torch.Tensor, TensorDict], torch.Tensor]
 """``post_fn(logits, packed_batch) -> [T]`` token-aligned values (see ``TrainEngine.forward``)."""
 
 
-class Workflow(Protocol):
-    """What the rollout verbs need of a workflow: ``workflow.RolloutWorkflow`` is one (declared here
-    as a protocol so that this module and ``workflow`` do not import each other)."""
-
-    async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> TensorDict | None: ...
-
-
-class RolloutExecutor(Protocol):
-    """What an inference engine delegates its rollout verbs to (``rollout.WorkflowExecutor``)."""
-
-    def submit(self, data: DataItem, workflow: Workflow) -> None: ...
-
-    def wait(self, count: int, timeout: float | None = None) -> TensorDict: ...
-
-    def rollout_batch(self, data: list[DataItem], workflow: Workflow) -> TensorDict: ...
-
-    def prepare_batch(self, dataloader: Iterator[list[DataItem]], workflow: Workflow) -> TensorDict: ...
-
-
 class InferenceEngine(abc.ABC):
     """Generates tokens with per-token logprobs and weight versions.
 
     Implementations: ``inference.local.LocalEngine`` (in-process) and
     ``inference.remote.RemoteEngine`` (HTTP to relayrl / SGLang / vLLM servers).
 
-    The rollout verbs (``submit``, ``wait``, ``rollout_batch``, ``prepare_batch``) are
-    delegated to a ``rollout.WorkflowExecutor``, which attaches itself to the engine when
-    constructed: ``WorkflowExecutor(config, engine)``.
+    Episodes are run by a ``rollout.WorkflowExecutor(config, engine)``: its ``submit`` / ``wait`` /
+    ``rollout_batch`` / ``prepare_batch`` are the rollout verbs (the engine does not forward them,
+    so there is one way to call them and no back-reference from engine to executor).
     """
 
-    executor: RolloutExecutor | None = None
     # True when the engine takes LoRA adapters (``WeightUpdate(kind="adapter")``) instead of merged
     # weights: set by RemoteEngine at connect for SGLang / vLLM servers with ``model.lora.sync`` adapter
     accepts_adapters: bool = False
@@ -162,27 +141,6 @@ class InferenceEngine(abc.ABC):
     def resume_memory(self) -> None:
         """Undo ``release_memory()``."""
         return None  # default: nothing to do
-
-    # Rollout verbs: delegated to the attached executor.
-    def _executor(self) -> RolloutExecutor:
-        if self.executor is None:
-            raise RuntimeError(
-                f"{type(self).__name__} has no rollout executor; create one with "
-                "relayrl.rollout.WorkflowExecutor(config, engine) before calling rollout verbs"
-            )
-        return self.executor
-
-    def submit(self, data: DataItem, workflow: Workflow) -> None:
-        self._executor().submit(data, workflow)
-
-    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
-        return self._executor().wait(count, timeout)
-
-    def rollout_batch(self, data: list[DataItem], workflow: Workflow) -> TensorDict:
-        return self._executor().rollout_batch(data, workflow)
-
-    def prepare_batch(self, dataloader: Iterator[list[DataItem]], workflow: Workflow) -> TensorDict:
-        return self._executor().prepare_batch(dataloader, workflow)
 
 
 class TrainEngine(abc.ABC):

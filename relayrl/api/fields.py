@@ -10,8 +10,11 @@ declare ``inherit(values)`` (defaults drawn from other sections before building)
 
 Not OmegaConf's structured configs (2.4, used below for ``${...}`` interpolation only): they check
 types but no ranges or choices, refuse ``n_servers: 3.0``, read ``progress: off`` as ``"False"``,
-answer in multi-line errors, and cannot build ``RunConfig`` (``OmegaConf.structured`` fails on it), so
-coercion, rules and the one-line errors stay here.
+answer in multi-line errors, and cannot build ``RunConfig`` (``OmegaConf.structured`` fails on it). Not
+pydantic either (here through FastAPI): its strict mode refuses ``n_servers: 3.0``, its lax mode takes the
+string ``"3"`` for a number and ``"yes"`` for a bool, and its errors would need translating, type by type,
+into the one-line messages users and tests read: that translation is the code below. So coercion, rules
+and the one-line errors stay here.
 """
 
 from __future__ import annotations

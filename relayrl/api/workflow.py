@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 from relayrl.api.engine import DataItem, TensorDict
 from relayrl.api.io import ModelResponse
@@ -196,7 +196,7 @@ def concat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory:
             parts = [
                 t[key] if key in t else have[0].new_zeros(t["input_ids"].shape[0], 0, *have[0].shape[2:]) for t in trajs
             ]
-            out[key] = torch.cat([F.pad(v, (0, 0, 0, width - v.shape[1])) for v in parts])
+            out[key] = torch.cat([functional.pad(v, (0, 0, 0, width - v.shape[1])) for v in parts])
     for key in trajs[0]:
         if key in VISION_KEYS:
             continue

@@ -14,7 +14,7 @@ import json
 import os
 import string
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -75,6 +76,19 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+TOKEN_IDS = {"tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+"""The offline tokenizer's special ids, which every tiny model is built with (its head tied to the embeddings)."""
+
+
+def _seeded(from_config: Callable[..., PreTrainedModel], cfg: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """``from_config(cfg)`` in fp32 with weights drawn from ``seed`` (the global RNG left as it was)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = from_config(cfg, dtype=torch.float32)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised causal LM of a preset size (Qwen2-style unless the preset names a
     ``model_type``; fp32)."""
@@ -86,17 +100,10 @@ def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: 
         str(preset_kwargs.pop("model_type", "qwen2")),
         vocab_size=vocab_size or tok_vocab,
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
+        **TOKEN_IDS,
         **preset_kwargs,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.generation_config.pad_token_id = 0
-    return model
+    return _seeded(AutoModelForCausalLM.from_config, cfg, seed)
 
 
 def build_vl_tokenizer() -> PreTrainedTokenizerFast:
@@ -121,10 +128,7 @@ def build_tiny_vl_model(preset: str = "tiny-vl", seed: int = 0) -> PreTrainedMod
         "num_key_value_heads": 2,
         "max_position_embeddings": 2048,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim / 2
-        "tie_word_embeddings": True,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
+        **TOKEN_IDS,
     }
     vision: dict[str, object] = {"depth": 2, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2}
     if preset == "tiny-vl":
@@ -140,15 +144,9 @@ def build_tiny_vl_model(preset: str = "tiny-vl", seed: int = 0) -> PreTrainedMod
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
+        **TOKEN_IDS,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
-    model.generation_config.pad_token_id = 0
+    model = _seeded(AutoModelForImageTextToText.from_config, cfg, seed)
     model.generation_config.eos_token_id = 1
     return model
 

@@ -32,7 +32,7 @@ import torch
 import uvloop
 
 from relayrl.api.config import RolloutConfig
-from relayrl.api.engine import DataItem, InferenceEngine, TensorDict, Workflow
+from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
 from relayrl.api.workflow import (
     RolloutWorkflow,
     SampleStatus,
@@ -56,7 +56,7 @@ _Outcome = tuple[SampleStatus, Trajectory | None, str]
 class _Prompt:
     index: int  # position counter of the data row (the batch's ``prompt_index``)
     data: DataItem
-    workflow: Workflow | None
+    workflow: RolloutWorkflow | None
     sync: bool = False  # rollout_batch prompts bypass the staleness window
 
 
@@ -88,7 +88,6 @@ class WorkflowExecutor:
         self.config = config
         self.engine = engine
         self.accept_group = accept_group
-        engine.executor = self
         self.status = StatusCounter()
         self._lock = threading.Condition()
         self._queue: deque[_Prompt] = deque()  # stream prompts waiting for capacity
@@ -371,7 +370,7 @@ class WorkflowExecutor:
         self._tail = []
 
     # ------------------------------------------------------------------ consumer side
-    def _enqueue(self, data: DataItem, workflow: Workflow, sync: bool = False) -> int:
+    def _enqueue(self, data: DataItem, workflow: RolloutWorkflow, sync: bool = False) -> int:
         if not isinstance(data, dict):
             raise TypeError(f"a data row must be a dict (id, messages, answer, ...), got {type(data).__name__}")
         if not isinstance(workflow, RolloutWorkflow):
@@ -385,7 +384,7 @@ class WorkflowExecutor:
         self._wake()
         return p.index
 
-    def submit(self, data: DataItem, workflow: Workflow) -> None:
+    def submit(self, data: DataItem, workflow: RolloutWorkflow) -> None:
         """Queue one prompt (``group_size`` episodes) on the stream taken by ``wait``."""
         self._enqueue(data, workflow)
 
@@ -453,7 +452,7 @@ class WorkflowExecutor:
             finally:
                 self._waiting = 0
 
-    def rollout_batch(self, data: list[DataItem], workflow: Workflow) -> TensorDict:
+    def rollout_batch(self, data: list[DataItem], workflow: RolloutWorkflow) -> TensorDict:
         """Run these prompts now (synchronously) and return their accepted groups."""
         if not data:
             raise ValueError("rollout_batch needs at least one data row")
@@ -470,7 +469,7 @@ class WorkflowExecutor:
                 )
             return self._take(groups)
 
-    def prepare_batch(self, dataloader: Iterable[list[DataItem]], workflow: Workflow) -> TensorDict:
+    def prepare_batch(self, dataloader: Iterable[list[DataItem]], workflow: RolloutWorkflow) -> TensorDict:
         """The next batch of ``batch_size`` groups, producing ahead while the trainer trains.
 
         ``dataloader`` yields lists of rows (an iterator is used as is, an iterable is
@@ -526,7 +525,7 @@ class WorkflowExecutor:
                 f"(relayrl sft), or turn off rollout.dynamic_filter. Episodes: {self.status.as_dict()}"
             )
 
-    def _pull(self, workflow: Workflow) -> None:
+    def _pull(self, workflow: RolloutWorkflow) -> None:
         assert self._src_iter is not None
         try:
             rows = next(self._src_iter)
@@ -542,11 +541,11 @@ class WorkflowExecutor:
                 )
             self._enqueue(row, workflow)
 
-    def _fill(self, workflow: Workflow) -> None:
+    def _fill(self, workflow: RolloutWorkflow) -> None:
         while not self._src_done and len(self._queue) < self.max_concurrent_rollouts:
             self._pull(workflow)
 
-    def _adopt_restored(self, workflow: Workflow) -> None:
+    def _adopt_restored(self, workflow: RolloutWorkflow) -> None:
         with self._lock:
             for p in reversed(self._restored):
                 p.workflow = workflow

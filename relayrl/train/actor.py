@@ -8,8 +8,8 @@ policy loss are looked up by name in ``relayrl.train.algorithms``. The trainer s
     critic.update(batch)             # PPO with a critic only
 
 Only ``engine.forward`` / ``engine.train_batch`` / ``engine.get_version`` are used, so the same
-code runs on one process or under FSDP2. ``ReinforceActor`` shows the two-class pattern for an
-algorithm of your own: a backend-agnostic actor plus whatever engine runs it.
+code runs on one process or under FSDP2. ``recipes/remax_reinforce.py`` shows the two-class pattern
+for an algorithm of your own: a backend-agnostic actor plus whatever engine runs it.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.rollout.staleness import token_staleness
 from relayrl.train import algorithms
 from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
-from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.lmhead import token_stats_loss
 from relayrl.train.mismatch import correction_weights, mismatch_metrics
-from relayrl.train.packing import segment_ids, token_entropy, token_logprobs, unpack
+from relayrl.train.packing import token_entropy, token_logprobs, unpack
 from relayrl.train.teacher_server import server_teacher_targets
 from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats as tracker
@@ -103,9 +102,9 @@ class _GapSink:
         """(logprobs, entropies), every rank's share summed (a dummy micro-batch repeats a row: averaged away)."""
         total, count = self.sum, self.count
         if dist_utils.is_distributed():
-            both = dist_utils.all_reduce_tensor_(torch.cat([total, count[None]]))
+            both = dist_utils.all_reduce(torch.cat([total, count[None]]))
             total, count = both[:2], both[2]
-            flips = dist_utils.all_reduce_tensor_(torch.tensor(self.flips, dtype=torch.float64)).tolist()
+            flips = dist_utils.all_reduce(torch.tensor(self.flips, dtype=torch.float64)).tolist()
             self.flips = (flips[0], flips[1])
         out = (total / count.clamp(min=1.0)).float()
         return out[0], out[1]
@@ -554,41 +553,3 @@ class Critic:
                 step = self.engine.train_batch(mb, loss_fn, weight)
                 out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **step}.items()}})
         return out
-
-
-# --------------------------------------------------------------------------------------
-# A user-written algorithm: REINFORCE in the two-class pattern
-# --------------------------------------------------------------------------------------
-
-
-def reinforce_loss_fn(logits: torch.Tensor, data: TensorDict) -> torch.Tensor:
-    """``-log pi(token) * reward`` averaged over generated tokens of a packed micro-batch."""
-    logprobs = token_logprobs(logits, data)
-    loss_mask = data["loss_mask"].bool()
-    rewards = data["rewards"].to(logprobs.dtype)[segment_ids(data)]  # sequence reward on each token
-    loss = torch.where(loss_mask, -logprobs * rewards, 0.0)
-    return loss.sum() / loss_mask.count_nonzero().clamp(min=1)
-
-
-class ReinforceActor:
-    """The algorithm: works with any ``TrainEngine`` (single process, FSDP2, ...)."""
-
-    def __init__(self, engine: TrainEngine):
-        self.engine = engine
-
-    def train_reinforce(self, data: TensorDict) -> dict[str, float]:
-        self.engine.train()
-        return self.engine.train_batch(
-            data, loss_fn=reinforce_loss_fn, loss_weight_fn=lambda x: float(x["loss_mask"].count_nonzero())
-        )
-
-
-class TorchReinforceActor(TorchTrainEngine):
-    """The backend binding: a TorchTrainEngine that also speaks ``train_reinforce``."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.actor = ReinforceActor(self)
-
-    def train_reinforce(self, data: TensorDict) -> dict[str, float]:
-        return self.actor.train_reinforce(data)

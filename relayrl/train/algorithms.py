@@ -492,7 +492,7 @@ def reinforce_loss(
     loss_norm_len: float = 0.0,
     **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """REINFORCE: ``-logp * advantage`` (``ReinforceActor``'s loss, with rewards as the advantage)."""
+    """REINFORCE: ``-logp * advantage`` (recipes/remax_reinforce.py's loss, with rewards as the advantage)."""
     log_ratio = logp.detach() - old_logp
     return agg_loss(-logp * advantages, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len), _ratio_stats(
         log_ratio.exp(), log_ratio, loss_mask

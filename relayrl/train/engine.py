@@ -356,7 +356,7 @@ class TorchTrainEngine(TrainEngine):
                 out += unpack(values.float().cpu(), {k: v.cpu() for k, v in packed.items()}, bsz, seqlen)
         if out is None:
             out = torch.zeros(bsz, seqlen, dtype=torch.float32)
-        return dist_utils.all_reduce_tensor_(out.to(self.device)).cpu() if dist_utils.is_distributed() else out
+        return dist_utils.all_reduce(out)  # every rank computed its share of the rows
 
     @torch.no_grad()
     def score(self, batch: TensorDict) -> torch.Tensor:
@@ -424,7 +424,7 @@ class TorchTrainEngine(TrainEngine):
         if dist_utils.is_distributed() and not fsdp:
             for p in params:
                 if p.grad is not None:
-                    dist_utils.all_reduce_tensor_(p.grad)
+                    dist_utils.all_reduce_(p.grad)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip

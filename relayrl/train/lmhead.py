@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 from torch.utils.checkpoint import checkpoint
 
 from relayrl.api.engine import TensorDict
@@ -54,11 +54,11 @@ def _head_chunk(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # the same operations as the generic path (lm_head, .float(), / T, gather - logsumexp, log_softmax)
-    lg = F.linear(h, weight, bias).float()
+    lg = functional.linear(h, weight, bias).float()
     if temperature != 1.0:
         lg = lg / temperature
     logp = lg.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1)
-    lsm = F.log_softmax(lg, -1)
+    lsm = functional.log_softmax(lg, -1)
     return logp, -(lsm.exp() * lsm).sum(-1)
 
 

@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 from relayrl.api.engine import TensorDict
 from relayrl.api.workflow import VISION_KEYS
@@ -229,7 +229,7 @@ def token_entropy(
         lg = logits[s : min(s + chunk, n)].float()
         if temperature != 1.0:
             lg = lg / temperature
-        logp = F.log_softmax(lg, -1)
+        logp = functional.log_softmax(lg, -1)
         parts.append(-(logp.exp() * logp).sum(-1))
     pred = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
     return _shifted(pred, packed)
@@ -269,7 +269,7 @@ def varlen_attention_forward(
     gqa = query.shape[1] != key.shape[1]
     drop = dropout if module.training else 0.0
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):  # e.g. a vision tower: one image, no mask
-        out = F.scaled_dot_product_attention(query, key, value, dropout_p=drop, scale=scaling, enable_gqa=gqa)
+        out = functional.scaled_dot_product_attention(query, key, value, dropout_p=drop, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
 
@@ -338,7 +338,9 @@ def _causal_attention(
     window, ``k_pos[j] > q_pos[i] - window``); ``q_pos``/``k_pos`` (``[W]``, ``[W']``) default to
     ``0..W-1`` for both (square). A shared-prefix segment passes its prefix's keys before its own."""
     if q_pos is None and not window and not softcap:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop, scale=scale, enable_gqa=gqa)
+        return functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=drop, scale=scale, enable_gqa=gqa
+        )
     if q_pos is None or k_pos is None:
         q_pos = k_pos = torch.arange(q.shape[2], device=q.device)
     rows, cols = q_pos[:, None], k_pos[None, :]
@@ -346,13 +348,15 @@ def _causal_attention(
     if window:
         allowed = allowed & (cols > rows - int(window))
     if not softcap:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=drop, scale=scale, enable_gqa=gqa)
+        return functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=drop, scale=scale, enable_gqa=gqa
+        )
     if gqa:
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
-    return torch.matmul(F.dropout(probs, p=drop), v)
+    return torch.matmul(functional.dropout(probs, p=drop), v)
 
 
 def register_varlen_attention() -> str:

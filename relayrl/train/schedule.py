@@ -13,6 +13,10 @@ def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
     Warmup: ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first step
     already trains, the last warmup step is at the peak). Then ``constant`` = 1; ``linear`` /
     ``cosine`` decay from the peak to ``min_lr_ratio``, reached at step ``total_steps - 1``.
+
+    Not ``transformers.get_scheduler``: its warmup starts at LR 0 (the first optimizer step would not
+    train), its linear decay has no floor and it ends one step later; these 15 lines keep the schedule
+    that checkpoints and tests already hold.
     """
     if step < opt.warmup_steps:
         return (step + 1) / opt.warmup_steps

@@ -36,17 +36,22 @@ T = TypeVar("T")
 _OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
 
 
-def is_dist() -> bool:
-    """True when a default process group is initialised."""
+def _joined() -> bool:
+    """Whether a default process group exists (``rank`` / ``world_size`` ask it only then)."""
     return dist.is_available() and dist.is_initialized()
 
 
 def rank(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_rank(group) if is_dist() else 0
+    return dist.get_rank(group) if _joined() else 0
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_world_size(group) if is_dist() else 1
+    return dist.get_world_size(group) if _joined() else 1
+
+
+def is_distributed() -> bool:
+    """More than one rank: a group of one behaves like no group, and every helper here is then the identity."""
+    return world_size() > 1
 
 
 def is_main() -> bool:
@@ -78,7 +83,7 @@ def _deadline(what: str) -> Iterator[None]:
 
 def barrier(group: dist.ProcessGroup | None = None, what: str = "a barrier") -> None:
     """Wait for every rank; ``Stalled`` (one line) when one does not come within the group's timeout."""
-    if not is_dist():
+    if not _joined():
         return
     with _deadline(what):
         dist.barrier(group)
@@ -100,7 +105,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum", group: dist.Proce
     """
     if op not in _OPS:
         raise ValueError(f"all_reduce op must be one of {list(_OPS)}, got {op!r}")
-    if not is_dist() or world_size(group) == 1:
+    if world_size(group) == 1:
         return tensor.clone()
     buf = tensor.detach().to(_comm_device(group), copy=True)
     with _deadline(f"an all-reduce ({op})"):
@@ -110,7 +115,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum", group: dist.Proce
 
 def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
     """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` without a process group."""
-    if not is_dist() or world_size(group) == 1:
+    if world_size(group) == 1:
         return [obj]
     out: list[object] = [None] * world_size(group)
     with _deadline("an all-gather"):
@@ -121,7 +126,7 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> li
 def broadcast_object(obj: T, src: int = 0) -> T:
     """``obj`` of rank ``src`` on every rank (picklable; tensors travel inside the pickle);
     ``obj`` itself without a process group."""
-    if not is_dist() or world_size() == 1:
+    if world_size() == 1:
         return obj
     box: list[object] = [obj]
     with _deadline(f"a broadcast (from rank {src})"):
@@ -144,26 +149,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_from_env(backend: str = "gloo") -> bool:
-    """Join the process group described by torchrun's env vars (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``); returns False (and does nothing) when they are unset."""
-    if is_dist():
-        return True
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return False
-    dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    return True
-
-
 # ------------------------------------------------------------------ process group, FSDP2, full state dicts
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def is_distributed() -> bool:
-    """More than one rank (a group of one behaves like no group); ``is_dist`` is only whether a group
-    exists, which ``rank`` / ``world_size`` and the stats export need to ask a group of one."""
-    return world_size() > 1
 
 
 def maybe_init_process_group(timeout_s: float = 1800.0) -> None:
@@ -189,8 +177,8 @@ def all_reduce_sum(value: float) -> float:
     return float(all_reduce(torch.tensor([float(value)], dtype=torch.float64)).item())
 
 
-def all_reduce_tensor_(t: torch.Tensor) -> torch.Tensor:
-    """In-place sum over ranks (identity on one process)."""
+def all_reduce_(t: torch.Tensor) -> torch.Tensor:
+    """In-place sum over ranks, ``t`` already on the backend's device (gradients); identity on one process."""
     if is_distributed():
         with _deadline("an all-reduce (sum)"):
             dist.all_reduce(t)

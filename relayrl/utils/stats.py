@@ -78,6 +78,14 @@ def _as_reduces(reduce: ReduceType | Sequence[ReduceType], key: str) -> tuple[Re
     return reduces
 
 
+def _number(kind: str, key: str, value: object) -> float:
+    """``value`` (a float, an int or a one-element tensor) as a float; a TypeError naming ``key`` otherwise."""
+    try:
+        return float(typing.cast(float, value))
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{kind} {key!r} must be a number, got {value!r}") from None
+
+
 def _as_mask(value: object, key: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"denominator {key!r} must be a boolean torch.Tensor, got {type(value).__name__}")
@@ -182,10 +190,7 @@ class StatsTracker:
         with self._lock:
             for key, value in values.items():
                 full = self.full_key(key)
-                try:
-                    v = float(value)
-                except (TypeError, ValueError, RuntimeError):
-                    raise TypeError(f"scalar {full!r} must be a number, got {value!r}") from None
+                v = _number("scalar", full, value)
                 self._acc(full, "scalar", _as_reduces(reduce, full)).add(v, 1.0, v, v)
 
     def gauge(self, **values: float) -> None:
@@ -193,10 +198,7 @@ class StatsTracker:
         with self._lock:
             for key, value in values.items():
                 full = self.full_key(key)
-                try:
-                    v = float(value)
-                except (TypeError, ValueError, RuntimeError):
-                    raise TypeError(f"gauge {full!r} must be a number, got {value!r}") from None
+                v = _number("gauge", full, value)
                 acc = self._acc(full, "gauge", ("max",))
                 if acc.count:
                     raise ValueError(
@@ -236,7 +238,7 @@ class StatsTracker:
             if reset:
                 self._accs = {}
                 self._masks = {}
-        distributed = not local and dist_utils.is_dist() and dist_utils.world_size(group) > 1
+        distributed = not local and dist_utils.world_size(group) > 1
         if distributed:
             accs = _reduce_across_ranks(accs, group)
         out: dict[str, float] = {}

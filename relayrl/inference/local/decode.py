@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
@@ -79,13 +79,15 @@ def with_room(x: torch.Tensor, extra: int) -> torch.Tensor:
 def cat_left_padded(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
     """Stack two left-padded batches (mask [B, L] or KV [B, H, L, D]) by rows at ``width`` columns."""
     if a.dim() == 2:
-        return torch.cat([F.pad(a, (width - a.shape[1], 0)), F.pad(b, (width - b.shape[1], 0))])
-    return torch.cat([F.pad(a, (0, 0, width - a.shape[2], 0)), F.pad(b, (0, 0, width - b.shape[2], 0))])
+        return torch.cat([functional.pad(a, (width - a.shape[1], 0)), functional.pad(b, (width - b.shape[1], 0))])
+    return torch.cat(
+        [functional.pad(a, (0, 0, width - a.shape[2], 0)), functional.pad(b, (0, 0, width - b.shape[2], 0))]
+    )
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
-        return F.rms_norm(x, w.shape, w, eps)  # one fused op
+        return functional.rms_norm(x, w.shape, w, eps)  # one fused op
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -151,7 +153,7 @@ class FastDecoder:
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache[i].update(k, v)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=amask, scale=self.scaling)
+            return functional.scaled_dot_product_attention(q, keys, values, attn_mask=amask, scale=self.scaling)
 
         return self.forward(tokens, pos, attend)
 
@@ -163,7 +165,7 @@ class FastDecoder:
         cos, sin = m.rotary_emb(x[:, None], pos[:, None])  # [B, 1, D]
         nq, nkv = self.n_q * d, self.n_kv * d
         for i, (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_d, b_d, w_qn, w_kn) in enumerate(self.layers):
-            qkv = F.linear(_rms(x, w_in, self.eps), w_qkv, b_qkv)
+            qkv = functional.linear(_rms(x, w_in, self.eps), w_qkv, b_qkv)
             heads = qkv[:, : nq + nkv].view(b, self.n_q + self.n_kv, d)
             if w_qn is not None and w_kn is not None:  # Qwen3: RMSNorm over each head's q and k before the rotation
                 heads = torch.cat(
@@ -173,9 +175,9 @@ class FastDecoder:
             # the query heads of one kv group attend together: [B, Hkv, G, D] against [B, Hkv, L, D]
             q = qk[:, : self.n_q].reshape(b, self.n_kv, -1, d)
             o = attend(i, q, qk[:, self.n_q :, None], qkv[:, nq + nkv :].view(b, self.n_kv, 1, d))
-            x = x + F.linear(o.reshape(b, -1), w_o, b_o)
-            gate, up = F.linear(_rms(x, w_post, self.eps), w_gu, b_gu).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w_d, b_d)
+            x = x + functional.linear(o.reshape(b, -1), w_o, b_o)
+            gate, up = functional.linear(_rms(x, w_post, self.eps), w_gu, b_gu).chunk(2, dim=-1)
+            x = x + functional.linear(functional.silu(gate) * up, w_d, b_d)
         return self.model.lm_head(_rms(x, m.norm.weight, self.eps))
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.api.config import InferenceConfig, ModelConfig
 from relayrl.api.engine import InferenceEngine
@@ -99,7 +99,7 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         self.device = torch.device("cpu")
         self.kv_capacity, self.kv_capacity_by = config.max_tokens_in_flight, "inference.max_tokens_in_flight"
         self._version = 0
-        self._waiting: queue.Queue[Seq] = queue.Queue()
+        self._waiting = queue.Queue()
         self._control: queue.Queue[tuple[Callable[[], None], threading.Event, list[BaseException]]] = queue.Queue()
         self._wake = threading.Condition()
         self._paused = False
@@ -109,23 +109,23 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         self._keys = itertools.count()
         self._key_lock = threading.Lock()
         # running batch state (touched only by the loop thread)
-        self._rows: list[Seq] = []
-        self._preempted: deque[Seq] = deque()  # set aside when the KV cache was full; admitted first
-        self._alive: list[bool] = []  # finished rows stay (unused) until the batch is compacted
-        self._params: RowParams | None = None
-        self._cache: DynamicCache | None = None
+        self._rows = []
+        self._preempted = deque()  # set aside when the KV cache was full; admitted first
+        self._alive = []  # finished rows stay (unused) until the batch is compacted
+        self._params = None
+        self._cache = None
         self._mask = torch.zeros(0, 0, dtype=torch.long)
         self._pos = torch.zeros(0, dtype=torch.long)
         self._logits = torch.zeros(0, 0)
         self._mask_bool = torch.zeros(0, 0, dtype=torch.bool)
-        self._fast: FastDecoder | None = None
+        self._fast = None
         self.static_steps = static_steps
-        self._router: RoutingRecorder | None = None  # MoE models: records the experts of every token run
+        self._router = None  # MoE models: records the experts of every token run
         self._router_shape = (0, 0)
         self.routing_shape: tuple[int, int] | None = None  # (n_moe_layers, top_k) of an MoE model
-        self._route: torch.Tensor | None = None  # experts of each row's newest token (from the last decode)
+        self._route = None  # experts of each row's newest token (from the last decode)
         self.kernels = kernels
-        self._static: StaticDecoder | None = None
+        self._static = None
         self._static_stale = True  # the batch changed since the static buffers were loaded
 
     # ------------------------------------------------------------------ lifecycle

@@ -29,7 +29,7 @@ import typing
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 from relayrl.inference.local.decode import FastDecoder, SlabLayer
 from relayrl.utils.failsafe import check, fall_back, reason
@@ -277,7 +277,9 @@ class StaticDecoder:
             ks[i].index_copy_(2, col, k)
             vs[i].index_copy_(2, col, v)
             if not flash:
-                return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=amask, scale=self.fast.scaling)
+                return functional.scaled_dot_product_attention(
+                    q, ks[i], vs[i], attn_mask=amask, scale=self.fast.scaling
+                )
             hkv, g, d = q.shape[1], q.shape[2], q.shape[3]
             o = flash_attn_with_kvcache(
                 q.reshape(b, 1, hkv * g, d),  # head h uses kv head h // g, flash-attn's GQA order

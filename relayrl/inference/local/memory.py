@@ -8,16 +8,12 @@ rest of the run (one warning), and the first resume checks the weights came back
 
 from __future__ import annotations
 
-import threading
 import typing
-from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
-from relayrl.inference.local.decode import FastDecoder
-from relayrl.inference.local.graphs import StaticDecoder
+from relayrl.inference.local.state import EngineState
 from relayrl.utils import failsafe
 
 OFFLOAD = "moving weights off the device (release_memory(weights=True))"
@@ -33,21 +29,12 @@ def weights_fingerprint(model: nn.Module) -> torch.Tensor:
     return torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
 
 
-class MemoryRelease:
+class MemoryRelease(EngineState):
     """``release_memory`` / ``resume_memory`` (mixed into ``LocalEngine``)."""
 
-    model: PreTrainedModel | None
-    device: torch.device
-    _released: bool
-    _static: StaticDecoder | None
-    _fast: FastDecoder | None
-    _wake: threading.Condition
     _fingerprint: torch.Tensor | None = None  # the weights' sums before their first move off the device
     _weights_checked = False
     _offloaded = False
-
-    _call_in_loop: Callable[[Callable[[], None]], None]  # LocalEngine's: run on the loop thread, wait
-    _preempt_all: Callable[[], None]  # LocalEngine's: set the running rows aside
 
     def release_memory(self, weights: bool = False) -> None:
         """Free the KV cache (and with ``weights=True`` move the weights to host memory) so a

@@ -5,31 +5,19 @@ SGLang's single-request abort (``abort_rid``)."""
 from __future__ import annotations
 
 import asyncio
-import queue
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import torch
 
-from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
+from relayrl.api.io import GenerationConfig, ModelRequest, StreamChunk
 from relayrl.inference.local.sampling import top_logprobs
 from relayrl.inference.local.seq import Seq
+from relayrl.inference.local.state import EngineState
 
 
-class RequestControl:
-    """Needs from ``LocalEngine``: ``_generate``, ``_call_in_loop``, the batch state, ``model``, ``device``."""
-
-    # what LocalEngine provides (declared for the type checker)
-    model: Any
-    device: torch.device
-    counters: Any
-    _rows: list[Seq]
-    _alive: list[bool]
-    _preempted: deque[Seq]
-    _waiting: queue.Queue[Seq]
-    _generate: Callable[..., Awaitable[ModelResponse]]
-    _call_in_loop: Callable[[Callable[[], None]], None]
+class RequestControl(EngineState):
+    """Streaming, top logprobs and single-request aborts over ``LocalEngine``'s state."""
 
     async def astream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
         """Token by token (one chunk per generated token), then the response."""

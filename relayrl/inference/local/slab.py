@@ -1,51 +1,25 @@
 """The running batch of LocalEngine: its left-padded KV slab, prefill, merge, trim, decode step.
 
-A mixin over ``LocalEngine``'s batch state (``_rows``, ``_alive``, ``_cache``, ``_mask``, ``_pos``,
-``_logits``), kept apart from the request lifecycle and control in ``engine.py``. Row ``i``
-holds its tokens at the right end of the cache; ``_mask`` marks real columns and
-``_pos`` is each row's next position.
+A mixin over ``LocalEngine``'s batch state (``state.EngineState``: ``_rows``, ``_alive``, ``_cache``,
+``_mask``, ``_pos``, ``_logits``), kept apart from the request lifecycle and control in ``engine.py``.
+Row ``i`` holds its tokens at the right end of the cache; ``_mask`` marks real columns and ``_pos`` is
+each row's next position.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from torch.nn import functional
+from transformers import DynamicCache
 
-from relayrl.api.config import InferenceConfig
-from relayrl.inference.local.decode import FastDecoder, SlabLayer, cat_left_padded, slab_layers
-from relayrl.inference.local.graphs import StaticDecoder
-from relayrl.inference.local.sampling import RowParams
+from relayrl.inference.local.decode import SlabLayer, cat_left_padded, slab_layers
 from relayrl.inference.local.seq import Prefilled, Seq
+from relayrl.inference.local.state import EngineState
 from relayrl.inference.local.vision import vision_prefill
-from relayrl.utils.moe import RoutingRecorder
 
 
-class SlabBatch:
+class SlabBatch(EngineState):
     """Prefill, merge, trim and decode the running batch (mixed into ``LocalEngine``)."""
-
-    config: InferenceConfig
-    model: PreTrainedModel | None
-    device: torch.device
-    kv_capacity: int
-    kv_capacity_by: str
-    counters: dict[str, int]
-    _rows: list[Seq]
-    _alive: list[bool]
-    _params: RowParams | None
-    _cache: DynamicCache | None
-    _mask: torch.Tensor
-    _mask_bool: torch.Tensor
-    _pos: torch.Tensor
-    _logits: torch.Tensor
-    _fast: FastDecoder | None
-    _static: StaticDecoder | None
-    _static_stale: bool
-    _mask_dict: bool
-    _router: RoutingRecorder | None
-    _router_shape: tuple[int, int]
-    _route: torch.Tensor | None
-    _keep_arg: dict[str, int]
 
     def _reset_batch(self) -> None:
         self._rows, self._alive, self._cache, self._params = [], [], None, None
@@ -177,8 +151,8 @@ class SlabBatch:
         if self._static is not None and (self._static_stale or not self._static.has_room(len(self._rows))):
             self._cache.layers = self._static.load(slab_layers(self._cache), self._mask_bool, self._pos)  # type: ignore[assignment]
             self._static_stale = False
-        self._mask = F.pad(self._mask, (0, 1), value=1)
-        self._mask_bool = F.pad(self._mask_bool, (0, 1), value=True)
+        self._mask = functional.pad(self._mask, (0, 1), value=1)
+        self._mask_bool = functional.pad(self._mask_bool, (0, 1), value=True)
         self.counters["kv_peak"] = max(self.counters["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
         assert self._cache is not None
         if self._static is not None:

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
-from relayrl.inference.remote.peers import Backend
+from relayrl.inference.remote.peers import Peer
 from relayrl.inference.remote.protocol import Call, ProtocolError
 
 Send = Callable[[str, Call], Awaitable[object]]
@@ -37,9 +37,7 @@ _Item = tuple[Call, "asyncio.Future[object]"]
 class MicroBatcher:
     """Collects generate calls per server URL and sends them as batched calls."""
 
-    def __init__(
-        self, backend: Backend, send: Send, stream: Stream, window_s: float, max_items: int, abort: Send
-    ) -> None:
+    def __init__(self, backend: Peer, send: Send, stream: Stream, window_s: float, max_items: int, abort: Send) -> None:
         self.backend, self.send, self.stream, self.abort = backend, send, stream, abort
         self.window_s, self.max_items = window_s, max_items
         self._pending: dict[str, list[_Item]] = {}

@@ -24,7 +24,7 @@ class RelayrlBackend(SGLangBackend):
     """relayrl's server: SGLang's protocol, per-token versions, and an HTTP weight upload."""
 
     name = "relayrl"
-    speaks = ("relayrl", "sglang", "vllm")  # `relayrl serve` answers every protocol
+    speaks: tuple[str, ...] = ("relayrl", "sglang", "vllm")  # `relayrl serve` answers every protocol
     loads_adapters = False  # relayrl servers take merged weights
     supports_upload = True
     streams_items = True  # batched replies come item by item as they finish (NDJSON)

@@ -473,21 +473,14 @@ class SGLangBroadcast(BroadcastSync):
         self.group: WeightBroadcastGroup | None = None
         self.members: list[tuple[str, int]] = []
         self.collective = broadcast_backend(backend.name)
-        self.proven = False  # a broadcast over ``collective`` succeeded
 
-    def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
-        """``_broadcast``; at the first use of NCCL, a failure switches the group to gloo and retries."""
-        try:
-            self._broadcast(tensors, version, servers)
-        except ConnectionError:
-            raise
-        except Exception as e:
-            if self.proven or self.collective != "nccl":
-                raise
-            fall_back(NCCL_GROUP, reason(e), "gloo")
-            self.collective, self.group = "gloo", None
-            self._broadcast(tensors, version, servers)
-        self.proven = True
+    def nccl_failed(
+        self, error: Exception, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]
+    ) -> None:
+        """The group is built again over gloo and stays gloo."""
+        fall_back(NCCL_GROUP, reason(error), "gloo")
+        self.collective, self.group = "gloo", None
+        self._broadcast(tensors, version, servers)
 
     def _join(self, servers: list[Server], ex: ThreadPoolExecutor, errors: list[BaseException]) -> WeightBroadcastGroup:
         admin, sglang = self.fleet.admin, self.backend

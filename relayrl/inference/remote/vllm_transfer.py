@@ -311,7 +311,6 @@ class VLLMBroadcast(BroadcastSync):
         self.group: VLLMTransferGroup | None = None
         self.members: list[tuple[str, int]] = []
         self.collective = transfer_backend()
-        self.proven = False  # an update over ``collective`` succeeded
         self.disk: VLLMDisk | None = None  # the fallback, once NCCL failed at first use
         self.written: tuple[int, str] | None = None  # the fallback's last directory: (version, path)
 
@@ -322,21 +321,15 @@ class VLLMBroadcast(BroadcastSync):
             require_routes(srv.info, srv.url, "broadcast")
 
     def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
-        """``_broadcast``; at the first use of NCCL, a failure switches to disk reloads."""
+        """Disk reloads once NCCL failed at first use; else the transfer group."""
         if self.disk is not None:
             return self._reload(tensors, version, servers)
-        try:
-            self._broadcast(tensors, version, servers)
-        except ConnectionError:
-            raise
-        except Exception as e:
-            if self.proven or self.collective != "nccl":
-                raise
-            self._fall_back(e, servers)
-            self._reload(tensors, version, servers)
-        self.proven = True
+        super().broadcast(tensors, version, servers)
 
-    def _fall_back(self, error: Exception, servers: list[Server]) -> None:
+    def nccl_failed(
+        self, error: Exception, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]
+    ) -> None:
+        """Disk reloads from ``inference.weight_sync_dir`` from now on (none set: the error says to set it)."""
         why, where = reason(error), self.fleet.config.weight_sync_dir
         if not where:
             raise RuntimeError(
@@ -352,6 +345,7 @@ class VLLMBroadcast(BroadcastSync):
             raise RuntimeError(f"{NCCL_TRANSFER} failed at first use ({why}); reloading from disk instead: {e}") from e
         fall_back(NCCL_TRANSFER, why, f"disk reloads from inference.weight_sync_dir ({where}) through /collective_rpc")
         self.disk, self.group = disk, None
+        self._reload(tensors, version, servers)
 
     def _reload(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
         assert self.disk is not None

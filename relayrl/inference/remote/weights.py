@@ -176,11 +176,35 @@ class BroadcastSync(WeightSync):
     """weight_sync=broadcast: the update's tensors, where they are and in name order (both sides'
     order), to every live server through a collective group the peer builds (``broadcast``). A server
     that dies mid-way leaves: the others get the update through a new group; one coming back is let in
-    by rebuilding the group with it."""
+    by rebuilding the group with it.
+
+    NCCL fails safe (``relayrl.utils.failsafe``): a failure at its first use for another reason than a
+    dead server hands the update to the peer's ``nccl_failed``, which sends it another way from then on."""
+
+    collective = "gloo"  # the group's backend: "nccl" or "gloo" (set by the peer's sync)
+    proven = False  # a broadcast over ``collective`` succeeded: a later failure is raised, not fallen back from
+
+    def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+        """``_broadcast``, or at the first use of NCCL, when it fails, ``nccl_failed``."""
+        try:
+            self._broadcast(tensors, version, servers)
+        except ConnectionError:
+            raise
+        except Exception as e:
+            if self.proven or self.collective != "nccl":
+                raise
+            self.nccl_failed(e, tensors, version, servers)
+        self.proven = True
 
     @abstractmethod
-    def broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
+    def _broadcast(self, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]) -> None:
         """``tensors`` to ``servers`` (the group rebuilt if its members changed), each confirmed at ``version``."""
+
+    @abstractmethod
+    def nccl_failed(
+        self, error: Exception, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]
+    ) -> None:
+        """NCCL failed at its first use with ``error``: switch to the peer's other way and send this update by it."""
 
     def prepare(self, update: WeightUpdate) -> object:
         assert update.tensors is not None
