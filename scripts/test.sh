@@ -43,9 +43,8 @@ python -m pytest -q -n "${RELAYRL_TEST_WORKERS:-2}" --dist loadfile --durations=
 phase "main suite done"
 if wait "$peers"; then
   tail -n 3 "$peers_log"
-  # one worker: with two (SGLang's, vLLM's and the SmolLM2 modules side by side, 356 s instead of ~420 s) three
-  # tests that race generation against an update or a cancel failed once (2026-11-28); they pass on one
-  python -m pytest -q --durations=8 -m "$peer_markers" || status=$?
+  # two workers (SGLang's, vLLM's and the SmolLM2 modules side by side: ~356 s instead of ~420 s on one)
+  python -m pytest -q -n 2 --dist loadfile --durations=8 -m "$peer_markers" || status=$?
   phase "real-peer suite done"
 else
   cat "$peers_log"
