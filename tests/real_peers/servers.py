@@ -21,6 +21,7 @@ import torch
 
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
 from relayrl.inference.remote import RemoteEngine
+from relayrl.utils.deadline import Stalled
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5  # fp32 server vs fp32 teacher-forced forward
@@ -203,6 +204,47 @@ def in_flight(eng: RemoteEngine, n: int, after_s: float = 0.1, sender: threading
         assert time.monotonic() < deadline, "the requests never reached the server"
         time.sleep(0.005)
     time.sleep(after_s)
+
+
+FREEZE = {"health_timeout": 5.0, "server_wait_timeout": 10.0}  # engine settings of the freeze check
+
+
+def check_freeze_mid_generation(server: RealServer, eng: RemoteEngine, n_tokens: int) -> float:
+    """The server's whole process group SIGSTOPped (it accepts connections and never answers) while two
+    long requests generate, on an engine built with ``FREEZE``: the health check evicts it, the requests
+    end with ``Stalled`` (one line naming the server and the setting) once ``server_wait_timeout`` has
+    passed with no server in service, never hung; SIGCONT: the server is re-admitted and generates
+    again. Returns the seconds from the freeze to the error."""
+    g = GenerationConfig(max_new_tokens=n_tokens, temperature=1.0, ignore_eos=True)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            run(eng, [(p, g) for p in prompts(2)], prefix="frozen")
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    in_flight(eng, 2)
+    server._signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        sender.join(timeout=180)
+        took = time.monotonic() - t0
+        assert not sender.is_alive(), "the requests on the frozen server hung"
+    finally:
+        server._signal(signal.SIGCONT)
+    assert len(errors) == 1 and isinstance(errors[0], Stalled), errors
+    msg = str(errors[0])
+    assert "\n" not in msg and server.url in msg and "inference.server_wait_timeout" in msg, msg
+    deadline = time.monotonic() + 120
+    while not eng.live_servers():  # thawed: the health check re-admits it
+        assert time.monotonic() < deadline, "the thawed server was never re-admitted"
+        time.sleep(0.2)
+    out = run(eng, [(prompts(1)[0], GenerationConfig(max_new_tokens=4, temperature=1.0, ignore_eos=True))], "thawed")
+    assert len(out[0].output_tokens) == 4
+    return took
 
 
 def check_versions(results: list[ModelResponse], models: dict[int, torch.nn.Module], n: int) -> None:

@@ -15,8 +15,10 @@ from relayrl.api.io import GenerationConfig, WeightUpdate
 from relayrl.data.models import build_tiny_model
 from relayrl.inference.remote import RemoteEngine
 from tests.real_peers.servers import (
+    FREEZE,
     TOL,
     RealServer,
+    check_freeze_mid_generation,
     check_teacher_server,
     check_versions,
     free_port,
@@ -218,3 +220,16 @@ def test_the_trainer_distills_from_a_teacher_on_sglang_as_from_the_same_teacher_
     print(f"distilling from SGLang (top 5): actor/distill_kl per step {served}; from the local teacher {local}")
     assert len(served) == 2 and served[0] > 0.01
     assert served == pytest.approx(local, rel=1e-3)
+
+
+@pytest.mark.timeout(400)
+def test_a_server_frozen_mid_generation_stops_the_wait_with_one_line_then_comes_back(sglang, tmp_path):
+    """#40: SGLang SIGSTOPped (every process of it) with requests running
+    (servers.check_freeze_mid_generation)."""
+    eng = engine(sglang, **FREEZE)
+    try:
+        took = check_freeze_mid_generation(sglang, eng, 900)
+    finally:
+        eng.destroy()
+    print(f"sglang frozen mid-generation: Stalled {took:.1f}s after the freeze")
+    assert took < 120  # health_timeout 5 s + server_wait_timeout 10 s, far from the test's own timeout

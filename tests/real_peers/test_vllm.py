@@ -23,8 +23,10 @@ from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
 from relayrl.data.models import build_tiny_model
 from relayrl.inference.remote import RemoteEngine
 from tests.real_peers.servers import (
+    FREEZE,
     TOL,
     RealServer,
+    check_freeze_mid_generation,
     check_teacher_server,
     check_versions,
     free_port,
@@ -314,3 +316,16 @@ def test_a_distillation_teacher_on_vllm_gives_the_forward_top_k(vllm, served_mod
     finally:
         eng.destroy()
     check_teacher_server(vllm.url, "vllm", served_model)
+
+
+@pytest.mark.timeout(400)
+def test_a_server_frozen_mid_generation_stops_the_wait_with_one_line_then_comes_back(vllm, tmp_path):
+    """#40: vLLM SIGSTOPped (every process of it) with requests running
+    (servers.check_freeze_mid_generation)."""
+    eng = engine(vllm, tmp_path, **FREEZE)
+    try:
+        took = check_freeze_mid_generation(vllm, eng, N_LONG)
+    finally:
+        eng.destroy()
+    print(f"vllm frozen mid-generation: Stalled {took:.1f}s after the freeze")
+    assert took < 120  # health_timeout 5 s + server_wait_timeout 10 s, far from the test's own timeout
