@@ -382,3 +382,26 @@ def test_a_restarted_trainer_builds_its_group_on_servers_that_still_hold_one(sto
             ]
         finally:
             eng.destroy()
+
+
+def test_a_failed_vllm_broadcast_closes_the_weight_update_session_it_opened(stopper, tiny_model):
+    """A broadcast that fails on a server (here: a tensor of the wrong shape) closes the weight-update
+    session it opened there; before, every later /start_weight_update answered 'A weight update is
+    already active' and the server took no update again."""
+    p = started(stopper, "vllm", *PROCESSED, "--weight-transfer-config", '{"backend": "nccl"}', env=DEV)
+    import torch
+
+    eng = engine("vllm", [p.address], weight_sync="broadcast")
+    bad = dict(tiny_model.state_dict())
+    bad["lm_head.weight"] = torch.zeros(3, 3)
+    try:
+        with pytest.raises(RuntimeError, match="update_weights failed"):
+            eng.update_weights(WeightUpdate(kind="tensors", version=1, tensors=bad))
+        new = build_tiny_model("tiny", seed=4).eval()
+        eng.update_weights(WeightUpdate(kind="tensors", version=2, tensors=new.state_dict()))
+        qs = prompts(2)
+        assert [o.output_tokens for o in run_all(eng, qs, greedy(6))] == [
+            r.output_tokens for r in reference(new, qs, greedy(6))
+        ]
+    finally:
+        eng.destroy()

@@ -35,6 +35,7 @@ or on a server without ``/collective_rpc``, the error says what to set.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -208,6 +209,16 @@ def start_update() -> Call:
 
 def finish_update(version: int) -> Call:
     return Call("POST", "/finish_weight_update", {"weight_version": str(version)})
+
+
+def close_sessions(fleet: Fleet, servers: list[Server]) -> None:
+    """After a failed update: end the weight-update session it opened on each server still in service
+    (no version: whatever loaded is replaced by the next update, sent whole). Left open, every later
+    ``/start_weight_update`` there is refused ("already active") and the server takes no update again."""
+    for s in servers:
+        if s.alive:
+            with contextlib.suppress(httpx.HTTPError, RuntimeError):
+                fleet.admin(s, Call("POST", "/finish_weight_update", {}))
 
 
 def set_version(version: int) -> Call:
@@ -388,12 +399,18 @@ class VLLMBroadcast(BroadcastSync):
             current = group
 
             def send() -> None:
-                for s in sessions:
-                    admin(s, start_update())
-                replies = [ex.submit(admin, s, call) for s in servers]
-                settle(self.fleet, servers, replies, lambda: current.send(tensors, True, limit), errors)
-                if errors:
-                    raise errors[0]
+                opened: list[Server] = []
+                try:
+                    for s in sessions:
+                        admin(s, start_update())
+                        opened.append(s)
+                    replies = [ex.submit(admin, s, call) for s in servers]
+                    settle(self.fleet, servers, replies, lambda: current.send(tensors, True, limit), errors)
+                    if errors:
+                        raise errors[0]
+                except BaseException:
+                    close_sessions(self.fleet, opened)
+                    raise
                 for s in sessions:
                     admin(s, finish_update(version))
 
