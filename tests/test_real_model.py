@@ -216,6 +216,26 @@ def test_recipe_learns_as_its_header_states(real_cache: Path, tmp_path: Path):
 
 
 @pytest.mark.long
+def test_the_distillation_recipe_runs_on_the_real_model(real_cache: Path, tmp_path: Path):
+    """recipes/smollm2_distill.py cut to one teacher step and one student step (minutes; the figures are
+    in docs/distillation.md, tests/test_distill.py checks the loss and a tiny student's gain in CI)."""
+    spec = importlib.util.spec_from_file_location("smollm2_distill", ROOT / "recipes" / "smollm2_distill.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "recipes"))  # it imports smollm2_grpo beside it, as `python recipes/...` does
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "recipes"))
+    small = [f"model.path={real_cache / 'models' / NAME}", "total_steps=1", "rollout.batch_size=2"]
+    small += ["data.n_eval=4", "eval.n_samples=1", "logging.tensorboard=false", "logging.progress=off"]
+    module.main(small, root=tmp_path, teacher_steps=1, teacher_argv=small)
+    assert (tmp_path / "teacher" / "checkpoints" / "step_000001" / "actor" / "config.json").exists()
+    rows = [json.loads(line) for line in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
+    step = [r for r in rows if r.get("step") == 1 and "actor/distill_kl" in r]
+    assert step and step[0]["actor/distill_kl"] > 0 and step[0]["actor/loss"] == step[0]["actor/distill_kl"]
+
+
+@pytest.mark.long
 def test_the_openai_sdk_agent_recipe_runs_on_the_real_model(real_cache: Path, tmp_path: Path):
     """recipes/openai_agent.py model=<SmolLM2>: no SFT, the real tokenizer with the Hermes tool format; one
     step of GRPO over the agent's episodes, whose saved rows are generated ids ending on <|im_end|>
