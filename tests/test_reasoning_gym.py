@@ -54,12 +54,15 @@ def test_answer_formats() -> None:
     assert extract("no tags", "tags") is None
     assert extract(" 42 \nmore<eos>", "bare") == "42" and extract("<eos>", "bare") is None
     assert extract("work\n\n 7 \n<eos>junk\nx", "last_line") == "7"
+    assert extract("3 + 8 = 11, so 11.<|im_end|>4", "last_number") == "11"
+    assert extract("no number<|im_end|>", "last_number") is None
     with pytest.raises(ValueError, match="answer_format"):
         extract("x", "json")
     (row,), _ = make_task("reasoning_gym:basic_arithmetic", 1, 1, seed=0, system_prompt="")
     assert [m["role"] for m in row["messages"]] == ["user"]  # no system prompt
     assert score("basic_arithmetic", row, f"{row['answer']}\n", answer_format="bare") == 1.0
     assert score("basic_arithmetic", row, f"steps\n{row['answer']}", answer_format="last_line") == 1.0
+    assert score("basic_arithmetic", row, f"It is {row['answer']}.", answer_format="last_number") == 1.0
 
 
 def test_task_kwargs_reach_the_generator_and_bad_ones_name_the_field() -> None:
@@ -128,3 +131,18 @@ def test_the_reward_runs_in_reward_worker_processes() -> None:
             return list(await asyncio.gather(right, pool.acall(completions="<answer>no</answer>", **common)))
 
         assert asyncio.run(both()) == [1.0, 0.0]
+
+
+def test_eval_questions_are_new_ones_and_none_left_is_an_error() -> None:
+    """A generator with 200 distinct questions (one-digit a + b or a - b): eval takes the next questions
+    seen neither in train nor before in eval, as many as asked; when train covers them all, start-up
+    stops naming the fix. Before: eval kept only those of the stream's next n_eval entries not in
+    train, fewer than asked, and with n_train=2000 none: the run had no evaluation and said nothing."""
+    small = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}
+    small |= {"allow_parentheses": False, "allow_negation": False}
+    train, held_out = make_task("reasoning_gym:basic_arithmetic", 100, 50, seed=1, **small)
+    questions = [r["messages"][-1]["content"] for r in held_out]
+    assert len(held_out) == 50 and len(set(questions)) == 50
+    assert not set(questions) & {r["messages"][-1]["content"] for r in train}
+    with pytest.raises(ConfigError, match=r"no eval question .* lower data.n_train or widen data.task_kwargs"):
+        make_task("reasoning_gym:basic_arithmetic", 2000, 50, seed=1, **small)

@@ -12,9 +12,10 @@ a completion exactly as reasoning-gym does, in any process.
   The one key taken out first is ``system_prompt``: the name of one of reasoning-gym's prompts
   (``default``, ``simple``, ``direct``, ``DeepSeekZero``, ``chain_of_draft``), literal text, or
   ``""`` for none. The default asks for the answer in ``<answer>...</answer>`` tags.
-- Train and eval rows are one generator stream of ``n_train + n_eval`` entries at seed
-  ``seed``, cut in two; eval entries whose question also occurs in train are dropped (small
-  generators repeat themselves), so eval can be shorter than ``n_eval``. ``data.difficulty`` is
+- Train and eval rows are one generator stream at seed ``seed``: its first ``n_train`` entries
+  train; eval is the next ``n_eval`` entries whose question occurs neither in train nor earlier
+  in eval (small generators repeat themselves), looked for among the following
+  ``EVAL_DRAWS x n_eval`` entries; fewer found is eval shorter than ``n_eval``, none a ConfigError. ``data.difficulty`` is
   not used: the generator's own config fields set difficulty.
 
 ``reasoning_gym`` is imported only when such a task is used (the import takes seconds).
@@ -64,6 +65,9 @@ def _dataset(name: str, config_json: str, seed: int, size: int) -> Any:
     return _import().create_dataset(name, seed=seed, size=size, **json.loads(config_json))
 
 
+EVAL_DRAWS = 20  # entries looked at per eval row wanted, past the training ones
+
+
 def make_dataset(name: str, config: dict[str, object], seed: int = 0, size: int = 1) -> Any:
     """``reasoning_gym.create_dataset(name, seed=, size=, **config)``, cached; ConfigError naming a bad config."""
     if name not in dataset_names():
@@ -87,27 +91,39 @@ def reasoning_gym_task(
 ) -> tuple[list[Row], list[Row]]:
     """``(train_rows, eval_rows)`` from reasoning-gym generator ``name`` with ``config`` (module doc)."""
     del difficulty  # the generator's config sets difficulty
-    ds = make_dataset(name, dict(config), seed, n_train + n_eval)
+    ds = make_dataset(name, dict(config), seed, n_train + EVAL_DRAWS * n_eval)
     system = system_prompt_text(system_prompt)
-    rows: list[Row] = []
-    for i in range(n_train + n_eval):
+
+    def row(i: int) -> Row:
         entry = ds[i]
         messages = [{"role": "user", "content": str(entry["question"])}]
         if system:
             messages.insert(0, {"role": "system", "content": system})
-        rows.append(
-            {
-                "messages": messages,
-                "answer": str(entry["answer"]),
-                "task": f"{PREFIX}{name}",
-                "rg_dataset": name,
-                "rg_config": dict(config),
-                "rg_entry": entry,
-            }
-        )
-    train = rows[:n_train]
+        return {
+            "messages": messages,
+            "answer": str(entry["answer"]),
+            "task": f"{PREFIX}{name}",
+            "rg_dataset": name,
+            "rg_config": dict(config),
+            "rg_entry": entry,
+        }
+
+    train = [row(i) for i in range(n_train)]
     seen = {str(r["messages"]) for r in train}
-    evals = [r for r in rows[n_train:] if str(r["messages"]) not in seen]
+    evals: list[Row] = []
+    for i in range(n_train, n_train + EVAL_DRAWS * n_eval):
+        if len(evals) == n_eval:
+            break
+        r = row(i)
+        if str(r["messages"]) not in seen:
+            seen.add(str(r["messages"]))
+            evals.append(r)
+    if n_eval and not evals:
+        raise ConfigError(
+            f"data.task={PREFIX}{name}: no eval question that is not also a training one in {EVAL_DRAWS * n_eval} "
+            f"draws: the generator's config has few distinct questions and data.n_train={n_train} covers them; "
+            "lower data.n_train or widen data.task_kwargs"
+        )
     for split, part in (("train", train), ("eval", evals)):
         for i, row in enumerate(part):
             row["id"] = f"{PREFIX}{name}/{split}/{i}"

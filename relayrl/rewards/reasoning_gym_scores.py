@@ -14,6 +14,9 @@ Where the answer is (``reward_kwargs.answer_format``):
   synthetic tasks read it (models too small to learn the tags; pair with
   ``data.task_kwargs.system_prompt=""``).
 - ``last_line``: the last non-empty line of the completion (special tokens cut).
+- ``last_number``: the last number of the completion (special tokens cut), as ``reward_fn=gsm8k``
+  reads one ("3 + 8 = 11" answers 11): for numeric generators and small chat models that answer in a
+  sentence and never learn the tags.
 
 A module-level function of plain arguments: picklable, so it runs in reward workers too.
 """
@@ -22,9 +25,10 @@ from __future__ import annotations
 
 import re
 
+from relayrl.rewards.math import last_number
 from relayrl.rewards.tasks import completion_answer
 
-ANSWER_FORMATS = ("tags", "bare", "last_line")
+ANSWER_FORMATS = ("tags", "bare", "last_line", "last_number")
 _SPECIAL = re.compile(r"<eos>|</s>|<pad>|<\|[^|<>]*\|>")
 
 
@@ -39,6 +43,8 @@ def extract(completion: str, answer_format: str = "tags") -> str | None:
     if answer_format == "last_line":
         lines = [ln.strip() for ln in _SPECIAL.split(completion, maxsplit=1)[0].splitlines() if ln.strip()]
         return lines[-1] if lines else None
+    if answer_format == "last_number":
+        return last_number(_SPECIAL.split(completion, maxsplit=1)[0])
     raise ValueError(f"reward_kwargs.answer_format must be one of {list(ANSWER_FORMATS)}, got {answer_format!r}")
 
 
