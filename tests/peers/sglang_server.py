@@ -591,7 +591,9 @@ def main() -> None:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--load-delay", type=float, default=0.0, help="extra seconds each weight load holds the model lock")
     ap.add_argument("--model-path", default="tiny", help="tiny, or tiny-vl / tiny-vl2.5 (takes image_data)")
-    ap.add_argument("--refuse-flush", type=int, default=0, help="the first N disk updates answer 'cache was not flushed'")
+    ap.add_argument(
+        "--refuse-flush", type=int, default=0, help="the first N disk updates answer 'cache was not flushed'"
+    )
     ap.add_argument("--enable-lora", action="store_true")
     ap.add_argument("--max-lora-rank", type=int, default=None)
     ap.add_argument("--lora-target-modules", nargs="*", default=None)
