@@ -1,0 +1,149 @@
+"""workflow=openenv against a real OpenEnv server: the ``echo_env`` template that ``openenv init`` writes
+(openenv-core 0.3.0, in the venv scripts/envs.sh builds), served by its own ``create_app`` on 127.0.0.1
+in a process of its own, and the tiny model generating in this process (LocalEngine). The echo
+environment answers each action with the message and a reward of 0.1 per character; it never ends an
+episode, so ``max_turns`` does. Logprobs are checked against a teacher-forced forward of the same model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from relayrl.api.config import InferenceConfig
+from relayrl.api.io import GenerationConfig
+from relayrl.api.workflow import validate_trajectory
+from relayrl.inference.local import LocalEngine
+from relayrl.rollout.workflows import WORKFLOWS
+from relayrl.rollout.workflows.openenv import OpenEnvError, OpenEnvSession, OpenEnvWorkflow
+from tests.real_peers.servers import RealServer, free_port
+from tests.test_workflows import segments
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.real_peers
+SESSIONS = 4  # the server's max_concurrent_envs (the template says 1; EchoEnvironment supports more)
+SERVE = """
+import sys, uvicorn
+from openenv.core.env_server.http_server import create_app
+from echo_env.models import EchoAction, EchoObservation
+from echo_env.server.echo_env_environment import EchoEnvironment
+app = create_app(EchoEnvironment, EchoAction, EchoObservation, env_name="echo_env", max_concurrent_envs=int(sys.argv[-1]))
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[sys.argv.index("--port") + 1]), log_level="warning")
+"""
+
+
+def env_pins() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / "scripts" / "envs.env").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def built_env(name: str) -> Path:
+    """The venv scripts/envs.sh builds for ``name`` (``openenv-core-0.3.0``), else fail (CI) or skip."""
+    root = Path(os.environ.get("RELAYRL_ENVS_DIR") or Path.home() / ".cache" / "relayrl-envs")
+    env = root / name
+    if not (env / ".relayrl-env").is_file():
+        why = f"{name} not built in {env}: run `bash scripts/envs.sh` (about 2 minutes, once)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return env
+
+
+@pytest.fixture(scope="module")
+def echo_server(tmp_path_factory):
+    env = built_env(f"openenv-core-{env_pins()['OPENENV_CORE_VERSION']}")
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    environ["PYTHONPATH"] = str(env / "envs")  # the template package `echo_env`
+    cmd = [str(env / "bin" / "python"), "-c", SERVE, "--port", str(free_port()), str(SESSIONS)]
+    server = RealServer("openenv echo_env", cmd, environ, tmp_path_factory.mktemp("openenv") / "server.log", 60)
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = LocalEngine(InferenceConfig(seed=3), model=tiny_model, tokenizer=None)
+    eng.initialize()
+    yield eng
+    eng.destroy()
+
+
+G = GenerationConfig(max_new_tokens=6, temperature=1.0)
+ROW = {"id": 0, "messages": [{"role": "system", "content": "Say something."}], "reset": {}}
+
+
+def test_multi_turn_episodes_with_the_env_rewards_and_relayrl_tokens(echo_server, engine, tokenizer, tiny_model):
+    wf = OpenEnvWorkflow(G, tokenizer, echo_server.url, max_turns=3, observation_field="echoed_message")
+    assert WORKFLOWS["openenv"] is OpenEnvWorkflow
+
+    async def episodes():
+        return await asyncio.gather(*(wf.arun_episode(engine, {**ROW, "id": i}) for i in range(SESSIONS)))
+
+    trajs = asyncio.run(episodes())
+    for traj in trajs:
+        validate_trajectory(traj)
+        ids, mask = traj["input_ids"][0].tolist(), traj["loss_mask"][0].int().tolist()
+        runs = segments(mask)
+        gen = [(a, b) for a, b, m in runs if m]
+        ctx = [(a, b) for a, b, m in runs if not m]
+        assert len(gen) == 3 and int(traj["num_turns"]) == 3 and float(traj["env_done"]) == 0.0  # echo never ends
+        texts = [tokenizer.decode(ids[a:b], skip_special_tokens=True) for a, b in gen]
+        # the environment's reward: 0.1 per character of each message it was sent, summed over the steps
+        assert float(traj["rewards"]) == pytest.approx(sum(0.1 * len(t) for t in texts), abs=1e-5)
+        assert "Echo Env environment ready!" in tokenizer.decode(ids[: gen[0][0]])  # the reset observation
+        for (a, b), text in zip(ctx[1:], texts[:-1], strict=True):  # each echo is the next user turn
+            assert text.strip() in tokenizer.decode(ids[a:b]), (text, tokenizer.decode(ids[a:b]))
+        # relayrl's own tokens: the generator's logprobs are the model's at those positions, version 0
+        with torch.inference_mode():
+            logits = tiny_model(torch.tensor([ids])).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        m = traj["loss_mask"][0, 1:]
+        assert (logp[m] - traj["logprobs"][0, 1:][m]).abs().max() < 1e-4
+        assert (traj["versions"][0][traj["loss_mask"][0]] == 0).all()
+    assert len({tuple(t["input_ids"][0].tolist()) for t in trajs}) > 1  # sampled, not one fixed reply
+
+
+def test_a_refused_action_names_the_action_and_the_server_reason(echo_server, engine, tokenizer):
+    wf = OpenEnvWorkflow(G, tokenizer, echo_server.url, max_turns=2, action_field="msg")
+    with pytest.raises(OpenEnvError, match=r"refused the action \{\"msg\".*message"):
+        asyncio.run(wf.arun_episode(engine, ROW))
+    ended = OpenEnvWorkflow(G, tokenizer, echo_server.url, max_turns=2, action_field="msg", invalid_action="end")
+    traj = asyncio.run(ended.arun_episode(engine, ROW))
+    validate_trajectory(traj)
+    assert float(traj["invalid_action"]) == 1.0 and float(traj["rewards"]) == 0.0 and int(traj["num_turns"]) == 1
+    # an action function: the message upper-cased, so the reward still counts its characters
+    upper = OpenEnvWorkflow(G, tokenizer, echo_server.url, action_fn=lambda text, obs: {"message": text.upper()})
+    traj = asyncio.run(upper.arun_episode(engine, ROW))
+    gen = traj["input_ids"][0][traj["loss_mask"][0]].tolist()
+    assert float(traj["rewards"]) == pytest.approx(0.1 * len(tokenizer.decode(gen, skip_special_tokens=True)), abs=1e-5)
+
+
+def test_capacity_and_an_unreachable_server_are_clear_errors(echo_server, engine, tokenizer):
+    wf = OpenEnvWorkflow(G, tokenizer, echo_server.url, observation_field="echoed_message")
+
+    async def over_capacity():
+        held = [await OpenEnvSession.open(echo_server.url, 10) for _ in range(SESSIONS)]
+        try:
+            await wf.arun_episode(engine, ROW)
+        finally:
+            for s in held:
+                await s.close()
+
+    with pytest.raises(OpenEnvError, match="refused reset .*CAPACITY_REACHED"):
+        asyncio.run(over_capacity())
+    asyncio.run(wf.arun_episode(engine, ROW))  # sessions closed: room again
+    dead = OpenEnvWorkflow(G, tokenizer, f"http://127.0.0.1:{free_port()}", timeout=5)
+    with pytest.raises(OpenEnvError, match="OpenEnv server unreachable at http://127.0.0.1"):
+        asyncio.run(dead.arun_episode(engine, ROW))
+    with pytest.raises(OpenEnvError, match="observation_field='nope' is not in the observation"):
+        asyncio.run(OpenEnvWorkflow(G, tokenizer, echo_server.url, observation_field="nope").arun_episode(engine, ROW))
+    assert sys.executable  # this process never imported openenv
+    assert "openenv" not in sys.modules
