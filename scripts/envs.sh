@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (if needed) the OpenEnv and verifiers environments the environment-adapter tests run against
-# (tests/real_peers/test_envs.py, docs/environments.md). One venv per package, pinned in scripts/envs.env, under
+# (tests/real_peers/test_openenv.py and test_verifiers.py, docs/environments.md). One venv per package, pinned in scripts/envs.env, under
 #   ${RELAYRL_ENVS_DIR:-$HOME/.cache/relayrl-envs}/{openenv-core-<version>,verifiers-<version>}
 # Both conflict with relayrl's pins (openenv-core's gradio wants pillow<13, verifiers wants openai<3), so
 # their environments run out of process and relayrl talks to them over the wire.
@@ -71,14 +71,27 @@ openenv_step() {
 }
 
 verifiers_step() {
-  local env=$1
-  say "verifiers: pip install verifiers==$VERIFIERS_VERSION"
-  pip_in "$env" "verifiers==$VERIFIERS_VERSION"
+  local env=$1 script
+  say "verifiers: pip install verifiers==$VERIFIERS_VERSION uv==$VERIFIERS_UV_VERSION"
+  pip_in "$env" "verifiers==$VERIFIERS_VERSION" "uv==$VERIFIERS_UV_VERSION"
   "$env/bin/python" -c "import importlib.metadata as m, verifiers; print('verifiers', m.version('verifiers'))"
+  # The null/bash harnesses run a PEP 723 chat program through `uv sync --script` (openai, mcp, httpx ...
+  # from PyPI) at their first episode; do it now, at the path verifiers uses, so episodes find it cached.
+  script=$("$env/bin/python" -c "
+import hashlib, pathlib
+from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+d = pathlib.Path(SubprocessRuntime.scripts_dir)
+d.mkdir(parents=True, exist_ok=True)
+p = d / (hashlib.sha256(CHAT_PROGRAM_SOURCE.encode()).hexdigest() + '.py')
+p.write_text(CHAT_PROGRAM_SOURCE)
+print(p)")
+  say "verifiers: uv sync --script $script (the harness's chat program)"
+  PATH="$env/bin:$PATH" UV_OFFLINE=false uv sync --script "$script" -q --no-config
 }
 
 want="${1:-all}" # scripts/envs.sh [openenv|verifiers]: one of them only
 case "$want" in all | openenv | verifiers) ;; *) echo "usage: scripts/envs.sh [openenv|verifiers]" >&2 && exit 2 ;; esac
 [ "$want" = verifiers ] || build "openenv-core-$OPENENV_CORE_VERSION" "openenv-core==$OPENENV_CORE_VERSION" openenv_step
-[ "$want" = openenv ] || build "verifiers-$VERIFIERS_VERSION" "verifiers==$VERIFIERS_VERSION" verifiers_step
+[ "$want" = openenv ] || build "verifiers-$VERIFIERS_VERSION" "verifiers==$VERIFIERS_VERSION uv==$VERIFIERS_UV_VERSION" verifiers_step
 say "done: $root"

@@ -7,9 +7,7 @@ episode, so ``max_turns`` does. Logprobs are checked against a teacher-forced fo
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +18,10 @@ from relayrl.api.workflow import validate_trajectory
 from relayrl.inference.local import LocalEngine
 from relayrl.rollout.workflows import WORKFLOWS
 from relayrl.rollout.workflows.openenv import OpenEnvError, OpenEnvSession, OpenEnvWorkflow
+from tests.real_peers.envs import built_env, env_environ, env_pins
 from tests.real_peers.servers import RealServer, free_port
 from tests.test_workflows import segments
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.real_peers
 SESSIONS = 4  # the server's max_concurrent_envs (the template says 1; EchoEnvironment supports more)
 SERVE = """
@@ -36,32 +34,10 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[sys.argv.index("--port") + 
 """
 
 
-def env_pins() -> dict[str, str]:
-    out = {}
-    for line in (ROOT / "scripts" / "envs.env").read_text().splitlines():
-        if "=" in line and not line.lstrip().startswith("#"):
-            k, v = line.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
-
-
-def built_env(name: str) -> Path:
-    """The venv scripts/envs.sh builds for ``name`` (``openenv-core-0.3.0``), else fail (CI) or skip."""
-    root = Path(os.environ.get("RELAYRL_ENVS_DIR") or Path.home() / ".cache" / "relayrl-envs")
-    env = root / name
-    if not (env / ".relayrl-env").is_file():
-        why = f"{name} not built in {env}: run `bash scripts/envs.sh` (about 2 minutes, once)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return env
-
-
 @pytest.fixture(scope="module")
 def echo_server(tmp_path_factory):
     env = built_env(f"openenv-core-{env_pins()['OPENENV_CORE_VERSION']}")
-    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    environ["PYTHONPATH"] = str(env / "envs")  # the template package `echo_env`
+    environ = env_environ(env, PYTHONPATH=str(env / "envs"))  # the template package `echo_env`
     cmd = [str(env / "bin" / "python"), "-c", SERVE, "--port", str(free_port()), str(SESSIONS)]
     server = RealServer("openenv echo_env", cmd, environ, tmp_path_factory.mktemp("openenv") / "server.log", 60)
     yield server.start()
