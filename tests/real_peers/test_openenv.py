@@ -123,3 +123,21 @@ def test_capacity_and_an_unreachable_server_are_clear_errors(echo_server, engine
         asyncio.run(OpenEnvWorkflow(G, tokenizer, echo_server.url, observation_field="nope").arun_episode(engine, ROW))
     assert sys.executable  # this process never imported openenv
     assert "openenv" not in sys.modules
+
+
+def test_from_the_run_config(echo_server, engine, tokenizer):
+    """``workflow=openenv`` with ``workflow_kwargs`` as a YAML or the command line gives them; ``max_turns``
+    comes from ``rollout.max_turns``; a row of a relayrl task (system + question) comes before the observation."""
+    from relayrl.api.config import RunConfig
+    from relayrl.api.fields import load_config
+    from relayrl.wiring import make_workflow
+
+    overrides = ["workflow=openenv", f"workflow_kwargs.base_url={echo_server.url}", "rollout.max_turns=2",
+                 "workflow_kwargs.observation_field=echoed_message"]  # fmt: skip
+    cfg = load_config(RunConfig, None, overrides)
+    wf = make_workflow(cfg, tokenizer, reward_fn=None, gconfig=G)
+    assert isinstance(wf, OpenEnvWorkflow) and wf.max_turns == 2
+    row = {"id": 7, "messages": [{"role": "user", "content": "12+7="}]}
+    traj = asyncio.run(wf.arun_episode(engine, row))
+    assert int(traj["num_turns"]) == 2
+    assert "12+7=" in tokenizer.decode(traj["input_ids"][0]) and float(traj["rewards"]) >= 0
