@@ -116,6 +116,17 @@ def test_capacity_and_an_unreachable_server_are_clear_errors(echo_server, engine
     with pytest.raises(OpenEnvError, match="refused reset .*CAPACITY_REACHED"):
         asyncio.run(over_capacity())
     asyncio.run(wf.arun_episode(engine, ROW))  # sessions closed: room again
+
+    async def queued():  # two sessions held elsewhere: four episodes, two at a time, all complete
+        held = [await OpenEnvSession.open(echo_server.url, 10) for _ in range(SESSIONS - 2)]
+        try:
+            two = OpenEnvWorkflow(G, tokenizer, echo_server.url, max_turns=2, max_sessions=2)
+            return await asyncio.gather(*(two.arun_episode(engine, ROW) for _ in range(4)))
+        finally:
+            for s in held:
+                await s.close()
+
+    assert [int(t["num_turns"]) for t in asyncio.run(queued())] == [2, 2, 2, 2]
     dead = OpenEnvWorkflow(G, tokenizer, f"http://127.0.0.1:{free_port()}", timeout=5)
     with pytest.raises(OpenEnvError, match="OpenEnv server unreachable at http://127.0.0.1"):
         asyncio.run(dead.arun_episode(engine, ROW))
@@ -141,3 +152,21 @@ def test_from_the_run_config(echo_server, engine, tokenizer):
     traj = asyncio.run(wf.arun_episode(engine, row))
     assert int(traj["num_turns"]) == 2
     assert "12+7=" in tokenizer.decode(traj["input_ids"][0]) and float(traj["rewards"]) >= 0
+
+
+def test_relayrl_train_with_workflow_openenv(echo_server, tmp_path):
+    """Two GRPO steps of ``relayrl train`` (the tiny model) whose episodes are the echo environment's."""
+    import json
+
+    from relayrl.cli import main
+
+    args = ["train", "workflow=openenv", f"workflow_kwargs.base_url={echo_server.url}", "rollout.max_turns=2",
+            f"workflow_kwargs.max_sessions={SESSIONS}", "workflow_kwargs.observation_field=echoed_message",
+            "total_steps=2", "rollout.batch_size=2", "rollout.group_size=2", "gconfig.max_new_tokens=4",
+            "data.n_train=8", "data.n_eval=2", "eval.before_training=false", "logging.tensorboard=false",
+            "logging.progress=off", "checkpoint.save_final=false", f"run_dir={tmp_path / 'run'}"]  # fmt: skip
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["step"] == 2 and last["rollout/failed"] == 0 and last["rollout/completed"] > 0, last
+    assert last["rollout/num_turns"] == 2 and last["rollout/env_done"] == 0 and last["rollout/reward"] > 0, last

@@ -19,6 +19,7 @@ step rewards (``reward="last"``: the last one). ``openenv`` is never imported: r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import typing
 import uuid
@@ -120,6 +121,8 @@ class OpenEnvWorkflow(RolloutWorkflow):
     - ``observation_field``: the user turn is that field of the observation; or ``render_fn``
       ``fn(observation) -> str``; neither: the observation as JSON.
     - ``reset_key``: the row's key whose dict is sent as reset arguments (``seed``, ``episode_id``).
+    - ``max_sessions``: most episodes in a session at once (the server's ``max_concurrent_envs``);
+      more wait for one to close. 0: no limit (a full server then fails the episode).
     - ``invalid_action``: ``fail`` (the episode fails naming the action and the server's reason) or
       ``end`` (the episode ends there with the rewards so far and ``invalid_action`` 1).
 
@@ -141,6 +144,7 @@ class OpenEnvWorkflow(RolloutWorkflow):
         reset_key: str = "reset",
         invalid_action: str = "fail",
         timeout: float = 60.0,
+        max_sessions: int = 0,
         prompt_format: str = "chat",
     ) -> None:
         ws_url(base_url)  # a bad URL stops the run at start-up
@@ -152,12 +156,15 @@ class OpenEnvWorkflow(RolloutWorkflow):
             raise ValueError(f"invalid_action must be 'fail' or 'end', got {invalid_action!r}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0 (0 = no limit), got {max_sessions}")
         self.gconfig, self.tokenizer, self.base_url, self.max_turns = gconfig, tokenizer, base_url, max_turns
         self.action_field, self.observation_field, self.reward_mode = action_field, observation_field, reward
         self.action_fn = typing.cast(ActionFn | None, _callable("workflow_kwargs.action_fn", action_fn))
         self.render_fn = typing.cast(RenderFn | None, _callable("workflow_kwargs.render_fn", render_fn))
         self.reset_key, self.invalid_action, self.timeout = reset_key, invalid_action, timeout
-        self.prompt_format = prompt_format
+        self.prompt_format, self.max_sessions = prompt_format, max_sessions
+        self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
     def render(self, observation: Observation) -> str:
         if self.render_fn is not None:
@@ -186,6 +193,16 @@ class OpenEnvWorkflow(RolloutWorkflow):
         reset_args = data.get(self.reset_key) or {}
         if not isinstance(reset_args, Mapping):
             raise OpenEnvError(f"row[{self.reset_key!r}] must be a dict of reset arguments, got {reset_args!r:.200}")
+        if not self.max_sessions:
+            return await self._session_episode(engine, data, reset_args)
+        loop = asyncio.get_running_loop()
+        slots = self._slots.setdefault(loop, asyncio.Semaphore(self.max_sessions))
+        async with slots:  # episodes beyond max_sessions wait for a session to close
+            return await self._session_episode(engine, data, reset_args)
+
+    async def _session_episode(
+        self, engine: InferenceEngine, data: DataItem, reset_args: Mapping[str, object]
+    ) -> Trajectory | None:
         session = await OpenEnvSession.open(self.base_url, self.timeout)
         try:
             return await self._episode(engine, data, session, reset_args)
