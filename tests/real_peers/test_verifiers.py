@@ -37,7 +37,7 @@ def workers(tmp_path_factory):
     environ = env_environ(env, PYTHONPATH=str(ROOT / "tests" / "data" / "verifiers_envs"), RELAYRL_VF_KEY="unused")
     logs = tmp_path_factory.mktemp("verifiers")
     procs, urls = {}, {}
-    for taskset in ("relayrl_vf_say", "relayrl_vf_echo"):
+    for taskset in ("relayrl_vf_say", "relayrl_vf_echo", "relayrl_vf_tool"):
         port = free_port()
         cmd = [str(env / "bin" / "python"), str(WORKER), "--port", str(port), taskset, *HARNESS,
                "--client.api-key-var", "RELAYRL_VF_KEY"]  # fmt: skip
@@ -84,14 +84,18 @@ def engine(tiny_model):
 G = GenerationConfig(max_new_tokens=6, temperature=1.0)
 
 
-def check_tokens(traj, tiny_model):
-    """relayrl's own tokens: the recorded logprobs are the model's at the generated positions, version 0."""
+def check_tokens(traj, tiny_model, greedy: bool = False):
+    """relayrl's own tokens: the recorded logprobs are the model's at the generated positions (greedy: each
+    generated token is the argmax), version 0."""
     ids = traj["input_ids"][0].tolist()
     with torch.inference_mode():
         logits = tiny_model(torch.tensor([ids])).logits[0].float()
-    logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    logp = torch.log_softmax(logits[:-1], -1)
+    chosen = logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
     m = traj["loss_mask"][0, 1:]
-    assert (logp[m] - traj["logprobs"][0, 1:][m]).abs().max() < 1e-4
+    if greedy:
+        assert (logp.max(-1).values[m] - chosen[m]).abs().max() < 1e-4
+    assert (chosen[m] - traj["logprobs"][0, 1:][m]).abs().max() < 1e-4
     assert (traj["versions"][0][traj["loss_mask"][0]] == 0).all()
 
 
@@ -148,6 +152,55 @@ def test_multi_turn_episode_is_one_row_with_the_environment_turns_masked(workers
             check_tokens(traj, tiny_model)
     finally:
         wf.close()
+
+
+SHOUT = {  # the schema verifiers sends for relayrl_vf_tool's `shout` tool (read off a recorded prompt)
+    "type": "function",
+    "function": {
+        "name": "shout_toolset_shout",
+        "description": "Return the text upper-cased.",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"title": "Text", "type": "string"}},
+            "required": ["text"],
+            "title": "shoutArguments",
+        },
+    },
+}
+
+
+def test_tool_calls_run_verifiers_tools(workers):
+    """A model taught (by overfitting, Hermes template) to call the tool: verifiers runs its MCP toolset on
+    the parsed call, the result comes back through relayrl's template, and verifiers' reward sees it."""
+    from relayrl.agents.templates import tool_tokenizer
+    from tests.agent_models import overfit
+
+    tok = tool_tokenizer("hermes")
+    call = '<tool_call>{"name": "shout_toolset_shout", "arguments": {"text": "hi"}}</tool_call>'
+    conv = [{"role": "user", "content": "Shout hi."}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": "HI"}, {"role": "assistant", "content": "HI"}]  # fmt: skip
+    model, loss = overfit(tok, [conv], tools=(SHOUT,))
+    assert loss < 0.05
+    eng = LocalEngine(InferenceConfig(seed=1), model=model, tokenizer=tok)
+    eng.initialize()
+    wf = VerifiersWorkflow(
+        tok, GenerationConfig(max_new_tokens=100, greedy=True), workers["relayrl_vf_tool"], tool_parser="hermes"
+    )
+    try:
+        traj = asyncio.run(wf.arun_episode(eng, {"id": 0}))
+        validate_trajectory(traj)
+        assert float(traj["rewards"]) == 1.0  # verifiers' reward: a tool result is "HI"
+        assert int(traj["num_tool_calls"]) == 1 and int(traj["malformed_tool_calls"]) == 0
+        assert int(traj["num_turns"]) == 2 and traj["input_ids"].shape[0] == 1
+        ids, mask = traj["input_ids"][0].tolist(), traj["loss_mask"][0].int().tolist()
+        runs = [(a, b) for a, b, m in segments(mask) if m]
+        assert "shout_toolset_shout" in tok.decode(ids[: runs[0][0]])  # verifiers' tool schema, templated
+        assert tok.decode(ids[runs[0][0] : runs[0][1]]).startswith(call)
+        assert "<tool_response>\nHI\n</tool_response>" in tok.decode(ids[runs[0][1] : runs[1][0]])  # masked
+        check_tokens(traj, model, greedy=True)
+    finally:
+        wf.close()
+        eng.destroy()
 
 
 def test_an_unreachable_worker_is_a_clear_error(engine, tokenizer):
