@@ -18,7 +18,7 @@ from relayrl.api.workflow import validate_trajectory
 from relayrl.inference.local import LocalEngine
 from relayrl.rollout.workflows import WORKFLOWS
 from relayrl.rollout.workflows.openenv import OpenEnvError, OpenEnvSession, OpenEnvWorkflow
-from tests.real_peers.envs import built_env, env_environ, env_pins
+from tests.real_peers.envs import ROOT, built_env, env_environ, env_pins
 from tests.real_peers.servers import RealServer, free_port
 from tests.test_workflows import segments
 
@@ -52,6 +52,11 @@ def engine(tiny_model):
     eng.destroy()
 
 
+def reply(tokenizer, ids):
+    """The action text of generated ``ids``: the reply without a final EOS, special tokens kept."""
+    return tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids)
+
+
 G = GenerationConfig(max_new_tokens=6, temperature=1.0)
 ROW = {"id": 0, "messages": [{"role": "system", "content": "Say something."}], "reset": {}}
 
@@ -71,7 +76,7 @@ def test_multi_turn_episodes_with_the_env_rewards_and_relayrl_tokens(echo_server
         gen = [(a, b) for a, b, m in runs if m]
         ctx = [(a, b) for a, b, m in runs if not m]
         assert len(gen) == 3 and int(traj["num_turns"]) == 3 and float(traj["env_done"]) == 0.0  # echo never ends
-        texts = [tokenizer.decode(ids[a:b], skip_special_tokens=True) for a, b in gen]
+        texts = [reply(tokenizer, ids[a:b]) for a, b in gen]
         # the environment's reward: 0.1 per character of each message it was sent, summed over the steps
         assert float(traj["rewards"]) == pytest.approx(sum(0.1 * len(t) for t in texts), abs=1e-5)
         assert "Echo Env environment ready!" in tokenizer.decode(ids[: gen[0][0]])  # the reset observation
@@ -99,7 +104,7 @@ def test_a_refused_action_names_the_action_and_the_server_reason(echo_server, en
     upper = OpenEnvWorkflow(G, tokenizer, echo_server.url, action_fn=lambda text, obs: {"message": text.upper()})
     traj = asyncio.run(upper.arun_episode(engine, ROW))
     gen = traj["input_ids"][0][traj["loss_mask"][0]].tolist()
-    assert float(traj["rewards"]) == pytest.approx(0.1 * len(tokenizer.decode(gen, skip_special_tokens=True)), abs=1e-5)
+    assert float(traj["rewards"]) == pytest.approx(0.1 * len(reply(tokenizer, gen)), abs=1e-5)
 
 
 def test_capacity_and_an_unreachable_server_are_clear_errors(echo_server, engine, tokenizer):
@@ -170,3 +175,71 @@ def test_relayrl_train_with_workflow_openenv(echo_server, tmp_path):
     last = rows[-1]
     assert last["step"] == 2 and last["rollout/failed"] == 0 and last["rollout/completed"] > 0, last
     assert last["rollout/num_turns"] == 2 and last["rollout/env_done"] == 0 and last["rollout/reward"] > 0, last
+
+
+SHOUT = {  # the schema the shout environment lists (read off a recorded prompt)
+    "type": "function",
+    "function": {
+        "name": "shout",
+        "description": "Return the text upper-cased.",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"text": {"type": "string"}},
+            "required": ["text"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def shout_server(tmp_path_factory):
+    """tests/data/openenv_envs/shout_env: an MCPEnvironment whose one tool is ``shout``."""
+    env = built_env(f"openenv-core-{env_pins()['OPENENV_CORE_VERSION']}")
+    environ = env_environ(env, PYTHONPATH=str(ROOT / "tests" / "data" / "openenv_envs"))
+    cmd = [str(env / "bin" / "python"), "-m", "shout_env", "--port", str(free_port())]
+    server = RealServer("openenv shout_env", cmd, environ, tmp_path_factory.mktemp("shout") / "server.log", 60)
+    yield server.start()
+    server.stop()
+
+
+def test_mcp_tools_listed_called_and_answered(shout_server):
+    """``tools: true``: the environment's MCP tools go into the prompt through the chat template; a model
+    taught to call them (overfit, Hermes template) makes two calls, the first result comes back as a
+    tool turn, the second shouts the word and the environment ends the episode with reward 1."""
+    from relayrl.agents.templates import tool_tokenizer
+    from tests.agent_models import overfit
+
+    def call(text):
+        return f'<tool_call>{{"name": "shout", "arguments": {{"text": "{text}"}}}}</tool_call>'
+
+    tok = tool_tokenizer("hermes")
+    conv = [{"role": "user", "content": "Shout hi."}, {"role": "assistant", "content": call("ho")},
+            {"role": "tool", "content": "HO"}, {"role": "assistant", "content": call("hi")}]  # fmt: skip
+    model, loss = overfit(tok, [conv], tools=(SHOUT,))
+    assert loss < 0.05
+    eng = LocalEngine(InferenceConfig(seed=1), model=model, tokenizer=tok)
+    eng.initialize()
+    try:
+        wf = OpenEnvWorkflow(GenerationConfig(max_new_tokens=80, greedy=True), tok, shout_server.url, max_turns=4,
+                             tools=True, observation_field="prompt", action_fn="relayrl.agents.openenv:hermes_call_tool")  # fmt: skip
+        traj = asyncio.run(wf.arun_episode(eng, {"id": 0}))
+        validate_trajectory(traj)
+        ids, mask = traj["input_ids"][0].tolist(), traj["loss_mask"][0].int().tolist()
+        gen = [(a, b) for a, b, m in segments(mask) if m]
+        assert float(traj["rewards"]) == 1.0 and float(traj["env_done"]) == 1.0 and int(traj["num_turns"]) == 2
+        assert '"name": "shout"' in tok.decode(ids[: gen[0][0]]) and "Shout hi." in tok.decode(ids[: gen[0][0]])
+        assert [reply(tok, ids[a:b]) for a, b in gen] == [call("ho"), call("hi")]
+        assert "<tool_response>\nHO\n</tool_response>" in tok.decode(ids[gen[0][1] : gen[1][0]])  # masked
+        with torch.inference_mode():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        chosen = logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        m = traj["loss_mask"][0, 1:]
+        assert (chosen[m] - traj["logprobs"][0, 1:][m]).abs().max() < 1e-4
+        # a reply without a tool call (6 tokens cannot hold one) is not an action: the error names it
+        plain = OpenEnvWorkflow(G, tok, shout_server.url, tools=True, observation_field="prompt",
+                                action_fn="relayrl.agents.openenv:hermes_call_tool")  # fmt: skip
+        with pytest.raises(OpenEnvError, match="action_fn found no action in the completion"):
+            asyncio.run(plain.arun_episode(eng, {"id": 1}))
+    finally:
+        eng.destroy()

@@ -116,11 +116,16 @@ class OpenEnvSession:
 class OpenEnvWorkflow(RolloutWorkflow):
     """An episode of the OpenEnv environment served at ``base_url`` (one WebSocket session each).
 
-    - ``action_field``: the action is ``{action_field: completion text}``; or ``action_fn``
+    - ``action_field``: the action is ``{action_field: completion text}`` (the reply as relayrl's OpenAI
+      endpoint answers it: the stop token dropped, other special tokens kept); or ``action_fn``
       (``package.module:fn`` or a callable) ``fn(text, observation) -> dict`` builds it.
     - ``observation_field``: the user turn is that field of the observation; or ``render_fn``
       ``fn(observation) -> str``; neither: the observation as JSON.
     - ``reset_key``: the row's key whose dict is sent as reset arguments (``seed``, ``episode_id``).
+    - ``tools``: an MCP environment's tools (``MCPEnvironment``): listed after reset (a ``list_tools``
+      action), their schemas rendered by the chat template; a tool's observation (``tool_name``,
+      ``result``, ``error``) comes back as a ``tool`` turn holding the result's text. The policy's
+      calls become ``call_tool`` actions through ``action_fn`` (``relayrl.agents.openenv:hermes_call_tool``).
     - ``max_sessions``: most episodes in a session at once (the server's ``max_concurrent_envs``);
       more wait for one to close. 0: no limit (a full server then fails the episode).
     - ``invalid_action``: ``fail`` (the episode fails naming the action and the server's reason) or
@@ -145,6 +150,7 @@ class OpenEnvWorkflow(RolloutWorkflow):
         invalid_action: str = "fail",
         timeout: float = 60.0,
         max_sessions: int = 0,
+        tools: bool = False,
         prompt_format: str = "chat",
     ) -> None:
         ws_url(base_url)  # a bad URL stops the run at start-up
@@ -163,7 +169,7 @@ class OpenEnvWorkflow(RolloutWorkflow):
         self.action_fn = typing.cast(ActionFn | None, _callable("workflow_kwargs.action_fn", action_fn))
         self.render_fn = typing.cast(RenderFn | None, _callable("workflow_kwargs.render_fn", render_fn))
         self.reset_key, self.invalid_action, self.timeout = reset_key, invalid_action, timeout
-        self.prompt_format, self.max_sessions = prompt_format, max_sessions
+        self.prompt_format, self.max_sessions, self.tools = prompt_format, max_sessions, tools
         self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
     def render(self, observation: Observation) -> str:
@@ -177,6 +183,50 @@ class OpenEnvWorkflow(RolloutWorkflow):
                 )
             return str(observation[self.observation_field])
         return json.dumps(observation)
+
+    def reply_text(self, tokens: list[int], stop_reason: str) -> str:
+        """The completion as relayrl's OpenAI endpoint answers it: without the stop token it ended with,
+        other special tokens kept (a tool-call marker may be one)."""
+        stops = set(self.gconfig.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            stops.add(int(self.tokenizer.eos_token_id))
+        if tokens and stop_reason == "stop" and tokens[-1] in stops:
+            tokens = tokens[:-1]
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
+
+    def turn(self, observation: Observation) -> tuple[str, str]:
+        """The role and text of the turn an observation becomes: a tool's result (``tools``) or a user turn."""
+        if self.tools and "tool_name" in observation:
+            error = observation.get("error")
+            if error:
+                message = error.get("message") if isinstance(error, Mapping) else error
+                return "tool", f"error: {message}"
+            result = observation.get("result")
+            content = result.get("content") if isinstance(result, Mapping) else None
+            if isinstance(content, list):
+                texts = [str(c.get("text", "")) for c in content if isinstance(c, Mapping) and c.get("type") == "text"]
+                return "tool", "\n".join(texts)
+            return "tool", json.dumps(result)
+        return "user", self.render(observation)
+
+    async def tool_schemas(self, session: OpenEnvSession) -> list[dict[str, object]]:
+        """The environment's MCP tools as OpenAI function schemas (``list_tools``)."""
+        listed = await session.step({"type": "list_tools"})
+        tools = typing.cast(Observation, listed["observation"]).get("tools")
+        if not isinstance(tools, list):
+            raise OpenEnvError(f"tools=True but {session.ws.url} listed no tools: {str(listed)[:300]}")
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description") or "",
+                    "parameters": t.get("input_schema") or t.get("inputSchema") or {"type": "object"},
+                },
+            }
+            for t in tools
+            if isinstance(t, Mapping)
+        ]
 
     def action(self, text: str, observation: Observation) -> dict[str, object]:
         if self.action_fn is None:
@@ -216,14 +266,15 @@ class OpenEnvWorkflow(RolloutWorkflow):
         observation = typing.cast(Observation, first["observation"])
         history = [dict(m) for m in typing.cast(list[Mapping[str, object]], data.get("messages") or [])]
         history.append({"role": "user", "content": self.render(observation)})
-        buf = TokenBuffer(prompt_ids(self.tokenizer, history, self.prompt_format))
+        tools = await self.tool_schemas(session) if self.tools else None
+        buf = TokenBuffer(prompt_ids(self.tokenizer, history, self.prompt_format, tools))
         rid = uuid.uuid4().hex
         rewards: list[float] = []
         done = invalid = False
         for turn in range(self.max_turns):
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=self.gconfig))
             buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions, resp.routed_experts)
-            text = str(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True))
+            text = self.reply_text(resp.output_tokens, resp.stop_reason)
             try:
                 result = await session.step(self.action(text, observation))
             except OpenEnvError:
@@ -236,9 +287,10 @@ class OpenEnvWorkflow(RolloutWorkflow):
             done = bool(result.get("done"))
             if done or turn == self.max_turns - 1:
                 break
-            content = self.render(observation)
-            buf.add_context(user_turn_ids(self.tokenizer, history, resp.output_tokens, content, self.prompt_format))
-            history += [{"role": "assistant", "content": text}, {"role": "user", "content": content}]
+            role, content = self.turn(observation)
+            ids = user_turn_ids(self.tokenizer, history, resp.output_tokens, content, self.prompt_format, role)
+            buf.add_context(ids)
+            history += [{"role": "assistant", "content": text}, {"role": role, "content": content}]
         reward = (rewards[-1] if self.reward_mode == "last" else sum(rewards)) if rewards else 0.0
         return buf.trajectory(
             reward,
