@@ -198,16 +198,7 @@ def test_tool_calls_run_verifiers_tools(workers):
         assert tok.decode(ids[runs[0][0] : runs[0][1]]).startswith(call)
         assert "<tool_response>\nHI\n</tool_response>" in tok.decode(ids[runs[0][1] : runs[1][0]])  # masked
         check_tokens(traj, model, greedy=True)
+        assert "verifiers" not in sys.modules  # this process never imported it (relayrl's openai 3 stays)
     finally:
         wf.close()
         eng.destroy()
-
-
-def test_an_unreachable_worker_is_a_clear_error(engine, tokenizer):
-    wf = VerifiersWorkflow(tokenizer, G, f"http://127.0.0.1:{free_port()}", timeout=5)
-    try:
-        with pytest.raises(VerifiersError, match="verifiers worker unreachable at http://127.0.0.1"):
-            asyncio.run(wf.arun_episode(engine, {"id": 0}))
-    finally:
-        wf.close()
-    assert "verifiers" not in sys.modules and "openai" in sys.modules  # relayrl's openai 3, not verifiers
