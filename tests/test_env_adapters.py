@@ -85,3 +85,22 @@ def test_verifiers_workflow_arguments_and_an_unreachable_worker(tokenizer, tiny_
     finally:
         wf.close()
         eng.destroy()
+
+
+def test_verifiers_workflow_from_the_run_config(tokenizer):
+    """``workflow: relayrl.agents.verifiers:VerifiersWorkflow`` with ``workflow_kwargs.worker_url``."""
+    from relayrl.agents.verifiers import VerifiersWorkflow
+    from relayrl.api.config import RunConfig
+    from relayrl.api.fields import load_config
+    from relayrl.wiring import make_workflow
+
+    overrides = [
+        "workflow=relayrl.agents.verifiers:VerifiersWorkflow",
+        "workflow_kwargs.worker_url=http://127.0.0.1:8100",
+    ]
+    wf = make_workflow(load_config(RunConfig, None, overrides), tokenizer, reward_fn=None, gconfig=G)
+    try:
+        assert isinstance(wf, VerifiersWorkflow) and wf.worker_url == "http://127.0.0.1:8100"
+        assert wf.proxy.base_url.startswith("http://127.0.0.1:")  # its own AgentProxy, started
+    finally:
+        wf.close()

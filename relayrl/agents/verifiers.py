@@ -27,7 +27,7 @@ from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RolloutWorkflow, Trajectory
 
-WORKER = Path(__file__).resolve().parents[1] / "rollout" / "workflows" / "verifiers_worker.py"
+WORKER = Path(__file__).resolve().with_name("verifiers_worker.py")
 
 
 class VerifiersError(RuntimeError):

@@ -2,7 +2,7 @@
 
 relayrl never imports this module's dependencies: verifiers (0.4) pins ``openai<3`` and relayrl's
 ``agents`` extra ``openai>=3.51``, so the environment lives in a venv of its own and this file is run
-there as a script (``relayrl.rollout.workflows.verifiers.WORKER`` is its path)::
+there as a script (``relayrl.agents.verifiers.WORKER`` is its path)::
 
     VENV/bin/python WORKER --port 8100 TASKSET_ID [vf-eval's --env.* / --sampling.* options]
 
