@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
@@ -105,6 +106,10 @@ async def _serve(args: argparse.Namespace, vf_argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Run as a script, this file's folder is sys.path[0], and relayrl's own ``verifiers.py`` sits there:
+    # it would shadow the verifiers package.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     args, vf_argv = _parse(sys.argv[1:] if argv is None else argv)
     asyncio.run(_serve(args, vf_argv))
 
