@@ -104,3 +104,83 @@ def test_verifiers_workflow_from_the_run_config(tokenizer):
         assert wf.proxy.base_url.startswith("http://127.0.0.1:")  # its own AgentProxy, started
     finally:
         wf.close()
+
+
+async def _raw_ws_echo(reader, writer):
+    """A WebSocket server written from RFC 6455 (the reference for relayrl's client): the handshake, then
+    each masked client frame unmasked and echoed after a ping, split into a text frame and a continuation."""
+    import base64
+    import hashlib
+    import struct
+
+    head = (await reader.readuntil(b"\r\n\r\n")).decode()
+    key = next(
+        line.split(":", 1)[1].strip() for line in head.split("\r\n") if line.lower().startswith("sec-websocket-key")
+    )
+    accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+    writer.write(
+        f"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\n\r\n".encode()
+    )
+
+    def frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
+        n = len(payload)
+        size = (
+            bytes([n])
+            if n < 126
+            else bytes([126]) + struct.pack("!H", n)
+            if n < 65536
+            else bytes([127]) + struct.pack("!Q", n)
+        )
+        return bytes([(0x80 if fin else 0) | opcode]) + size + payload
+
+    while True:
+        b0, b1 = await reader.readexactly(2)
+        assert b1 & 0x80, "client frames must be masked"
+        n = b1 & 0x7F
+        if n == 126:
+            (n,) = struct.unpack("!H", await reader.readexactly(2))
+        elif n == 127:
+            (n,) = struct.unpack("!Q", await reader.readexactly(8))
+        mask = await reader.readexactly(4)
+        data = bytes(b ^ mask[i % 4] for i, b in enumerate(await reader.readexactly(n)))
+        if b0 & 0x0F == 0x8:  # close
+            writer.write(frame(0x8, data))
+            writer.close()
+            return
+        if b0 & 0x0F == 0xA:  # the client's pong to our ping
+            assert data == b"p"
+            continue
+        half = len(data) // 2
+        writer.write(frame(0x9, b"p") + frame(0x1, data[:half], fin=False) + frame(0x0, data[half:]))
+        await writer.drain()
+
+
+def test_websocket_client_frames_against_an_rfc_6455_server():
+    from relayrl.utils.websocket import WebSocket, WebSocketError
+
+    async def run():
+        server = await asyncio.start_server(_raw_ws_echo, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        ws = await WebSocket.connect(f"ws://127.0.0.1:{port}/ws", timeout=5)
+        for size in (5, 200, 70_000):  # the 7-bit, 16-bit and 64-bit lengths
+            text = ("é" + "x" * size)[:size]
+            await ws.send_text(text)
+            assert await ws.recv_text() == text
+        with pytest.raises(TimeoutError, match=f"no message from ws://127.0.0.1:{port}/ws within 0.2s"):
+            await ws.recv_text(timeout=0.2)
+        await ws.close()
+        with pytest.raises(WebSocketError, match="is closed"):
+            await ws.send_text("x")
+        with pytest.raises(WebSocketError, match="refused the WebSocket upgrade"):  # an HTTP server, not a WebSocket
+            http = await asyncio.start_server(_http_404, "127.0.0.1", 0)
+            await WebSocket.connect(f"ws://127.0.0.1:{http.sockets[0].getsockname()[1]}/ws", timeout=5)
+        server.close()
+
+    asyncio.run(run())
+
+
+async def _http_404(reader, writer):
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+    await writer.drain()
+    writer.close()
