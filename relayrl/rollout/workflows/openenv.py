@@ -46,6 +46,10 @@ class OpenEnvError(RuntimeError):
     """The environment server was unreachable, answered with an error, or refused an action."""
 
 
+class InvalidAction(OpenEnvError):
+    """The completion gave no action (``action_fn`` failed) or the server refused the one it gave."""
+
+
 def ws_url(base_url: str) -> str:
     """``http://HOST:PORT`` (the server's base URL, as OpenEnv clients take it) -> ``ws://HOST:PORT/ws``."""
     parts = urlsplit(base_url)
@@ -93,7 +97,8 @@ class OpenEnvSession:
         if answer.get("type") == "error":
             what = f"the action {json.dumps(dict(data))[:300]}" if kind == "step" else kind
             detail = body.get("errors") or body.get("message")
-            raise OpenEnvError(f"OpenEnv server {self.ws.url} refused {what} ({body.get('code')}): {detail}")
+            error = InvalidAction if kind == "step" else OpenEnvError
+            raise error(f"OpenEnv server {self.ws.url} refused {what} ({body.get('code')}): {detail}")
         if answer.get("type") != "observation" or not isinstance(body.get("observation"), dict):
             raise OpenEnvError(f"OpenEnv {kind} at {self.ws.url}: expected an observation, got {str(answer)[:300]}")
         return body
@@ -129,7 +134,9 @@ class OpenEnvWorkflow(RolloutWorkflow):
     - ``max_sessions``: most episodes in a session at once (the server's ``max_concurrent_envs``);
       more wait for one to close. 0: no limit (a full server then fails the episode).
     - ``invalid_action``: ``fail`` (the episode fails naming the action and the server's reason) or
-      ``end`` (the episode ends there with the rewards so far and ``invalid_action`` 1).
+      ``end`` (the episode ends there with the rewards so far and ``invalid_action`` 1). Invalid: no
+      action from ``action_fn``, or an error answer to a step (validation, the environment's exception);
+      a timeout or a lost connection fails the episode either way.
 
     Extra sequence-level keys: ``num_turns``, ``env_done`` (1 when the environment ended the
     episode), ``invalid_action``.
@@ -234,9 +241,9 @@ class OpenEnvWorkflow(RolloutWorkflow):
         try:
             action = self.action_fn(text, observation)
         except Exception as e:
-            raise OpenEnvError(f"action_fn found no action in the completion {text!r:.200}: {e!r}") from e
+            raise InvalidAction(f"action_fn found no action in the completion {text!r:.200}: {e!r}") from e
         if not isinstance(action, Mapping):
-            raise OpenEnvError(f"action_fn returned {type(action).__name__}, not a dict: {action!r:.200}")
+            raise InvalidAction(f"action_fn returned {type(action).__name__}, not a dict: {action!r:.200}")
         return dict(action)
 
     async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
@@ -277,8 +284,8 @@ class OpenEnvWorkflow(RolloutWorkflow):
             text = self.reply_text(resp.output_tokens, resp.stop_reason)
             try:
                 result = await session.step(self.action(text, observation))
-            except OpenEnvError:
-                if self.invalid_action == "fail" or session.ws.closed:
+            except InvalidAction:  # not a timeout or a lost server: those fail the episode either way
+                if self.invalid_action == "fail":
                     raise
                 invalid = True
                 break
