@@ -4,8 +4,8 @@
 #   bash scripts/test.sh --all    the same plus the minutes-long number checks (marker `long`: the full demo,
 #                                 the benchmarks' quick runs, the soak); each has a short counterpart in CI
 #   bash scripts/test.sh ARGS...  one pytest run of ARGS (e.g. tests/test_staleness.py -x; add -n 2 for workers)
-# The real-peer environments (scripts/peers.sh: downloads, ~6 minutes the first time) are built in the
-# background while the main suite runs.
+# The real-peer environments (scripts/peers.sh: downloads, ~6 minutes the first time) and the OpenEnv /
+# verifiers ones (scripts/envs.sh, ~2 minutes each) are built in the background while the main suite runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
@@ -28,11 +28,12 @@ if [ "${1:-}" = --all ]; then
 fi
 if [ $# -gt 0 ]; then
   bash scripts/peers.sh # real SGLang / vLLM for any real_peers test selected (cached; minutes the first time)
+  bash scripts/envs.sh  # OpenEnv / verifiers for the environment adapters' tests (cached; ~2 minutes each the first time)
   exec python -m pytest -q "$@"
 fi
 
 peers_log=$(mktemp -t relayrl-peers.XXXXXX.log)
-bash scripts/peers.sh >"$peers_log" 2>&1 &
+{ bash scripts/peers.sh && bash scripts/envs.sh; } >"$peers_log" 2>&1 &
 peers=$!
 phase "set-up done; building the real-peer environments in the background (log: $peers_log)"
 ruff format --check --quiet . && ruff check --quiet . && mypy # files and settings: [tool.mypy] in pyproject.toml

@@ -317,7 +317,10 @@ class RolloutConfig:
     )
     reward_workers: int = f(0, help="Reward worker processes (0 = run reward fns in the rollout thread).", ge=0)
     max_turns: int = f(
-        2, help="workflow=multi_turn: most attempts per episode (a wrong answer gets feedback and another try).", ge=1
+        2,
+        help="workflow=multi_turn: most attempts per episode (a wrong answer gets feedback and another try); "
+        "workflow=openenv: most actions per episode.",
+        ge=1,
     )
     turn_discount: float = f(
         0.9, help="workflow=multi_turn: the reward of attempt t is multiplied by turn_discount**t.", gt=0.0, le=1.0
@@ -601,8 +604,9 @@ class RunConfig:
     )
     workflow: str = f(
         "rlvr",
-        help="Rollout workflow: rlvr, multi_turn, remax, tool_agent, a name registered with @register_workflow, or "
-        "'package.module:attr' (a RolloutWorkflow subclass or a function returning one; docs/extend.md).",
+        help="Rollout workflow: rlvr, multi_turn, remax, tool_agent, openenv (an OpenEnv server; docs/environments.md), "
+        "a name registered with @register_workflow, or 'package.module:attr' (a RolloutWorkflow subclass or a "
+        "function returning one; docs/extend.md; verifiers: relayrl.agents.verifiers:VerifiersWorkflow).",
     )
     workflow_kwargs: dict[str, YamlValue] = f(
         {}, help="Keyword arguments for the workflow (after the standard ones its signature names)."

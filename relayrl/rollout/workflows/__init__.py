@@ -11,6 +11,7 @@ from typing import cast
 
 from relayrl.api.workflow import RolloutWorkflow
 from relayrl.rollout.workflows.multi_turn import MultiTurnWorkflow
+from relayrl.rollout.workflows.openenv import OpenEnvWorkflow
 from relayrl.rollout.workflows.remax import ReMaxWorkflow
 from relayrl.rollout.workflows.rlvr import RLVRWorkflow, compute_reward
 from relayrl.rollout.workflows.tool_agent import ToolAgentWorkflow
@@ -22,6 +23,7 @@ WORKFLOWS: dict[str, WorkflowFactory] = {
     "multi_turn": MultiTurnWorkflow,
     "remax": ReMaxWorkflow,
     "tool_agent": ToolAgentWorkflow,
+    "openenv": OpenEnvWorkflow,
 }
 _register = registrar(WORKFLOWS, "workflow")
 
@@ -45,6 +47,7 @@ def workflow_factory(value: str, field: str = "workflow") -> WorkflowFactory:
 __all__ = [
     "WORKFLOWS",
     "MultiTurnWorkflow",
+    "OpenEnvWorkflow",
     "RLVRWorkflow",
     "ReMaxWorkflow",
     "ToolAgentWorkflow",
