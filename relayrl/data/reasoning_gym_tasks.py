@@ -125,8 +125,8 @@ def reasoning_gym_task(
             "lower data.n_train or widen data.task_kwargs"
         )
     for split, part in (("train", train), ("eval", evals)):
-        for i, row in enumerate(part):
-            row["id"] = f"{PREFIX}{name}/{split}/{i}"
+        for i, r in enumerate(part):
+            r["id"] = f"{PREFIX}{name}/{split}/{i}"
     return train, evals
 
 
