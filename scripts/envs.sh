@@ -19,47 +19,13 @@ command -v "$python" >/dev/null || python=python3
 mkdir -p "$root"
 t0=$SECONDS
 
-say() { printf '[envs %4ds] %s\n' $((SECONDS - t0)) "$*"; }
-
-pip_in() { # pip in env $1, its output without the local mirrors' "ignored location" noise
-  local env=$1
-  shift
-  "$env/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q "$@" 2>&1 |
-    { grep -v -e "^WARNING: Location 'file:" -e '^Requirement already satisfied' || true; } # pipefail: pip's status
-}
-
-build() { # build NAME PINS STEP-FUNCTION
-  local env="$root/$1" pins=$2 step=$3
-  if [ -f "$env/.relayrl-env" ] && [ "$(cat "$env/.relayrl-env")" = "$pins" ]; then
-    say "$1: ready ($env)"
-    return
-  fi
-  exec 9>"$root/.$1.lock"
-  flock 9 # one build per env at a time (another shell may be building it)
-  if [ -f "$env/.relayrl-env" ] && [ "$(cat "$env/.relayrl-env")" = "$pins" ]; then
-    say "$1: ready ($env)"
-    return
-  fi
-  if [ -f "$env/.relayrl-env" ]; then
-    say "$1: built from other pins ($(tr '\n' ' ' <"$env/.relayrl-env")): rebuilding"
-    rm -rf "$env"
-  fi
-  if [ ! -x "$env/bin/python" ]; then
-    say "$1: creating the venv $env"
-    "$python" -m venv "$env"
-  else
-    say "$1: completing the install in $env"
-  fi
-  "$step" "$env"
-  printf '%s\n' "$pins" >"$env/.relayrl-env"
-  say "$1: ready ($env, $(du -sh "$env" | cut -f1))"
-  exec 9>&-
-}
+label=envs stamp=.relayrl-env
+. scripts/venvs.sh
 
 openenv_step() {
   local env=$1
   say "openenv: pip install openenv-core==$OPENENV_CORE_VERSION"
-  pip_in "$env" "openenv-core==$OPENENV_CORE_VERSION"
+  pip_in "$env" -q "openenv-core==$OPENENV_CORE_VERSION"
   say "openenv: openenv init echo_env (the template environment, offline)"
   rm -rf "$env/envs/echo_env"
   mkdir -p "$env/envs"
@@ -73,7 +39,7 @@ openenv_step() {
 verifiers_step() {
   local env=$1 script
   say "verifiers: pip install verifiers==$VERIFIERS_VERSION uv==$VERIFIERS_UV_VERSION"
-  pip_in "$env" "verifiers==$VERIFIERS_VERSION" "uv==$VERIFIERS_UV_VERSION"
+  pip_in "$env" -q "verifiers==$VERIFIERS_VERSION" "uv==$VERIFIERS_UV_VERSION"
   "$env/bin/python" -c "import importlib.metadata as m, verifiers; print('verifiers', m.version('verifiers'))"
   # The null/bash harnesses run a PEP 723 chat program through `uv sync --script` (openai, mcp, httpx ...
   # from PyPI) at their first episode; do it now, at the path verifiers uses, so episodes find it cached.

@@ -20,42 +20,8 @@ command -v "$python" >/dev/null || python=python3
 mkdir -p "$root"
 t0=$SECONDS
 
-say() { printf '[peers %4ds] %s\n' $((SECONDS - t0)) "$*"; }
-
-pip_in() {  # pip in env $1, its output without the local mirrors' "ignored location" noise
-  local env=$1
-  shift
-  "$env/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 |
-    { grep -v -e "^WARNING: Location 'file:" -e '^Requirement already satisfied' || true; }  # pipefail: pip's status
-}
-
-build() {  # build NAME PINS STEP-FUNCTION
-  local env="$root/$1" pins=$2 step=$3
-  if [ -f "$env/.relayrl-peer" ] && [ "$(cat "$env/.relayrl-peer")" = "$pins" ]; then
-    say "$1: ready ($env)"
-    return
-  fi
-  exec 9>"$root/.$1.lock"
-  flock 9  # one build per env at a time (another shell may be building it)
-  if [ -f "$env/.relayrl-peer" ] && [ "$(cat "$env/.relayrl-peer")" = "$pins" ]; then
-    say "$1: ready ($env)"
-    return
-  fi
-  if [ -f "$env/.relayrl-peer" ]; then
-    say "$1: built from other pins ($(tr '\n' ' ' <"$env/.relayrl-peer")): rebuilding"
-    rm -rf "$env"
-  fi
-  if [ ! -x "$env/bin/python" ]; then
-    say "$1: creating the venv $env"
-    "$python" -m venv "$env"
-  else
-    say "$1: completing the install in $env"
-  fi
-  "$step" "$env"
-  printf '%s\n' "$pins" >"$env/.relayrl-peer"
-  say "$1: ready ($env, $(du -sh "$env" | cut -f1))"
-  exec 9>&-
-}
+label=peers stamp=.relayrl-peer
+. scripts/venvs.sh
 
 vllm_step() {
   local env=$1 site
