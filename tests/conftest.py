@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -65,6 +66,16 @@ def _tracked_changes() -> dict[str, str] | None:
 
 def pytest_sessionstart(session):
     session.config.stash[_TRACKED] = _tracked_changes()
+    _sigint_as_in_a_terminal()
+
+
+def _sigint_as_in_a_terminal() -> None:
+    """Ctrl-C as a process started from a terminal has it, whoever started pytest: a shell without job
+    control starts background commands (``cmd &``, CI runners) with SIGINT ignored, Python then installs
+    no KeyboardInterrupt handler, and relayrl, rightly, leaves an ignored SIGINT ignored, so the tests
+    of what Ctrl-C does would see nothing happen. Children started by tests get the default action."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_sessionfinish(session, exitstatus):

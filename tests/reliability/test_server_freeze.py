@@ -95,7 +95,10 @@ def test_one_of_two_servers_frozen_mid_rollout_the_run_finishes(tmp_path, server
     assert frozen, "server 1 was never seen with a request in flight"
     print(f"one frozen server: run finished {finished - frozen[0]:.1f}s after the freeze")
     check_steps(metrics_rows(cfg.run_dir), T, eta=1, batch_size=2)
-    assert stats["evictions"] >= 1 and stats["reissued"] >= 1  # the frozen server's requests went elsewhere
+    # evicted; what it still held went elsewhere (reissued, printed), unless its answers were on their way
+    # when it froze: in flight was seen > 0 a moment before the SIGSTOP (CI once saw 0 reissued)
+    print(f"evictions {stats['evictions']}, reissued {stats['reissued']}")
+    assert stats["evictions"] >= 1
     assert metrics_rows(cfg.run_dir)[-1]["rollout/failed"] == 0
 
 
