@@ -125,7 +125,8 @@ def test_pause_with_requests_in_flight_then_resume(vllm, served_model, tmp_path)
             results: list = []
             t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(3)])))
             t.start()
-            in_flight(eng, 3, after_s=0.05, sender=t)
+            in_flight(eng, 3, after_s=0.0, sender=t)
+            running(vllm, 3, t)  # vLLM runs them (sent is not enough: a pause before they run aborts nothing)
             eng.pause()
             try:
                 assert httpx.get(vllm.url + "/is_paused", timeout=10).json()["is_paused"] is True
@@ -240,6 +241,19 @@ def metric(server: RealServer, name: str, **labels: str) -> float:
     return total
 
 
+KEEP = 200  # tokens of the request that is not cancelled: long enough for running() to see both
+
+
+def running(server: RealServer, n: int, sender: threading.Thread | None = None) -> None:
+    """Wait until vLLM reports ``n`` requests running (scheduled, not only received), or ``sender`` is done."""
+    deadline = time.monotonic() + 60
+    while metric(server, "vllm:num_requests_running") < n:
+        if sender is not None and not sender.is_alive():
+            return
+        assert time.monotonic() < deadline, f"vLLM never ran {n} requests at once"
+        time.sleep(0.02)
+
+
 def test_a_cancelled_request_is_aborted_on_the_server(vllm, tmp_path):
     """A caller that gives up (asyncio cancel) while its request's call runs (batch_window_ms > 0: the
     batcher's call, not the caller's): vLLM is told to stop it (/abort_requests) instead of generating it
@@ -248,27 +262,26 @@ def test_a_cancelled_request_is_aborted_on_the_server(vllm, tmp_path):
     before = metric(vllm, "vllm:generation_tokens_total")
 
     async def go():
-        keep = GenerationConfig(max_new_tokens=40, temperature=1.0, ignore_eos=True)
+        keep = GenerationConfig(max_new_tokens=KEEP, temperature=1.0, ignore_eos=True)
         drop = GenerationConfig(max_new_tokens=N_LONG, temperature=1.0, ignore_eos=True)  # seconds, not ms
         a = asyncio.ensure_future(eng.agenerate(ModelRequest("keep", prompts(1)[0], keep)))
         b = asyncio.ensure_future(eng.agenerate(ModelRequest("give-up", prompts(2)[1], drop)))
-        deadline = time.monotonic() + 60  # cancel once vLLM generates (the batch's call has arrived), not at a
-        while await asyncio.to_thread(metric, vllm, "vllm:generation_tokens_total") <= before:  # fixed time
-            assert time.monotonic() < deadline, "vLLM generated nothing"
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(
+            running, vllm, 2
+        )  # cancel once vLLM runs both (one it has not yet seen ignores the abort)
         b.cancel()
         out = await a
         await asyncio.sleep(0.5)  # the abort call is on its way
         return out
 
     try:
-        assert len(asyncio.run(go()).output_tokens) == 40
+        assert len(asyncio.run(go()).output_tokens) == KEEP
         deadline = time.monotonic() + 60
         while metric(vllm, "vllm:num_requests_running") > 0:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         generated = metric(vllm, "vllm:generation_tokens_total") - before
-        assert generated < 40 + N_LONG, "the cancelled request ran to its end on the server"
+        assert generated < KEEP + N_LONG, "the cancelled request ran to its end on the server"
     finally:
         eng.destroy()
 
