@@ -12,7 +12,9 @@ import asyncio
 import json
 import os
 import signal
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -74,10 +76,16 @@ def test_launch_gpus_under_ray_are_refused_at_load_time():
         )
 
 
-def test_without_an_address_a_local_instance_starts_with_ray_num_cpus(capsys, tmp_path):
-    """No ``ray.address`` (and no RAY_ADDRESS): a Ray instance of ``ray.num_cpus`` CPUs starts here; a
-    spec it cannot hold is one line, and the instance is shut down again."""
+def test_without_an_address_a_local_instance_starts_with_ray_num_cpus(capsys, tmp_path, monkeypatch, request):
+    """No ``ray.address`` (and no RAY_ADDRESS): a Ray instance of ``ray.num_cpus`` CPUs starts here, even
+    where a dead cluster's address file is left over (CI once failed on one); a spec it cannot hold is
+    one line, and the instance is shut down again."""
     assert not ray.is_initialized() and "RAY_ADDRESS" not in os.environ
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rr", dir="/tmp"))  # short: Ray's socket paths live under it
+    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")  # what `ray start` leaves behind
     argv = ["train", f"run_dir={tmp_path}", "launcher=ray", "ray.num_cpus=1", "ray.trainer_cpus=2", *FAST]
     code = main(argv)
     err = capsys.readouterr().err.strip().splitlines()

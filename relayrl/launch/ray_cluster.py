@@ -76,7 +76,11 @@ def connect(rc: RayConfig) -> bool:
         if address:
             ray.init(address=address, logging_level=logging.ERROR)
         else:
-            ray.init(num_cpus=rc.num_cpus or None, include_dashboard=False, logging_level=logging.ERROR)
+            # "local", not None: Ray would otherwise join whatever /tmp/ray/ray_current_cluster names, a
+            # file a crashed `ray start` or test cluster leaves behind, and refuse num_cpus for it.
+            ray.init(
+                address="local", num_cpus=rc.num_cpus or None, include_dashboard=False, logging_level=logging.ERROR
+            )
     except ConnectionError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RayLaunchError(f"ray.address={address}: {first}") from None
