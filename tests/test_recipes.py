@@ -232,12 +232,13 @@ def test_reward_model_recipe_scores_rollouts_with_the_reward_model(tmp_path: Pat
             tok.encode(row["completion"], add_special_tokens=False),
         )
         assert row["reward"] == pytest.approx(
-            fn(prompt=row["prompt"], completions=row["completion"], prompt_ids=p, completion_ids=c), abs=1e-4
+            asyncio.run(fn(None, prompt=row["prompt"], completions=row["completion"], prompt_ids=p, completion_ids=c)),
+            abs=1e-4,
         )
     assert len({round(r["reward"], 6) for r in rows}) > 2  # real-valued scores, not a verifier's 0/1
 
 
-@pytest.mark.slow  # about 70 s of CPU: the 5M-parameter reward model scores one sequence at a time
+@pytest.mark.slow  # the 5M-parameter reward model's forwards are most of it (batched: relayrl.rewards.model)
 def test_reward_model_recipe_learns_what_the_reward_model_scores(tmp_path: Path, monkeypatch, capsys):
     """The held-out reward-model score rises to the recipe's stated 20-step figure."""
     monkeypatch.chdir(ROOT)

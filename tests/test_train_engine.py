@@ -3,6 +3,7 @@ heads and weight sync into a real LocalEngine."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 
@@ -231,6 +232,15 @@ def test_reward_head_scores_last_token_and_is_a_reward_fn(tiny_model):
         with torch.no_grad():
             ref = rm.model(input_ids=batch["input_ids"][i : i + 1, :n]).logits[0, -1, 0]
         assert abs(float(scores[i]) - float(ref)) <= 1e-5
-    fn = rm.as_reward_fn()
-    ids = batch["input_ids"][1, :12].tolist()
-    assert abs(fn(prompt="p", completions="c", prompt_ids=ids[:4], completion_ids=ids[4:]) - float(scores[1])) <= 1e-6
+    fn = rm.as_reward_fn(max_batch=2)
+    ids = [batch["input_ids"][i, :n].tolist() for i, n in enumerate([5, 12, 8])]
+
+    async def together() -> list[float]:  # three episodes scoring in the same event-loop turn
+        return await asyncio.gather(*(fn(None, prompt_ids=s[:3], completion_ids=s[3:]) for s in ids))
+
+    got = asyncio.run(together())
+    assert fn.batches == 2  # one forward per max_batch calls, not one per call
+    assert max(abs(g - float(s)) for g, s in zip(got, scores, strict=True)) <= 1e-5
+    assert asyncio.run(fn(None, prompt_ids=ids[1][:4], completion_ids=ids[1][4:])) == pytest.approx(got[1], abs=1e-6)
+    with pytest.raises(ValueError, match="prompt_ids \\+ completion_ids is empty"):
+        asyncio.run(fn(None, prompt_ids=[], completion_ids=[]))

@@ -15,7 +15,7 @@ import inspect
 import math
 import os
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from relayrl.api.config import ModelConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
 from relayrl.api.io import SaveLoadMeta, WeightUpdate
+from relayrl.rewards.model import RewardModelFn
 from relayrl.train import lora
 from relayrl.train.fastpath import CheckedForward
 from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
@@ -365,18 +366,12 @@ class TorchTrainEngine(TrainEngine):
         values = self.forward(batch, post_fn=last_token_post)
         return values[torch.arange(values.shape[0]), lengths - 1]
 
-    def as_reward_fn(self) -> Callable[..., float]:
-        """A reward function (``relayrl.api.workflow.RewardFn``) scoring prompt_ids + completion_ids; run it inline."""
+    def as_reward_fn(self, max_batch: int = 64) -> RewardModelFn:
+        """An async reward fn scoring prompt_ids + completion_ids; calls made together share one forward
+        (``relayrl.rewards.model``)."""
         if self.head != "reward":
             raise ValueError(f"as_reward_fn needs head='reward', this engine has head={self.head!r}")
-
-        def reward_fn(
-            prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], **data: object
-        ) -> float:
-            ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.int64)
-            return float(self.score({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)})[0])
-
-        return reward_fn
+        return RewardModelFn(self.score, max_batch)
 
     @torch.no_grad()
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> float:
