@@ -18,7 +18,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relayrl.api.commands import ServerConfig, config_reference
+from relayrl.api.commands import ServerConfig, SFTConfig, config_reference
 from relayrl.api.config import ConfigError, RunConfig, load_config, save_config
 from relayrl.api.io import GenerationConfig
 
@@ -111,6 +111,17 @@ def test_c_clip_must_exceed_one():
 )
 def test_bad_values_give_one_line_errors_naming_the_field(override, expected):
     assert expected in _error(override if isinstance(override, list) else [override])
+
+
+@pytest.mark.parametrize("cls", [RunConfig, SFTConfig])
+def test_a_data_file_beside_a_synthetic_task_is_refused_not_ignored(cls):
+    """``relayrl sft data.train_path=rows.jsonl`` once trained on the default arithmetic task and said nothing."""
+    assert _error(["data.train_path=rows.jsonl"], cls=cls) == (
+        "data.task='arithmetic' ignores train_path: add data.task=file to use the file (or drop train_path to "
+        "use the task)"
+    )
+    assert "ignores train_path and eval_path" in _error(["data.train_path=a", "data.eval_path=b"], cls=cls)
+    assert load_config(cls, None, ["data.task=file", "data.train_path=rows.jsonl"]).data.train_path == "rows.jsonl"
 
 
 def test_unregistered_loss_fails_before_any_model_loads(tmp_path, capsys):

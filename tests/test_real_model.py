@@ -165,7 +165,8 @@ def test_grpo_smoke_from_the_gguf_file_saves_an_hf_checkpoint(real_cache: Path, 
 
 
 def test_sft_smoke_on_the_real_model(real_cache: Path, tmp_path: Path):
-    """``relayrl sft`` with model.path=FILE.gguf on chat rows: the loss on the answer tokens falls."""
+    """``relayrl sft`` with model.path=FILE.gguf on chat rows: the loss on the answer tokens falls (on these
+    rows: before data.task=file was required beside a train_path, this test trained on the arithmetic task)."""
     question = "What is {} + {}? Reply with just the number."
     rows = [  # chat rows: the model's own template makes the prompt, the answer is the completion
         {"messages": [{"role": "user", "content": question.format(a, b)}], "answer": str(a + b)}
@@ -180,6 +181,7 @@ def test_sft_smoke_on_the_real_model(real_cache: Path, tmp_path: Path):
             "relayrl.cli",
             "sft",
             f"model.path={_gguf(real_cache)}",
+            "data.task=file",
             f"data.train_path={data}",
             f"run_dir={tmp_path / 'run'}",
             "total_steps=2",

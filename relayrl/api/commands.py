@@ -14,6 +14,7 @@ from relayrl.api.config import (
     OptimizerConfig,
     RunConfig,
     TrainEngineConfig,
+    check_file_task,
 )
 from relayrl.api.fields import f
 
@@ -68,6 +69,9 @@ class SFTDataConfig:
         2, help="Synthetic task: digits / numbers (count: length scale, median 3x numbers).", ge=1, le=6
     )
     error_rate: float = f(0.0, help="Synthetic task: fraction of demonstrations that are wrong.", ge=0.0, le=1.0)
+
+    def validate(self) -> None:
+        check_file_task(self.task, self.train_path, self.eval_path)
 
 
 @dataclass

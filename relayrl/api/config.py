@@ -497,6 +497,20 @@ class DataConfig:
         2, help="Synthetic task: number of digits / operands (count: length scale, median 3x numbers).", ge=1, le=6
     )
 
+    def validate(self) -> None:
+        check_file_task(self.task, self.train_path, self.eval_path)
+
+
+def check_file_task(task: str, train_path: str, eval_path: str) -> None:
+    """A data file named beside a synthetic task would be ignored without a word: refuse it
+    (``data`` and ``relayrl sft``'s ``data`` share the rule)."""
+    named = [name for name, path in (("train_path", train_path), ("eval_path", eval_path)) if path]
+    if named and task != "file":
+        raise ValueError(
+            f"task={task!r} ignores {' and '.join(named)}: add data.task=file to use the file "
+            f"(or drop {' and '.join(named)} to use the task)"
+        )
+
 
 @dataclass
 class EvalConfig:
