@@ -49,7 +49,7 @@ NAME = "smollm2-135m-instruct"
 FP32_TOL = 1e-4  # per token, fp32 server vs the trainer's fp32 forward, 30 layers (measured <= 4.0e-5)
 SHORT = [
     "total_steps=2",
-    "rollout.batch_size=4",
+    "rollout.batch_size=2",
     "rollout.group_size=4",
     "eval.before_training=false",
     "eval.every_n_steps=0",
@@ -103,7 +103,7 @@ def check_synced(rows: list[dict], seen: list[str], steps: int) -> None:
             continue
         assert r["actor/staleness_mean"] == 0.0, r["step"]
         assert r["mismatch/abs_diff_max"] <= FP32_TOL, (r["step"], r["mismatch/abs_diff_max"])
-        assert r["mismatch/tokens"] >= 4 * 4, r["step"]
+        assert r["mismatch/tokens"] >= 2 * 4, r["step"]
 
 
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
