@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import shutil
+import signal
 import sys
 import tempfile
 import threading
