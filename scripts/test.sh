@@ -40,12 +40,12 @@ ruff format --check --quiet . && ruff check --quiet . && mypy # files and settin
 phase "lint done"
 status=0
 # Two workers (one torch thread each); a file's tests stay on one worker, so module fixtures are built once.
-python -m pytest -q -n "${RELAYRL_TEST_WORKERS:-2}" --dist loadfile --durations=20 -m "$markers" || status=$?
+python -m pytest -q -n "${RELAYRL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=20 -m "$markers" || status=$?
 phase "main suite done"
 if wait "$peers"; then
   tail -n 3 "$peers_log"
   # two workers (SGLang's, vLLM's and the SmolLM2 modules side by side: ~356 s instead of ~420 s on one)
-  python -m pytest -q -n 2 --dist loadfile --durations=8 -m "$peer_markers" || status=$?
+  python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=8 -m "$peer_markers" || status=$?
   phase "real-peer suite done"
 else
   cat "$peers_log"

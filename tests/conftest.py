@@ -29,8 +29,39 @@ def tiny_model():
     return build_tiny_model("tiny", seed=0).eval()
 
 
+# The files that take the most worker time, longest first (docs/testing.md; re-order when a file's time
+# changes a lot). scripts/test.sh runs xdist with --no-loadscope-reorder, so files are handed out in
+# collection order: the long ones start first and short ones fill the end, instead of one worker
+# finishing its last long file alone while the other idles.
+LONGEST_FIRST = [
+    "tests/test_ray_launcher.py",
+    "tests/test_recipes.py",
+    "tests/reliability/test_trainer_interrupt.py",
+    "tests/test_trainer.py",
+    "tests/test_peers.py",
+    "tests/test_openai_agent_recipe.py",
+    "tests/test_remote.py",
+    "tests/test_real_model.py",
+    "tests/test_peer_launch.py",
+    "tests/test_cli_first_day.py",
+    "tests/test_checkpoints_standalone.py",
+    "tests/reliability/test_trainer_kill.py",
+    "tests/test_selftest.py",
+    "tests/test_moe.py",
+    "tests/real_peers/test_sglang.py",
+    "tests/real_peers/test_vllm.py",
+    "tests/real_peers/test_smollm2_peers.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped when torch sees no CUDA device."""
+    """The longest files first (``LONGEST_FIRST``); tests marked ``gpu`` are skipped when torch sees no
+    CUDA device."""
+    gone = [p for p in LONGEST_FIRST if not (config.rootpath / p).is_file()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that do not exist: {gone}")
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest in order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
