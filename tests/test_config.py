@@ -117,10 +117,10 @@ def test_bad_values_give_one_line_errors_naming_the_field(override, expected):
 def test_a_data_file_beside_a_synthetic_task_is_refused_not_ignored(cls):
     """``relayrl sft data.train_path=rows.jsonl`` once trained on the default arithmetic task and said nothing."""
     assert _error(["data.train_path=rows.jsonl"], cls=cls) == (
-        "data.task='arithmetic' ignores train_path: add data.task=file to use the file (or drop train_path to "
-        "use the task)"
+        "data.train_path would be ignored: data.task='arithmetic' is a synthetic task; add data.task=file to use "
+        "the file (or drop train_path to use the task)"
     )
-    assert "ignores train_path and eval_path" in _error(["data.train_path=a", "data.eval_path=b"], cls=cls)
+    assert _error(["data.train_path=a", "data.eval_path=b"], cls=cls).startswith("data.train_path and eval_path would")
     assert load_config(cls, None, ["data.task=file", "data.train_path=rows.jsonl"]).data.train_path == "rows.jsonl"
 
 

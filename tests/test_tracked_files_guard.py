@@ -1,4 +1,5 @@
-"""The suite's guard (tests/conftest.py): a test run that modifies a tracked file fails, naming it."""
+"""The suite's guard (tests/conftest.py): a test run that modifies a tracked file fails, naming it; and the
+file order conftest gives the workers names real files."""
 
 from __future__ import annotations
 
@@ -36,3 +37,12 @@ def test_a_run_that_rewrites_a_tracked_file_fails(tmp_path):
 def test_a_clean_run_passes(tmp_path):
     p = _pytest(_repo(tmp_path, "def test_it():\n    pass\n"))
     assert p.returncode == 0, p.stdout[-2000:]
+
+
+def test_the_longest_first_order_names_files_that_exist():
+    """conftest's LONGEST_FIRST hands the longest files to the workers first; a renamed file would silently
+    fall back to the end of the queue."""
+    from tests.conftest import LONGEST_FIRST
+
+    root = Path(__file__).resolve().parents[1]
+    assert [p for p in LONGEST_FIRST if not (root / p).is_file()] == []

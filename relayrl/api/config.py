@@ -504,11 +504,11 @@ class DataConfig:
 def check_file_task(task: str, train_path: str, eval_path: str) -> None:
     """A data file named beside a synthetic task would be ignored without a word: refuse it
     (``data`` and ``relayrl sft``'s ``data`` share the rule)."""
-    named = [name for name, path in (("train_path", train_path), ("eval_path", eval_path)) if path]
+    named = " and ".join(name for name, path in (("train_path", train_path), ("eval_path", eval_path)) if path)
     if named and task != "file":
         raise ValueError(
-            f"task={task!r} ignores {' and '.join(named)}: add data.task=file to use the file "
-            f"(or drop {' and '.join(named)} to use the task)"
+            f"{named} would be ignored: data.task={task!r} is a synthetic task; add data.task=file to use the "
+            f"file (or drop {named} to use the task)"
         )
 
 
