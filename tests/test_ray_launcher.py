@@ -132,7 +132,7 @@ def _wait_for_step(run_dir: Path, step: int, timeout: float = 240.0) -> None:
     raise TimeoutError(f"{run_dir} never reached step {step}")
 
 
-def _released(timeout: float = 20.0) -> None:
+def _released(timeout: float = 120.0) -> None:
     """Every CPU of the cluster is free again: the run's actors and placement group are gone."""
     deadline = time.monotonic() + timeout
     while ray.available_resources().get("CPU", 0.0) != 2.0:
@@ -300,6 +300,30 @@ def test_sglang_servers_are_ray_actors_on_their_nodes_address(cluster, tmp_path)
             assert asyncio.run(engine.agenerate(ModelRequest("a", [3, 4, 5], g))).output_len == 4
         finally:
             engine.destroy()
+    finally:
+        run.close()
+    _released()
+
+
+def test_a_relayrl_server_actor_gets_inference_launch_timeout(cluster, tmp_path, monkeypatch):
+    """Its start-up deadline is ``inference.launch_timeout``, as for a server launched without Ray (it was a
+    fixed 180 s, which a loaded machine's Ray worker start and imports outlasted, and whose error named
+    inference.launch_timeout all the same)."""
+
+    class RecordingServer:  # ServerActor's stand-in (defined here: Ray ships it by value), naming its deadline
+        def __init__(self, args, token, port, startup_timeout, peer):
+            self.timeout = startup_timeout
+
+        def address(self) -> str:
+            return f"127.0.0.1:{self.timeout:g}"
+
+    monkeypatch.setattr("relayrl.launch.ray_cluster.ServerActor", RecordingServer)
+    cfg = _cfg(tmp_path, *RAY, "inference.backend=remote", "inference.n_servers=1", "inference.launch_timeout=777")
+    run = RayRun(cfg)
+    try:
+        run.place()
+        run.start_servers()
+        assert run.cfg.inference.addresses == ["127.0.0.1:777"]
     finally:
         run.close()
     _released()

@@ -48,7 +48,6 @@ from relayrl.utils.interrupt import Interrupted
 from relayrl.utils.logging import get_logger
 
 log = logging.getLogger("relayrl.launch")
-SERVER_STARTUP_TIMEOUT = 180.0
 _node_port = ray.remote(num_cpus=0)(node_port)
 
 
@@ -169,7 +168,6 @@ class RayRun:
             return
         inf = cfg.inference
         args = serve_overrides(inf, cfg.model)
-        timeout = SERVER_STARTUP_TIMEOUT if inf.launch == "relayrl" else inf.launch_timeout
         server = ray.remote(ServerActor)
         for i in range(self.n_servers):
             # SGLang / vLLM: one server per actor, its GPUs from Ray, its log in a directory of its own
@@ -181,7 +179,7 @@ class RayRun:
             options = {"num_cpus": r.server_cpus, "num_gpus": r.server_gpus, "max_restarts": r.server_max_restarts}
             self.servers.append(
                 server.options(**options, scheduling_strategy=where).remote(  # type: ignore[arg-type]
-                    args, self.token, port, timeout, peer
+                    args, self.token, port, inf.launch_timeout, peer
                 )
             )
         try:
