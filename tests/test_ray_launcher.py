@@ -140,6 +140,7 @@ def _released(timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.timeout(1800)  # a loaded 2-core machine starts Ray workers slowly (600 s was not enough)
 def test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_rank_death(cluster, tmp_path):
     """Sync RL with greedy rollouts (the server's outputs then do not depend on request order).
 
@@ -194,6 +195,7 @@ def _once_back(call, timeout: float = 120.0):
             time.sleep(0.2)
 
 
+@pytest.mark.timeout(1800)  # a loaded 2-core machine starts Ray workers slowly (600 s was not enough)
 def test_killed_server_actor_is_restarted_and_readmitted_with_nothing_lost(cluster, tmp_path):
     """Asynchronous training (eta=1) on two server actors; one actor's process is SIGKILLed with a
     request in flight. The run goes on with the other server; Ray restarts the actor on its node and
