@@ -489,18 +489,25 @@ def test_client_over_a_remote_engine_to_a_real_server(tokenizer):
         group.shutdown()
 
 
-def test_tool_agent_workflow_through_the_chat_template(hermes):
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_tool_agent_workflow_through_the_chat_template(hermes, kind):
     """workflow=tool_agent with rollout.tool_format=template: the built-in agent calls the sandboxed
-    calculator through the template's tool calls and is rewarded on its final answer."""
+    calculator through the template's tool calls and is rewarded on its final answer, by a plain reward
+    fn or an async one (a reward model's ``as_reward_fn()``), which it once called without awaiting."""
     from relayrl import wiring
     from relayrl.api.config import RunConfig, load_config
 
     tok, eng = hermes
     answers = []
 
-    def reward(prompt, completions, prompt_ids, completion_ids, **data):
+    def score(prompt, completions, prompt_ids, completion_ids, **data):
         answers.append(completions)
         return float(completions.strip() == data["answer"])
+
+    async def ascore(engine, **kw):
+        return score(**kw)
+
+    reward = score if kind == "sync" else ascore
 
     cfg = load_config(
         RunConfig,

@@ -23,6 +23,7 @@ from relayrl.api.engine import DataItem
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RewardFn
 from relayrl.data.chat import encode
+from relayrl.rollout.workflows.rlvr import call_reward
 
 CALC_TOOL = {
     "type": "function",
@@ -68,14 +69,10 @@ def tool_agent_workflow(
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})
         extra = {k: v for k, v in data.items() if k not in ("prompt", "completions", "prompt_ids", "completion_ids")}
         last = client.records[-1]
-        return float(
-            reward_fn(
-                prompt="",
-                completions=answer,
-                prompt_ids=last.prompt_ids,
-                completion_ids=encode(tokenizer, answer),
-                **extra,
-            )
+        # through call_reward: an async reward fn (a reward model's as_reward_fn()) is awaited, not called
+        kwargs = dict(
+            prompt="", completions=answer, prompt_ids=last.prompt_ids, completion_ids=encode(tokenizer, answer)
         )
+        return await call_reward(reward_fn, None, {**kwargs, **extra})
 
     return OpenAIAgentWorkflow(agent, tokenizer, gconfig, timeout=timeout)

@@ -134,6 +134,18 @@ async def compute_reward(
         prompt_ids=p_ids,
         completion_ids=c_ids,
     )
+    return await call_reward(reward_fn, engine, kwargs, reward_pool, reward_timeout)
+
+
+async def call_reward(
+    reward_fn: RewardFn,
+    engine: InferenceEngine | None,
+    kwargs: dict[str, object],
+    reward_pool: AsyncRewardPool | None = None,
+    reward_timeout: float | None = None,
+) -> float:
+    """Run a reward fn where it belongs (module doc): awaited with the engine when async, else in the
+    pool, in a thread with a deadline, or inline; a non-finite reward is an error."""
     if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__):
         value = await typing.cast(Callable[..., Awaitable[float]], reward_fn)(engine, **kwargs)
     elif reward_pool is not None:
@@ -145,7 +157,7 @@ async def compute_reward(
     if not math.isfinite(float(value)):  # the episode fails (counted), the batch fills from others
         raise ValueError(
             f"reward fn {getattr(reward_fn, '__name__', 'reward_fn')!r} returned {float(value)} for row "
-            f"{data.get('id', '?')!r}; rewards must be finite"
+            f"{kwargs.get('id', '?')!r}; rewards must be finite"
         )
     return float(value)
 
