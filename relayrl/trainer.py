@@ -37,7 +37,8 @@ from relayrl.doctor.record import DoctorRecorder
 from relayrl.driver import Driver
 from relayrl.rollout.executor import WorkflowExecutor
 from relayrl.train.actor import Critic, PPOActor, needs_critic, needs_reference, report_steps
-from relayrl.train.engine import AdapterOffReference, NonFiniteError, TorchTrainEngine
+from relayrl.train.engine import NonFiniteError, TorchTrainEngine
+from relayrl.train.reference import AdapterOffReference
 from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats
 from relayrl.utils.checkpoint import CheckpointManager

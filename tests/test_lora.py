@@ -15,8 +15,9 @@ from relayrl.api.config import InferenceConfig, LoraConfig, ModelConfig, Optimiz
 from relayrl.api.io import SaveLoadMeta
 from relayrl.data.families import FAMILIES, build_tiny_family
 from relayrl.data.models import load_model
-from relayrl.train.engine import AdapterOffReference, TorchTrainEngine
+from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.lora import apply_lora, lora_layers, merged_state_dict
+from relayrl.train.reference import AdapterOffReference
 from tests.test_packing import make_batch
 from tests.test_train_engine import LENGTHS, n_loss_tokens, pg_loss
 

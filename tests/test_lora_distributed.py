@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 from relayrl.api.config import LoraConfig, ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.io import SaveLoadMeta
 from relayrl.train import lora as L
-from relayrl.train.engine import AdapterOffReference, TorchTrainEngine
+from relayrl.train.engine import TorchTrainEngine
+from relayrl.train.reference import AdapterOffReference
 from tests.test_packing import make_batch
 from tests.test_train_distributed import LENGTHS, STEPS, free_port, run_steps
 
