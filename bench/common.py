@@ -227,9 +227,12 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-# One GRPO step on both sides of grpo_vs_trl (and the base of async_vs_sync / overhead).
+# One GRPO step on both sides of grpo_vs_trl (and the base of async_vs_sync / overhead). The prompts per
+# step can be lowered for a model whose TRL side would not fit in memory (grpo_vs_trl --prompts-per-step,
+# carried to the spawned side processes by this variable).
+PROMPTS_ENV = "RELAYRL_BENCH_PROMPTS_PER_STEP"
 RL = {
-    "prompts_per_step": 8,
+    "prompts_per_step": int(os.environ.get(PROMPTS_ENV, "8")),
     "group_size": 8,
     "max_new_tokens": MAX_NEW_TOKENS,
     "temperature": 1.0,

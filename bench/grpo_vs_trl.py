@@ -74,6 +74,8 @@ measured one is kept as ``ratio_unmatched``, with a warning on stderr): the side
     python bench/grpo_vs_trl.py --task count --first-seed 2 --sampling-seeds 11,12,13,14,15,16,17 --tag sampling
     python bench/grpo_vs_trl.py --warm-start ~/.cache/relayrl/models/smollm2-135m-instruct --steps 2 --repeats 1 \
         --eval-rows 8 --tag smollm2
+    python bench/grpo_vs_trl.py --task count --warm-start ~/.cache/relayrl/models/smollm2-135m-instruct --steps 2 \
+        --repeats 1 --eval-rows 4 --prompts-per-step 4 --tag smollm2   # TRL's padded step fits in 23 GB
 """
 
 from __future__ import annotations
@@ -296,7 +298,18 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the result name (e.g. 'async' for a run with extra sides)")
     ap.add_argument("--trl-cb", action="store_true", help="TRL: transformers continuous batching instead of generate")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (smoke test)")
+    ap.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=0,
+        help="prompts per step on both sides (0: common.RL's 8); fewer lets TRL fit a long-tailed real-model step in memory",
+    )
     args = ap.parse_args()
+    if args.prompts_per_step < 0:
+        ap.error(f"--prompts-per-step must be >= 0, got {args.prompts_per_step}")
+    if args.prompts_per_step:  # the side processes are spawned: they read it from the environment
+        os.environ[common.PROMPTS_ENV] = str(args.prompts_per_step)
+        common.RL["prompts_per_step"] = args.prompts_per_step
     args.steps = args.steps or common.WORKLOADS[args.task]["steps"]
     if args.quick:
         args.repeats, args.steps = 1, 3
