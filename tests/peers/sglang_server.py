@@ -49,7 +49,6 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -60,35 +59,20 @@ from fastapi.responses import JSONResponse, Response
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _core import TinyPeer, listen, routed_all_layers  # noqa: E402
 from sglang_group import init_custom_process_group, receive  # noqa: E402
+from sglang_io import (  # noqa: E402
+    SAMPLING_KEYS,
+    DestroyWeightsUpdateGroupReqInput,
+    GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
+    PauseGenerationReqInput,
+    UnloadLoRAAdapterReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+)
 
 from relayrl.api.io import GenerationConfig  # noqa: E402
 from relayrl.inference.remote.protocol import version_tuple  # noqa: E402
-
-SAMPLING_KEYS = {
-    "max_new_tokens",
-    "min_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "n",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "custom_params",
-    "stream_interval",
-    "logit_bias",
-    "sampling_seed",
-}
 
 
 def _err(msg: str, status: int = 400) -> JSONResponse:
@@ -98,80 +82,6 @@ def _err(msg: str, status: int = 400) -> JSONResponse:
 def _refused(message: str, **extra: object) -> JSONResponse:
     """A weight route that failed: ``{"success": false, "message"}`` with 400, as SGLang answers."""
     return JSONResponse({"success": False, "message": message, **extra}, status_code=400)
-
-
-@dataclass
-class GenerateReqInput:  # the fields RemoteEngine uses (others are accepted and ignored, as FastAPI does for SGLang's dataclass)
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict | list[dict] | None = None  # type: ignore[type-arg]
-    rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] = False
-    stream: bool = False
-    # SGLang: one image (URL, path, base64 or data: URL) or a list per request; in a batch, one entry per item
-    image_data: str | list[str] | list[list[str]] | None = None
-    lora_path: str | list[str | None] | None = None
-    return_routed_experts: bool = False
-
-
-@dataclass
-class LoadLoRAAdapterReqInput:
-    lora_name: str
-    lora_path: str
-    pinned: bool = False
-    lora_id: str | None = None
-
-
-@dataclass
-class UnloadLoRAAdapterReqInput:
-    lora_name: str
-    lora_id: str | None = None
-
-
-@dataclass
-class UpdateWeightFromDiskReqInput:
-    model_path: str
-    load_format: str | None = None
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    is_async: bool = False
-    torch_empty_cache: bool = False
-    keep_pause: bool = False
-    recapture_cuda_graph: bool = False
-    token_step: int = 0
-    flush_cache: bool = True
-
-
-@dataclass
-class InitWeightsUpdateGroupReqInput:
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
-
-
-@dataclass
-class UpdateWeightsFromDistributedReqInput:
-    names: list[str] = field(default_factory=list)
-    dtypes: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    load_format: str | None = None
-
-
-@dataclass
-class DestroyWeightsUpdateGroupReqInput:
-    group_name: str = "weight_update_group"
-
-
-@dataclass
-class PauseGenerationReqInput:
-    mode: str = "abort"
 
 
 class SGLangStandIn:
