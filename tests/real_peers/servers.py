@@ -247,7 +247,8 @@ def check_freeze_mid_generation(server: RealServer, eng: RemoteEngine, n_tokens:
     return took
 
 
-FREEZE_UPDATE = {**FREEZE, "request_timeout": 5.0}  # ... and of the update freeze: the load call's deadline
+# ... and of the update freeze: the load call's deadline; the frozen server never comes back in time, so 5 s of wait
+FREEZE_UPDATE = {**FREEZE, "request_timeout": 5.0, "server_wait_timeout": 5.0}
 
 
 def check_freeze_during_update(server: RealServer, eng: RemoteEngine, new: torch.nn.Module, path: str) -> float:

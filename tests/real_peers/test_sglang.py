@@ -16,8 +16,10 @@ from relayrl.data.models import build_tiny_model
 from relayrl.inference.remote import RemoteEngine
 from tests.real_peers.servers import (
     FREEZE,
+    FREEZE_UPDATE,
     TOL,
     RealServer,
+    check_freeze_during_update,
     check_freeze_mid_generation,
     check_teacher_server,
     check_versions,
@@ -233,3 +235,23 @@ def test_a_server_frozen_mid_generation_stops_the_wait_with_one_line_then_comes_
         eng.destroy()
     print(f"sglang frozen mid-generation: Stalled {took:.1f}s after the freeze")
     assert took < 120  # health_timeout 5 s + server_wait_timeout 10 s, far from the test's own timeout
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    ("sync", "path"), [("disk", "/update_weights_from_disk"), ("broadcast", "/update_weights_from_distributed")]
+)
+def test_a_server_frozen_during_a_weight_update_stops_the_update_with_one_line_then_comes_back_with_the_weights(
+    sglang, tmp_path, sync, path
+):
+    """#40: SGLang SIGSTOPped as its disk load or its broadcast bucket is sent (servers.check_freeze_during_update);
+    SGLang is not health-probed during an update (its probe blocks then): the call's request_timeout evicts it."""
+    eng = engine(
+        sglang, weight_sync=sync, weight_sync_dir=str(tmp_path / "w") if sync == "disk" else "", **FREEZE_UPDATE
+    )
+    try:
+        took = check_freeze_during_update(sglang, eng, build_tiny_model("tiny", seed=7).eval(), path)
+    finally:
+        eng.destroy()
+    print(f"sglang frozen during a {sync} weight update: Stalled {took:.1f}s after the freeze")
+    assert took < 120  # request_timeout 5 s + server_wait_timeout 5 s, far from the test's own timeout

@@ -24,8 +24,10 @@ from relayrl.data.models import build_tiny_model
 from relayrl.inference.remote import RemoteEngine
 from tests.real_peers.servers import (
     FREEZE,
+    FREEZE_UPDATE,
     TOL,
     RealServer,
+    check_freeze_during_update,
     check_freeze_mid_generation,
     check_teacher_server,
     check_versions,
@@ -345,3 +347,17 @@ def test_a_server_frozen_mid_generation_stops_the_wait_with_one_line_then_comes_
         eng.destroy()
     print(f"vllm frozen mid-generation: Stalled {took:.1f}s after the freeze")
     assert took < 120  # health_timeout 5 s + server_wait_timeout 10 s, far from the test's own timeout
+
+
+@pytest.mark.timeout(400)
+def test_a_server_frozen_during_a_disk_load_stops_the_update_with_one_line_then_comes_back_with_the_weights(
+    vllm, tmp_path
+):
+    """#40: vLLM SIGSTOPped as its disk load (``/collective_rpc``) is sent (servers.check_freeze_during_update)."""
+    eng = engine(vllm, tmp_path / "w", weight_sync="disk", **FREEZE_UPDATE)
+    try:
+        took = check_freeze_during_update(vllm, eng, build_tiny_model("tiny", seed=7).eval(), "/collective_rpc")
+    finally:
+        eng.destroy()
+    print(f"vllm frozen during a disk load: Stalled {took:.1f}s after the freeze")
+    assert took < 120  # request_timeout 5 s + server_wait_timeout 5 s, far from the test's own timeout
