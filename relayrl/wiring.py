@@ -159,7 +159,9 @@ def make_workflow(
         from relayrl.agents.builtin import tool_agent_workflow
         from relayrl.rollout.tools import SubprocessTool
 
-        return tool_agent_workflow(reward_fn, gconfig, tokenizer, SubprocessTool(r.tool), r.max_tool_calls)
+        return tool_agent_workflow(
+            reward_fn, gconfig, tokenizer, SubprocessTool(r.tool), r.max_tool_calls, 0.0, reward_pool, r.reward_timeout
+        )
     offered: dict[str, Callable[[], object]] = {
         "reward_fn": lambda: reward_fn,
         "gconfig": lambda: gconfig,

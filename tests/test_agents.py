@@ -529,3 +529,31 @@ def test_tool_agent_workflow_through_the_chat_template(hermes, kind):
     # the tool really ran: its output (the sandboxed calculator's "19") is in the masked environment tokens
     text = tok.decode(traj["input_ids"][0].tolist())
     assert "<tool_response>\n19\n</tool_response>" in text
+
+
+def test_the_template_tool_agent_runs_its_reward_fn_under_rollout_reward_timeout(hermes):
+    """The built-in tool agent's reward fn runs off the episodes' event loop with ``rollout.reward_timeout``
+    (as every built-in workflow's): one that hangs fails its episode with a TimeoutError naming the fn. It
+    used to be called on the loop itself, with no deadline: a hung reward stopped every episode."""
+    import threading
+
+    from relayrl import wiring
+    from relayrl.api.config import RunConfig, load_config
+
+    tok, eng = hermes
+    release, loop_threads = threading.Event(), []
+
+    def hangs(prompt, completions, prompt_ids, completion_ids, **data):
+        loop_threads.append(threading.current_thread())
+        release.wait(60)
+        return 1.0
+
+    over = ["workflow=tool_agent", "rollout.tool_format=template", "rollout.max_tool_calls=2", "gconfig.greedy=true",
+            "gconfig.max_new_tokens=64", "rollout.reward_timeout=0.5"]  # fmt: skip
+    wf = wiring.make_workflow(load_config(RunConfig, None, over), tok, hangs)
+    try:
+        with pytest.raises(TimeoutError, match="'hangs' did not return within 0.5s"):
+            asyncio.run(wf.arun_episode(eng, {"messages": [{"role": "user", "content": "12+7="}], "answer": "19"}))
+    finally:
+        release.set()
+    assert len(loop_threads) == 1 and loop_threads[0] is not threading.main_thread()

@@ -23,7 +23,7 @@ from relayrl.api.engine import DataItem
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RewardFn
 from relayrl.data.chat import encode
-from relayrl.rollout.workflows.rlvr import call_reward
+from relayrl.rollout.workflows.rlvr import AsyncRewardPool, call_reward
 
 CALC_TOOL = {
     "type": "function",
@@ -43,8 +43,13 @@ def tool_agent_workflow(
     tool: Tool,
     max_tool_calls: int = 3,
     timeout: float = 0.0,
+    reward_pool: AsyncRewardPool | None = None,
+    reward_timeout: float | None = None,
 ) -> OpenAIAgentWorkflow:
-    """``workflow=tool_agent`` with ``rollout.tool_format=template`` (see module doc)."""
+    """``workflow=tool_agent`` with ``rollout.tool_format=template`` (see module doc). The reward fn runs
+    as in every built-in workflow (``call_reward``): awaited when async, else in ``reward_pool``
+    (``rollout.reward_workers``) or a thread with ``reward_timeout`` (``rollout.reward_timeout``), never
+    on the event loop the episodes share."""
 
     async def agent(client: OpenAIClient, data: DataItem) -> float:
         messages: list[object] = list(typing.cast(list[object], data["messages"]))
@@ -69,10 +74,9 @@ def tool_agent_workflow(
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})
         extra = {k: v for k, v in data.items() if k not in ("prompt", "completions", "prompt_ids", "completion_ids")}
         last = client.records[-1]
-        # through call_reward: an async reward fn (a reward model's as_reward_fn()) is awaited, not called
         kwargs = dict(
             prompt="", completions=answer, prompt_ids=last.prompt_ids, completion_ids=encode(tokenizer, answer)
         )
-        return await call_reward(reward_fn, None, {**kwargs, **extra})
+        return await call_reward(reward_fn, None, {**kwargs, **extra}, reward_pool, reward_timeout)
 
     return OpenAIAgentWorkflow(agent, tokenizer, gconfig, timeout=timeout)
