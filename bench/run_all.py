@@ -377,7 +377,9 @@ def describe_grpo(r: dict) -> tuple[str, str, str]:
     real = str(r["settings"].get("warm_start", "")).startswith("/")  # --warm-start DIR: a real model
     if real:
         p, g = r["settings"]["prompts_per_step"], r["settings"]["group_size"]
-        what += f", from {r['settings']['warm_start'].rstrip('/').split('/')[-1]}, {p} × {g} a step (`--only {r['name']}`)"
+        what += (
+            f", from {r['settings']['warm_start'].rstrip('/').split('/')[-1]}, {p} × {g} a step (`--only {r['name']}`)"
+        )
         goal = "≥ 1.5, peak RSS ≤ TRL's"
         cpu += f"peak RSS {_med(rel, 'peak_rss_mb'):.0f} vs {_med(trl, 'peak_rss_mb'):.0f} MB; "
     if "relayrl_async" in r:
