@@ -184,7 +184,7 @@ def test_two_ranks_and_a_server_on_two_nodes_train_like_one_process_through_a_ra
     _released()
 
 
-def _once_back(call, timeout: float = 120.0):
+def _once_back(call, timeout: float = 600.0):
     """``call()`` once the actor it asks is back: while Ray restarts it, calls fail as unavailable."""
     deadline = time.monotonic() + timeout
     while True:
