@@ -179,8 +179,9 @@ def test_sglang_without_get_weight_version_reads_model_info(stopper, tmp_path, t
 @pytest.mark.parametrize("sync", ["disk", "broadcast"])
 def test_an_update_whose_cache_flush_was_refused_waits_for_the_flush(stopper, tmp_path, tiny_model, sync):
     """SGLang >= 0.5.23 fails a weight load whose cache flush found requests still winding down
-    (weights loaded); relayrl then waits on /flush_cache, which answers plain text. Before: the disk
-    update failed with a JSONDecodeError, the broadcast with the 400."""
+    (weights loaded, the reported version unchanged); relayrl then waits on /flush_cache, which answers
+    plain text, and sets the version with /update_weight_version. Before: the disk update failed with a
+    JSONDecodeError, the broadcast with the 400; then the confirm read the old version (seen on real SGLang)."""
     p = started(stopper, "sglang", "--version", "0.5.23", "--refuse-flush", "1")
     eng = engine("sglang", [p.address], weight_sync=sync, weight_sync_dir=str(tmp_path))
     try:

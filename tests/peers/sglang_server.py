@@ -249,11 +249,11 @@ class SGLangStandIn:
                 n = await asyncio.to_thread(self.peer.load_dir, obj.model_path, v)
             except (OSError, ValueError) as e:
                 return _refused(f"Failed to update weights: {e}", num_paused_requests=0)
-            self.int_version = v
-            if obj.weight_version is not None:
-                self.weight_version = obj.weight_version
+            self.int_version = v  # new tokens carry it, as SGLang's scheduler records it on loading
         if refused := self.flush_refused(obj.flush_cache):
-            return refused
+            return refused  # the reported version stays the old one (0.5.23 sets it on success only)
+        if obj.weight_version is not None:
+            self.weight_version = obj.weight_version
         return JSONResponse(
             {"success": True, "message": f"Succeeded to update model weights ({n} tensors).", "num_paused_requests": 0}
         )
@@ -345,11 +345,11 @@ class SGLangStandIn:
             except ValueError as e:
                 return _refused(f"Failed to update parameter online: {e}")
             self.counts["buckets"] += 1
-            self.int_version = v
-            if obj.weight_version is not None:
-                self.weight_version = obj.weight_version
+            self.int_version = v  # new tokens carry it, as SGLang's scheduler records it on loading
         if refused := self.flush_refused(obj.flush_cache):
-            return refused
+            return refused  # the reported version stays the old one (0.5.23 sets it on success only)
+        if obj.weight_version is not None:
+            self.weight_version = obj.weight_version
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
     def flush_refused(self, flush: bool) -> Response | None:
@@ -473,6 +473,15 @@ def build_app(s: SGLangStandIn) -> FastAPI:
     async def stand_in() -> dict[str, object]:  # test introspection, not an SGLang route: how it was started
         keys = ("CUDA_VISIBLE_DEVICES", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
         return {"argv": sys.argv, "env": {k: os.environ.get(k) for k in keys}}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict[str, object]:  # SGLang's UpdateWeightVersionReqInput
+        body = await request.json()
+        if body.get("abort_all_requests", True):
+            s.counts["aborted"] += await asyncio.to_thread(s.peer.abort_running)
+        s.weight_version = str(body["new_version"])
+        s.int_version = _as_int(s.weight_version, s.int_version)
+        return {"success": True, "message": f"Weight version updated to {s.weight_version}", "new_version": s.weight_version}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

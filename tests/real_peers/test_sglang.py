@@ -14,6 +14,7 @@ from relayrl.api.config import InferenceConfig
 from relayrl.api.io import GenerationConfig, WeightUpdate
 from relayrl.data.models import build_tiny_model
 from relayrl.inference.remote import RemoteEngine
+from relayrl.inference.remote.protocol import Call
 from tests.real_peers.servers import (
     FREEZE,
     FREEZE_UPDATE,
@@ -150,6 +151,21 @@ def test_a_refused_weight_load_is_an_error(sglang, tmp_path):
         with pytest.raises(RuntimeError, match="400"):
             eng._sync("disk").push(eng.servers[0], str(tmp_path / "empty"), 7)  # noqa: SLF001
         assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] != "7"
+    finally:
+        eng.destroy()
+
+
+def test_the_version_a_load_with_a_refused_flush_did_not_set_is_set_by_update_weight_version(sglang):
+    """``load_flushed``'s last call: SGLang 0.5.23 leaves the reported version unchanged when a load's
+    cache flush is refused; ``/update_weight_version`` (no abort) sets it, and new tokens carry it."""
+    eng = engine(sglang)
+    try:
+        v0, srv = eng.get_version(), eng.servers[0]
+        for v in (v0 + 50, v0):  # set, then put back for the tests after this one
+            eng.admin(srv, Call("POST", "/update_weight_version", {"new_version": str(v), "abort_all_requests": False}))
+            assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] == str(v)
+            (res,) = run(eng, [(prompts(1)[0], GenerationConfig(max_new_tokens=2, greedy=True))])
+            assert res.output_versions == [v, v]
     finally:
         eng.destroy()
 

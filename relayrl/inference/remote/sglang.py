@@ -433,7 +433,9 @@ def load_flushed(fleet: Fleet, srv: Server, call: Call) -> object:
     """``call`` (a weight load) to ``srv``, its reply checked. SGLang flushes its prefix cache after
     loading (KV of the old weights must not serve the continued requests) and fails the call, weights
     loaded, when requests it just aborted are still winding down; then the flush is waited for
-    (``/flush_cache?timeout``, which answers plain text) and the load counts as done."""
+    (``/flush_cache?timeout``, which answers plain text) and the load counts as done. The failed call
+    left the version SGLang reports unchanged (0.5.23 tags new tokens with it, but ``/get_weight_version``
+    still answers the old one), so it is set with ``/update_weight_version``."""
     try:
         reply = fleet.admin(srv, call)
         SGLangBackend.parse_update(reply)  # a 200 whose body says success=false
@@ -444,6 +446,9 @@ def load_flushed(fleet: Fleet, srv: Server, call: Call) -> object:
     # SGLang waits up to FLUSH_WAIT_S for the flush; the call is given at least that (and 30 s to answer)
     wait = max(fleet.config.request_timeout, FLUSH_WAIT_S + 30)
     fleet.admin(srv, Call("POST", f"/flush_cache?timeout={FLUSH_WAIT_S}"), timeout=wait)
+    version = (call.json or {}).get("weight_version")
+    if version is not None:
+        fleet.admin(srv, Call("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False}))
     return {"success": True, "message": "weights loaded; the cache flushed once the aborted requests ended"}
 
 
