@@ -32,8 +32,20 @@ if [ $# -gt 0 ]; then
   exec python -m pytest -q "$@"
 fi
 
-peers_log=$(mktemp -t relayrl-peers.XXXXXX.log)
-{ bash scripts/peers.sh && bash scripts/envs.sh; } >"$peers_log" 2>&1 &
+peers_log=$(mktemp -t relayrl-peers.XXXXXX.log) peer_suite_log=$(mktemp -t relayrl-peer-suite.XXXXXX.log)
+# The real-peer suite runs beside the main suite, as soon as its environments are built: its tests mostly
+# wait on servers (start-up, generation), so the two suites overlap their idle time on the two cores.
+# Its output is printed once the main suite is done.
+{
+  if bash scripts/peers.sh && bash scripts/envs.sh; then
+    phase "real-peer environments ready; the real-peer suite starts beside the main suite"
+    python -m pytest -q -n "${RELAYRL_PEER_WORKERS:-1}" --dist loadfile --no-loadscope-reorder --durations=8 \
+      -p no:cacheprovider -m "$peer_markers" >"$peer_suite_log" 2>&1
+  else
+    echo "scripts/peers.sh or scripts/envs.sh failed: the real-peer suite did not run"
+    exit 1
+  fi
+} >>"$peers_log" 2>&1 &
 peers=$!
 phase "set-up done; building the real-peer environments in the background (log: $peers_log)"
 ruff format --check --quiet . && ruff check --quiet . && mypy # files and settings: [tool.mypy] in pyproject.toml
@@ -42,15 +54,11 @@ status=0
 # Two workers (one torch thread each); a file's tests stay on one worker, so module fixtures are built once.
 python -m pytest -q -n "${RELAYRL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=20 -m "$markers" || status=$?
 phase "main suite done"
-if wait "$peers"; then
-  tail -n 3 "$peers_log"
-  # two workers (SGLang's, vLLM's and the SmolLM2 modules side by side: ~356 s instead of ~420 s on one)
-  python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=8 -m "$peer_markers" || status=$?
-  phase "real-peer suite done"
-else
-  cat "$peers_log"
-  echo "scripts/peers.sh failed: the real-peer suite did not run" >&2
-  status=1
-fi
+peer_status=0
+wait "$peers" || peer_status=$?
+grep -E '^\[test.sh' "$peers_log" || true
+if [ -s "$peer_suite_log" ]; then cat "$peer_suite_log"; else cat "$peers_log"; fi
+[ "$peer_status" = 0 ] || status=1
+phase "real-peer suite done (exit $peer_status)"
 phase "total (exit $status)"
 exit "$status"

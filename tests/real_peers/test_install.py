@@ -111,7 +111,6 @@ def test_relayrl_installs_into_the_real_peer_env(kind, installed, tmp_path, tiny
     assert torch_file.startswith(str(env)) and transformers_file.startswith(str(env)), where.stdout
 
 
-@pytest.mark.long  # the server's start and 3 steps: minutes on 2 cores; the short counterpart is the test above
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
 def test_relayrl_trains_from_inside_the_real_peer_env(kind, installed, tmp_path, tiny_dir):
     """``relayrl train`` with the environment's python (relayrl from its folder) runs 3 GRPO steps against
