@@ -48,9 +48,13 @@ peers_log=$(mktemp -t relayrl-peers.XXXXXX.log) peer_suite_log=$(mktemp -t relay
 } >>"$peers_log" 2>&1 &
 peers=$!
 phase "set-up done; building the real-peer environments in the background (log: $peers_log)"
-ruff format --check --quiet . && ruff check --quiet . && mypy # files and settings: [tool.mypy] in pyproject.toml
-phase "lint done"
 status=0
+# each its own command: under `set -e` a failure inside an `a && b && c` list does not stop the script,
+# so the list's status is kept instead (a lint failure fails CI; the tests still run and report)
+for lint in "ruff format --check --quiet ." "ruff check --quiet ." "mypy"; do # mypy's files and settings: [tool.mypy]
+  $lint || { echo "lint failed: $lint" >&2; status=1; }
+done
+phase "lint done (exit $status)"
 # Two workers (one torch thread each); a file's tests stay on one worker, so module fixtures are built once.
 python -m pytest -q -n "${RELAYRL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=20 -m "$markers" || status=$?
 phase "main suite done"

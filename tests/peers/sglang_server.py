@@ -481,7 +481,11 @@ def build_app(s: SGLangStandIn) -> FastAPI:
             s.counts["aborted"] += await asyncio.to_thread(s.peer.abort_running)
         s.weight_version = str(body["new_version"])
         s.int_version = _as_int(s.weight_version, s.int_version)
-        return {"success": True, "message": f"Weight version updated to {s.weight_version}", "new_version": s.weight_version}
+        return {
+            "success": True,
+            "message": f"Weight version updated to {s.weight_version}",
+            "new_version": s.weight_version,
+        }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
