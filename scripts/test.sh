@@ -33,12 +33,18 @@ if [ $# -gt 0 ]; then
 fi
 
 peers_log=$(mktemp -t relayrl-peers.XXXXXX.log) peer_suite_log=$(mktemp -t relayrl-peer-suite.XXXXXX.log)
-# The real-peer suite runs beside the main suite, as soon as its environments are built: its tests mostly
-# wait on servers (start-up, generation), so the two suites overlap their idle time on the two cores.
-# Its output is printed once the main suite is done.
+# The real-peer suite runs beside the main suite (one worker): its tests mostly wait on servers (start-up,
+# generation), so the two suites fill each other's idle time on the two cores. It starts once its
+# environments are built and the main suite's Ray file is done (tests/conftest.py BEFORE_PEER_SUITE touches
+# the gate; Ray slows ~4x with three processes on two cores), or when the main suite ends. Its output is
+# printed once the main suite is done.
+export RELAYRL_PEER_SUITE_GATE="$peer_suite_log.gate"
+rm -f "$RELAYRL_PEER_SUITE_GATE"
 {
   if bash scripts/peers.sh && bash scripts/envs.sh; then
-    phase "real-peer environments ready; the real-peer suite starts beside the main suite"
+    phase "real-peer environments ready; waiting for the main suite's Ray file"
+    while [ ! -e "$RELAYRL_PEER_SUITE_GATE" ]; do sleep 2; done
+    phase "the real-peer suite starts beside the main suite"
     python -m pytest -q -n "${RELAYRL_PEER_WORKERS:-1}" --dist loadfile --no-loadscope-reorder --durations=8 \
       -p no:cacheprovider -m "$peer_markers" >"$peer_suite_log" 2>&1
   else
@@ -58,6 +64,7 @@ phase "lint done (exit $status)"
 # Two workers (one torch thread each); a file's tests stay on one worker, so module fixtures are built once.
 python -m pytest -q -n "${RELAYRL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=20 -m "$markers" || status=$?
 phase "main suite done"
+touch "$RELAYRL_PEER_SUITE_GATE" # the real-peer suite starts now if the Ray file did not run
 peer_status=0
 wait "$peers" || peer_status=$?
 grep -E '^\[test.sh' "$peers_log" || true

@@ -54,6 +54,22 @@ LONGEST_FIRST = [
 ]
 
 
+# Files that run before the real-peer suite starts beside the main suite (scripts/test.sh): Ray's one-CPU
+# simulated nodes start worker processes ~4x slower once more processes than cores compete (its run tests:
+# 245 s beside one other worker, 870 s beside two), while every other file slows by ~1.3x.
+BEFORE_PEER_SUITE = ["tests/test_ray_launcher.py"]
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own teardown: the file's module fixtures (Ray's cluster) are down
+def pytest_runtest_teardown(item, nextitem):
+    """The last test of a ``BEFORE_PEER_SUITE`` file done: touch ``$RELAYRL_PEER_SUITE_GATE`` (set by
+    scripts/test.sh, which starts the real-peer suite when it exists or when the main suite ends)."""
+    gate = os.environ.get("RELAYRL_PEER_SUITE_GATE")
+    path = item.nodeid.split("::", 1)[0]
+    if gate and path in BEFORE_PEER_SUITE and (nextitem is None or nextitem.nodeid.split("::", 1)[0] != path):
+        open(gate, "a").close()
+
+
 def pytest_collection_modifyitems(config, items):
     """The longest files first (``LONGEST_FIRST``); tests marked ``gpu`` are skipped when torch sees no
     CUDA device."""

@@ -1,5 +1,5 @@
 """scripts/test.sh (CI's command) run with every tool it calls replaced by a stub that logs its call:
-a lint failure fails it, and both suites still run and report."""
+a lint failure fails it, both suites still run and report, and the real-peer suite waits for its gate."""
 
 from __future__ import annotations
 
@@ -41,4 +41,6 @@ def test_any_failing_step_fails_the_ci_script_and_the_tests_still_run(tmp_path, 
     calls = log.read_text()
     assert (done.returncode != 0) == bool(failing), done.stdout + done.stderr
     assert calls.count("python -m pytest") == 2, calls  # the main suite and the real-peer suite
+    # no Ray file ran to open the gate (tests/conftest.py BEFORE_PEER_SUITE): the real-peer suite waited for the main suite
+    assert calls.index("-m not real_peers") < calls.index("-m real_peers"), calls
     assert "ruff format --check" in calls and "ruff check" in calls and "mypy" in calls, calls
