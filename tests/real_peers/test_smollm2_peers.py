@@ -2,7 +2,8 @@
 served by real SGLang 0.5.23 and vLLM 0.32 that ``recipes/smollm2_grpo.py`` launches itself.
 
 In CI (the real-peer suite), per server: two GRPO steps on the recipe's chat prompts, the server synced
-after each (SGLang by broadcast, vLLM from disk). Every step generates with the trainer's own version and
+after each (SGLang by broadcast, vLLM from disk), the recipe run from inside the server's environment
+(its python, torch and transformers; relayrl installed beside them). Every step generates with the trainer's own version and
 every generated token's logprob is within 1e-4 of the trainer's teacher-forced one at that version
 (``mismatch/abs_diff_max``; measured 2.6e-5 and 4.0e-5 through 30 fp32 layers), which can only hold if
 the server holds exactly the weights the trainer just pushed, tied embeddings included.
@@ -64,16 +65,28 @@ def smollm2() -> Path:
     return Path(pull(NAME))
 
 
-def recipe(kind: str, model: Path, tmp_path: Path, *overrides: str) -> tuple[list[dict], list[str], str]:
+# run as the recipe's script, after saying where relayrl, torch and transformers were imported from
+WHERE = (
+    "import runpy, sys, relayrl, torch, transformers; "
+    "print('IMPORTED', relayrl.__file__, torch.__file__, transformers.__file__, file=sys.stderr); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def recipe(
+    kind: str, model: Path, tmp_path: Path, *overrides: str, inside: tuple[Path, Path] | None = None
+) -> tuple[list[dict], list[str], str]:
     """``python recipes/smollm2_grpo.py`` with the recipe's server launched: its metrics rows, the weight
-    versions the server reported while it ran, and the server's log."""
+    versions the server reported while it ran, and the server's log. ``inside`` = (the peer's environment,
+    relayrl installed beside it): the recipe runs with that environment's python, relayrl from that folder."""
     route, update_route, args = launch(kind, peer_env(kind), tmp_path)
     update_route = "/end_weight_update" if kind == "sglang" else update_route  # SGLang: a call per bucket, one end
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "recipes" / "smollm2_grpo.py"), f"model.path={model}", f"run_dir={run_dir}",
+    python, path = (str(inside[0] / "bin" / "python"), inside[1]) if inside else (sys.executable, ROOT)
+    cmd = [python, "-c", WHERE, str(ROOT / "recipes" / "smollm2_grpo.py"), f"model.path={model}", f"run_dir={run_dir}",
            "inference.backend=remote", "inference.n_servers=1", "inference.launch_timeout=600",
            "logging.tensorboard=false", "logging.progress=lines", *args, *overrides]  # fmt: skip
-    env = {**peer_environ(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**peer_environ(), "PYTHONPATH": str(path), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["RELAYRL_ADMIN_TOKEN"] = TOKEN
     log = tmp_path / "logs" / "server-0.log"
     seen: list[str] = []
@@ -88,6 +101,9 @@ def recipe(kind: str, model: Path, tmp_path: Path, *overrides: str) -> tuple[lis
     server_log = log.read_text(errors="replace") if log.exists() else "(no server log)"
     assert done.returncode == 0, f"{done.stderr[-4000:]}\nserver log:\n{server_log[-3000:]}"
     assert "Task was destroyed but it is pending" not in done.stderr, done.stderr[-3000:]
+    imported = next(line.split()[1:] for line in done.stderr.splitlines() if line.startswith("IMPORTED "))
+    assert imported[0] == str(path / "relayrl" / "__init__.py"), imported
+    assert inside is None or all(f.startswith(str(inside[0])) for f in imported[1:]), imported  # the env's own
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert server_log.count(f'{update_route} HTTP/1.1" 200') == 1 + rows[-1]["version"]  # launch push + one a step
     return rows, seen, server_log
@@ -107,8 +123,10 @@ def check_synced(rows: list[dict], seen: list[str], steps: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
-def test_the_recipe_runs_through_a_launched_real_server_in_sync(kind, smollm2, tmp_path):
-    rows, seen, log = recipe(kind, smollm2, tmp_path, *SHORT)
+def test_the_recipe_runs_through_a_launched_real_server_in_sync(kind, smollm2, tmp_path, installed):
+    """Run from inside the peer's environment, as a user who installs the trainer and the rollout engine in
+    one: its python, torch and transformers, relayrl installed beside them (test_install.py)."""
+    rows, seen, log = recipe(kind, smollm2, tmp_path, *SHORT, inside=installed(kind))
     check_synced(rows, seen, 2)
     assert "--dtype float32" in log.splitlines()[0] and str(smollm2) in log.splitlines()[0]
     gaps = [(round(r["mismatch/abs_diff_mean"], 7), round(r["mismatch/abs_diff_max"], 7)) for r in rows]
