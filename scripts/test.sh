@@ -4,8 +4,8 @@
 #   bash scripts/test.sh --all    the same plus the minutes-long number checks (marker `long`: the full demo,
 #                                 the benchmarks' quick runs, the soak); each has a short counterpart in CI
 #   bash scripts/test.sh ARGS...  one pytest run of ARGS (e.g. tests/test_staleness.py -x; add -n 2 for workers)
-# The real-peer environments (scripts/peers.sh: downloads, ~3 minutes the first time) and the OpenEnv /
-# verifiers ones (scripts/envs.sh, ~2 minutes each) are built in the background while the main suite runs.
+# The real-peer environments (scripts/peers.sh: ~1 minute the first time, with uv) and the OpenEnv /
+# verifiers ones (scripts/envs.sh, ~20 s each) are built in the background while the main suite runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
@@ -27,8 +27,8 @@ if [ "${1:-}" = --all ]; then
   shift
 fi
 if [ $# -gt 0 ]; then
-  bash scripts/peers.sh # real SGLang / vLLM for any real_peers test selected (cached; minutes the first time)
-  bash scripts/envs.sh  # OpenEnv / verifiers for the environment adapters' tests (cached; ~2 minutes each the first time)
+  bash scripts/peers.sh # real SGLang / vLLM for any real_peers test selected (cached; ~1 minute the first time)
+  bash scripts/envs.sh  # OpenEnv / verifiers for the environment adapters' tests (cached; ~20 s each the first time)
   exec python -m pytest -q "$@"
 fi
 

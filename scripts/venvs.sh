@@ -3,14 +3,42 @@
 
 say() { printf '[%s %4ds] %s\n' "$label" $((SECONDS - t0)) "$*"; }
 
-# --no-compile: pip would byte-compile every module of every package (torch, vLLM, SGLang: ~160 s of the
-# ~345 s a cold build of both peers took beside a benchmark); Python compiles the modules a server imports on
-# its first start instead (~4-6 s each, measured with -X pycache_prefix).
-pip_in() { # pip in env $1, its output without the local mirrors' "ignored location" noise
+# The installer: uv when it is on PATH (relayrl's dev extra pins it; scripts/test.sh puts .venv/bin first),
+# else pip. uv installs the same resolution as pip (checked package by package for both peers) in seconds:
+# a cold build of both peers took ~30 s with uv against ~190 s with pip --no-compile, which the real-peer
+# suite's start waits for on a fresh machine. Neither byte-compiles (pip would, ~160 s of CPU for torch,
+# vLLM and SGLang); Python compiles the modules a server imports on its first start (~4-6 s each).
+install_in() { # install into env $1: the remaining arguments are requirements (pins) and installer flags
   local env=$1
   shift
-  "$env/bin/python" -m pip install --disable-pip-version-check --progress-bar off --no-compile "$@" 2>&1 |
-    { grep -v -e "^WARNING: Location 'file:" -e '^Requirement already satisfied' || true; } # pipefail: pip's status
+  if command -v uv >/dev/null 2>&1; then
+    local settings
+    mapfile -t settings < <(pip_settings_for_uv)
+    uv pip install --python "$env/bin/python" --index-strategy unsafe-best-match "${settings[@]}" "$@" 2>&1 |
+      { grep -v -e '^ [-+] ' -e '^ Downloaded ' -e '^Using Python' || true; } # its summary lines, not every package
+  else
+    "$env/bin/python" -m pip install --disable-pip-version-check --progress-bar off --no-compile "$@" 2>&1 |
+      { grep -v -e "^WARNING: Location 'file:" -e '^Requirement already satisfied' || true; } # pipefail: pip's status
+  fi
+}
+
+# uv does not read pip's configuration (pip.conf, PIP_* variables): hand it the indexes, find-links and
+# constraint files pip would use here, so both installers see the same packages. --index-strategy
+# unsafe-best-match above is pip's rule (the best version across all indexes, not the first index's).
+pip_settings_for_uv() {
+  "$python" -m pip config list 2>/dev/null | "$python" -c '
+import ast, sys
+flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links", "constraint": "--constraint"}
+seen = set()
+for line in sys.stdin:
+    key, _, value = line.strip().partition("=")  # scope.key=repr(value); a list: items split by newlines
+    flag = flags.get(key.rpartition(".")[2])
+    for item in ast.literal_eval(value).split() if flag else ():
+        if (flag, item) not in seen:
+            seen.add((flag, item))
+            print(flag)
+            print(item)
+'
 }
 
 build() { # build NAME PINS STEP-FUNCTION: kept when its stamp holds PINS, completed when partial, else rebuilt

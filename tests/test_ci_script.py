@@ -44,3 +44,31 @@ def test_any_failing_step_fails_the_ci_script_and_the_tests_still_run(tmp_path, 
     # no Ray file ran to open the gate (tests/conftest.py BEFORE_PEER_SUITE): the real-peer suite waited for the main suite
     assert calls.index("-m not real_peers") < calls.index("-m real_peers"), calls
     assert "ruff format --check" in calls and "ruff check" in calls and "mypy" in calls, calls
+
+
+def test_uv_gets_the_indexes_find_links_and_constraints_pip_would_use(tmp_path):
+    """scripts/venvs.sh installs with uv, which reads no pip configuration: every index, find-links and
+    constraint that pip's files and PIP_* variables name must reach uv, once each, or the two installers
+    see different packages (a machine whose wheels sit in a local find-links dir would resolve elsewhere)."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text(
+        "[global]\nindex-url = https://mirror.example/simple\n"
+        "extra-index-url = file:///srv/a/simple\n    file:///srv/b/simple\n"
+        "find-links = /srv/wheels\nconstraint = /srv/caps.txt\ntimeout = 60\n"
+    )
+    script = f"python={shutil.which('python3')}; . {ROOT / 'scripts' / 'venvs.sh'}; pip_settings_for_uv"
+    env = {**os.environ, "PIP_CONFIG_FILE": str(conf), "PIP_FIND_LINKS": "/srv/wheels /srv/more"}
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env, check=True)
+    args = done.stdout.split("\n")[:-1]
+    pairs = list(zip(args[::2], args[1::2], strict=True))
+    for pair in [
+        ("--index-url", "https://mirror.example/simple"),
+        ("--extra-index-url", "file:///srv/a/simple"),
+        ("--extra-index-url", "file:///srv/b/simple"),
+        ("--find-links", "/srv/wheels"),
+        ("--find-links", "/srv/more"),
+        ("--constraint", "/srv/caps.txt"),
+    ]:
+        assert pair in pairs, (pair, pairs)
+    assert len(pairs) == len(set(pairs)), pairs  # /srv/wheels is named twice, passed once
+    assert not any(flag == "--timeout" or value == "60" for flag, value in pairs), pairs
