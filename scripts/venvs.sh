@@ -15,7 +15,7 @@ install_in() { # install into env $1: the remaining arguments are requirements (
     local settings
     mapfile -t settings < <(pip_settings_for_uv)
     uv pip install --python "$env/bin/python" --index-strategy unsafe-best-match "${settings[@]}" "$@" 2>&1 |
-      { grep -v -e '^ [-+] ' -e '^ Downloaded ' -e '^Using Python' || true; } # its summary lines, not every package
+      { grep -v -e '^ [-+] ' -e '^ Downloaded ' -e '^Downloading ' -e '^Using Python' || true; } # its summary lines, not every package
   else
     "$env/bin/python" -m pip install --disable-pip-version-check --progress-bar off --no-compile "$@" 2>&1 |
       { grep -v -e "^WARNING: Location 'file:" -e '^Requirement already satisfied' || true; } # pipefail: pip's status

@@ -18,14 +18,15 @@ import sys
 
 import pytest
 import torch
+from torch.nn import functional
 from transformers import AttentionInterface
 
 from relayrl.api.config import InferenceConfig, ModelConfig, OptimizerConfig, TrainEngineConfig
 from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
 from relayrl.data.models import build_tiny_model
-from relayrl.inference.local import LocalEngine
+from relayrl.inference.local import LocalEngine, decode
 from relayrl.inference.local import memory as local_memory
-from relayrl.inference.local.decode import FastDecoder, SlabLayer
+from relayrl.inference.local.decode import PACKED, FastDecoder, SlabLayer
 from relayrl.inference.local.graphs import CUDA_GRAPHS, FLASH_DECODE, Kernels, StaticDecoder
 from relayrl.inference.remote import sglang as sglang_peer
 from relayrl.inference.remote import vllm_transfer
@@ -185,6 +186,45 @@ def same_as(a, b) -> None:
     assert [r.output_tokens for r in a] == [r.output_tokens for r in b]
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(torch.tensor(x.output_logprobs), torch.tensor(y.output_logprobs), atol=1e-5, rtol=0)
+
+
+def test_cpu_decode_steps_use_packed_weights_and_generate_as_the_plain_product(tiny_model, caplog):
+    """oneDNN's packed weights (the CPU decode step's default) give the same greedy tokens and
+    logprobs (1e-5) as ``functional.linear`` over the same weights (forced here as after a fallback)."""
+    fast = FastDecoder(copy.deepcopy(tiny_model))
+    assert fast.linear is decode.packed_linear and fast.head is not None
+    assert all(w.is_mkldnn for layer in fast.layers for w in (layer[1], layer[3], layer[6], layer[8]))
+    packed, _ = generate(tiny_model, static=False)
+    failsafe.FALLBACKS[PACKED] = "forced by the test"
+    assert FastDecoder(copy.deepcopy(tiny_model)).linear is functional.linear
+    plain, _ = generate(tiny_model, static=False)
+    same_as(packed, plain)
+    assert not warnings_of(caplog)
+
+
+def pack_raises(w, rows=64):
+    raise RuntimeError("could not create a primitive descriptor for a reorder primitive")
+
+
+def packed_wrong(x, w, b):
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") * 1.5  # a kernel with a wrong scale
+
+
+@pytest.mark.parametrize("kernel", ["raises", "wrong_numbers"])
+def test_a_failing_packed_kernel_falls_back_to_the_plain_product(tiny_model, monkeypatch, caplog, kernel):
+    failsafe.FALLBACKS[PACKED] = "forced by the test"
+    plain, _ = generate(tiny_model, static=False)
+    del failsafe.FALLBACKS[PACKED]
+    monkeypatch.setattr(
+        decode, "pack" if kernel == "raises" else "packed_linear", {"raises": pack_raises}.get(kernel, packed_wrong)
+    )
+    got, _ = generate(tiny_model, static=False)
+    same_as(got, plain)
+    (message,) = warnings_of(caplog)
+    assert message.startswith(PACKED + " failed at first use")
+    assert ("primitive descriptor" if kernel == "raises" else "differs from functional.linear's by") in message
+    assert list(failsafe.FALLBACKS) == [PACKED]
+    assert FastDecoder(copy.deepcopy(tiny_model)).linear is functional.linear  # not tried again in this process
 
 
 def eager_capture(device):
