@@ -202,6 +202,17 @@ def test_cpu_decode_steps_use_packed_weights_and_generate_as_the_plain_product(t
     assert not warnings_of(caplog)
 
 
+def test_a_forward_hook_on_the_lm_head_still_applies_with_packed_weights(tiny_model):
+    """The packed step calls the LM head's kernel itself; a hook on ``lm_head`` (bench/generation.py's
+    EOS bias, a user's logit processor) must still see every step, so the step then calls the module."""
+    model = copy.deepcopy(tiny_model)
+    model.lm_head.register_forward_hook(
+        lambda module, args, out: out.index_add(-1, torch.tensor([5]), out[..., :1] * 0 + 1e4)
+    )
+    got, _ = generate(model, static=False)
+    assert all(set(r.output_tokens) == {5} for r in got)
+
+
 def pack_raises(w, rows=64):
     raise RuntimeError("could not create a primitive descriptor for a reorder primitive")
 

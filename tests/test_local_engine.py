@@ -385,3 +385,52 @@ def test_default_batch_decodes_a_whole_grpo_step_in_one_wave(tiny_model):
         engine.destroy()
     assert [r.output_len for r in out] == [n_new] * 128
     assert engine.counters["steps"] <= n_new  # one wave: the first token comes from the prefill
+
+
+def generate_paused(engine: LocalEngine, reqs: list[ModelRequest]) -> list[ModelResponse]:
+    """Queue every request before the engine admits any (one prefill for all), then generate."""
+
+    async def run():
+        return await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+
+    engine.pause()
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(run())
+        loop.run_until_complete(asyncio.sleep(0.2))
+        engine.resume()
+        return loop.run_until_complete(task)
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("head_len", [20, 10])
+def test_a_prompt_prefix_every_request_shares_is_prefilled_once_and_changes_nothing(tiny_model, head_len):
+    """A system prompt / chat header every prompt starts with is computed once (``inference.shared_prefix_min``,
+    default 16) and the prefilled rows are laid out as an unshared prefill lays them out: the same greedy tokens,
+    logprobs within 1e-5 of the unshared engine's and 1e-4 of a teacher-forced forward. Tails of 1 to 15 tokens,
+    a prompt that is the head plus one token, and a GRPO-style repeated prompt (deduplicated first)."""
+    head = torch.randint(8, 90, (head_len,), generator=torch.Generator().manual_seed(4)).tolist()
+    ps = [head + tail for tail in prompts(6, seed=5, lo=1, hi=15)] + [head + [7]]
+    ps.append(ps[0])
+    g = GenerationConfig(max_new_tokens=10, greedy=True, ignore_eos=True)
+    reqs = [ModelRequest(str(i), p, g) for i, p in enumerate(ps)]
+    out = {}
+    for least in (16, 0):
+        engine = make_engine(copy.deepcopy(tiny_model), shared_prefix_min=least)
+        try:
+            out[least] = generate_paused(engine, reqs)
+        finally:
+            engine.destroy()
+        counts = {k: engine.counters[k] for k in ("prefills", "prefill_unique", "prefill_shared_tokens")}
+        assert counts["prefill_unique"] == len(ps) - 1  # the repeated prompt is computed once
+        # each prefill (a length group) computes the head once for its rows
+        if least and head_len >= least:
+            assert counts["prefill_shared_tokens"] == head_len * (counts["prefill_unique"] - counts["prefills"]) > 0
+        else:
+            assert counts["prefill_shared_tokens"] == 0, counts
+    for p, a, b in zip(ps, out[16], out[0], strict=True):
+        assert a.output_tokens == b.output_tokens
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs, strict=True)) < 1e-5
+        ref = reference_logprobs(tiny_model, p, a.output_tokens)
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, ref, strict=True)) < 1e-4

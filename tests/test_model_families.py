@@ -179,3 +179,53 @@ def test_lean_decode_step_covers_qwen3_and_windowless_mistral(family, tmp_path):
     windowed.initialize()
     windowed.destroy()
     assert windowed._fast is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_a_shared_prompt_head_is_prefilled_once_and_greedy_still_equals_generate(family):
+    """Every family with the lean decode step computes a prompt head all requests share once
+    (``inference.shared_prefix_min``); the greedy output still equals ``model.generate`` on each prompt
+    alone, and sampled logprobs a teacher-forced forward (1e-4)."""
+    from relayrl.data.families import build_tiny_family
+
+    model = build_tiny_family(family, seed=3)
+    if family == "mistral":
+        model.config.sliding_window = None
+    model.eval()
+    head = list(range(60, 80))
+    prompts = [head + p[:k] for p, k in zip(PROMPTS, (1, 3, 12, 7), strict=True)]
+    engine = LocalEngine(InferenceConfig(device="cpu", seed=5), model)
+    engine.initialize()
+
+    async def go(g: GenerationConfig):
+        return await asyncio.gather(
+            *(engine.agenerate(ModelRequest(rid=str(i), input_ids=p, gconfig=g)) for i, p in enumerate(prompts))
+        )
+
+    def paused(g: GenerationConfig):  # every request queued before the first admission: one prefill
+        engine.pause()
+        loop = asyncio.new_event_loop()
+        try:
+            task = loop.create_task(go(g))
+            loop.run_until_complete(asyncio.sleep(0.2))
+            engine.resume()
+            return loop.run_until_complete(task)
+        finally:
+            loop.close()
+
+    try:
+        greedy = paused(GenerationConfig(max_new_tokens=NEW, greedy=True, ignore_eos=True))
+        sampled = paused(GenerationConfig(max_new_tokens=NEW, temperature=0.8, ignore_eos=True))
+    finally:
+        engine.destroy()
+    assert engine._fast is not None and engine.counters["prefill_shared_tokens"] >= 2 * len(head)
+    for p, r, s in zip(prompts, greedy, sampled, strict=True):
+        with torch.no_grad():
+            ids = torch.tensor([p])
+            ref = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                top_k=None, top_p=None, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+        assert r.output_tokens == ref[0, len(p) :].tolist()
+        expected = hf_logprobs(model, p + s.output_tokens, 0.8)[len(p) - 1 :]
+        torch.testing.assert_close(torch.tensor(s.output_logprobs), expected, atol=1e-4, rtol=0)

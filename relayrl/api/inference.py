@@ -53,6 +53,13 @@ class InferenceConfig:
         ge=0.0,
         le=1000.0,
     )
+    shared_prefix_min: int = f(
+        16,
+        help="LocalEngine, models with the lean decode step (Llama, Qwen2, Qwen3): requests prefilled together whose "
+        "prompts all start with the same tokens (a system prompt, a chat template's header) compute that prefix "
+        "once when it is at least this long (0 = never).",
+        ge=0,
+    )
     protocol: str = f("relayrl", help="Remote server protocol.", choices=["relayrl", "sglang", "vllm"])
     return_routed_experts: bool = f(
         False,

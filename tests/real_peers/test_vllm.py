@@ -45,6 +45,10 @@ pytestmark = pytest.mark.real_peers
 
 LORA = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 N_LONG = 960  # tokens of the requests a weight update must land in (the server's --max-model-len is 1024)
+# rows of those requests: vLLM's step is mostly fixed cost on the tiny model, so 16 rows take longer than 3 only a
+# little, but each of the pause's and the update's chances to land mid-generation is worth more (with 3 rows the
+# update landed on the 4th try on a quiet machine, never in 4 beside the main suite, CI 2026-11-29)
+N_ROWS = 16
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +122,7 @@ def test_n_samples_of_one_prompt_batch_into_one_call_and_stops_end_them(vllm, se
 
 
 def test_pause_with_requests_in_flight_then_resume(vllm, served_model, tmp_path):
-    """/pause?mode=abort with 3 requests generating: they come back with their tokens and are held until
+    """/pause?mode=abort with N_ROWS requests generating: they come back with their tokens and are held until
     /resume, then continue exactly. Tried up to 8 times until the pause lands mid-generation (4 were not
     enough beside the main suite at a load of ~11, CI 2026-11-29: each time vLLM finished first)."""
     eng = engine(vllm, tmp_path)
@@ -127,10 +131,10 @@ def test_pause_with_requests_in_flight_then_resume(vllm, served_model, tmp_path)
     try:
         for tries in range(8):
             results: list = []
-            t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(3)])))
+            t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(N_ROWS)])))
             t.start()
-            in_flight(eng, 3, after_s=0.0, sender=t)
-            running(vllm, 3, t)  # vLLM runs them (sent is not enough: a pause before they run aborts nothing)
+            in_flight(eng, N_ROWS, after_s=0.0, sender=t)
+            running(vllm, N_ROWS, t)  # vLLM runs them (sent is not enough: a pause before they run aborts nothing)
             eng.pause()
             try:
                 assert httpx.get(vllm.url + "/is_paused", timeout=10).json()["is_paused"] is True
@@ -143,15 +147,15 @@ def test_pause_with_requests_in_flight_then_resume(vllm, served_model, tmp_path)
                 print(f"vLLM: the pause landed mid-generation on try {tries + 1}")
                 break
         assert held and eng.counters["interrupted"] >= 1
-        assert [len(o.output_tokens) for o in results] == [N_LONG] * 3
+        assert [len(o.output_tokens) for o in results] == [N_LONG] * N_ROWS
         assert max(gap(served_model, o, 1.0) for o in results) <= TOL  # continued exactly where it stopped
     finally:
         eng.destroy()
 
 
 def test_a_weight_update_mid_generation_tags_every_token_with_its_version(vllm, served_model, tmp_path):
-    """Updates (disk, /collective_rpc reload under /pause?mode=abort) while 3 requests generate: every
-    token's logprob is that of the weights its version names. Tried up to 4 times until an update
+    """Updates (disk, /collective_rpc reload under /pause?mode=abort) while N_ROWS requests generate: every
+    token's logprob is that of the weights its version names. Tried up to 8 times until an update
     lands mid-generation: on a quiet machine vLLM finished 3 x 240 tokens before the update (written
     to disk first) reached it, 4 times in a row, so the requests are 960 tokens long."""
     eng = engine(vllm, tmp_path / "w", weight_sync="disk")
@@ -160,11 +164,11 @@ def test_a_weight_update_mid_generation_tags_every_token_with_its_version(vllm, 
     version = eng.get_version()
     models = {version: served_model}
     try:
-        for tries in range(4):
+        for tries in range(8):
             results: list = []
-            t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(3)])))
+            t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(N_ROWS)])))
             t.start()
-            in_flight(eng, 3, after_s=0.05, sender=t)
+            in_flight(eng, N_ROWS, after_s=0.05, sender=t)
             version += 1
             models[version] = new if models[version - 1] is served_model else served_model
             eng.update_weights(WeightUpdate(kind="tensors", version=version, tensors=models[version].state_dict()))

@@ -237,7 +237,10 @@ class FastDecoder:
             gate, up = linear(_rms(x, w_post, self.eps), w_gu, b_gu).chunk(2, dim=-1)
             x = x + linear(functional.silu(gate) * up, w_d, b_d)
         x = _rms(x, m.norm.weight, self.eps)
-        return self.model.lm_head(x) if self.head is None else linear(x, *self.head)
+        head = self.model.lm_head
+        if self.head is None or head._forward_hooks or head._forward_pre_hooks:  # hooks see the module's call
+            return head(x)
+        return linear(x, *self.head)
 
 
 def slab_layers(cache: DynamicCache) -> list[SlabLayer]:

@@ -83,7 +83,8 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.image_processor = image_processor  # vision models: turns a request's image_data into pixels
-        # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed
+        # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed;
+        # prefill_shared_tokens: prompt tokens not recomputed because every row of a prefill starts with them
         # preemptions: rows set aside (and continued later) because the KV cache was full
         self.counters = {
             "requests": 0,
@@ -93,6 +94,7 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
             "prefills": 0,
             "prefill_rows": 0,
             "prefill_unique": 0,
+            "prefill_shared_tokens": 0,
             "preemptions": 0,
             "kv_peak": 0,
         }  # kv_peak: most KV slab cells (rows x columns) held

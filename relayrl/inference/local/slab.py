@@ -4,9 +4,15 @@ A mixin over ``LocalEngine``'s batch state (``state.EngineState``: ``_rows``, ``
 ``_mask``, ``_pos``, ``_logits``), kept apart from the request lifecycle and control in ``engine.py``.
 Row ``i`` holds its tokens at the right end of the cache; ``_mask`` marks real columns and ``_pos`` is
 each row's next position.
+
+Prefill computes what requests admitted together share once: identical inputs (a GRPO group's samples)
+one row for all, and the tokens every input starts with (a system prompt, a chat template's header:
+24 of SmolLM2's 36-46-token chat prompts) one forward for all rows, ``inference.shared_prefix_min``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch.nn import functional
@@ -112,6 +118,9 @@ class SlabBatch(EngineState):
         return [(k[idx], v[idx]) for k, v in kv], mask[idx], logits[idx]
 
     def _prefill_unique(self, inputs: list[list[int]]) -> Prefilled:
+        shared = self._shared_prefix(inputs)
+        if shared:
+            return self._prefill_shared(inputs, shared)
         length = max(len(x) for x in inputs)
         ids = torch.tensor([[0] * (length - len(x)) + x for x in inputs], device=self.device)
         mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in inputs], device=self.device)
@@ -126,6 +135,58 @@ class SlabBatch(EngineState):
             **self._keep_arg,
         )
         return [(layer.keys, layer.values) for layer in slab_layers(cache)], mask, out.logits[:, -1].float()
+
+    def _shared_prefix(self, inputs: list[list[int]]) -> int:
+        """How many leading tokens all ``inputs`` share that ``_prefill_shared`` computes once: 0 when
+        fewer than ``inference.shared_prefix_min``, for a single input, and for models without the lean
+        decode step (``FastDecoder``: Llama, Qwen2, Qwen3, windowless Mistral), where the split forward
+        might not be the same computation (sliding windows count cache columns, MoE routing records,
+        vision models' M-RoPE positions). Every row keeps at least its last token."""
+        least = self.config.shared_prefix_min
+        if least <= 0 or len(inputs) < 2 or self._fast is None:
+            return 0
+        n = min(len(os.path.commonprefix(inputs)), min(len(x) for x in inputs) - 1)
+        return n if n >= least else 0
+
+    def _prefill_shared(self, inputs: list[list[int]], p: int) -> Prefilled:
+        """``_prefill_unique`` with the first ``p`` tokens (the same in every input) computed once.
+
+        The prefix's keys/values, copied to every row, are the cache the left-padded tails are computed
+        against (positions from ``p``; the tails' padding sits between prefix and tail, masked). Each
+        row's columns are then moved right-aligned, padding first: the layout the rest of the engine keeps."""
+        n, dev = len(inputs), self.device
+        assert self.model is not None
+        cache = DynamicCache()
+        self.model(input_ids=torch.tensor([inputs[0][:p]], device=dev), past_key_values=cache, use_cache=True)
+        prefix = [(layer.keys, layer.values) for layer in slab_layers(cache)]
+        tails = [x[p:] for x in inputs]
+        width = max(len(t) for t in tails)
+        ids = torch.tensor([[0] * (width - len(t)) + t for t in tails], device=dev)
+        tail_mask = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t in tails], device=dev)
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(prefix):
+            cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), i)  # copied: the tails append to it
+        out = self.model(
+            input_ids=ids,
+            attention_mask=torch.cat([torch.ones_like(tail_mask[:, :1]).expand(n, p), tail_mask], 1),
+            position_ids=p + (tail_mask.cumsum(1) - 1).clamp_(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            **self._keep_arg,
+        )
+        # row i's columns: prefix [0, p), its padding [p, p + pad), its tail after; right-aligned: padding
+        # (any finite columns: masked), then the prefix, then the tail, which keeps its columns
+        pad = (width - tail_mask.sum(1))[:, None]
+        col = torch.arange(p + width, device=dev)[None]
+        src = torch.where(col < pad, p + col, torch.where(col < pad + p, col - pad, col))
+        mask = (col >= pad).long()
+        kv = []
+        for layer in slab_layers(cache):
+            k, v = layer.keys, layer.values
+            idx = src[:, None, :, None].expand(n, k.shape[1], p + width, k.shape[3])
+            kv.append((k.gather(2, idx), v.gather(2, idx)))
+        self.counters["prefill_shared_tokens"] += p * (n - 1)
+        return kv, mask, out.logits[:, -1].float()
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` and trim cache columns no remaining row uses."""
