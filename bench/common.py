@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import resource
 import statistics
 import sys
@@ -290,6 +291,18 @@ def cpu_seconds() -> float:
     """User + system CPU seconds of this process (all its threads) so far."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``): ratios between kernels (oneDNN's packed weights against the
+    default ``linear``) differ between CPU makers, so a result says which one it was measured on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def pin_threads(pid: int, cpu: int) -> None:

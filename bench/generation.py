@@ -286,6 +286,7 @@ def bench_real(model_dir: str, repeats: int) -> dict[str, object]:
             "repeats": repeats,
             "torch_threads": 1,
             "machine": "2 CPU cores shared with other jobs",
+            "cpu": common.cpu_model(),
         },
     }
 

@@ -417,11 +417,20 @@ def test_a_prompt_prefix_every_request_shares_is_prefilled_once_and_changes_noth
     reqs = [ModelRequest(str(i), p, g) for i, p in enumerate(ps)]
     out = {}
     for least in (16, 0):
-        engine = make_engine(copy.deepcopy(tiny_model), shared_prefix_min=least)
+        model = copy.deepcopy(tiny_model)
+        rows_at_head: list[int] = []  # positions a prefill's LM head is computed at (decode steps: [B, H])
+
+        def count(_m: torch.nn.Module, args: tuple[torch.Tensor], _out: torch.Tensor, seen=rows_at_head) -> None:
+            if args[0].dim() == 3:
+                seen.append(args[0].shape[1])
+
+        model.lm_head.register_forward_hook(count)
+        engine = make_engine(model, shared_prefix_min=least)
         try:
             out[least] = generate_paused(engine, reqs)
         finally:
             engine.destroy()
+        assert set(rows_at_head) == {1}, rows_at_head  # only the last: the shared head's forward keeps none either
         counts = {k: engine.counters[k] for k in ("prefills", "prefill_unique", "prefill_shared_tokens")}
         assert counts["prefill_unique"] == len(ps) - 1  # the repeated prompt is computed once
         # each prefill (a length group) computes the head once for its rows

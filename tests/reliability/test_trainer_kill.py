@@ -71,9 +71,13 @@ def _train_and_kill(run_dir: Path, args: list[str], seed: int) -> int:
         proc.kill()
         pytest.fail(f"trainer did not reach step {after}:\n{_log(run_dir).read_text()[-3000:]}")
     # anywhere in the next step (rollout, update, metrics, checkpoint write): a fraction of the last step's
-    # own duration, so the moment is inside the run however fast or loaded the machine is
+    # own duration, cut short when that next step is logged. Steps vary with the machine's load (a slow step
+    # under load, then fast ones), so the time alone could outlast the run; after <= T - 3 keeps two steps
+    # beyond the next one, so the run is still going whatever the machine does.
     last = max(seen)
-    time.sleep(fraction * (time.monotonic() - seen[last]) if last >= 1 else fraction * 0.3)
+    until = time.monotonic() + (fraction * (time.monotonic() - seen[last]) if last >= 1 else fraction * 0.3)
+    while time.monotonic() < until and _done_steps(run_dir) <= after:
+        time.sleep(0.01)
     assert proc.is_alive(), "the run finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()

@@ -157,7 +157,8 @@ class SlabBatch(EngineState):
         n, dev = len(inputs), self.device
         assert self.model is not None
         cache = DynamicCache()
-        self.model(input_ids=torch.tensor([inputs[0][:p]], device=dev), past_key_values=cache, use_cache=True)
+        head = torch.tensor([inputs[0][:p]], device=dev)
+        self.model(input_ids=head, past_key_values=cache, use_cache=True, **self._keep_arg)  # its logits unused
         prefix = [(layer.keys, layer.values) for layer in slab_layers(cache)]
         tails = [x[p:] for x in inputs]
         width = max(len(t) for t in tails)
