@@ -126,6 +126,20 @@ class RealServer:
             except ProcessLookupError:
                 pass
 
+    def group_pids(self, name: bytes) -> list[int]:
+        """The processes of the server's group whose command line holds ``name`` (vLLM's engine core retitles
+        itself ``VLLM::EngineCore``)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or self.proc is None:
+                continue
+            try:
+                if os.getpgid(int(entry)) == self.proc.pid and name in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    pids.append(int(entry))
+            except (ProcessLookupError, FileNotFoundError, PermissionError):  # gone between the listing and the look
+                pass
+        return pids
+
     def kill9(self) -> None:
         """SIGKILL to the whole process group (the server and its engine processes), as a machine loss."""
         self._signal(signal.SIGKILL)
