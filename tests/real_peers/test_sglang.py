@@ -123,24 +123,34 @@ def test_pause_with_requests_in_flight_then_resume(sglang, served_model):
 
 @pytest.mark.parametrize("sync", ["disk", "broadcast"])
 def test_a_weight_update_mid_generation_tags_every_token_with_its_version(sglang, served_model, tmp_path, sync):
-    """SGLang 0.5.23 loads distributed weights only inside /begin_weight_update ... /end_weight_update."""
+    """SGLang 0.5.23 loads distributed weights only inside /begin_weight_update ... /end_weight_update. Requests
+    of 960 tokens, tried up to 4 times until an update lands mid-generation: beside the main suite SGLang once
+    finished 3 x 240 tokens before the update reached it (CI, 2026-11-29)."""
     eng = engine(sglang, weight_sync=sync, weight_sync_dir=str(tmp_path / "w") if sync == "disk" else "")
     new = build_tiny_model("tiny", seed=3).eval()
-    g = GenerationConfig(max_new_tokens=240, temperature=1.0, ignore_eos=True)
-    v0 = eng.get_version()  # the server's (an earlier test may have updated it)
+    n = 960
+    g = GenerationConfig(max_new_tokens=n, temperature=1.0, ignore_eos=True)
+    version = eng.get_version()  # the server's (an earlier test may have updated it)
+    models = {version: served_model}
     try:
-        results: list = []
-        t = threading.Thread(target=lambda: results.extend(run(eng, [(p, g) for p in prompts(3)])))
-        t.start()
-        in_flight(eng, 3)
-        eng.update_weights(WeightUpdate(kind="tensors", version=v0 + 1, tensors=new.state_dict()))
-        t.join(timeout=180)
-        assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] == str(v0 + 1)
-        check_versions(results, {v0: served_model, v0 + 1: new}, 240)
+        for _ in range(4):
+            version += 1
+            models[version] = new if models[version - 1] is served_model else served_model
+            results: list = []
+            t = threading.Thread(target=lambda out=results: out.extend(run(eng, [(p, g) for p in prompts(3)])))
+            t.start()
+            in_flight(eng, 3, sender=t)
+            eng.update_weights(WeightUpdate(kind="tensors", version=version, tensors=models[version].state_dict()))
+            t.join(timeout=180)
+            assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] == str(version)
+            if any(len(set(o.output_versions)) > 1 for o in results):
+                break
+        check_versions(results, models, n)  # (it also asserts the update landed mid-generation)
     finally:
-        eng.update_weights(WeightUpdate(kind="tensors", version=v0 + 2, tensors=served_model.state_dict()))
+        version += 1
+        eng.update_weights(WeightUpdate(kind="tensors", version=version, tensors=served_model.state_dict()))
         eng.destroy()
-    assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] == str(v0 + 2)
+    assert httpx.get(sglang.url + "/model_info", timeout=10).json()["weight_version"] == str(version)
 
 
 def test_a_refused_weight_load_is_an_error(sglang, tmp_path):
