@@ -160,7 +160,13 @@ def make_workflow(
         from relayrl.rollout.tools import SubprocessTool
 
         return tool_agent_workflow(
-            reward_fn, gconfig, tokenizer, SubprocessTool(r.tool), r.max_tool_calls, 0.0, reward_pool, r.reward_timeout
+            reward_fn,
+            gconfig,
+            tokenizer,
+            SubprocessTool(r.tool, r.tool_timeout),
+            r.max_tool_calls,
+            reward_pool=reward_pool,
+            reward_timeout=r.reward_timeout,
         )
     offered: dict[str, Callable[[], object]] = {
         "reward_fn": lambda: reward_fn,
@@ -172,7 +178,7 @@ def make_workflow(
         "max_turns": lambda: r.max_turns,
         "turn_discount": lambda: r.turn_discount,
         "max_tool_calls": lambda: r.max_tool_calls,
-        "tool": lambda: _subprocess_tool(r.tool),
+        "tool": lambda: _subprocess_tool(r.tool, r.tool_timeout),
     }
     params = _check_workflow_kwargs(cfg, factory)
     kwargs = {k: make() for k, make in offered.items() if k in params and k not in cfg.workflow_kwargs}
@@ -195,7 +201,7 @@ def _check_workflow_kwargs(cfg: RunConfig, factory: Callable[..., object]) -> Ma
     return params
 
 
-def _subprocess_tool(name: str) -> object:
+def _subprocess_tool(name: str, timeout: float) -> object:
     from relayrl.rollout.tools import SubprocessTool
 
-    return SubprocessTool(name)
+    return SubprocessTool(name, timeout)

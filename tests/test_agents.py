@@ -22,6 +22,7 @@ from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import validate_trajectory
 from relayrl.data.chat import encode, render
 from relayrl.inference.local import LocalEngine
+from relayrl.rollout import tools
 from tests.agent_models import CALC, overfit
 from tests.test_workflows import segments
 
@@ -490,7 +491,7 @@ def test_client_over_a_remote_engine_to_a_real_server(tokenizer):
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_tool_agent_workflow_through_the_chat_template(hermes, kind):
+def test_tool_agent_workflow_through_the_chat_template(hermes, kind, monkeypatch):
     """workflow=tool_agent with rollout.tool_format=template: the built-in agent calls the sandboxed
     calculator through the template's tool calls and is rewarded on its final answer, by a plain reward
     fn or an async one (a reward model's ``as_reward_fn()``), which it once called without awaiting."""
@@ -518,9 +519,19 @@ def test_tool_agent_workflow_through_the_chat_template(hermes, kind):
             "rollout.max_tool_calls=2",
             "gconfig.greedy=true",
             "gconfig.max_new_tokens=64",
+            "rollout.tool_timeout=60",  # the tool's child starts within it however loaded the machine
         ],
     )
+    made: list[float] = []
+
+    class Recorded(tools.SubprocessTool):
+        def __init__(self, mode: str = "calc", timeout: float = 2.0) -> None:
+            made.append(timeout)
+            super().__init__(mode, timeout)
+
+    monkeypatch.setattr(tools, "SubprocessTool", Recorded)
     wf = wiring.make_workflow(cfg, tok, reward)
+    assert made == [60.0]  # rollout.tool_timeout reached the template agent's tool
     assert isinstance(wf, OpenAIAgentWorkflow)
     traj = asyncio.run(wf.arun_episode(eng, {"messages": [{"role": "user", "content": "12+7="}], "answer": "19"}))
     validate_trajectory(traj)
@@ -549,7 +560,7 @@ def test_the_template_tool_agent_runs_its_reward_fn_under_rollout_reward_timeout
         return 1.0
 
     over = ["workflow=tool_agent", "rollout.tool_format=template", "rollout.max_tool_calls=2", "gconfig.greedy=true",
-            "gconfig.max_new_tokens=64", "rollout.reward_timeout=0.5"]  # fmt: skip
+            "gconfig.max_new_tokens=64", "rollout.reward_timeout=0.5", "rollout.tool_timeout=60"]  # fmt: skip
     wf = wiring.make_workflow(load_config(RunConfig, None, over), tok, hangs)
     try:
         with pytest.raises(TimeoutError, match="'hangs' did not return within 0.5s"):

@@ -186,9 +186,29 @@ def perturbed(model, scale: float = 0.05) -> dict[str, torch.Tensor]:
     return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
 
 
+def pause_at_step(
+    engine: LocalEngine, model: torch.nn.Module, step: int
+) -> tuple[threading.Event, torch.utils.hooks.RemovableHandle]:
+    """Pause ``engine`` in its decode step ``step`` and set the returned event (remove the handle when done
+    if ``model`` is shared). A pre-hook on the input embeddings (every forward, the lean decode step's too)
+    calls ``pause()`` on the loop thread, where it only marks the engine paused: the loop stops when this step
+    ends, however late the test thread runs, so what the test does next (a weight update, a memory release)
+    lands after exactly ``step`` sampled tokens per running row. Needs eager decode steps: CUDA graphs replay
+    without calling modules."""
+    reached = threading.Event()
+
+    def hook(_module: torch.nn.Module, _args: tuple[torch.Tensor, ...]) -> None:
+        if engine.counters["steps"] == step and not reached.is_set():  # once: not the prefills that continue
+            engine.pause()
+            reached.set()
+
+    return reached, model.get_input_embeddings().register_forward_pre_hook(hook)
+
+
 def test_weight_update_interrupts_and_continues(tiny_model):
     model = copy.deepcopy(tiny_model)
-    engine = make_engine(model, seed=1)
+    engine = make_engine(model, seed=1, device="cpu")  # cpu: the pause hook needs eager decode steps
+    reached, _ = pause_at_step(engine, model, 10)
     new_state = perturbed(tiny_model)
     prompt = prompts(1, seed=5)[0]
     g = GenerationConfig(max_new_tokens=60, ignore_eos=True)
@@ -196,9 +216,9 @@ def test_weight_update_interrupts_and_continues(tiny_model):
 
         async def go():
             task = asyncio.create_task(engine.agenerate(ModelRequest("a", prompt, g)))
-            while engine.counters["steps"] < 10:
-                await asyncio.sleep(0.001)
+            assert await asyncio.to_thread(reached.wait, 60), "decode step 10 never ran"
             await asyncio.to_thread(engine.update_weights, WeightUpdate(kind="tensors", tensors=new_state, version=1))
+            engine.resume()
             return await task
 
         r = asyncio.run(go())
@@ -208,7 +228,7 @@ def test_weight_update_interrupts_and_continues(tiny_model):
         engine.destroy()
     assert r.stop_reason == "length" and r.output_len == 60
     split = r.output_versions.index(1)
-    assert 10 <= split < 60
+    assert split == 10  # paused after step 10: its 10 tokens are version 0, every later one version 1
     assert r.output_versions == [0] * split + [1] * (60 - split)
     old = reference_logprobs(tiny_model, prompt, r.output_tokens)
     new_model = copy.deepcopy(tiny_model)

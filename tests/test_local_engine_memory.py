@@ -26,6 +26,7 @@ from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.data.families import save_tiny_family
 from relayrl.inference.local import LocalEngine
 from relayrl.inference.server import LISTEN_PREFIX
+from tests.test_local_engine import pause_at_step
 
 PROMPTS = [list(range(10, 10 + n)) for n in (12, 9, 15, 6, 11, 8)]
 
@@ -116,15 +117,17 @@ def test_out_of_memory_in_prefill_fails_only_that_request(tiny_model):
 
 
 def test_release_and_resume_memory_mid_generation(tiny_model):
-    engine = LocalEngine(InferenceConfig(device="cpu", seed=2), tiny_model)
+    model = copy.deepcopy(tiny_model)  # it gets a hook
+    engine = LocalEngine(InferenceConfig(device="cpu", seed=2), model)
     engine.initialize()
+    reached, _ = pause_at_step(engine, model, 7)  # ~20 of the 360 tokens: the release lands mid-generation
     g = GenerationConfig(max_new_tokens=120, temperature=1.0, ignore_eos=True)
     seen: dict[str, int | bool] = {}
 
     def release_then_resume():
-        while engine.counters["tokens"] < 20:
-            time.sleep(0.001)
+        assert reached.wait(60), "decode step 7 never ran"
         engine.release_memory(weights=True)
+        engine.resume()  # released, the engine must stay idle without the pause
         seen["cache_freed"] = engine._cache is None and not engine._rows
         before = engine.counters["tokens"]
         time.sleep(0.2)
@@ -285,12 +288,22 @@ def test_weight_update_while_requests_are_preempted(tiny_model):
     engine.initialize()
     g = GenerationConfig(max_new_tokens=40, temperature=1.0, ignore_eos=True)
     seen = {}
+    reached = threading.Event()
+
+    def pause_once_preempted(_module: torch.nn.Module, _args: tuple[torch.Tensor, ...]) -> None:
+        """On the loop thread: the engine stops after the first step that runs with rows set aside, however
+        late the test thread gets to the update."""
+        if engine._preempted and not reached.is_set():
+            engine.pause()
+            reached.set()
+
+    model.get_input_embeddings().register_forward_pre_hook(pause_once_preempted)
 
     def update_when_preempted():
-        while not engine._preempted and engine.counters["tokens"] < 200:
-            time.sleep(0.0005)
+        assert reached.wait(60), "no row was ever set aside"
         seen["preempted"] = len(engine._preempted)
         engine.update_weights(WeightUpdate(kind="tensors", version=1, tensors=new_state))
+        engine.resume()
 
     try:
         res = generate(engine, PROMPTS, g, during=update_when_preempted)

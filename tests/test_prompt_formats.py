@@ -104,9 +104,9 @@ def test_workflow_settings_are_config_fields():
     )
     wf = wiring.make_workflow(cfg, build_tokenizer(), never_right)
     assert (wf.max_turns, wf.turn_discount, wf.prompt_format) == (4, 0.5, "plain")
-    cfg = load_config(RunConfig, None, ["workflow=tool_agent", "rollout.max_tool_calls=1", "rollout.tool=python"])
-    wf = wiring.make_workflow(cfg, build_tokenizer(), never_right)
-    assert wf.max_tool_calls == 1 and wf.tool.mode == "python"
+    over = ["workflow=tool_agent", "rollout.max_tool_calls=1", "rollout.tool=python", "rollout.tool_timeout=7.5"]
+    wf = wiring.make_workflow(load_config(RunConfig, None, over), build_tokenizer(), never_right)
+    assert wf.max_tool_calls == 1 and (wf.tool.mode, wf.tool.timeout) == ("python", 7.5)
     with pytest.raises(Exception, match="data.prompt_format"):
         load_config(RunConfig, None, ["data.prompt_format=raw"])
 

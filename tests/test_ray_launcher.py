@@ -347,7 +347,7 @@ def test_a_spec_the_cluster_cannot_hold_fails_at_start_naming_what_is_missing(cl
         t0 = time.monotonic()
         with pytest.raises(RayLaunchError, match=message):
             run_on_ray(cfg)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 50  # refused up front, not after ray.placement_timeout=60
     # a server that cannot start (SGLang not installed where its actor runs): one line, not a Ray traceback
     missing = tmp_path / "no-sglang"
     peer = ["inference.protocol=sglang", "inference.launch=sglang", f"inference.launch_command={missing}"]

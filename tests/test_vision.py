@@ -19,6 +19,7 @@ from relayrl.api.io import GenerationConfig, ModelRequest, WeightUpdate
 from relayrl.data.models import build_tiny_vl_model, build_vl_tokenizer
 from relayrl.data.vision import build_image_processor, encode_prompt
 from relayrl.inference.local import LocalEngine
+from tests.test_local_engine import pause_at_step
 
 PRESETS = ["tiny-vl", "tiny-vl2.5"]
 
@@ -152,26 +153,34 @@ def test_generation_continues_across_weight_update(vl):
     vps = prompts(tok, proc)
     engine = LocalEngine(InferenceConfig(seed=0), model, tok, image_processor=proc)
     engine.initialize()
+    reached, hook = pause_at_step(engine, model, 5)  # the generic forward: eager on any device
     try:
         g = GenerationConfig(max_new_tokens=40, greedy=True, ignore_eos=True)
         state = {k: v.clone() for k, v in model.state_dict().items()}
 
         async def go():
+            # every request is queued (its images processed in a thread) before the engine admits any: the rows
+            # decode together, and the update after step 5 interrupts all of them with 5 tokens each
+            engine.pause()
             tasks = [
                 asyncio.create_task(engine.agenerate(ModelRequest(f"r{i}", vp.input_ids, g, image_data=vp.image_data)))
                 for i, vp in enumerate(vps)
             ]
-            while engine.counters["tokens"] < 20:
+            while engine._waiting.qsize() < len(vps):
                 await asyncio.sleep(0.001)
+            engine.resume()
+            assert await asyncio.to_thread(reached.wait, 60), "decode step 5 never ran"
             await asyncio.to_thread(engine.update_weights, WeightUpdate("tensors", 1, tensors=state))
+            engine.resume()
             return await asyncio.gather(*tasks)
 
         outs = asyncio.run(go())
-        assert engine.counters["aborts"] > 0
+        assert engine.counters["aborts"] == len(vps)
         for vp, resp in zip(vps, outs, strict=True):
-            assert 1 in resp.output_versions and 0 in resp.output_versions
+            assert resp.output_versions == [0] * 5 + [1] * 35  # each token tagged with the weights that made it
             assert resp.output_tokens == hf_generate(model, vp, 40)
     finally:
+        hook.remove()  # the model is the module fixture's
         engine.destroy()
 
 

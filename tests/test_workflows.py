@@ -103,7 +103,7 @@ def test_tool_outputs_masked_tokens_concatenated(engine, tokenizer):
             prompt, start_tok, end_tok = row, texts[0], texts[ends[0]]
             break
     assert prompt is not None, "the tiny model's greedy output has no usable markers"
-    tool = calculator(timeout=3.0)
+    tool = calculator(timeout=60.0)  # the child starts within it however loaded the machine
     wf = ToolAgentWorkflow(
         digit_reward, greedy, tokenizer, tool=tool, max_tool_calls=2, call_start=start_tok, call_end=end_tok
     )

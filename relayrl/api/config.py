@@ -186,6 +186,13 @@ class RolloutConfig:
         help="workflow=tool_agent: the sandboxed tool (calc: arithmetic; python: restricted Python).",
         choices=["calc", "python"],
     )
+    tool_timeout: float = f(
+        5.0,
+        help="workflow=tool_agent: seconds of wall time one tool call may take (its child also gets "
+        "tool_timeout+1 CPU seconds); past it the model reads 'error: timed out'. Starting the child is "
+        "part of it: a loaded machine needs a few seconds for that alone.",
+        gt=0.0,
+    )
     tool_format: str = f(
         "markers",
         help="workflow=tool_agent: markers (call_start/call_end text) or template (the chat template's "

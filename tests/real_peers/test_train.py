@@ -92,7 +92,9 @@ def check(rows: list[dict], seen: list[str], tmp_path: Path, kind: str, update_r
     so the last, 3, is the trainer's), polled while the run lasts and counted in the server's log."""
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["version"] == 3
     numeric = [v for v in seen if v.isdigit()]
-    assert numeric == ["0", "1", "2", "3"][: len(numeric)] and len(numeric) >= 3, seen
+    # in order, never one the trainer did not push (how many the watcher saw depends on the machine's load:
+    # the server's log counts them all)
+    assert numeric and numeric == sorted(set(numeric), key=int) and set(numeric) <= {"0", "1", "2", "3"}, seen
     log = (tmp_path / "logs" / "server-0.log").read_text(errors="replace")
     assert log.count(f'{update_route} HTTP/1.1" 200') == 4
     for r in rows:

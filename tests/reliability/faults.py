@@ -52,9 +52,11 @@ def nan_reward(**kwargs: object) -> float:
 
 
 STUCK = threading.Event()  # set by a test to let stuck_reward return
+STUCK_CALLS: list[float] = []  # when each stuck_reward call began
 
 
 def stuck_reward(**kwargs: object) -> float:
     """A reward function that never returns (until a test sets ``STUCK``; 10 minutes at most)."""
+    STUCK_CALLS.append(time.monotonic())
     STUCK.wait(600)
     return 0.0

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -31,8 +32,14 @@ def _rank(r: int, port: int, which: str, out: mp.Queue) -> None:
     from relayrl.utils import dist as dist_utils
     from relayrl.utils.deadline import Stalled
 
-    dist_utils.maybe_init_process_group(TIMEOUT_S)
+    # set-up gets a minute (a rank of a loaded machine may take seconds to get here); the collective
+    # under test gets TIMEOUT_S, as train.collective_timeout sets it for every one
+    dist_utils.maybe_init_process_group(60.0)
     dist_utils.barrier()  # both ranks are in the group
+    gloo = torch.distributed.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert gloo.options._timeout == timedelta(seconds=60)  # the group runs on the timeout it was given
+    torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=TIMEOUT_S))
+    dist_utils._timeout_s = TIMEOUT_S
     if r == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen before the next collective
     t0 = time.monotonic()

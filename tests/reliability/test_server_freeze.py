@@ -31,11 +31,9 @@ from relayrl.trainer import Trainer
 from relayrl.utils.deadline import Stalled
 
 T = 6
-FREEZE = [
-    "inference.request_timeout=300",  # what the old code waited on a frozen server
-    "inference.health_timeout=0.5",
-    "inference.server_wait_timeout=3",
-]
+# A frozen server is evicted by its health check, not by request_timeout (300 s: what the old code
+# waited). 2 s: a healthy server on a loaded machine answers /health within it (one miss evicts).
+FREEZE = ["inference.request_timeout=300", "inference.health_timeout=2"]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +79,10 @@ def _freeze_when(
 
 @pytest.mark.timeout(150)
 def test_one_of_two_servers_frozen_mid_rollout_the_run_finishes(tmp_path, servers):
-    cfg = remote_cfg(tmp_path / "run", servers.addresses, f"total_steps={T}", *FREEZE)
+    # server 0 answers on; were it evicted by a stall, it has 30 s to be re-admitted
+    cfg = remote_cfg(
+        tmp_path / "run", servers.addresses, f"total_steps={T}", *FREEZE, "inference.server_wait_timeout=30"
+    )
     trainer = Trainer(cfg)
     frozen: list[float] = []
     thread = _freeze_when(trainer, servers, [1], frozen)
@@ -104,7 +105,9 @@ def test_one_of_two_servers_frozen_mid_rollout_the_run_finishes(tmp_path, server
 
 @pytest.mark.timeout(150)
 def test_every_server_frozen_stops_the_run_with_one_line(tmp_path, servers, caplog):
-    cfg = remote_cfg(tmp_path / "run", servers.addresses, f"total_steps={T}", *FREEZE)
+    cfg = remote_cfg(
+        tmp_path / "run", servers.addresses, f"total_steps={T}", *FREEZE, "inference.server_wait_timeout=5"
+    )
     trainer = Trainer(cfg)
     frozen: list[float] = []
     thread = _freeze_when(trainer, servers, [0, 1], frozen)
@@ -232,7 +235,7 @@ def _engine(addresses: list[str], sync_dir, **kw) -> RemoteEngine:
 
 @pytest.mark.timeout(120)
 def test_a_server_frozen_during_a_disk_load_is_evicted_and_the_other_updated(servers, sync_dir):
-    eng = _engine(servers.addresses, sync_dir, request_timeout=300, health_interval=0.2, health_timeout=0.5)
+    eng = _engine(servers.addresses, sync_dir, request_timeout=300, health_interval=0.2, health_timeout=2)
     frozen: list[float] = []
 
     def freeze_when_loading() -> None:  # SIGSTOP server 1 once its load call is under way
@@ -295,7 +298,7 @@ def test_a_server_frozen_during_a_broadcast_is_evicted_and_the_other_updated(ser
         weight_sync="broadcast",
         request_timeout=300,
         health_interval=0.2,
-        health_timeout=0.5,
+        health_timeout=2,  # a healthy server on a loaded machine answers /health within it
     )
     eng = RemoteEngine(cfg, addresses=servers.addresses)
     eng.initialize()
@@ -344,7 +347,7 @@ def test_a_server_that_never_answers_a_weight_update_is_evicted_after_request_ti
         admin_token=TOKEN,
         weight_sync=mode,
         weight_sync_dir=str(sync_dir),
-        request_timeout=3,
+        request_timeout=10,  # server 0 loads the update within it however loaded the machine
         health_interval=1000,
     )
     eng = RemoteEngine(cfg, addresses=servers.addresses)

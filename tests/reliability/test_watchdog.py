@@ -30,14 +30,22 @@ STUCK_RUN = [
 @pytest.mark.timeout(120)
 def test_a_reward_that_never_returns_is_reported_and_the_run_goes_on(tmp_path):
     faults.STUCK.clear()
+    faults.STUCK_CALLS.clear()
     trainer = Trainer(load_config(RunConfig, None, [f"run_dir={tmp_path / 'run'}", *STUCK_RUN]))
     seen: list[float] = []
+    reports: list = []
 
     def release_after_report() -> None:
+        """Released after the first report written once all four episodes wait in the reward (a loaded
+        machine may still be generating at the first one, a second after the step began)."""
         deadline = time.monotonic() + 90
-        while not trainer.watchdog.dumps and time.monotonic() < deadline:
+        while len(faults.STUCK_CALLS) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = len(trainer.watchdog.dumps)
+        while len(trainer.watchdog.dumps) == before and time.monotonic() < deadline:
             time.sleep(0.05)
         seen.append(time.monotonic())
+        reports.extend(trainer.watchdog.dumps[before:])
         faults.STUCK.set()
 
     helper = threading.Thread(target=release_after_report, daemon=True)
@@ -49,9 +57,9 @@ def test_a_reward_that_never_returns_is_reported_and_the_run_goes_on(tmp_path):
         faults.STUCK.set()
         trainer.close()
     helper.join()
-    assert trainer.step == 2 and trainer.watchdog.dumps
-    report = trainer.watchdog.dumps[0]
-    assert report.name == "stall_000000.txt"
+    assert trainer.step == 2 and reports
+    report = reports[0]
+    assert report.name.startswith("stall_000000")  # written during the first step
     text = report.read_text()
     summary = text.splitlines()[0]
     print(f"reward never returns: reported {seen[0] - t0:.1f}s after fit started: {summary}")
