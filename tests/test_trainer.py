@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -94,9 +95,10 @@ def test_modes_train_and_respect_staleness(tmp_path: Path, mode: list[str]) -> N
     assert saved and {"prompt", "completion", "reward", "versions"} <= set(json.loads(saved[0]))
 
 
-def _run_cli(run_dir: Path, *extra: str, kill_after_ckpt: int | None = None) -> subprocess.CompletedProcess[str] | None:
-    """``relayrl train`` in a real process (forked with the trainer imported), to its end or SIGKILLed
-    once step ``kill_after_ckpt``'s checkpoint exists."""
+def _run_cli(run_dir: Path, *extra: str, kill_in_commit: int | None = None) -> subprocess.CompletedProcess[str] | None:
+    """``relayrl train`` in a real process (forked with the trainer imported), to its end, or SIGKILLed by
+    itself (tests/reliability/signal_hooks.py) as step ``kill_in_commit``'s checkpoint is written: its files
+    are in place, not yet committed, so the step before's is the latest (a point of the run, not of the clock)."""
     argv = [
         "train",
         f"run_dir={run_dir}",
@@ -107,19 +109,18 @@ def _run_cli(run_dir: Path, *extra: str, kill_after_ckpt: int | None = None) -> 
         "rollout.max_staleness=0",
         *extra,
     ]
-    if kill_after_ckpt is None:
+    if kill_in_commit is None:
         p = run_cli(argv, timeout=400)
         assert p.returncode == 0, p.stderr[-3000:]
         return p
     log = run_dir.parent / f"{run_dir.name}.log"
-    proc = start_cli(argv, log)
-    target = run_dir / "checkpoints" / f"step_{kill_after_ckpt:06d}"
-    deadline = time.monotonic() + 300
-    while not target.exists() and proc.exitcode is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.exitcode is None, f"trainer ended before it could be killed:\n{log.read_text()}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join()
+    env = {"RELAYRL_SIGNAL": "SIGKILL", "RELAYRL_SIGNAL_IN": "commit", "RELAYRL_SIGNAL_AT": str(kill_in_commit)}
+    proc = start_cli([*argv, "imports=[tests.reliability.signal_hooks]"], log, env=env)
+    proc.join(timeout=300)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == -signal.SIGKILL, f"trainer not killed in its checkpoint write:\n{log.read_text()[-3000:]}"
     return None
 
 
@@ -134,8 +135,9 @@ def test_sigkill_and_recover_is_bitwise_equal_in_sync_mode(tmp_path: Path) -> No
     assert out is not None and "step 4/4" in out.stderr  # plain progress lines off a TTY
     assert "\r" not in out.stderr
     killed = tmp_path / "killed"
-    _run_cli(killed, kill_after_ckpt=2)
-    assert not (killed / "checkpoints" / "step_000004").exists()
+    _run_cli(killed, kill_in_commit=3)  # step 3 logged, its checkpoint written and not committed
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+    assert [r["step"] for r in _metrics(killed)] == [1, 2, 3]
     _run_cli(killed, "--recover")
     a, b = _weights(straight), _weights(killed)
     assert a.keys() == b.keys()
@@ -346,18 +348,24 @@ def test_relayrl_train_follows_the_lr_schedule(tmp_path: Path) -> None:
     )
 
 
-def test_checkpoints_are_due_every_n_steps_or_every_n_minutes(tmp_path: Path) -> None:
+def test_checkpoints_are_due_every_n_steps_or_every_n_minutes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from relayrl.api.config import CheckpointConfig
+    from relayrl.utils import checkpoint
     from relayrl.utils.checkpoint import CheckpointManager
 
+    now = [1000.0]  # a clock that moves only where the test says, whatever the machine's load
+    monkeypatch.setattr(checkpoint, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     by_steps = CheckpointManager(tmp_path / "a", CheckpointConfig(every_n_steps=3))
     assert [s for s in range(1, 10) if by_steps.due(s)] == [3, 6, 9]
-    by_time = CheckpointManager(tmp_path / "b", CheckpointConfig(every_n_steps=0, every_minutes=0.02))  # 1.2 s
+    by_time = CheckpointManager(tmp_path / "b", CheckpointConfig(every_n_steps=0, every_minutes=2))
+    now[0] += 119
     assert not by_time.due(1)
-    time.sleep(1.25)
+    now[0] += 1
     assert by_time.due(2)
     by_time.commit(2, by_time.begin(2), {})
     assert not by_time.due(3)  # the clock restarts at each save
+    now[0] += 120
+    assert by_time.due(4)
     assert [p.name for p in by_time.complete()] == ["step_000002"]
 
 

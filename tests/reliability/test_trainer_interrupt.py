@@ -4,7 +4,7 @@
 
 The signal lands in rollout (sent by the run's reward function), inside the update (sent by its
 loss, between optimizer steps), in the weight push (sent while the generator loads the pushed
-weights) or at a random moment (sent by this test). Whatever the point,
+weights) or at a random one of these moments (drawn by this test). Whatever the point,
 the trainer prints one line and no traceback, exits 128 + the signal, and a synchronous run
 recovered from the checkpoint it wrote ends with the uninterrupted run's weights and metrics,
 bitwise; an asynchronous one trains every prompt exactly once.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -58,12 +57,6 @@ class _Run:
             session=session,
         )
 
-    def poll(self) -> int | None:
-        return self.proc.exitcode
-
-    def send_signal(self, sig: signal.Signals) -> None:
-        os.kill(self.proc.pid, sig)
-
 
 def _start(run_dir: Path, args: list[str], signal_env: dict[str, str] | None = None, session: bool = False) -> _Run:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -93,14 +86,6 @@ def _check_one_line(rc: int, err: str, sig: signal.Signals) -> int:
     step = int(last.split("after step ")[1].split(";")[0].split(",")[0])
     assert "--recover" in last or (step == T and "final checkpoint" in last), last
     return step
-
-
-def metrics_rows_or_none(run_dir: Path) -> list[dict] | None:
-    """The training rows written so far (None before the first complete line)."""
-    try:
-        return metrics_rows(run_dir) or None
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def _actor(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -181,17 +166,6 @@ def test_signal_after_the_last_step_says_the_final_checkpoint_is_complete(tmp_pa
     _check_resume(run, straight)
 
 
-def _rows_seen(proc: _Run, run: Path, n: int) -> list[float]:
-    """Wait until the run has logged ``n`` step rows (or ended); the times each new count was first seen."""
-    seen: list[float] = []
-    deadline = time.monotonic() + 240
-    while len(seen) < n and proc.poll() is None and time.monotonic() < deadline:
-        count = len(metrics_rows_or_none(run) or [])
-        seen += [time.monotonic()] * (count - len(seen))
-        time.sleep(0.02)
-    return seen
-
-
 @pytest.mark.parametrize(
     "seed",  # seed 0 in CI; seed 1 (another moment) is long (INTERRUPT_SEEDS=0,1,2,... draws more by hand)
     [
@@ -200,26 +174,20 @@ def _rows_seen(proc: _Run, run: Path, n: int) -> list[float]:
     ],
 )
 def test_sync_run_interrupted_at_a_random_moment_recovers_bitwise(tmp_path, straight, seed):
-    """The moment is random in units of the run's own steps (after step k, within about one step's time),
-    so it falls inside the run on a fast machine and a slow one; should the run still have ended first,
-    the finished run must equal the uninterrupted one."""
+    """The moment is random in units of the run's own steps: a random signal at a random call of a random hook
+    (rollout, update or weight push) in a random step 2..T, sent by the run itself, so it lands there however
+    loaded the machine is."""
     rng = random.Random(seed)
-    sig = rng.choice([signal.SIGINT, signal.SIGTERM])
-    k = rng.randint(2, T - 2)
+    sig = rng.choice(["SIGINT", "SIGTERM"])
+    hook, step = rng.choice(["reward", "loss", "push"]), rng.randint(2, T)
+    call = {"reward": 4 * (step - 1) + rng.randint(1, 4), "loss": 2 * (step - 1) + rng.randint(1, 2), "push": step + 1}
+    env = {"RELAYRL_SIGNAL": sig, "RELAYRL_SIGNAL_IN": hook, "RELAYRL_SIGNAL_AT": str(call[hook])}
     run = tmp_path / "run"
-    proc = _start(run, SYNC)
-    seen = _rows_seen(proc, run, k)
-    if len(seen) == k:
-        time.sleep(rng.uniform(0.0, 1.0) * (seen[-1] - seen[-2]))  # rollout, update, weight push, logging
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        rc, err = _finish(proc)
-        _check_one_line(rc, err, sig)
-        _check_resume(run, straight)
-    else:
-        rc, err = _finish(proc)
-        assert rc == 0, err[-3000:]
-        _check_resume(run, straight)
+    rc, err = _finish(_start(run, SYNC, env))
+    saved = _check_one_line(rc, err, signal.Signals[sig])
+    assert saved == SAVED[hook](call[hook]), f"{sig} in {hook} {call[hook]}"
+    assert metrics_rows(run)[-1]["step"] == saved
+    _check_resume(run, straight)
 
 
 def test_async_run_interrupted_loses_and_repeats_no_prompt(tmp_path):
@@ -248,17 +216,19 @@ def test_interrupt_during_set_up_is_one_line(tmp_path, straight):
 
 
 def test_ctrl_c_in_a_terminal_with_reward_workers_is_one_line(tmp_path, straight):
-    """A terminal's Ctrl-C reaches the whole process group (the trainer and its reward workers)."""
+    """A terminal's Ctrl-C reaches the whole process group (the trainer and its reward workers): the run sends
+    SIGINT to its group as step 2's second episode ends, two still in flight (generating or scored by the workers)."""
     run = tmp_path / "run"
     args = [*SYNC, "rollout.reward_workers=2"]
-    proc = _start(run, args, session=True)  # its own session: the group a terminal would signal
-    deadline = time.monotonic() + 240
-    while not metrics_rows_or_none(run) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, proc.err.read_text()[-2000:]
-    os.killpg(proc.proc.pid, signal.SIGINT)
+    env = {
+        "RELAYRL_SIGNAL": "SIGINT",
+        "RELAYRL_SIGNAL_TO": "group",
+        "RELAYRL_SIGNAL_IN": "episode",
+        "RELAYRL_SIGNAL_AT": "6",
+    }
+    proc = _start(run, args, env, session=True)  # its own session: the group a terminal would signal
     rc, err = _finish(proc)
-    _check_one_line(rc, err, signal.SIGINT)
+    assert _check_one_line(rc, err, signal.SIGINT) == 1  # in step 2's rollout: the step is abandoned
     log = _train(run, [*args, "--recover"])
     assert "resumed from" in log and "Traceback" not in log
     a, b = _actor(straight), _actor(run)
