@@ -19,6 +19,7 @@ from relayrl.inference.server.launcher import launch_servers
 
 TOKEN = "conf"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TRIES = 6  # of holding a request mid-generation: a try is lost only when it finished before the hold
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +43,47 @@ def _generate(url: str, n: int, **sp) -> httpx.Response:
     return httpx.post(url + "/generate", json=body, timeout=120)
 
 
+def _info(url: str) -> dict:
+    return httpx.get(url + "/get_model_info", timeout=10).json()
+
+
+def _held(url: str, threads: list[threading.Thread], tokens: int, total: int) -> bool:
+    """Start ``threads`` (each sends one /generate); once all their calls have arrived and ``tokens``
+    more tokens are out, pause in place (generation holds where it is). Whether no request had
+    finished by then (fewer than ``total`` tokens out, ``total`` the tokens of the shortest): what
+    the test does next lands mid-generation however loaded the machine; if not, the requests are
+    resumed and finished (the caller tries again)."""
+    base = _info(url)
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while (info := _info(url))["generate_calls"] - base["generate_calls"] < len(threads):  # each one queued
+        assert time.monotonic() < deadline, "the requests never arrived"
+        time.sleep(0.005)
+    start = info["tokens_generated"]  # every request is queued: it is running once tokens come after this
+    while _info(url)["tokens_generated"] - start < tokens and any(t.is_alive() for t in threads):
+        assert time.monotonic() < deadline, "nothing generated"
+        time.sleep(0.005)
+    assert httpx.post(url + "/pause_generation", json={"mode": "in_place"}, headers=AUTH, timeout=30).status_code == 200
+    if _info(url)["tokens_generated"] - base["tokens_generated"] < total:
+        return True
+    httpx.post(url + "/continue_generation", json={}, headers=AUTH, timeout=30)
+    for t in threads:
+        t.join(timeout=60)
+    return False
+
+
 def test_pause_with_an_empty_body_aborts_in_flight_requests(server):
     """SGLang's PauseGenerationReqInput.mode defaults to 'abort': in-flight requests come back at
-    once with finish_reason abort and the tokens generated so far."""
-    replies = []
-    t = threading.Thread(target=lambda: replies.append(_generate(server, 400)))
-    t.start()
-    deadline = time.monotonic() + 60
-    while httpx.get(server + "/get_model_info", timeout=10).json()["tokens_generated"] < 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    once with finish_reason abort and the tokens generated so far. The request is held mid-generation
+    by a pause in place first (``_held``), so the abort lands there whatever the machine's load."""
+    for _ in range(TRIES):
+        replies = []
+        t = threading.Thread(target=lambda out=replies: out.append(_generate(server, 400)))
+        if _held(server, [t], 5, 400):
+            break
+    else:
+        pytest.fail(f"the request finished before the pause on all {TRIES} tries")
     assert httpx.post(server + "/pause_generation", json={}, headers=AUTH, timeout=30).status_code == 200
     try:
         t.join(timeout=30)
@@ -129,31 +161,35 @@ def test_errors_are_openai_error_objects_the_sdk_reads(server):
 
 def test_abort_request_ends_one_rid_with_its_partial_output_and_leaves_the_others(server):
     """SGLang's AbortReq: ``rid`` aborts that request (finish_reason abort, the tokens so far; it is
-    not continued); the others run on; ``abort_all`` ends them all; an unknown rid is a no-op."""
+    not continued); the others run on; ``abort_all`` ends them all; an unknown rid is a no-op. Both
+    requests are held mid-generation by a pause in place (``_held``) while the abort is sent."""
+    n = 200
     replies: dict[str, httpx.Response] = {}
 
     def go(rid: str) -> None:
         body = {
             "rid": rid,
             "input_ids": [3, 20, 21, 22, 4],
-            "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
         }
         replies[rid] = httpx.post(server + "/generate", json=body, timeout=120)
 
-    threads = [threading.Thread(target=go, args=(rid,)) for rid in ("keep", "drop")]
-    before = httpx.get(server + "/get_model_info", timeout=10).json()["tokens_generated"]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while httpx.get(server + "/get_model_info", timeout=10).json()["tokens_generated"] < before + 10:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    r = httpx.post(server + "/abort_request", json={"rid": "drop"}, headers=AUTH, timeout=30)
-    assert r.status_code == 200 and r.json()["aborted"] == 1
+    for i in range(TRIES):
+        keep, drop = f"keep{i}", f"drop{i}"
+        threads = [threading.Thread(target=go, args=(rid,)) for rid in (keep, drop)]
+        if _held(server, threads, 10, n):
+            break
+    else:
+        pytest.fail(f"the requests finished before the pause on all {TRIES} tries")
+    try:
+        r = httpx.post(server + "/abort_request", json={"rid": drop}, headers=AUTH, timeout=30)
+        assert r.status_code == 200 and r.json()["aborted"] == 1
+    finally:
+        httpx.post(server + "/continue_generation", json={}, headers=AUTH, timeout=30)
     for t in threads:
         t.join(timeout=60)
-    drop, keep = replies["drop"].json()["meta_info"], replies["keep"].json()["meta_info"]
-    assert drop["finish_reason"]["type"] == "abort" and 0 < drop["completion_tokens"] < 60
-    assert keep["finish_reason"]["type"] == "length" and keep["completion_tokens"] == 60
+    dropped, kept = replies[drop].json()["meta_info"], replies[keep].json()["meta_info"]
+    assert dropped["finish_reason"]["type"] == "abort" and 0 < dropped["completion_tokens"] < n
+    assert kept["finish_reason"]["type"] == "length" and kept["completion_tokens"] == n
     r = httpx.post(server + "/abort_request", json={"rid": "no-such-rid"}, headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["aborted"] == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,6 +54,25 @@ class TinyPeer:
         engine = self.adapters[adapter][1] if adapter else self.engine
         req = ModelRequest(rid=rid, input_ids=ids, gconfig=g, image_data=list(images or []))
         return await engine.agenerate_once(req)
+
+    def hold_once(self, rows: int, tokens: int, on_hold: Callable[[], None]) -> None:
+        """Test hook (``--hold-rows`` / ``--hold-after-tokens``): the first time ``rows`` requests are
+        running with ``tokens`` output tokens each, generation pauses in place at that step boundary
+        (as a pause that keeps requests) and ``on_hold`` is called: a test's pause or update then lands
+        mid-generation whatever the machine's load. The next resume lets them go on."""
+        engine = self.engine
+        step = engine._step  # noqa: SLF001 - one decode step, on the engine's loop thread
+
+        def step_then_hold() -> None:
+            step()
+            live = [s for s, alive in zip(engine._rows, engine._alive, strict=True) if alive]  # noqa: SLF001
+            if len(live) >= rows and min(len(s.out) for s in live) >= tokens:
+                engine._step = step  # noqa: SLF001 - once
+                with engine._wake:  # noqa: SLF001 - what LocalEngine.pause sets; the loop waits at its next turn
+                    engine._paused = True  # noqa: SLF001
+                on_hold()
+
+        engine._step = step_then_hold  # noqa: SLF001
 
     def load_adapter(self, name: str, path: str) -> int:
         """Serve the peft adapter at ``path`` as ``name``; returns its rank."""

@@ -47,8 +47,11 @@ with image content parts into ``token_ids`` and ``features`` (``mm_hashes``, ``m
 chat-style ``logprobs.content``. A text model (``--model-path tiny``) refuses images.
 
 Run: ``python tests/peers/vllm_server.py [--port 0] [--served-model-name NAME] [--logprobs-mode M]
-[--weight-transfer-backend nccl|disk] [--rl-router 0100a212|1ace43ed|none] [--model-path tiny|tiny-vl]``
-(``VLLM_SERVER_DEV_MODE=1`` in the environment adds the RL and ``/collective_rpc`` routes).
+[--weight-transfer-backend nccl|disk] [--rl-router 0100a212|1ace43ed|none] [--model-path tiny|tiny-vl]
+[--hold-after-tokens N [--hold-rows R]]`` (``VLLM_SERVER_DEV_MODE=1`` in the environment adds the RL and
+``/collective_rpc`` routes). ``--hold-after-tokens`` is a test hook, not vLLM's: once R requests (default 1)
+have generated N tokens each, it pauses as ``/pause?mode=keep`` does (``/is_paused`` answers true), so a
+test's ``/pause`` lands mid-generation however loaded the machine is (``TinyPeer.hold_once``).
 """
 
 from __future__ import annotations
@@ -91,12 +94,15 @@ class VLLMStandIn:
         router: str = "0100a212",
         lora: tuple[bool, int] = (False, 16),
         model: str = "tiny",
+        hold: tuple[int, int] = (0, 0),
     ) -> None:
         self.served, self.logprobs_mode = served, logprobs_mode
         self.enable_lora, self.max_lora_rank = lora
         self.transfer, self.router = transfer, router
         self.peer = TinyPeer(model=model)
         self.paused = False
+        if hold[1] > 0:  # (rows, tokens): the test hook --hold-after-tokens
+            self.peer.hold_once(*hold, on_hold=lambda: setattr(self, "paused", True))
         self.version = 0  # weights loaded so far
         self.weight_version: str | None = None  # what /finish_weight_update set (0100a212 layout)
         self.group: object | None = None  # the weight-transfer group, once initialised
@@ -412,6 +418,12 @@ def main() -> None:
     ap.add_argument("--max-lora-rank", type=int, default=16)
     ap.add_argument("--max-loras", type=int, default=1)
     ap.add_argument("--model-path", default="tiny", help="tiny, or tiny-vl / tiny-vl2.5 (takes images)")
+    ap.add_argument(
+        "--hold-after-tokens", type=int, default=0, help="test hook: pause (keep) once requests have N tokens"
+    )
+    ap.add_argument(
+        "--hold-rows", type=int, default=1, help="test hook: how many requests --hold-after-tokens waits for"
+    )
     args, _ = ap.parse_known_args()
     if args.weight_transfer_config is not None:
         args.weight_transfer_backend = args.weight_transfer_config.get("backend", "nccl")
@@ -427,6 +439,7 @@ def main() -> None:
                 args.rl_router,
                 (args.enable_lora, args.max_lora_rank),
                 args.model_path,
+                (args.hold_rows, args.hold_after_tokens),
             ),
             dev,
         ),
