@@ -6,7 +6,9 @@ Each subcommand imports its heavy modules lazily so ``relayrl --help`` is instan
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,48 +21,30 @@ if TYPE_CHECKING:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="relayrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("config-reference", help="Print the reference of every config field (docs/config.md).")
-    sub.add_parser(
-        "serve", help="HTTP inference server (SGLang + OpenAI protocols) around LocalEngine.", add_help=False
-    )
-    sub.add_parser("sft", help="Supervised fine-tuning on prompt/completion data (SFTConfig).", add_help=False)
-    sub.add_parser("train", help="RL training from a RunConfig YAML plus dotted overrides.", add_help=False)
-    sub.add_parser(
-        "eval",
-        help="Evaluate a run directory's latest checkpoint (or a config's model) on held-out rows.",
-        add_help=False,
-    )
-    sub.add_parser("plot", help="PNG learning curves of one or more run directories.", add_help=False)
-    sub.add_parser("show", help="Print the rollouts saved at one step of a run.", add_help=False)
-    sub.add_parser("inspect", help="A local web page over runs' rollouts (token by token) and curves.", add_help=False)
-    sub.add_parser("doctor", help="Where a run's generator-trainer logprob gap comes from.", add_help=False)
-    sub.add_parser("demo", help="The CPU demo: SFT warm start then GRPO on a tiny model.", add_help=False)
-    sub.add_parser(
-        "selftest", help="A minute-long check of this machine's engine, training and weight sync.", add_help=False
-    )
-    sub.add_parser("models", help="Fetch a known real model into the cache: relayrl models pull NAME.", add_help=False)
+    commands: dict[str, tuple[Callable[[list[str]], int], str]] = {
+        "config-reference": (_config_reference, "Print the reference of every config field (docs/config.md)."),
+        "serve": (_serve, "HTTP inference server (SGLang + OpenAI protocols) around LocalEngine."),
+        "sft": (_sft, "Supervised fine-tuning on prompt/completion data (SFTConfig)."),
+        "train": (_train, "RL training from a RunConfig YAML plus dotted overrides."),
+        "eval": (_eval, "Evaluate a run directory's latest checkpoint (or a config's model) on held-out rows."),
+        "plot": (_plot, "PNG learning curves of one or more run directories."),
+        "show": (_show, "Print the rollouts saved at one step of a run."),
+        "inspect": (_inspect, "A local web page over runs' rollouts (token by token) and curves."),
+        "doctor": (_doctor, "Where a run's generator-trainer logprob gap comes from."),
+        "demo": (_demo, "The CPU demo: SFT warm start then GRPO on a tiny model."),
+        "selftest": (_selftest, "A minute-long check of this machine's engine, training and weight sync."),
+        "models": (_models, "Fetch a known real model into the cache: relayrl models pull NAME."),
+    }
+    for name, (_, text) in commands.items():  # each command but config-reference parses its own arguments
+        sub.add_parser(name, help=text, add_help=name == "config-reference")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (any command)")
     args, rest = parser.parse_known_args(argv)
     debug = args.debug or "--debug" in rest
     rest = [a for a in rest if a != "--debug"]
     if "" not in sys.path and os.getcwd() not in sys.path:  # the console script, unlike python -m, leaves it out
         sys.path.insert(0, os.getcwd())  # so `workflow=my_pkg.agents:Solver` imports from where the user runs
-    handlers = {
-        "train": _train,
-        "eval": _eval,
-        "plot": _plot,
-        "show": _show,
-        "inspect": _inspect,
-        "demo": _demo,
-        "doctor": _doctor,
-        "selftest": _selftest,
-        "serve": _serve,
-        "sft": _sft,
-        "config-reference": _config_reference,
-        "models": _models,
-    }
     try:
-        return handlers[args.command](rest)
+        return commands[args.command][0](rest)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line, never a traceback
         if debug:
             raise
@@ -133,7 +117,6 @@ def _is_environment_error(e: Exception) -> bool:
 
 def _interrupted(command: str, e: KeyboardInterrupt) -> int:
     """The one line a stopped command prints; exit status 128 + the signal, as a shell reports it."""
-    import signal
 
     # (no relayrl import here: the interrupt may have cut one short)
     signum, step, checkpoint, where = (getattr(e, k, None) for k in ("signum", "step", "checkpoint", "where"))
@@ -224,7 +207,6 @@ def _sft(argv: list[str]) -> int:
 
     check_model(cfg.model)
     check_files({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path})
-    import json
 
     from relayrl.sft import run_sft
 
@@ -286,7 +268,6 @@ def _train(argv: list[str]) -> int:
         return 2
     if ns.recover:
         overrides.append("recover=auto")
-    import signal
 
     # the caller's handlers come back on return (main() called in a Python process: Ctrl-C works after it)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -298,8 +279,6 @@ def _train(argv: list[str]) -> int:
 
 
 def _train_run(path: str | None, overrides: list[str]) -> int:
-    import signal
-
     from relayrl.api.config import RunConfig, load_config
     from relayrl.utils.interrupt import raise_interrupted
 
@@ -309,7 +288,6 @@ def _train_run(path: str | None, overrides: list[str]) -> int:
         from relayrl.data.preflight import check_run
 
         check_run(cfg)  # a wrong path or device in one line before ~10 s of trainer imports (train() checks again)
-    import json
 
     from relayrl.launch import LaunchError
     from relayrl.train.engine import NonFiniteError
@@ -359,7 +337,6 @@ def _eval(argv: list[str]) -> int:
     base); a YAML config evaluates its ``model.path`` (plus ``model.lora.adapter_path``)."""
     ns, path, overrides = _config_args("relayrl eval", argv)
     from dataclasses import replace
-    from pathlib import Path
 
     from relayrl.api.config import RunConfig, load_config
     from relayrl.utils.checkpoint import CheckpointManager
@@ -387,7 +364,6 @@ def _eval(argv: list[str]) -> int:
     from relayrl.data.preflight import check_run
 
     check_run(cfg)  # a wrong path or device in one line, before the model code is imported
-    import json
 
     from relayrl import wiring
     from relayrl.data.models import load_tokenizer
@@ -451,8 +427,6 @@ def _show(argv: list[str]) -> int:
     p.add_argument("run_dir")
     p.add_argument("--step", type=int, help="step to show (default: the last one saved)")
     ns = p.parse_args(argv)
-    import json
-    from pathlib import Path
 
     run_dir = Path(ns.run_dir)
     if not (run_dir / "rollouts").is_dir():  # a directory of runs (runs/demo holds sft/ and grpo/)
@@ -486,7 +460,6 @@ def _inspect(argv: list[str]) -> int:
     p.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0 picks a free one)")
     p.add_argument("--export", metavar="DIR", help="write the page and its data as static files to DIR instead")
     ns = p.parse_args(argv)
-    from pathlib import Path
 
     from relayrl.inspector.data import RunDirError, check_run_dir
     from relayrl.inspector.server import export, make_server

@@ -46,7 +46,7 @@ from relayrl.api.config import (
     TrainEngineConfig,
 )
 from relayrl.api.io import GenerationConfig
-from relayrl.data.models import build_tokenizer
+from relayrl.data.models import TOKEN_IDS, build_tokenizer, seeded
 from relayrl.data.tasks import demonstrations, make_task
 from relayrl.evaluation import evaluate
 from relayrl.rewards.tasks import task_reward_fn
@@ -110,22 +110,10 @@ class DemoSettings:
 
 def build_demo_model(seed: int = 0) -> PreTrainedModel:
     """The demo's randomly initialised Qwen2-style model over the offline char tokenizer."""
-    tok = build_tokenizer()
     cfg = AutoConfig.for_model(
-        "qwen2",
-        vocab_size=len(tok),
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        **DEMO_MODEL,
+        "qwen2", vocab_size=len(build_tokenizer()), max_position_embeddings=256, **TOKEN_IDS, **DEMO_MODEL
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model
+    return seeded(AutoModelForCausalLM.from_config, cfg, seed)
 
 
 def generation_copy(model: PreTrainedModel) -> PreTrainedModel:

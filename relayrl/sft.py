@@ -256,11 +256,7 @@ def run_sft(
             stats = engine.train_batch(collate(examples), sft_loss_fn, sft_loss_weight)
             window.append(stats["loss"])
             metrics = {f"sft/{k}": v for k, v in stats.items()} | {"sft/epoch": float(epoch)}
-            if cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0 and step < total:
-                ev = eval_loss()
-                if ev is not None:
-                    metrics["eval/loss"] = ev
-            if step == total:
+            if step == total or (cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0):
                 ev = eval_loss()
                 if ev is not None:
                     metrics["eval/loss"] = ev

@@ -124,9 +124,8 @@ def make_inference_engine(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) ->
         return LocalEngine(inf, model=load_model(cfg.model, cfg.seed), tokenizer=tokenizer, model_config=cfg.model)
     from relayrl.inference.remote import RemoteEngine
 
-    return RemoteEngine(
-        inf, model=cfg.model
-    )  # launches inference.n_servers servers of cfg.model when no addresses are given
+    # launches inference.n_servers servers of cfg.model when no addresses are given
+    return RemoteEngine(inf, model=cfg.model)
 
 
 def make_reward_pool(cfg: RunConfig, reward_fn: RewardFn) -> RewardPool | None:
@@ -150,6 +149,7 @@ def make_workflow(
     ``gconfig``, ``tokenizer``, ``reward_pool``, ``reward_timeout``, ``prompt_format``, ``max_turns``,
     ``turn_discount``, ``max_tool_calls``, ``tool``), then ``workflow_kwargs``.
     """
+    from relayrl.rollout.tools import SubprocessTool
     from relayrl.rollout.workflows import ToolAgentWorkflow, workflow_factory
 
     factory = workflow_factory(cfg.workflow)
@@ -157,7 +157,6 @@ def make_workflow(
     gconfig = gconfig or cfg.gconfig
     if factory is ToolAgentWorkflow and r.tool_format == "template":  # tool calls through the chat template
         from relayrl.agents.builtin import tool_agent_workflow
-        from relayrl.rollout.tools import SubprocessTool
 
         return tool_agent_workflow(
             reward_fn,
@@ -178,7 +177,7 @@ def make_workflow(
         "max_turns": lambda: r.max_turns,
         "turn_discount": lambda: r.turn_discount,
         "max_tool_calls": lambda: r.max_tool_calls,
-        "tool": lambda: _subprocess_tool(r.tool, r.tool_timeout),
+        "tool": lambda: SubprocessTool(r.tool, r.tool_timeout),
     }
     params = _check_workflow_kwargs(cfg, factory)
     kwargs = {k: make() for k, make in offered.items() if k in params and k not in cfg.workflow_kwargs}
@@ -199,9 +198,3 @@ def _check_workflow_kwargs(cfg: RunConfig, factory: Callable[..., object]) -> Ma
                     f"(its arguments: {list(params)})"
                 )
     return params
-
-
-def _subprocess_tool(name: str, timeout: float) -> object:
-    from relayrl.rollout.tools import SubprocessTool
-
-    return SubprocessTool(name, timeout)

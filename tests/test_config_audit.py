@@ -51,6 +51,7 @@ ELSEWHERE = {
     "RolloutConfig.turn_discount": "tests/test_prompt_formats.py::test_workflow_settings_are_config_fields",
     "RolloutConfig.max_tool_calls": "tests/test_prompt_formats.py::test_workflow_settings_are_config_fields",
     "RolloutConfig.tool": "tests/test_prompt_formats.py::test_workflow_settings_are_config_fields",
+    "RolloutConfig.tool_timeout": "tests/test_prompt_formats.py::test_workflow_settings_are_config_fields",
     "RolloutConfig.tool_format": "tests/test_agents.py::test_tool_agent_workflow_through_the_chat_template",
     # servers launched as SGLang / vLLM (the stand-ins in tests/peers/)
     "InferenceConfig.launch_args": "tests/test_peer_launch.py::test_a_server_that_fails_to_start_is_an_error_quoting_its_log",

@@ -95,9 +95,7 @@ def request_settings(base: GenerationConfig, params: dict[str, object]) -> tuple
     if temperature is not None:
         if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
             raise RequestError(f"temperature must be in [0, 2], got {temperature!r}", "temperature")
-        changes.update(greedy=True) if temperature == 0 else changes.update(
-            temperature=float(temperature), greedy=False
-        )
+        changes.update({"greedy": True} if temperature == 0 else {"temperature": float(temperature), "greedy": False})
     top_p = p.pop("top_p", None)
     if top_p is not None:
         if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:

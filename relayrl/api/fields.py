@@ -347,21 +347,19 @@ def _interpolate(values: dict[str, YamlValue], cls: type) -> dict[str, YamlValue
     OmegaConf is used for this one thing it does better than hand-written code (nested and
     relative references, ``${oc.env:VAR}`` resolvers, cycle detection); loading, types and
     validation stay here, and leaves without ``${`` keep their YAML 1.1 words as typed."""
-    paths = [p for p, v in _leaves(values) if isinstance(v, str) and "${" in v]
-    if not paths:
+    refs = [(p, v) for p, v in _leaves(values) if isinstance(v, str) and "${" in v]
+    if not refs:
         return values
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     base = to_plain_dict(cls()) if dataclasses.is_dataclass(cls) else {}
     conf = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(typing.cast(dict[str, object], _plain(values))))
-    for path in paths:
+    for path, raw in refs:
         try:
             resolved = OmegaConf.select(conf, ".".join(path), throw_on_missing=True)
         except OmegaConfBaseException as e:
-            raise ConfigError(
-                f"{'.'.join(path)}: cannot resolve {_get(values, path)!r}: {str(e).splitlines()[0]}"
-            ) from None
+            raise ConfigError(f"{'.'.join(path)}: cannot resolve {raw!r}: {str(e).splitlines()[0]}") from None
         node = values
         for key in path[:-1]:
             node = typing.cast(dict[str, YamlValue], node[key])
@@ -375,13 +373,6 @@ def _leaves(value: YamlValue, path: tuple[str, ...] = ()) -> list[tuple[tuple[st
     if isinstance(value, dict):
         return [leaf for k, v in value.items() for leaf in _leaves(v, (*path, str(k)))]
     return [(path, value)]
-
-
-def _get(values: dict[str, YamlValue], path: tuple[str, ...]) -> YamlValue:
-    node: YamlValue = values
-    for key in path:
-        node = typing.cast(dict[str, YamlValue], node)[key]
-    return node
 
 
 def public_dict(obj: object) -> dict[str, YamlValue]:

@@ -12,12 +12,9 @@ from typing import Literal
 
 import torch
 
+from relayrl.api.fields import f
+
 StopReason = Literal["stop", "length", "abort"]
-
-
-def _meta(help: str, **rules: object) -> dict[str, object]:
-    """Field metadata read by the config validator (see ``api/config.py``)."""
-    return {"help": help, **rules}
 
 
 @dataclass
@@ -29,31 +26,24 @@ class GenerationConfig:
     then exact under ``softmax(logits / temperature)``.
     """
 
-    max_new_tokens: int = field(default=128, metadata=_meta("Upper bound on generated tokens.", ge=1))
-    min_new_tokens: int = field(
-        default=0, metadata=_meta("EOS and stop tokens are masked until this many tokens exist.", ge=0)
+    max_new_tokens: int = f(128, "Upper bound on generated tokens.", ge=1)
+    min_new_tokens: int = f(0, "EOS and stop tokens are masked until this many tokens exist.", ge=0)
+    greedy: bool = f(False, "Argmax decoding; logprobs are then those of softmax(logits).")
+    temperature: float = f(1.0, "Softmax temperature for sampling.", gt=0.0)
+    top_p: float = f(1.0, "Nucleus sampling mass; 1.0 disables it.", gt=0.0, le=1.0)
+    top_k: int = f(0, "Keep the k most likely tokens; 0 disables it.", ge=0)
+    stop_token_ids: list[int] = f([], "Token ids that end a completion (besides EOS).")
+    stop: list[str] = f([], "Strings that end a completion when decoded.")
+    ignore_eos: bool = f(False, "Keep generating past EOS until max_new_tokens.")
+    frequency_penalty: float = f(
+        0.0,
+        "OpenAI's: each token's logit is lowered by this times its count in the output so far "
+        "(before temperature; logprobs are those of the penalised distribution).",
+        ge=-2.0,
+        le=2.0,
     )
-    greedy: bool = field(default=False, metadata=_meta("Argmax decoding; logprobs are then those of softmax(logits)."))
-    temperature: float = field(default=1.0, metadata=_meta("Softmax temperature for sampling.", gt=0.0))
-    top_p: float = field(default=1.0, metadata=_meta("Nucleus sampling mass; 1.0 disables it.", gt=0.0, le=1.0))
-    top_k: int = field(default=0, metadata=_meta("Keep the k most likely tokens; 0 disables it.", ge=0))
-    stop_token_ids: list[int] = field(
-        default_factory=list, metadata=_meta("Token ids that end a completion (besides EOS).")
-    )
-    stop: list[str] = field(default_factory=list, metadata=_meta("Strings that end a completion when decoded."))
-    ignore_eos: bool = field(default=False, metadata=_meta("Keep generating past EOS until max_new_tokens."))
-    frequency_penalty: float = field(
-        default=0.0,
-        metadata=_meta(
-            "OpenAI's: each token's logit is lowered by this times its count in the output so far "
-            "(before temperature; logprobs are those of the penalised distribution).",
-            ge=-2.0,
-            le=2.0,
-        ),
-    )
-    presence_penalty: float = field(
-        default=0.0,
-        metadata=_meta("OpenAI's: a token's logit is lowered by this once it occurs in the output.", ge=-2.0, le=2.0),
+    presence_penalty: float = f(
+        0.0, "OpenAI's: a token's logit is lowered by this once it occurs in the output.", ge=-2.0, le=2.0
     )
 
     def new(self, **changes: object) -> GenerationConfig:

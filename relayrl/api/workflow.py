@@ -117,7 +117,6 @@ def validate_trajectory(traj: Trajectory, vocab_size: int | None = None) -> None
         raise TrajectoryError(f"trajectory['loss_mask'] selects no token in row {row}; every row needs a completion")
     if bool((traj["logprobs"][~loss] != 0).any()):
         raise TrajectoryError("trajectory['logprobs'] must be 0 where loss_mask is 0 (prompt, tool output, padding)")
-    ids = traj["input_ids"]
     if bool((ids < 0).any()) or (vocab_size is not None and bool((ids >= vocab_size).any())):
         worst = int(ids.max()) if bool((ids >= 0).all()) else int(ids.min())
         raise TrajectoryError(

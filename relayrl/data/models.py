@@ -80,7 +80,7 @@ TOKEN_IDS = {"tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, 
 """The offline tokenizer's special ids, which every tiny model is built with (its head tied to the embeddings)."""
 
 
-def _seeded(from_config: Callable[..., PreTrainedModel], cfg: PretrainedConfig, seed: int) -> PreTrainedModel:
+def seeded(from_config: Callable[..., PreTrainedModel], cfg: PretrainedConfig, seed: int) -> PreTrainedModel:
     """``from_config(cfg)`` in fp32 with weights drawn from ``seed`` (the global RNG left as it was)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -103,7 +103,7 @@ def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: 
         **TOKEN_IDS,
         **preset_kwargs,
     )
-    return _seeded(AutoModelForCausalLM.from_config, cfg, seed)
+    return seeded(AutoModelForCausalLM.from_config, cfg, seed)
 
 
 def build_vl_tokenizer() -> PreTrainedTokenizerFast:
@@ -146,7 +146,7 @@ def build_tiny_vl_model(preset: str = "tiny-vl", seed: int = 0) -> PreTrainedMod
         vision_end_token_id=ids["<|vision_end|>"],
         **TOKEN_IDS,
     )
-    model = _seeded(AutoModelForImageTextToText.from_config, cfg, seed)
+    model = seeded(AutoModelForImageTextToText.from_config, cfg, seed)
     model.generation_config.eos_token_id = 1
     return model
 

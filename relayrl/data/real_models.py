@@ -109,19 +109,12 @@ def _sha256(path: Path) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _HASHES:
-        _HASHES[key] = _hash_file(path)
+        with open(path, "rb") as fh:
+            _HASHES[key] = hashlib.file_digest(fh, "sha256").hexdigest()
     return _HASHES[key]
 
 
 _HASHES: dict[tuple[str, int, int], str] = {}
-
-
-def _hash_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def is_gguf(path: str) -> bool:

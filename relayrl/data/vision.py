@@ -24,10 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from PIL import Image
-from transformers import (
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.image_processing_utils import BaseImageProcessor
 
 from relayrl.data.presets import VL_PRESETS
@@ -87,7 +84,7 @@ def load_image(image: object) -> Image.Image:
     """An RGB PIL image from a PIL image, encoded bytes, a file path, a ``data:`` URL or base64 text.
 
     Raises ``ValueError`` with the reason when it cannot be read."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
     if isinstance(image, Image.Image):
         return image.convert("RGB")
@@ -124,8 +121,6 @@ _COLOURS = ((220, 40, 40), (40, 170, 60), (40, 70, 220))
 def squares_image(cells: tuple[int, ...], colours: tuple[int, ...], offsets: tuple[tuple[int, int], ...]) -> object:
     """A white 56x56 image with a 20x20 square of ``_COLOURS[c]`` in each quadrant of ``cells`` (0-3,
     row-major), shifted by ``offsets`` inside the quadrant: the ``count_squares`` task's pictures."""
-    from PIL import Image
-
     img = Image.new("RGB", (56, 56), (255, 255, 255))
     for cell, c, (dx, dy) in zip(cells, colours, offsets, strict=True):
         x, y = 28 * (cell % 2) + dx, 28 * (cell // 2) + dy
@@ -146,10 +141,6 @@ class VisionInputs:
 
     pixel_values: torch.Tensor  # [P, C*T*p*p] patches of all images, in order
     image_grid_thw: torch.Tensor  # [n_images, 3] int64
-
-    @property
-    def n_patches(self) -> int:
-        return int(self.pixel_values.shape[0])
 
 
 def process_images(image_processor: BaseImageProcessor, images: list[Image.Image]) -> VisionInputs:

@@ -27,7 +27,7 @@ from relayrl.train import algorithms
 from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
 from relayrl.train.lmhead import token_stats_loss
 from relayrl.train.mismatch import correction_weights, mismatch_metrics
-from relayrl.train.packing import token_entropy, token_logprobs, unpack
+from relayrl.train.packing import shifted, token_entropy, token_logprobs, unpack
 from relayrl.train.teacher_server import server_teacher_targets
 from relayrl.utils import dist as dist_utils
 from relayrl.utils import stats as tracker
@@ -48,11 +48,7 @@ def prefix_values(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
     The head's output at token ``t - 1`` has seen exactly the prefix that token ``t`` was
     sampled from; 0 at the first token of each sequence.
     """
-    v = logits[:, 0].float()
-    out = torch.cat([v.new_zeros(1), v[:-1]])
-    return out.masked_fill(
-        torch.zeros_like(out, dtype=torch.bool).index_fill(0, packed["cu_seqlens"][:-1].long(), True), 0.0
-    )
+    return shifted(logits[:-1, 0].float(), packed)
 
 
 class _StatsSink:

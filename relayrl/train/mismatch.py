@@ -49,11 +49,6 @@ def disable_dropout(model: nn.Module) -> int:
     return int(changed)
 
 
-def _position_in_completion(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, L]`` index of each loss token among its row's loss tokens (0, 1, ...)."""
-    return mask.long().cumsum(1) - 1
-
-
 def _gap_stats(diff: torch.Tensor) -> dict[str, float]:
     """Mean / max |Δ logprob| and k3 KL(generator || trainer) of the selected log-ratios."""
     k3 = diff.exp() - 1 - diff
@@ -90,7 +85,7 @@ def mismatch_metrics(
         return {}
     d = (train_logp.double() - gen_logp.double()).clamp(-LOG_BOUND, LOG_BOUND)
     out = _gap_stats(d[mask])
-    pos = _position_in_completion(mask)
+    pos = mask.long().cumsum(1) - 1  # [B, L] index of each loss token among its row's loss tokens
     for lo, hi in POSITION_BUCKETS:
         sel = mask & (pos >= lo) & (pos < hi)
         if bool(sel.any()):

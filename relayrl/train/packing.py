@@ -179,7 +179,7 @@ def _first_token_mask(packed: TensorDict, n: int, device: torch.device) -> torch
     return mask
 
 
-def _shifted(per_pred: torch.Tensor, packed: TensorDict) -> torch.Tensor:
+def shifted(per_pred: torch.Tensor, packed: TensorDict) -> torch.Tensor:
     """``per_pred[i]`` is about token ``i+1``; returns ``[T]`` token-aligned, 0 at sequence starts."""
     out = torch.cat([per_pred.new_zeros(1), per_pred])
     return out.masked_fill(_first_token_mask(packed, out.shape[0], out.device), 0.0)
@@ -211,7 +211,7 @@ def token_logprobs(
         lab = labels[s : s + chunk]
         parts.append(lg.gather(-1, lab.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1))
     pred = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
-    return _shifted(pred, packed)
+    return shifted(pred, packed)
 
 
 def token_entropy(
@@ -232,7 +232,7 @@ def token_entropy(
         logp = functional.log_softmax(lg, -1)
         parts.append(-(logp.exp() * logp).sum(-1))
     pred = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
-    return _shifted(pred, packed)
+    return shifted(pred, packed)
 
 
 # --------------------------------------------------------------------------------------

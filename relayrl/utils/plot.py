@@ -63,12 +63,8 @@ def figure(run_dirs: list[str | Path]) -> matplotlib.figure.Figure:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    if not handles:
-        for ax in axes.flat:
-            handles, labels = ax.get_legend_handles_labels()
-            if handles:
-                break
+    legends = (ax.get_legend_handles_labels() for ax in axes.flat)
+    handles, labels = next((hl for hl in legends if hl[0]), ([], []))
     if handles:
         fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4))
     fig.tight_layout(rect=(0, 0, 1, 0.94))

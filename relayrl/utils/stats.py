@@ -242,22 +242,10 @@ class StatsTracker:
         if distributed:
             accs = _reduce_across_ranks(accs, group)
         out: dict[str, float] = {}
-        for key in sorted(accs):
-            acc = accs[key]
-            if acc.kind == "denominator":
-                out[key] = acc.total
+        for key, acc in sorted(accs.items()):  # denominators sum, timings sum (max over ranks), gauges max
+            if acc.count == 0 and acc.kind != "denominator":  # a denominator of nothing still counts 0
                 continue
-            if acc.kind == "timing":
-                if acc.count > 0:
-                    out[key] = acc.total
-                continue
-            if acc.kind == "gauge":
-                if acc.count > 0:
-                    out[key] = acc.high
-                continue
-            if acc.count == 0:
-                continue
-            values = {"avg": acc.total / acc.count, "sum": acc.total, "min": acc.low, "max": acc.high}
+            values = {"avg": acc.total / max(acc.count, 1.0), "sum": acc.total, "min": acc.low, "max": acc.high}
             if len(acc.reduces) == 1:
                 out[key] = values[acc.reduces[0]]
             else:

@@ -86,18 +86,12 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         # prefills: forwards run to admit requests; prefill_rows / prefill_unique: rows admitted / rows computed;
         # prefill_shared_tokens: prompt tokens not recomputed because every row of a prefill starts with them
         # preemptions: rows set aside (and continued later) because the KV cache was full
-        self.counters = {
-            "requests": 0,
-            "aborts": 0,
-            "tokens": 0,
-            "steps": 0,
-            "prefills": 0,
-            "prefill_rows": 0,
-            "prefill_unique": 0,
-            "prefill_shared_tokens": 0,
-            "preemptions": 0,
-            "kv_peak": 0,
-        }  # kv_peak: most KV slab cells (rows x columns) held
+        # kv_peak: most KV slab cells (rows x columns) held
+        self.counters = dict.fromkeys(
+            "requests aborts tokens steps prefills prefill_rows prefill_unique prefill_shared_tokens preemptions "
+            "kv_peak".split(),
+            0,
+        )
         self.device = torch.device("cpu")
         self.kv_capacity, self.kv_capacity_by = config.max_tokens_in_flight, "inference.max_tokens_in_flight"
         self._version = 0
@@ -496,21 +490,7 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows, dev = self._rows, self.device
         if self._params is None:  # rebuilt only when the batch changes; counters advance per step
-            greedy = [s.g.greedy for s in rows]
-            temps = [1.0 if s.g.greedy else s.g.temperature for s in rows]
-            top_k = [0 if s.g.greedy else s.g.top_k for s in rows]
-            top_p = [1.0 if s.g.greedy else s.g.top_p for s in rows]
-            self._params = RowParams(
-                temperature=torch.tensor(temps, device=dev),
-                top_k=torch.tensor(top_k, device=dev),
-                top_p=torch.tensor(top_p, device=dev),
-                greedy=torch.tensor(greedy, device=dev),
-                keys=torch.tensor([s.key for s in rows], device=dev),
-                counters=torch.tensor([len(s.out) for s in rows], device=dev),
-                any_filter=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
-                any_greedy=any(greedy),
-                all_temp_one=all(t == 1.0 for t in temps),
-            )
+            self._params = RowParams.of(rows, dev)
         banned = None
         young = [i for i, s in enumerate(rows) if len(s.out) < s.g.min_new_tokens and s.stop_ids and self._alive[i]]
         if young:

@@ -56,6 +56,25 @@ class RowParams:
     any_greedy: bool = False
     all_temp_one: bool = True
 
+    @classmethod
+    def of(cls, seqs: list[Seq], device: torch.device | str | None = None) -> RowParams:
+        """The knobs of ``seqs``' rows (greedy rows as temperature 1, no filter); counters at their outputs."""
+        greedy = [s.g.greedy for s in seqs]
+        temps = [1.0 if s.g.greedy else s.g.temperature for s in seqs]
+        top_k = [0 if s.g.greedy else s.g.top_k for s in seqs]
+        top_p = [1.0 if s.g.greedy else s.g.top_p for s in seqs]
+        return cls(
+            temperature=torch.tensor(temps, device=device),
+            top_k=torch.tensor(top_k, device=device),
+            top_p=torch.tensor(top_p, device=device),
+            greedy=torch.tensor(greedy, device=device),
+            keys=torch.tensor([s.key for s in seqs], device=device),
+            counters=torch.tensor([len(s.out) for s in seqs], device=device),
+            any_filter=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            any_greedy=any(greedy),
+            all_temp_one=all(t == 1.0 for t in temps),
+        )
+
 
 def filtered_logprobs(logits: torch.Tensor, p: RowParams) -> torch.Tensor:
     """log of the distribution each row samples from: softmax(logits / T), then top-k/top-p."""
@@ -98,20 +117,7 @@ def top_logprobs(logits: torch.Tensor, output: list[int], g: GenerationConfig, k
 
     rows = [Seq(prompt=[], g=g, key=0, on_done=lambda r: None, out=list(output[:i])) for i in range(len(output))]
     logits = penalized(logits, rows, list(range(len(rows)))) if g.frequency_penalty or g.presence_penalty else logits
-    n = len(output)
-    temp, tk, tp = (1.0, 0, 1.0) if g.greedy else (g.temperature, g.top_k, g.top_p)
-    params = RowParams(
-        temperature=torch.full((n,), temp),
-        top_k=torch.full((n,), tk, dtype=torch.long),
-        top_p=torch.full((n,), tp),
-        greedy=torch.full((n,), g.greedy),
-        keys=torch.zeros(n, dtype=torch.long),
-        counters=torch.zeros(n, dtype=torch.long),
-        any_filter=tk > 0 or tp < 1.0,
-        any_greedy=g.greedy,
-        all_temp_one=temp == 1.0,
-    )
-    logp = filtered_logprobs(logits.cpu(), params)
+    logp = filtered_logprobs(logits.cpu(), RowParams.of(rows))
     vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
     return [[(int(j), float(v)) for v, j in zip(vr, ir, strict=True)] for vr, ir in zip(vals, idx, strict=True)]
 

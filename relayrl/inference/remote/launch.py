@@ -176,12 +176,4 @@ class PeerServerGroup:
     def shutdown(self) -> None:
         if self.key_dir is not None:
             shutil.rmtree(self.key_dir, ignore_errors=True)
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        launcher.stop(self.procs, timeout=30)

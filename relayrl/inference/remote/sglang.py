@@ -298,9 +298,6 @@ class SGLangBackend:
     def resume(self) -> Call:
         return Call("POST", "/continue_generation", {})
 
-    def get_version(self) -> Call:
-        return Call("GET", "/get_weight_version")
-
     def parse_version(self, body: object) -> int | None:
         return version_of(body)
 

@@ -475,12 +475,9 @@ def build_app(srv: Server) -> FastAPI:
     @app.get("/get_model_info")
     async def model_info() -> dict[str, object]:
         return {
-            "model_path": srv.cfg.model.path,
-            "tokenizer_path": srv.cfg.model.tokenizer_path or srv.cfg.model.path,
-            "is_generation": True,
+            **(await sglang_model_info()),
             "vocab_size": srv.vocab_size,
             "max_position_embeddings": srv.max_positions,
-            "weight_version": str(srv.engine.get_version()),
             "paused": srv.paused,
             "requests_served": srv.n_served,
             "generate_calls": srv.n_calls,

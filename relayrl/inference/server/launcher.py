@@ -22,14 +22,10 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import httpx
 
 from relayrl.inference.server import LISTEN_PREFIX
-
-if TYPE_CHECKING:  # the launcher stays light: Ray's server actors import it
-    pass
 
 _PR_SET_PDEATHSIG = 1
 _groups: weakref.WeakSet[ServerGroup] = weakref.WeakSet()
@@ -140,16 +136,7 @@ class ServerGroup:
         self.wait_healthy(i)
 
     def shutdown(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.send_signal(signal.SIGCONT)  # a stopped (frozen) server takes the SIGTERM only once running
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(self.procs, timeout=10)
 
     def __enter__(self) -> ServerGroup:
         return self
@@ -187,3 +174,17 @@ def launch_servers(
     _groups.add(group)
     group.start(n)
     return group
+
+
+def stop(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM every process still running, SIGKILL those that have not exited ``timeout`` s later."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.send_signal(signal.SIGCONT)  # a stopped (frozen) server takes the SIGTERM only once running
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -18,6 +18,7 @@ token's and the ``k`` best), the penalties, and ``stream=true`` for one prompt.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import typing
@@ -142,10 +143,7 @@ class OpenAIRoutes:
             lp = None
             if req.logprobs is not None:
                 toks = [piece(t) for t in r.output_tokens]
-                offsets, pos = [], 0
-                for s in toks:
-                    offsets.append(pos)
-                    pos += len(s)
+                offsets = list(itertools.accumulate(map(len, toks[:-1]), initial=0)) if toks else []
                 tops = None
                 if req.logprobs:
                     alts = await self.engine.atop_logprobs(ids, r.output_tokens, g, req.logprobs)

@@ -120,9 +120,8 @@ class WeightRoutes:
             raise _bad(f"dtypes: {e}") from None
         try:
             await asyncio.to_thread(group.broadcast, buffers)
-        except (
-            RuntimeError
-        ) as e:  # a member died or timed out: this group is unusable (a newer one may have replaced it)
+        # a member died or timed out: this group is unusable (a newer one may have replaced it)
+        except RuntimeError as e:
             if self.groups.get(req.group_name) is group:
                 del self.groups[req.group_name]
             raise _bad(f"weight broadcast in {req.group_name!r} failed: {e}", 500) from None

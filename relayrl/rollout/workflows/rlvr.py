@@ -190,17 +190,8 @@ class PromptWorkflow(RolloutWorkflow):
         completion_ids: list[int] | None = None,
     ) -> float:
         """``compute_reward`` of ``resp`` (scored on ``prompt_ids`` / ``completion_ids`` when given)."""
-        return await compute_reward(
-            self.reward_fn,
-            engine,
-            self.tokenizer,
-            resp,
-            data,
-            self.reward_pool,
-            self.reward_timeout,
-            prompt_ids=prompt_ids,
-            completion_ids=completion_ids,
-        )
+        args = (self.reward_fn, engine, self.tokenizer, resp, data, self.reward_pool, self.reward_timeout)
+        return await compute_reward(*args, prompt_ids=prompt_ids, completion_ids=completion_ids)
 
 
 class RLVRWorkflow(PromptWorkflow):
