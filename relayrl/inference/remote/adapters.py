@@ -104,13 +104,7 @@ class AdapterSync(PerServerSync):
         return str(final)
 
     def _call(self, srv: Server, call: Call) -> tuple[int, object]:
-        """(status, JSON body or text): vLLM's adapter routes answer plain text."""
-        with self.fleet.sync_client(self.fleet.config.request_timeout) as c:
-            r = c.request(call.method, srv.url + call.path, json=call.json or {})
-        try:
-            return r.status_code, r.json()
-        except ValueError:
-            return r.status_code, r.text
+        return self.fleet.http.request(srv, call, self.fleet.config.request_timeout)
 
     def push(self, srv: Server, data: object, version: int) -> None:
         """Load the adapter at ``data`` on ``srv`` under its directory's name, then unload the one it replaces.

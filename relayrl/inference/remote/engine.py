@@ -4,51 +4,33 @@
   requests sharing a ``rid`` (the turns of one episode) stick to the same server.
 - Failures: connection errors and 5xx are retried on another server with exponential
   backoff; a server that refuses connections or answers no ``/health`` within
-  ``health_timeout`` (dead or frozen) is evicted, and a background thread re-admits it once
-  ``/health`` answers again (after pushing it the current weights). Evicting a server cancels
-  the requests in flight on it (``inflight.InFlight``): each is re-issued elsewhere at once,
-  continuing from the tokens already received. A request past its deadline
-  (``request_timeout + token_timeout x max_new_tokens``) is retried on another server.
-- Deadlines: with every server out for ``server_wait_timeout`` a request or weight update
-  stops the run with ``Stalled`` (one line naming the servers and the setting).
+  ``health_timeout`` (dead or frozen) is evicted, its requests in flight re-issued elsewhere at
+  once (``inflight.InFlight``), and re-admitted once ``/health`` answers again (given the current
+  weights). A request past ``request_timeout + token_timeout x max_new_tokens`` is retried elsewhere.
+  With every server out for ``server_wait_timeout``, a request or weight update raises ``Stalled``.
 - Interruption: a reply that ends with ``abort`` (weights changing) is resubmitted as
   prompt + partial output; every token keeps the version that produced it.
-- Peers: one module each (``sglang``, ``vllm``, ``relayrl``; ``peers.make_backend`` picks it by
-  ``inference.protocol``) maps requests and replies, reads each server's version and routes at
-  connect (the served model name, where the weight version is read, its tensor-parallel ranks;
-  a server that lacks what the run needs is refused at start-up with the version or flag that
-  provides it), picks the weight sync and launches servers.
-- Weights (``weights.WeightSync`` objects this engine holds, one per peer and mode):
-  ``update_weights`` sends to every live server (a versioned safetensors dir on shared disk, an
-  HTTP upload, or a collective broadcast to all of them over a process group of their own, NCCL
-  on GPUs, in buckets of ``weight_bucket_mb``) and checks that each reports the new version.
-  Servers being updated are not health-probed (SGLang's probe blocks then).
-- LoRA (``adapters.AdapterSync``): with ``model.lora.sync=adapter`` SGLang / vLLM servers
-  load the trainer's adapter as ``relayrl-<run>-v<version>`` and requests name it.
+- Peers (``peers.make_backend``, by ``inference.protocol``) map requests and replies, detect each
+  server, pick the weight sync (``weights``, ``adapters``) and launch servers.
 - Request ids: each HTTP request carries a fresh id (``<rid>-<n>``): SGLang refuses an id
   already in flight, and one episode may send several requests at once (ReMax).
 - Batching: requests headed to the same server within ``batch_window_ms`` share one HTTP
   call (``batcher.MicroBatcher``); everything above still happens per request.
-
-One HTTP client and one batcher per event loop: ``agenerate`` may be called from any loop/thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
-import json
 import logging
 import os
 import random
 import secrets
-import ssl
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import httpx
 import torch
@@ -65,40 +47,17 @@ from relayrl.inference.remote.protocol import (
     DEAD_ERRORS,
     AdminError,
     Call,
+    Getter,
     JsonDict,
-    ProtocolError,
     Server,
     ServerError,
     wire_image,
 )
+from relayrl.inference.remote.transport import Clients, base_url, naming_timeout
 from relayrl.inference.remote.weights import WeightSync
 from relayrl.utils.deadline import Stalled
 
 log = logging.getLogger(__name__)
-
-
-def _check_status(url: str, call: Call, r: httpx.Response) -> None:
-    if r.status_code >= 500:
-        raise ServerError(f"{url}{call.path} answered {r.status_code}: {r.text[:200]}")
-    if r.status_code >= 400:
-        raise ValueError(f"{url}{call.path} refused the request ({r.status_code}): {r.text[:500]}")
-
-
-def _url(address: str) -> str:
-    return address.rstrip("/") if "://" in address else f"http://{address}"
-
-
-@contextlib.contextmanager
-def _naming_timeout(call: Call, srv: Server, timeout: float) -> Iterator[None]:
-    """An httpx timeout of ``call`` raised again as the same exception type (callers evict on it), its
-    message naming the call, the deadline and inference.request_timeout."""
-    try:
-        yield
-    except httpx.TimeoutException as e:
-        raise type(e)(
-            f"{call.method} {srv.url}{call.path} got no answer within {timeout:g}s ({str(e) or type(e).__name__}); "
-            "give it longer with inference.request_timeout"
-        ) from e
 
 
 class RemoteEngine(InferenceEngine):
@@ -114,14 +73,11 @@ class RemoteEngine(InferenceEngine):
         self.backend = make_backend(config.protocol)
         if config.return_routed_experts:  # a peer whose replies carry none refuses, naming the option
             self.backend.ask_routed_experts(self.model)
-        self.token = config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", "")
+        self.http = Clients(config.connect_timeout, config.admin_token or os.environ.get("RELAYRL_ADMIN_TOKEN", ""))
         self.servers: list[Server] = []
         self._lock = threading.Lock()  # server table and counters (agenerate runs on many threads)
         self._update_lock = threading.Lock()
         self._affinity: collections.OrderedDict[str, Server] = collections.OrderedDict()
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
-            weakref.WeakKeyDictionary()
-        )
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, MicroBatcher] = weakref.WeakKeyDictionary()
         self._version = 0
         # the syncs: full weights by weight_sync mode (disk, http, broadcast; made at first use, or at connect
@@ -136,7 +92,6 @@ class RemoteEngine(InferenceEngine):
         self._inflight = InFlight()
         self._wire_ids = itertools.count()
         self.paused = False  # generation paused by the trainer
-        self._ssl: ssl.SSLContext | None = None
         # requests: generation requests sent (continuations and retries included); http_calls: the
         # HTTP calls that carried them (fewer when batched)
         keys = ("evictions", "readmissions", "reissued", "retried", "interrupted", "requests", "http_calls")
@@ -159,15 +114,15 @@ class RemoteEngine(InferenceEngine):
                     f"(it is {self.backend.name})"
                 )
             lora = self.model.lora if self.accepts_adapters else None
-            self.token = self.token or secrets.token_urlsafe(32)  # launched servers are never open
-            self._launched = peer.launch(self.config, self.model, lora, self.token)
+            self.http.token = self.http.token or secrets.token_urlsafe(32)  # launched servers are never open
+            self._launched = peer.launch(self.config, self.model, lora, self.http.token)
             self.addresses = self._launched.addresses
         if not self.addresses:
             raise ValueError(
                 "RemoteEngine needs inference.addresses (host:port of servers), or inference.n_servers > 0 "
                 f"with inference.launch=relayrl|sglang|vllm (it is {launch})"
             )
-        self.servers = [Server(_url(a)) for a in self.addresses]
+        self.servers = [Server(base_url(a)) for a in self.addresses]
         deadline = time.monotonic() + wait_timeout
         pending = list(self.servers)
         while pending:
@@ -188,19 +143,9 @@ class RemoteEngine(InferenceEngine):
         self._health = threading.Thread(target=self._health_loop, name="relayrl-health", daemon=True)
         self._health.start()
 
-    def _get(self, srv: Server) -> Callable[[str], tuple[int, object]]:
+    def _get(self, srv: Server) -> Getter:
         """GET ``path`` of ``srv`` (detection at connect and re-admission), within inference.request_timeout."""
-
-        def get(path: str) -> tuple[int, object]:
-            with _naming_timeout(Call("GET", path), srv, self.config.request_timeout):
-                with self.sync_client(self.config.request_timeout) as c:
-                    r = c.get(srv.url + path)
-            try:
-                return r.status_code, r.json()
-            except ValueError:
-                return r.status_code, None
-
-        return get
+        return lambda path: self.http.request(srv, Call("GET", path), self.config.request_timeout)
 
     def _connect_all(self) -> None:
         """Read every server's version and routes; refuse, naming what is missing, those that
@@ -222,10 +167,7 @@ class RemoteEngine(InferenceEngine):
         if self._health is not None:
             self._health.join(timeout=5)
             self._health = None
-        for loop, client in list(self._clients.items()):
-            if not loop.is_closed() and loop.is_running():
-                asyncio.run_coroutine_threadsafe(client.aclose(), loop)
-        self._clients.clear()
+        self.http.close()
         if self._launched is not None:
             self._launched.shutdown()
             self._launched = None
@@ -281,37 +223,13 @@ class RemoteEngine(InferenceEngine):
         return {**{k: float(v) for k, v in self.counters.items()}, "live_servers": float(len(self.live_servers()))}
 
     # ------------------------------------------------------------------ HTTP
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    def _verify(self) -> ssl.SSLContext:
-        """One TLS context for every client: httpx would build one per client (~20 ms of CPU,
-        twice per weight update and once per health probe)."""
-        with self._lock:
-            if self._ssl is None:
-                self._ssl = httpx.create_ssl_context()
-            return self._ssl
-
-    def sync_client(self, timeout: float) -> httpx.Client:
-        t = httpx.Timeout(timeout, connect=min(timeout, self.config.connect_timeout))
-        return httpx.Client(timeout=t, headers=self._headers(), verify=self._verify())
-
-    def _client(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        client = self._clients.get(loop)
-        if client is None:
-            limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
-            # no read limit of its own: each generation call runs under its deadline (InFlight.run)
-            timeout = httpx.Timeout(None, connect=self.config.connect_timeout)
-            client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._headers(), verify=self._verify())
-            self._clients[loop] = client
-        return client
-
     async def _send(self, url: str, call: Call) -> object:
         self.counters["http_calls"] += 1
-        r = await self._client().request(call.method, url + call.path, json=call.json)
-        _check_status(url, call, r)
-        return r.json()
+        return await self.http.send(url, call)
+
+    def _stream(self, url: str, call: Call) -> AsyncGenerator[object, None]:
+        self.counters["http_calls"] += 1
+        return self.http.stream(url, call)
 
     async def _abort_item(self, url: str, call: Call) -> object:
         """Stop a request its caller gave up on (best effort: it may have ended already; an evicted
@@ -319,24 +237,10 @@ class RemoteEngine(InferenceEngine):
         if not any(s.alive for s in self.servers if s.url == url):
             return None
         try:
-            await self._client().request(call.method, url + call.path, json=call.json, timeout=10)
+            await self.http.current().request(call.method, url + call.path, json=call.json, timeout=10)
         except httpx.HTTPError as e:
             log.info("%s%s failed: %r", url, call.path, e)
         return None
-
-    async def _stream(self, url: str, call: Call) -> AsyncGenerator[object, None]:
-        """The JSON lines of an NDJSON reply, as they arrive."""
-        self.counters["http_calls"] += 1
-        async with self._client().stream(call.method, url + call.path, json=call.json) as r:
-            if r.status_code >= 400:
-                await r.aread()
-                _check_status(url, call, r)
-            async for line in r.aiter_lines():
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except ValueError as e:
-                        raise ProtocolError(f"{url}{call.path} streamed a line that is not JSON: {line[:200]!r}") from e
 
     def _generate_call(self, srv: Server, call: Call) -> Awaitable[object]:
         """``call`` sent alone (``batch_window_ms=0``) or batched with others to the same server."""
@@ -415,8 +319,7 @@ class RemoteEngine(InferenceEngine):
                 deadline = self.config.request_timeout + self.config.token_timeout * remaining
                 body = await self._inflight.run(srv, self._generate_call(srv, call), deadline)
             except ServerEvicted as e:  # frozen or dead, found by the health check: re-issue now
-                attempt = self._count_failure(attempt, req.rid, str(e))
-                self.counters["reissued"] += 1
+                attempt = self._count_failure(attempt, req.rid, str(e), "reissued")
                 continue
             except RequestDeadline as e:  # request_timeout + token_timeout x tokens: try another server
                 log.warning(
@@ -424,18 +327,15 @@ class RemoteEngine(InferenceEngine):
                 )
                 with self._lock:
                     self._affinity.pop(req.rid, None)  # rebalanced: another server if one is less loaded
-                attempt = self._count_failure(attempt, req.rid, str(e))
-                self.counters["retried"] += 1
+                attempt = self._count_failure(attempt, req.rid, str(e), "retried")
                 continue
             except DEAD_ERRORS as e:
                 self.evict(srv, repr(e))
-                attempt = self._count_failure(attempt, req.rid, repr(e))
-                self.counters["reissued"] += 1
+                attempt = self._count_failure(attempt, req.rid, repr(e), "reissued")
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             except (httpx.TimeoutException, ServerError) as e:
-                attempt = self._count_failure(attempt, req.rid, repr(e))
-                self.counters["retried"] += 1
+                attempt = self._count_failure(attempt, req.rid, repr(e), "retried")
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             finally:
@@ -464,7 +364,10 @@ class RemoteEngine(InferenceEngine):
             routed_experts=routed,
         )
 
-    def _count_failure(self, attempt: int, rid: str, why: str) -> int:
+    def _count_failure(self, attempt: int, rid: str, why: str, counter: str) -> int:
+        """One more failed attempt (counted under ``counter``: retried or reissued); past
+        ``max_retries`` the request fails."""
+        self.counters[counter] += 1
         attempt += 1
         if attempt > self.config.max_retries:
             raise ConnectionError(f"request {rid} failed after {attempt} attempts: {why}")
@@ -476,7 +379,7 @@ class RemoteEngine(InferenceEngine):
         raised as the same httpx exception, its message naming the call and the setting. A JSON body is
         returned parsed, any other as ``{"text": body}`` (SGLang's ``/flush_cache`` answers plain text)."""
         timeout = timeout or self.config.request_timeout
-        with _naming_timeout(call, srv, timeout), self.sync_client(timeout) as c:
+        with naming_timeout(call, srv, timeout), self.http.sync(timeout) as c:
             r = c.request(
                 call.method, srv.url + call.path, json=call.json if content is None else None, content=content
             )
@@ -526,7 +429,7 @@ class RemoteEngine(InferenceEngine):
         server in service, whose version only ``update_weights`` sets; a probe racing an update
         would write back the version from before it)."""
         try:
-            with self.sync_client(self.config.health_timeout) as c:
+            with self.http.sync(self.config.health_timeout) as c:
                 r = c.get(srv.url + (srv.info.live_path if srv.info is not None else self.backend.health_path))
                 if r.status_code != 200:
                     return False

@@ -19,7 +19,7 @@ import torch
 from relayrl.api.io import GenerationConfig, StopReason
 
 JsonDict = dict[str, object]
-Getter = Callable[[str], tuple[int, object]]  # GET path -> (status, JSON body or None)
+Getter = Callable[[str], tuple[int, object]]  # GET path -> (status, JSON body, or its text)
 
 # Errors after which a server is presumed dead (refused, reset, closed mid-reply).
 DEAD_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
@@ -166,9 +166,18 @@ def int_or_none(v: object) -> int | None:
         return None
 
 
-def penalties(g: GenerationConfig) -> JsonDict:
-    """OpenAI's penalties under SGLang's and vLLM's names, sent only when set."""
-    return {k: getattr(g, k) for k in ("frequency_penalty", "presence_penalty") if getattr(g, k)}
+def sampling_fields(g: GenerationConfig) -> JsonDict:
+    """The sampling parameters SGLang and vLLM name alike; OpenAI's penalties only when set."""
+    return {
+        "temperature": 0.0 if g.greedy else g.temperature,
+        "top_p": g.top_p,
+        "top_k": -1 if g.top_k == 0 else g.top_k,  # -1 = off
+        "stop": list(g.stop),
+        "stop_token_ids": list(g.stop_token_ids),
+        "ignore_eos": g.ignore_eos,
+        "skip_special_tokens": False,
+        **{k: getattr(g, k) for k in ("frequency_penalty", "presence_penalty") if getattr(g, k)},
+    }
 
 
 def version_of(body: object) -> int | None:

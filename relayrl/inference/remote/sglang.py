@@ -58,7 +58,7 @@ from relayrl.inference.remote.protocol import (
     UnsupportedServer,
     first_page,
     int_or_none,
-    penalties,
+    sampling_fields,
     version_of,
     version_tuple,
 )
@@ -96,18 +96,7 @@ class SGLangBackend:
     routing: tuple[int, list[int], int] | None = None  # (decoder layers, MoE layer indices, top_k) of the model
 
     def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
-        return {
-            "max_new_tokens": max_new_tokens,
-            "min_new_tokens": min_new_tokens,
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "top_p": g.top_p,
-            "top_k": -1 if g.top_k == 0 else g.top_k,  # SGLang: -1 = off
-            "stop": list(g.stop),
-            "stop_token_ids": list(g.stop_token_ids),
-            "ignore_eos": g.ignore_eos,
-            "skip_special_tokens": False,
-            **penalties(g),
-        }
+        return {"max_new_tokens": max_new_tokens, "min_new_tokens": min_new_tokens, **sampling_fields(g)}
 
     def ask_routed_experts(self, model: ModelConfig) -> None:
         """inference.return_routed_experts: ask for them, read by ``model``'s layout (SGLang sends every
@@ -200,19 +189,19 @@ class SGLangBackend:
         if len(calls) == 1:
             return [(calls[0], [0])]
         bodies = [c.json or {} for c in calls]
-        body: JsonDict = {
-            "rid": [b["rid"] for b in bodies],
-            "input_ids": [b["input_ids"] for b in bodies],
-            "sampling_params": [b["sampling_params"] for b in bodies],
-            "return_logprob": True,
-            "stream": False,
+        # per-item fields become lists (an item without one: [] images, None = the base adapter);
+        # the others are the same in every item
+        per_item: JsonDict = {
+            "rid": None,
+            "input_ids": None,
+            "sampling_params": None,
+            "image_data": [],
+            "lora_path": None,
         }
-        if self.return_routed_experts:
-            body["return_routed_experts"] = True
-        if any("image_data" in b for b in bodies):  # one list of images per item ([] for a text-only one)
-            body["image_data"] = [b.get("image_data", []) for b in bodies]
-        if any("lora_path" in b for b in bodies):  # one adapter name (or None: the base) per item
-            body["lora_path"] = [b.get("lora_path") for b in bodies]
+        body = {k: v for k, v in bodies[0].items() if k not in per_item}
+        for key, absent in per_item.items():
+            if any(key in b for b in bodies):
+                body[key] = [b.get(key, absent) for b in bodies]
         return [(Call("POST", "/generate", body), list(range(len(calls))))]
 
     def split(self, body: object, n: int) -> list[object]:

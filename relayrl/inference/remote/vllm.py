@@ -57,11 +57,11 @@ from relayrl.inference.remote.protocol import (
     Render,
     Server,
     UnsupportedServer,
-    penalties,
+    sampling_fields,
     version_of,
 )
 from relayrl.inference.remote.vllm_transfer import VLLMBroadcast, VLLMDisk
-from relayrl.inference.remote.weights import Fleet, UploadSync, WeightSync
+from relayrl.inference.remote.weights import Fleet, WeightSync
 from relayrl.utils.webguard import is_loopback
 
 if TYPE_CHECKING:
@@ -87,7 +87,6 @@ class VLLMBackend:
     streams_items = False
     answers_while_loading = False  # /health may block during a weight load: not probed then
     health_path = "/health"
-    reload_method = "reload_weights"
     return_routed_experts = False
 
     def __init__(self, model: str = "default") -> None:
@@ -112,15 +111,8 @@ class VLLMBackend:
         sp: JsonDict = {  # vLLM's SamplingParams fields, also CompletionRequest's
             "max_tokens": max_new,
             "min_tokens": min_new,
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "top_p": g.top_p,
-            "top_k": -1 if g.top_k == 0 else g.top_k,
-            "stop": list(g.stop),
-            "stop_token_ids": list(g.stop_token_ids),
-            "ignore_eos": g.ignore_eos,
-            **penalties(g),
+            **sampling_fields(g),
             "logprobs": 0,  # the sampled token's logprob only
-            "skip_special_tokens": False,
             "n": 1,
         }
         model = adapter or self.model
@@ -243,7 +235,7 @@ class VLLMBackend:
         return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], typing.cast(StopReason, kind))
 
     def update_from_disk(self, path: str, version: int) -> Call:
-        return Call("POST", "/collective_rpc", {"method": self.reload_method, "kwargs": {"weights_path": path}})
+        return Call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
 
     def load_adapter(self, name: str, path: str) -> Call:
         """Runtime adapter loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); vLLM answers plain text."""
@@ -254,9 +246,6 @@ class VLLMBackend:
 
     def parse_adapter_load(self, name: str, body: object) -> None:
         """A 200 is the load (the body is a sentence); refusals are 4xx, raised by the caller."""
-
-    def upload(self, version: int) -> Call:
-        raise NotImplementedError("vLLM servers take no safetensors upload; use inference.weight_sync=disk")
 
     # ------------------------------------------------------------------ detection, weights, launch
     def detect(self, url: str, get: Getter) -> PeerInfo:
@@ -283,12 +272,9 @@ class VLLMBackend:
             )
 
     def weight_sync(self, fleet: Fleet, mode: str) -> WeightSync:
-        """The sync of weight_sync=``mode``: vLLM's weight-transfer API (disk or broadcast)."""
-        if mode == "broadcast":
-            return VLLMBroadcast(fleet, self)
-        if mode == "http":
-            return UploadSync(fleet, self.upload, self)
-        return VLLMDisk(fleet, self)
+        """The sync of weight_sync=``mode``: vLLM's weight-transfer API (disk or broadcast; no http:
+        ``supports_upload`` is False)."""
+        return VLLMBroadcast(fleet, self) if mode == "broadcast" else VLLMDisk(fleet, self)
 
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=vllm``: ``cfg.n_servers`` servers of ``model``, healthy."""
@@ -361,9 +347,6 @@ class VLLMBackend:
 
     def resume(self) -> Call:
         return Call("POST", "/resume")
-
-    def get_version(self) -> Call | None:
-        return Call("GET", "/weight_info")  # vLLM's RL router since 0100a212; before it, none (the client's count)
 
     def parse_version(self, body: object) -> int | None:
         return version_of(body)

@@ -30,12 +30,14 @@ from relayrl.utils.deadline import within
 
 if TYPE_CHECKING:
     from relayrl.api.config import InferenceConfig
+    from relayrl.inference.remote.transport import Clients
 
 
 class Fleet(Protocol):
     """What a weight sync may use of RemoteEngine."""
 
     config: InferenceConfig
+    http: Clients  # (status, body) requests to a server, for the calls whose refusals are read
     servers: list[Server]
     paused: bool  # generation is paused by the trainer (a sync that pauses servers leaves them so)
 
@@ -48,8 +50,6 @@ class Fleet(Protocol):
         ...
 
     def evict(self, srv: Server, why: object) -> None: ...
-
-    def sync_client(self, timeout: float) -> httpx.Client: ...
 
 
 class Replies(Protocol):
