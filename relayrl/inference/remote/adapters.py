@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import httpx
 import safetensors.torch
@@ -30,18 +29,9 @@ from relayrl.inference.remote.weights import Fleet, PerServerSync, host_tensors,
 
 if TYPE_CHECKING:
     from relayrl.api.config import InferenceConfig, LoraConfig
+    from relayrl.inference.remote.peers import Peer
 
 log = logging.getLogger(__name__)
-
-
-class AdapterRoutes(Protocol):
-    """A peer's adapter routes (``sglang.SGLangBackend``, ``vllm.VLLMBackend``)."""
-
-    def load_adapter(self, name: str, path: str) -> Call: ...
-
-    def unload_adapter(self, name: str) -> Call: ...
-
-    def parse_adapter_load(self, name: str, body: object) -> None: ...
 
 
 def adapter_mode(lora: LoraConfig, config: InferenceConfig, peer: str, loads_adapters: bool) -> bool:
@@ -78,7 +68,7 @@ def adapters_kept(lora: LoraConfig, servers: list[Server]) -> bool:
 class AdapterSync(PerServerSync):
     """``WeightUpdate(kind="adapter")``: the adapter as peft saves it, loaded by every server."""
 
-    def __init__(self, fleet: Fleet, routes: AdapterRoutes) -> None:
+    def __init__(self, fleet: Fleet, routes: Peer) -> None:
         super().__init__(fleet)
         self.routes = routes
         self.prefix = f"relayrl-{secrets.token_hex(4)}-v"  # this engine's adapters: <prefix><version>
@@ -86,22 +76,12 @@ class AdapterSync(PerServerSync):
     def prepare(self, update: WeightUpdate) -> object:
         """The adapter in ``weight_sync_dir/<prefix><version>`` (this engine's two newest up to it kept)."""
         tensors = host_tensors(update)
-        root = Path(self.fleet.config.weight_sync_dir)
-        final = root / f"{self.prefix}{update.version}"
 
         def fill(d: Path) -> None:
             safetensors.torch.save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
             (d / "adapter_config.json").write_text(update.adapter_config)
 
-        publish(final, fill)
-        mine = {
-            int(p.name[len(self.prefix) :]): p
-            for p in root.glob(f"{self.prefix}*")
-            if p.name[len(self.prefix) :].isdigit()
-        }
-        for v in sorted(v for v in mine if v <= update.version)[:-2]:
-            shutil.rmtree(mine[v], ignore_errors=True)
-        return str(final)
+        return publish(Path(self.fleet.config.weight_sync_dir), self.prefix, update.version, fill)
 
     def _call(self, srv: Server, call: Call) -> tuple[int, object]:
         return self.fleet.http.request(srv, call, self.fleet.config.request_timeout)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from relayrl.inference.remote.peers import Peer
@@ -87,40 +88,25 @@ class MicroBatcher:
             return
         await asyncio.gather(*(self._send_group(url, call, [items[i] for i in idx]) for call, idx in groups))
 
-    def _abort_when_cancelled(self, url: str, call: Call, items: list[_Item]) -> None:
-        def on_done(position: int) -> Callable[[asyncio.Future[object]], None]:
-            return lambda f: self._abort(url, call, position) if f.cancelled() else None
-
-        for j, (_, fut) in enumerate(items):
-            fut.add_done_callback(on_done(j))
-
-    def _abort(self, url: str, call: Call, position: int) -> None:
+    def _abort(self, url: str, call: Call, position: int, fut: asyncio.Future[object]) -> None:
+        """Item ``position`` of ``call`` ended: aborted on the server if its caller gave up (cancelled)."""
+        if not fut.cancelled():
+            return
         for abort in self.backend.abort_items(call, position):
             task = asyncio.ensure_future(self.abort(url, abort))
             self._aborts.add(task)
             task.add_done_callback(self._aborts.discard)
 
     async def _send_group(self, url: str, call: Call, items: list[_Item]) -> None:
-        self._abort_when_cancelled(url, call, items)
+        for j, (_, fut) in enumerate(items):
+            fut.add_done_callback(functools.partial(self._abort, url, call, j))
         if len(items) > 1 and self.backend.streams_items:
             return await self._stream_group(url, call, items)
         try:
             body = await self.send(url, call)
             replies = [body] if len(items) == 1 else self.backend.split(body, len(items))
-        except asyncio.CancelledError:
-            for _, fut in items:
-                fut.cancel()
-            raise
-        except ValueError as e:  # refused (4xx) or a malformed batch reply: one item at a time
-            if len(items) == 1:
-                _settle(items[0][1], error=e)
-                return
-            await asyncio.gather(*(self._send_group(url, c, [(c, f)]) for c, f in items if not f.done()))
-            return
         except BaseException as e:  # noqa: BLE001 - handed to every caller, each handles it
-            for _, fut in items:
-                _settle(fut, error=e)
-            return
+            return await self._failed(url, e, items, batched=len(items) > 1)
         for (_, fut), reply in zip(items, replies, strict=True):
             _settle(fut, value=reply)
 
@@ -145,15 +131,22 @@ class MicroBatcher:
                 raise ProtocolError(
                     f"{url}{call.path} ended its stream with {len(pending)} of {len(items)} items unanswered"
                 )
-        except asyncio.CancelledError:
-            for _, fut in pending.values():
-                fut.cancel()
-            raise
-        except ValueError:  # refused (4xx) or malformed: the unanswered items one at a time
-            await asyncio.gather(*(self._send_group(url, c, [(c, f)]) for c, f in pending.values() if not f.done()))
         except BaseException as e:  # noqa: BLE001 - handed to every unanswered caller, each handles it
-            for _, fut in pending.values():
-                _settle(fut, error=e)
+            await self._failed(url, e, list(pending.values()), batched=True)
+
+    async def _failed(self, url: str, e: BaseException, items: list[_Item], batched: bool) -> None:
+        """The call that carried ``items`` (those not answered yet) failed with ``e``. Cancelled: so is each
+        item (``e`` raised again); refused (4xx) or malformed (a ValueError) when it was a batch: each item
+        is sent again alone, so one bad request fails alone; otherwise each caller gets ``e``."""
+        if isinstance(e, asyncio.CancelledError):
+            for _, fut in items:
+                fut.cancel()
+            raise e
+        if isinstance(e, ValueError) and batched:
+            await asyncio.gather(*(self._send_group(url, c, [(c, f)]) for c, f in items if not f.done()))
+            return
+        for _, fut in items:
+            _settle(fut, error=e)
 
 
 def _settle(fut: asyncio.Future[object], value: object = None, error: BaseException | None = None) -> None:

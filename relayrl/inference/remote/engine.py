@@ -198,14 +198,13 @@ class RemoteEngine(InferenceEngine):
 
     def evict(self, srv: Server, why: object) -> None:
         with self._lock:
-            if srv.alive:
-                srv.alive = False
-                self.counters["evictions"] += 1
-                srv.evictions += 1  # a weight group it was in is rebuilt at its next use
-                self._inflight.why[srv.url] = str(why)
-                log.warning("server %s evicted: %s", srv.url, why)
-            else:
+            if not srv.alive:
                 return
+            srv.alive = False
+            self.counters["evictions"] += 1
+            srv.evictions += 1  # a weight group it was in is rebuilt at its next use
+            self._inflight.why[srv.url] = str(why)
+            log.warning("server %s evicted: %s", srv.url, why)
         cancelled = self._inflight.cancel(srv.url)  # its requests go elsewhere now, not at their deadline
         for loop, batcher in list(self._batchers.items()):
             if not loop.is_closed():

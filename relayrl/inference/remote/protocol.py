@@ -125,11 +125,11 @@ def version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def first_page(get: Getter, paths: tuple[str, ...]) -> tuple[str, dict[str, object]] | None:
-    """The first of ``paths`` that answers 200 with a JSON object: (path, body)."""
+def first_page(get: Getter, paths: tuple[str, ...], key: str = "") -> tuple[str, dict[str, object]] | None:
+    """The first of ``paths`` that answers 200 with a JSON object (holding ``key``, if given): (path, body)."""
     for p in paths:
         status, body = get(p)
-        if status == 200 and isinstance(body, dict):
+        if status == 200 and isinstance(body, dict) and (not key or key in body):
             return p, body
     return None
 

@@ -95,9 +95,6 @@ class SGLangBackend:
     return_routed_experts = False  # ask for the routed experts (inference.return_routed_experts)
     routing: tuple[int, list[int], int] | None = None  # (decoder layers, MoE layer indices, top_k) of the model
 
-    def sampling_params(self, g: GenerationConfig, max_new_tokens: int, min_new_tokens: int) -> JsonDict:
-        return {"max_new_tokens": max_new_tokens, "min_new_tokens": min_new_tokens, **sampling_fields(g)}
-
     def ask_routed_experts(self, model: ModelConfig) -> None:
         """inference.return_routed_experts: ask for them, read by ``model``'s layout (SGLang sends every
         decoder layer's, with no shape)."""
@@ -124,7 +121,7 @@ class SGLangBackend:
         body: JsonDict = {
             "rid": rid,
             "input_ids": list(input_ids),
-            "sampling_params": self.sampling_params(g, max_new, min_new),
+            "sampling_params": {"max_new_tokens": max_new, "min_new_tokens": min_new, **sampling_fields(g)},
             "return_logprob": True,
             "stream": False,
         }
@@ -359,19 +356,14 @@ def detect(url: str, get: Getter, protocol: str = "sglang") -> PeerInfo:
             f"{url} runs SGLang {version or '(no version)'}; relayrl needs SGLang >= {need} "
             f"(weight_version on weight updates, /pause_generation modes): pip install 'sglang>={need}'"
         )
-    version_path = None
-    for p in ("/get_weight_version", "/model_info", "/get_model_info"):
-        status, body = get(p)
-        if status == 200 and isinstance(body, dict) and "weight_version" in body:
-            version_path = p
-            break
+    weights = first_page(get, ("/get_weight_version", "/model_info", "/get_model_info"), "weight_version")
     live = first_page(get, ("/get_model_info", "/model_info"))
     return PeerInfo(
         protocol,
         version,
         int(str(info.get("tp_size", 1) or 1)),
         str(info.get("served_model_name") or "default"),
-        version_path,
+        weights[0] if weights else None,
         live[0] if live else "/health",
         server=server,
         lora=bool(info["enable_lora"]) if "enable_lora" in info else None,  # SGLang's server args
@@ -566,6 +558,5 @@ class SGLangBroadcast(BroadcastSync):
                 self.group = None
         if errors:
             raise errors[0]
-        for s, f in zip(servers, replies, strict=True):
-            self.backend.parse_update(f.result())
+        for s in servers:  # (each reply was checked by load_flushed)
             self.confirm(s, version)

@@ -28,12 +28,9 @@
   ``/collective_rpc reload_weights`` fallback. LoRA adapters: ``/v1/load_lora_adapter`` and
   ``/v1/unload_lora_adapter`` ``{"lora_name", "lora_path"}`` (plain-text answers), the adapter named
   as the request's ``model``.
-- Launch (``inference.launch=vllm``): ``vllm serve M --host 127.0.0.1 --port P
-  --tensor-parallel-size K --logprobs-mode processed_logprobs --dtype D`` (the trainer's dtype),
-  ``--weight-transfer-config '{"backend": "nccl"}'`` for weight_sync=broadcast (released vLLMs up to
-  0.33 have no disk backend: weight_sync=disk reloads through ``/collective_rpc``);
-  ``VLLM_SERVER_DEV_MODE=1`` for the RL router and ``/collective_rpc``; with adapters ``--enable-lora --max-lora-rank R --max-loras 2``
-  (R rounded up to a rank vLLM accepts) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
+- Launch (``inference.launch=vllm``): ``vllm serve`` with ``server_command``'s flags and
+  ``server_env``'s ``VLLM_SERVER_DEV_MODE=1`` (the RL router and ``/collective_rpc``: released vLLMs
+  up to 0.33 have no disk backend, so weight_sync=disk reloads through it).
 """
 
 from __future__ import annotations

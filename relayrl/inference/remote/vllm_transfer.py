@@ -3,12 +3,7 @@ a disk backend exists in later vLLM sources, not in releases up to 0.33):
 its routes, the checks that a server has them, and the two syncs ``vllm.VLLMBackend.weight_sync`` picks
 (``VLLMDisk``, ``VLLMBroadcast``; see ``vllm``'s docstring for the update sequence).
 
-Still vLLM's room: only ``vllm.py`` imports it, and nothing here serves another peer. It is a module of
-its own because vLLM's request mapping and its weight transfer together pass the 600-line limit.
-
-The transfer group:
-
-vLLM (``vllm/distributed/weight_transfer/nccl_engine.py``) does not use torch.distributed for
+The transfer group: vLLM (``vllm/distributed/weight_transfer/nccl_engine.py``) does not use torch.distributed for
 this: trainer (rank 0) and workers (rank ``rank_offset + worker rank``) meet through a
 ``StatelessProcessGroup`` (a TCPStore hosted by rank 0 on ``master_address:master_port``, no
 key prefix); rank 0 publishes the NCCL unique id under the store key ``broadcast_from/0/0``

@@ -110,15 +110,21 @@ def host_tensors(update: WeightUpdate) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in update.tensors.items()}
 
 
-def publish(final: Path, fill: Callable[[Path], None]) -> None:
-    """Write a directory under a temporary name with ``fill`` and rename it to ``final``, so that a
-    server never reads one half-written."""
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+def publish(root: Path, prefix: str, version: int, fill: Callable[[Path], None], digits: int = 0) -> str:
+    """Write ``root/<prefix><version>`` with ``fill`` under a temporary name and rename it, so that a
+    server never reads one half-written. Of this prefix's directories, the two newest up to this one
+    are kept; higher ones (an earlier run's, before a resume) are not ours to judge."""
+    final = root / f"{prefix}{version:0{digits}d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     fill(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    numbered = ((p, p.name[len(prefix) :]) for p in root.glob(f"{prefix}*"))
+    for _, old in sorted((int(v), p) for p, v in numbered if v.isdigit() and int(v) <= version)[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
+    return str(final)
 
 
 class DiskSync(PerServerSync):
@@ -134,22 +140,20 @@ class DiskSync(PerServerSync):
             return update.path
         tensors = host_tensors(update)
         root = Path(self.fleet.config.weight_sync_dir)
-        final = root / f"v{update.version:08d}"
         limit = self.fleet.config.request_timeout
-        within(  # a write that blocks (a full or hung file system, a FIFO) stops the run instead of hanging it
+
+        def fill(d: Path) -> None:
+            safetensors.torch.save_file(tensors, str(d / "model.safetensors"))
+
+        return within(  # a write that blocks (a full or hung file system, a FIFO) stops the run instead of hanging it
             limit,
-            lambda: publish(final, lambda d: safetensors.torch.save_file(tensors, str(d / "model.safetensors"))),
+            lambda: publish(root, "v", update.version, fill, digits=8),
             lambda: (
                 f"writing weights v{update.version} to inference.weight_sync_dir={root} took over {limit:.0f}s: "
                 "its storage blocks (full, or a hung network file system); fix it, or give it longer with "
                 "inference.request_timeout"
             ),
         )
-        # keep the two newest up to this one; higher ones (an earlier run's, before a resume) are not ours to judge
-        older = sorted(p for p in root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) <= update.version)
-        for old in older[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
-        return str(final)
 
     def push(self, srv: Server, data: object, version: int) -> None:
         self.replies.parse_update(self.fleet.admin(srv, self.load(str(data), version)))
