@@ -130,13 +130,12 @@ class WeightBroadcastGroup:
         """Build the process group; returns (itself) once every member has joined."""
         group = dist.PrefixStore(f"{self.name}/", dist.PrefixStore(self.name, self.store))
         store = dist.PrefixStore(f"{store_device(self.backend)}/", group)
+        pg: object
         if self.backend == "nccl":
-            nccl = dist.ProcessGroupNCCL(store, self.rank, self.world_size)  # type: ignore[call-arg]  # (options default)
-            self.pg = typing.cast(dist.ProcessGroup, nccl)  # a backend: broadcast() is all this uses
+            pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size)  # type: ignore[call-arg]  # (options default)
         else:
-            self.pg = typing.cast(
-                dist.ProcessGroup, dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
-            )
+            pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+        self.pg = typing.cast(dist.ProcessGroup, pg)  # a backend: broadcast() is all this uses
         return self
 
     def broadcast(self, tensors: dict[str, torch.Tensor]) -> None:

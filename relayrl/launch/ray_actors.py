@@ -79,7 +79,7 @@ class ServerActor:
         if peer is not None:
             kind, inf, model = peer
             backend = make_backend(kind)  # the flags RemoteEngine's own launch would give: dtype, LoRA
-            lora = model.lora if adapter_mode(model.lora, inf, kind, backend.loads_adapters) else None
+            lora = model.lora if adapter_mode(model.lora, inf, backend) else None
             group = PeerServerGroup(backend, inf, model.path, host=host, lora=lora, dtype=model.dtype, token=token)
             self.group = group.start(ports=[port])
         else:

@@ -2,9 +2,8 @@
 
 A LoRA trainer sends SGLang / vLLM servers its adapter instead of merged full weights
 (``WeightUpdate(kind="adapter")``). The adapter is written as peft saves it to
-``<inference.weight_sync_dir>/relayrl-<run>-v<version>`` and every server loads it under that name
-(SGLang ``/load_lora_adapter``, vLLM ``/v1/load_lora_adapter``); from then on requests to the
-server name it (SGLang ``lora_path``, vLLM ``model``), and the adapter it replaces is unloaded.
+``<inference.weight_sync_dir>/relayrl-<run>-v<version>``, every server loads it under that name (the
+peer's ``load_adapter``) and requests to it name it; the adapter it replaces is unloaded.
 Neither peer's load route takes a weight version, so the version is carried by the name: a
 request's tokens are tagged with the version of the adapter it was sent with (the servers'
 own ``weight_version`` stays that of their base weights). Version 0 (no update yet) is the
@@ -34,17 +33,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def adapter_mode(lora: LoraConfig, config: InferenceConfig, peer: str, loads_adapters: bool) -> bool:
-    """Whether this run sends adapters (``model.lora.sync``, resolved): checked at start-up."""
+def adapter_mode(lora: LoraConfig, config: InferenceConfig, peer: Peer) -> bool:
+    """Whether this run sends adapters to ``peer``'s servers (``model.lora.sync``, resolved): checked at start-up."""
     if lora.rank <= 0 or lora.sync == "merged":
         return False
     shared = bool(config.weight_sync_dir)
     if lora.sync == "auto":
-        return loads_adapters and shared
-    if not loads_adapters:
+        return peer.loads_adapters and shared
+    if not peer.loads_adapters:
         raise ValueError(
             f"model.lora.sync=adapter needs SGLang or vLLM servers (inference.protocol is "
-            f"{peer}; relayrl servers take merged weights: model.lora.sync=merged)"
+            f"{peer.name}; relayrl servers take merged weights: model.lora.sync=merged)"
         )
     if not shared:
         raise ValueError(

@@ -135,9 +135,8 @@ class MicroBatcher:
             await self._failed(url, e, list(pending.values()), batched=True)
 
     async def _failed(self, url: str, e: BaseException, items: list[_Item], batched: bool) -> None:
-        """The call that carried ``items`` (those not answered yet) failed with ``e``. Cancelled: so is each
-        item (``e`` raised again); refused (4xx) or malformed (a ValueError) when it was a batch: each item
-        is sent again alone, so one bad request fails alone; otherwise each caller gets ``e``."""
+        """The call that carried ``items`` (those not answered yet) failed with ``e``: each item cancelled
+        with it, sent again alone (a refused or malformed batch) or given ``e`` (the module docstring)."""
         if isinstance(e, asyncio.CancelledError):
             for _, fut in items:
                 fut.cancel()

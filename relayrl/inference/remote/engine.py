@@ -12,8 +12,6 @@
   prompt + partial output; every token keeps the version that produced it.
 - Peers (``peers.make_backend``, by ``inference.protocol``) map requests and replies, detect each
   server, pick the weight sync (``weights``, ``adapters``) and launch servers.
-- Request ids: each HTTP request carries a fresh id (``<rid>-<n>``): SGLang refuses an id
-  already in flight, and one episode may send several requests at once (ReMax).
 - Batching: requests headed to the same server within ``batch_window_ms`` share one HTTP
   call (``batcher.MicroBatcher``); everything above still happens per request.
 """
@@ -103,9 +101,7 @@ class RemoteEngine(InferenceEngine):
         ``wait_timeout`` (default ``inference.launch_timeout``)."""
         launch = self.config.launch
         wait_timeout = self.config.launch_timeout if wait_timeout is None else wait_timeout
-        self.accepts_adapters = adapter_mode(
-            self.model.lora, self.config, self.backend.name, self.backend.loads_adapters
-        )
+        self.accepts_adapters = adapter_mode(self.model.lora, self.config, self.backend)
         if not self.addresses and self.config.n_servers > 0 and launch != "none":
             peer = make_backend(launch)  # the peer whose servers are started
             if self.backend.name not in peer.speaks:
@@ -125,16 +121,14 @@ class RemoteEngine(InferenceEngine):
         self.servers = [Server(base_url(a)) for a in self.addresses]
         deadline = time.monotonic() + wait_timeout
         pending = list(self.servers)
-        while pending:
-            pending = [s for s in pending if not self._probe(s)]
-            if pending and time.monotonic() > deadline:
+        while pending := [s for s in pending if not self._probe(s)]:
+            if time.monotonic() > deadline:
                 raise Stalled(
                     f"RemoteEngine start-up waited {wait_timeout:.0f}s for servers {[s.url for s in pending]} to answer "
                     f"/health (each check given inference.health_timeout={self.config.health_timeout}s): they are "
                     "down, frozen or still loading; check them, or give them longer with inference.launch_timeout"
                 )
-            if pending:
-                time.sleep(0.2)
+            time.sleep(0.2)
         self._connect_all()
         for s in self.servers:  # now that each server's version route is known
             self._probe(s)
@@ -230,16 +224,15 @@ class RemoteEngine(InferenceEngine):
         self.counters["http_calls"] += 1
         return self.http.stream(url, call)
 
-    async def _abort_item(self, url: str, call: Call) -> object:
+    async def _abort_item(self, url: str, call: Call) -> None:
         """Stop a request its caller gave up on (best effort: it may have ended already; an evicted
         server is not asked)."""
         if not any(s.alive for s in self.servers if s.url == url):
-            return None
+            return
         try:
             await self.http.current().request(call.method, url + call.path, json=call.json, timeout=10)
         except httpx.HTTPError as e:
             log.info("%s%s failed: %r", url, call.path, e)
-        return None
 
     def _generate_call(self, srv: Server, call: Call) -> Awaitable[object]:
         """``call`` sent alone (``batch_window_ms=0``) or batched with others to the same server."""
@@ -429,7 +422,7 @@ class RemoteEngine(InferenceEngine):
         would write back the version from before it)."""
         try:
             with self.http.sync(self.config.health_timeout) as c:
-                r = c.get(srv.url + (srv.info.live_path if srv.info is not None else self.backend.health_path))
+                r = c.get(srv.url + (srv.info.live_path if srv.info is not None else "/health"))
                 if r.status_code != 200:
                     return False
                 path = srv.info.version_path if srv.info is not None else None

@@ -1,13 +1,10 @@
 """What RemoteEngine has in flight on each server, so that a server it evicts (frozen, dead,
 unreachable) takes none of the run's time with it.
 
-- ``InFlight.run`` awaits one generation call under its deadline; ``InFlight.cancel(url)``, called
-  when the server is evicted (from any thread), cancels every call waiting on it at once, and
-  the caller re-issues the request elsewhere (``ServerEvicted``). A call past its deadline raises
-  ``RequestDeadline`` (the request is retried on another server).
-- ``fan_out`` runs an admin call (weight load, pause) on many servers at once and stops waiting
-  for a server as soon as it is evicted: a frozen server's blocked call is left to end by its
-  own timeout in a daemon thread.
+- ``InFlight``: generation calls, cancelled at once when their server is evicted (from any thread)
+  and re-issued elsewhere by their caller.
+- ``fan_out``: an admin call (weight load, pause) on many servers at once, no longer waited for
+  once its server is evicted (a frozen server's call ends by its own timeout, in a daemon thread).
 """
 
 from __future__ import annotations
@@ -95,9 +92,8 @@ class InFlight:
 def fan_out(
     fn: Callable[[Server], object], servers: list[Server], on_error: Callable[[Server, BaseException], None]
 ) -> None:
-    """``fn(server)`` on every server at once, each in a daemon thread; returns when each has
-    returned or its server is no longer alive (evicted meanwhile: its thread is left to end by
-    its own timeout). ``on_error`` gets each exception."""
+    """``fn(server)`` on every server at once (the module docstring), each in a daemon thread;
+    ``on_error`` gets each exception."""
     pending: list[tuple[Server, threading.Event]] = []
 
     def one(s: Server, done: threading.Event) -> None:

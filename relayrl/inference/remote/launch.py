@@ -11,6 +11,7 @@ children are (``server.launcher``'s machinery).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -94,8 +95,7 @@ class PeerServerGroup:
         self.peer, self.cfg, self.model, self.host, self.lora, self.dtype = peer, cfg, model, host, lora, dtype
         self.token = token
         self.key_dir: Path | None = None  # 0700, holds a key file where the peer reads its key from one
-        self.kind = peer.name
-        self.log_dir = Path(cfg.launch_log_dir or tempfile.mkdtemp(prefix=f"relayrl-{self.kind}-"))
+        self.log_dir = Path(cfg.launch_log_dir or tempfile.mkdtemp(prefix=f"relayrl-{self.peer.name}-"))
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
         self.logs: list[Path] = []
@@ -151,18 +151,16 @@ class PeerServerGroup:
             code = self.procs[i].poll()
             if code is not None:
                 raise RuntimeError(
-                    f"{self.kind} server {i} exited with code {code} before it was healthy; "
+                    f"{self.peer.name} server {i} exited with code {code} before it was healthy; "
                     f"{self.logs[i]} ends with:\n{self.tail(i)}"
                 )
-            try:
-                auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"http://{self.addresses[i]}/health", headers=auth, timeout=5.0).status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"{self.kind} server {i} not healthy after {self.cfg.launch_timeout:.0f}s "
+                    f"{self.peer.name} server {i} not healthy after {self.cfg.launch_timeout:.0f}s "
                     f"(inference.launch_timeout); {self.logs[i]} ends with:\n{self.tail(i)}"
                 )
             time.sleep(0.25)

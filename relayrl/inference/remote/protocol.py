@@ -1,9 +1,8 @@
 """What every peer module shares: an HTTP call, a parsed generate reply, what a server offers
 (``PeerInfo``, read at connect by the peer's ``detect``) and the errors that name what is wrong.
 
-SGLang and vLLM move and add routes between versions; RemoteEngine asks each server once and
-uses the routes it has, and refuses at start-up (naming what is missing and the version or
-flag that provides it) where a server cannot do what the run needs.
+SGLang and vLLM move and add routes between versions: RemoteEngine asks each server once which it
+has, and refuses at start-up one that lacks what the run needs (``UnsupportedServer``).
 """
 
 from __future__ import annotations

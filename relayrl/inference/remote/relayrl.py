@@ -48,12 +48,11 @@ class RelayrlBackend(SGLangBackend):
 
     def launch(self, cfg: InferenceConfig, model: ModelConfig, lora: LoraConfig | None, token: str) -> Launched:
         """``inference.launch=relayrl``: ``cfg.n_servers`` ``relayrl serve`` processes fitted to the run."""
-        overrides = serve_overrides(cfg, model)
         return launch_servers(
             cfg.n_servers,
             model.path,
             cfg.server_threads,
-            overrides,
+            serve_overrides(cfg, model),
             admin_token=token,
             startup_timeout=cfg.launch_timeout,
         )

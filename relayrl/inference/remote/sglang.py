@@ -18,17 +18,15 @@
   SGLang builds it: ``relayrl.inference.weight_group``). LoRA adapters (``model.lora.sync=adapter``):
   ``/load_lora_adapter`` and ``/unload_lora_adapter`` ``{"lora_name", "lora_path"}``, the adapter
   named per request in ``/generate``'s ``lora_path``.
-- Launch (``inference.launch=sglang``): ``python -m sglang.launch_server --model-path M --host
-  127.0.0.1 --port P --tp-size K``; ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` keeps
-  ``/health`` from generating; with adapters ``--enable-lora --max-lora-rank R
-  --lora-target-modules M.. --max-loras-per-batch 2`` (``all`` when model.lora.target_modules is
-  empty: every linear projection, as relayrl's default; two adapters at once: the new one and the
-  one it replaces, while requests sent with it finish).
+- Launch (``inference.launch=sglang``): ``python -m sglang.launch_server`` (``server_command``,
+  adapters: ``lora_flags``) with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` (``/health``
+  never generates).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import itertools
 import json
@@ -150,14 +148,13 @@ class SGLangBackend:
         if kind not in ("stop", "length", "abort"):
             raise ProtocolError(f"unknown finish_reason {finish!r}")
         versions = meta.get("output_token_versions")
-        routed = self.routed_experts(meta)
         return Parsed(
             tokens=[int(t) for t in tokens],
             logprobs=[float(t[0]) for t in triples],
             stop_reason=kind,
             versions=[int(v) for v in versions] if isinstance(versions, list) else None,
             weight_version=int_or_none(meta.get("weight_version")),
-            routed_experts=routed,
+            routed_experts=self.routed_experts(meta),
         )
 
     def routed_experts(self, meta: dict[str, object]) -> torch.Tensor | None:
@@ -292,8 +289,6 @@ class SGLangBackend:
         if isinstance(body, dict) and body.get("success") is False:
             raise RuntimeError(f"weight update refused: {body.get('message')}")
 
-    health_path = "/health"
-
     # ------------------------------------------------------------------ detection, weights, launch
     def detect(self, url: str, get: Getter) -> PeerInfo:
         """What the server at ``url`` offers (``get``: GET path -> (status, JSON))."""
@@ -390,7 +385,9 @@ def routing_layout(model: ModelConfig) -> tuple[int, list[int], int] | None:
 
 
 def lora_flags(lora: LoraConfig | None) -> list[str]:
-    """The flags that let a server load the trainer's adapters at run time (none without LoRA)."""
+    """The flags that let a server load the trainer's adapters at run time (none without LoRA): ``all``
+    targets when model.lora.target_modules is empty (every linear projection, as relayrl's default); two
+    adapters at once: the new one and the one it replaces, while requests sent with it finish."""
     if lora is None or lora.rank <= 0:
         return []
     targets = list(lora.target_modules) or ["all"]
@@ -439,12 +436,9 @@ class SGLangDisk(DiskSync):
 
 
 class SGLangBroadcast(BroadcastSync):
-    """weight_sync=broadcast: every server receives the tensors from one collective broadcast.
-
-    The group (this process = rank 0, server i = ranks from its ``rank_offset``, one per
-    tensor-parallel rank) is built on first use and rebuilt whenever its members change: a dead
-    server leaves it, a returning one rejoins. A server that fails mid-way is evicted (dead) or
-    its error raised; either way the group is dropped, to be rebuilt at the next update.
+    """weight_sync=broadcast: every server receives the tensors from one collective broadcast, in
+    buckets of ``weight_bucket_mb``, over SGLang's group routes (the group's layout: ``_join``). A server
+    that fails mid-way is evicted (dead) or its error raised; either way the group is dropped.
 
     NCCL fails safe (``relayrl.utils.failsafe``): if the first NCCL broadcast fails for another
     reason than a dead server, the group is built again over gloo (both sides are told through
@@ -469,11 +463,9 @@ class SGLangBroadcast(BroadcastSync):
         admin, sglang = self.fleet.admin, self.backend
         # members leave any group of that name first (this engine's old one, or one left by an earlier
         # trainer): SGLang refuses a second group of the same name
-        for s in servers:
-            try:
-                admin(s, sglang.destroy_weight_group(), timeout=self.fleet.config.request_timeout)
-            except (httpx.HTTPError, RuntimeError):
-                pass  # a server that never joined, or one too old for the route (then init fails, named)
+        for s in servers:  # (a server that never joined, or one too old for the route: then init fails, named)
+            with contextlib.suppress(httpx.HTTPError, RuntimeError):
+                admin(s, sglang.destroy_weight_group())
         self.group, self.members = None, []
         host = address_towards(httpx.URL(servers[0].url).host)
         backend = self.collective
@@ -481,8 +473,7 @@ class SGLangBroadcast(BroadcastSync):
         sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
         offsets = list(itertools.accumulate([1, *sizes[:-1]]))
         world = 1 + sum(sizes)
-        timeout = self.fleet.config.request_timeout
-        group = WeightBroadcastGroup(host, 0, world, 0, backend, WEIGHT_GROUP, timeout)
+        group = WeightBroadcastGroup(host, 0, world, 0, backend, WEIGHT_GROUP, self.fleet.config.request_timeout)
         calls = [sglang.init_weight_group(host, group.port, off, world, backend) for off in offsets]
         joins = [ex.submit(admin, s, c) for s, c in zip(servers, calls, strict=True)]
         settle(self.fleet, servers, joins, group.join, errors)
@@ -497,23 +488,22 @@ class SGLangBroadcast(BroadcastSync):
         """Open ``srv``'s weight-update session (SGLang >= 0.5.23); False where it has none (older SGLang,
         ``relayrl serve``). Its in-flight requests are aborted first: each holds the model lock the session
         takes (their partial tokens come back and continue under the new weights)."""
-        admin, timeout = self.fleet.admin, self.fleet.config.request_timeout
-        admin(srv, self.backend.abort_all(), timeout=timeout)
+        admin = self.fleet.admin  # (each call within inference.request_timeout)
+        admin(srv, self.backend.abort_all())
         try:
-            admin(srv, self.backend.begin_update(), timeout=timeout)
+            admin(srv, self.backend.begin_update())
         except AdminError as e:
             if e.status == 404:
                 return False
             if "already open" not in e.body:
                 raise
-            admin(srv, self.backend.end_update(), timeout=timeout)  # left open by an update that failed mid-way
-            admin(srv, self.backend.begin_update(), timeout=timeout)
+            admin(srv, self.backend.end_update())  # left open by an update that failed mid-way
+            admin(srv, self.backend.begin_update())
         return True
 
     def _end(self, srv: Server, quiet: bool) -> None:
         try:
-            end = self.fleet.admin(srv, self.backend.end_update(), timeout=self.fleet.config.request_timeout)
-            self.backend.parse_update(end)
+            self.backend.parse_update(self.fleet.admin(srv, self.backend.end_update()))
         except (httpx.HTTPError, RuntimeError):
             if not quiet:  # after a failed update: the next one closes it (_begin)
                 raise

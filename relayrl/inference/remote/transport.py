@@ -1,6 +1,5 @@
-"""RemoteEngine's HTTP transport: its clients (one TLS context, one async client per event loop,
-the admin token on every call) and how a failed call is raised (5xx: retried elsewhere; 4xx:
-refused; a timeout: naming the call and the setting that gives it longer)."""
+"""RemoteEngine's HTTP transport: its clients (``Clients``) and how a failed call is raised (5xx:
+retried elsewhere; 4xx: refused; a timeout: naming the call and the setting that gives it longer)."""
 
 from __future__ import annotations
 

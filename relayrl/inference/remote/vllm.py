@@ -10,20 +10,15 @@
 - Requests: ``/v1/completions`` with a token-id ``prompt`` and ``logprobs=0``;
   ``return_tokens_as_token_ids`` makes every returned token read ``"token_id:<id>"``. Sampled-token
   logprobs follow the temperature only with ``--logprobs-mode processed_logprobs`` (checked at
-  connect). Calls that differ only in their prompt share one call (one set of sampling parameters
-  per request; one choice per prompt, in prompt order). Images: ``/v1/completions`` takes none with
-  a token-id prompt, so a prompt with images is two calls: ``/v1/chat/completions/render`` of a
-  message holding only the images (its ``features``: per image a hash, a placeholder range and the
-  processed tensors, opaque here), then ``/inference/v1/generate`` with our ``token_ids``, those
-  features placed on our prompt's placeholder runs, and vLLM's ``sampling_params``.
+  connect). Batches: ``batch``. Images: ``/v1/completions`` takes none with a token-id prompt, so a
+  prompt with images is rendered first (``render``), then sent to ``/inference/v1/generate`` with
+  the rendered ``features`` placed on our prompt (``image_features``).
 - Weights: every update pauses the servers with ``/pause?mode=abort`` (in-flight requests end as
   ``abort`` with the tokens generated so far, which keep the old version, and are continued
   afterwards), opens a session where the server has one (``/start_weight_update``), sends
   ``/update_weights``, closes it with the version (``/finish_weight_update``, reported back by
-  ``/weight_info``) and resumes. broadcast: the group of ``vllm_transfer.VLLMTransferGroup``
-  (this process rank 0, each server's workers the ranks from its ``rank_offset``), rebuilt when
-  its members change (vLLM replaces a server's group on a new init; there is no destroy route);
-  all tensors in one ``/update_weights`` call, in packed buffers of ``weight_bucket_mb``. disk:
+  ``/weight_info``) and resumes. broadcast: the group of ``vllm_transfer.VLLMTransferGroup``,
+  rebuilt when its members change (vLLM replaces a server's group on a new init). disk:
   ``{"path"}`` to the disk backend; on a vLLM without it (checked at connect), the dev-mode
   ``/collective_rpc reload_weights`` fallback. LoRA adapters: ``/v1/load_lora_adapter`` and
   ``/v1/unload_lora_adapter`` ``{"lora_name", "lora_path"}`` (plain-text answers), the adapter named
@@ -83,7 +78,6 @@ class VLLMBackend:
     supports_upload = False
     streams_items = False
     answers_while_loading = False  # /health may block during a weight load: not probed then
-    health_path = "/health"
     return_routed_experts = False
 
     def __init__(self, model: str = "default") -> None:
@@ -259,8 +253,7 @@ class VLLMBackend:
         srv = fleet.servers[0]
         if srv.info is None or srv.info.server == "relayrl":  # relayrl's follow the temperature
             return
-        timeout = fleet.config.request_timeout  # a just-started server under load answers slowly
-        tops = [self.top_logprob(fleet.admin(srv, self.logprob_probe(t), timeout=timeout)) for t in (1.0, 0.5)]
+        tops = [self.top_logprob(fleet.admin(srv, self.logprob_probe(t))) for t in (1.0, 0.5)]
         if abs(tops[0] - tops[1]) < 1e-6 and tops[0] < -1e-4:
             raise UnsupportedServer(
                 f"{srv.url} returns logprobs that ignore the sampling temperature (vLLM's default raw_logprobs): "

@@ -89,7 +89,7 @@ def packed_groups(sizes: list[int], limit: int) -> list[list[int]]:
 
 class VLLMTransferGroup:
     """Rank 0 of a vLLM weight-transfer group: ``port`` (0 picks one) to send in ``init_info``,
-    ``join()`` once the servers were asked to init, then ``send(tensors, packed, limit)``."""
+    ``join()`` once the servers were asked to init, then ``send(tensors, limit)``."""
 
     def __init__(self, host: str, port: int, world_size: int, backend: str, timeout_s: float = 300.0) -> None:
         if backend not in ("nccl", "gloo"):
@@ -134,23 +134,18 @@ class VLLMTransferGroup:
         self.pg = pg
         return self
 
-    def send(self, tensors: dict[str, torch.Tensor], packed: bool, limit: int) -> None:
-        """Broadcast ``tensors`` in dict order: one by one, or in packed uint8 buffers of ``limit`` bytes."""
+    def send(self, tensors: dict[str, torch.Tensor], limit: int) -> None:
+        """Broadcast ``tensors`` in dict order, in packed uint8 buffers of ``limit`` bytes (as ``transfer_update`` says)."""
         if self.backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-            args = {"group": self.nccl, "packed": packed, "packed_buffer_size_bytes": limit}
+            args = {"group": self.nccl, "packed": True, "packed_buffer_size_bytes": limit}
             NCCLWeightTransferEngine.trainer_send_weights(iter(tensors.items()), args)
             return
         assert self.pg is not None
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        values = [t.detach().to("cpu").contiguous() for t in tensors.values()]
-        if not packed:
-            for t in values:
-                self.pg.broadcast([t], opts).wait()
-            return
-        flat = [t.reshape(-1).view(torch.uint8) for t in values]
+        flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
         for idx in packed_groups([f.numel() for f in flat], limit):
             self.pg.broadcast([torch.cat([flat[i] for i in idx])], opts).wait()
 
@@ -251,7 +246,7 @@ def paused_for_update(fleet: Fleet, backend: Controls, servers: list[Server], up
     finally:
         for s in paused:
             try:
-                fleet.admin(s, backend.resume(), timeout=fleet.config.request_timeout)
+                fleet.admin(s, backend.resume())
             except (httpx.HTTPError, RuntimeError) as e:
                 log.warning("%s did not resume after a weight update: %s", s.url, e)
 
@@ -278,7 +273,7 @@ class VLLMDisk(DiskSync):
             info.disk_transfer = False  # a vLLM before the disk backend: /collective_rpc (require_routes checked it)
             return
         try:
-            self.fleet.admin(srv, init_disk_transfer(), timeout=self.fleet.config.request_timeout)
+            self.fleet.admin(srv, init_disk_transfer())
             info.disk_transfer = True
         except AdminError as e:
             if "/collective_rpc" not in info.routes:
@@ -363,10 +358,9 @@ class VLLMBroadcast(BroadcastSync):
     def _join(self, servers: list[Server], ex: ThreadPoolExecutor, errors: list[BaseException]) -> VLLMTransferGroup:
         self.group, self.members = None, []
         host = address_towards(httpx.URL(servers[0].url).host)
-        backend = self.collective
         sizes = [s.info.tp_size if s.info is not None else 1 for s in servers]
         offsets = list(itertools.accumulate([1, *sizes[:-1]]))
-        group = VLLMTransferGroup(host, 0, 1 + sum(sizes), backend, self.fleet.config.request_timeout)
+        group = VLLMTransferGroup(host, 0, 1 + sum(sizes), self.collective, self.fleet.config.request_timeout)
         calls = [init_transfer(host, group.port, off, 1 + sum(sizes)) for off in offsets]
         joins = [ex.submit(self.fleet.admin, s, c) for s, c in zip(servers, calls, strict=True)]
         settle(self.fleet, servers, joins, group.join, errors)
@@ -400,7 +394,7 @@ class VLLMBroadcast(BroadcastSync):
                         admin(s, start_update())
                         opened.append(s)
                     replies = [ex.submit(admin, s, call) for s in servers]
-                    settle(self.fleet, servers, replies, lambda: current.send(tensors, True, limit), errors)
+                    settle(self.fleet, servers, replies, lambda: current.send(tensors, limit), errors)
                     if errors:
                         raise errors[0]
                 except BaseException:

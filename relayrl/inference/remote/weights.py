@@ -1,7 +1,5 @@
 """How weights reach RemoteEngine's servers: one ``WeightSync`` object per peer and mode, held by
-RemoteEngine (the peer module's ``weight_sync`` picks it). Every sync turns a ``WeightUpdate`` into
-what it sends (``prepare``), sends it to the live servers (``send``) and to a server coming back
-(``rejoin``); each server's new version is confirmed where it reports one.
+RemoteEngine (the peer module's ``weight_sync`` picks it).
 
 This module holds what every peer shares: the ``Fleet`` a sync works on (RemoteEngine's servers
 and admin calls), the per-server syncs (a versioned safetensors dir on shared disk, an HTTP
@@ -42,7 +40,8 @@ class Fleet(Protocol):
     paused: bool  # generation is paused by the trainer (a sync that pauses servers leaves them so)
 
     def admin(self, srv: Server, call: Call, timeout: float | None = None, content: bytes | None = None) -> object:
-        """Send ``call`` to ``srv`` now; its JSON reply, or ``AdminError`` (its ``status``) on a 4xx/5xx."""
+        """Send ``call`` to ``srv`` now (within ``timeout``, default inference.request_timeout); its JSON
+        reply, or ``AdminError`` (its ``status``) on a 4xx/5xx."""
         ...
 
     def fan_out(self, fn: Callable[[Server], object], servers: list[Server]) -> None:
@@ -54,8 +53,6 @@ class Fleet(Protocol):
 
 class Replies(Protocol):
     """The reply parsing a sync needs from the peer's request mapping."""
-
-    def parse_version(self, body: object) -> int | None: ...
 
     def parse_update(self, body: object) -> None: ...
 
@@ -85,7 +82,7 @@ class WeightSync(ABC):
         """``srv`` is at ``version``: checked where it reports a version."""
         path = srv.info.version_path if srv.info is not None else None
         if path is not None:
-            got = version_of(self.fleet.admin(srv, Call("GET", path), timeout=self.fleet.config.request_timeout))
+            got = version_of(self.fleet.admin(srv, Call("GET", path)))
             if got != version:
                 raise RuntimeError(f"{srv.url} reports weight version {got} after an update to {version}")
         srv.version = version
