@@ -121,20 +121,18 @@ class StaticDecoder:
         self._flash: FlashDecode | None = None
         self.checked = False  # the first step checks the fast paths against the eager SDPA step
         self.col_step = col_step or COL_STEP
-        cfg = fast.model.config
         p = next(fast.model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.n_layers, self.vocab = len(fast.layers), int(cfg.vocab_size)
+        self.n_layers = len(fast.layers)
         self.graphs: dict[tuple[int, int], tuple[Replay, torch.Tensor]] = {}
         self.captures = 0  # graphs captured so far (a count for tests and benches)
         self.loads = 0  # times the batch was laid out in the buffers again
-        self._capturer: Capture | None = None
         self.reset()
 
     def reset(self) -> None:
         """Drop buffers and graphs (after a weight update re-fused the weights, or to free memory)."""
         self.graphs.clear()
-        self._capturer = None
+        self._capturer: Capture | None = None
         self._flat_k: list[torch.Tensor] = []
         self._flat_v: list[torch.Tensor] = []
         self._mask = torch.zeros(0, dtype=torch.bool, device=self.device)

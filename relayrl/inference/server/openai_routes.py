@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from relayrl.agents.messages import RequestError
     from relayrl.inference.local.engine import LocalEngine
 
+# CompletionRequest's fields that SamplingParams names alike
+SAMPLING_FIELDS = set("temperature top_p top_k stop_token_ids ignore_eos frequency_penalty presence_penalty".split())
 VLLM_EXTRAS = {"top_k": "top_k", "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos"}
 
 
@@ -73,21 +75,16 @@ class OpenAIRoutes:
     run: Callable[..., Awaitable[ModelResponse]]
     decode: Callable[..., str]
 
-    def openai_gconfig(self, req: CompletionRequest, prompt_len: int, prompt: str = "prompt") -> GenerationConfig:
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    def openai_gconfig(self, req: CompletionRequest, ids: list[int], prompt: str) -> GenerationConfig:
+        """The generation config of one prompt (``prompt``: its name in errors), its ids checked."""
+        self.check_ids(ids, prompt)
         sp = SamplingParams(
-            max_new_tokens=req.max_tokens or max(1, min(1024, self.max_positions - prompt_len)),
+            max_new_tokens=req.max_tokens or max(1, min(1024, self.max_positions - len(ids))),
             min_new_tokens=req.min_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop=stop,
-            stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-            frequency_penalty=req.frequency_penalty,
-            presence_penalty=req.presence_penalty,
+            stop=req.stop or [],
+            **req.model_dump(include=SAMPLING_FIELDS),
         )
-        return self.gconfig(sp, prompt_len, field="body", prompt=prompt)
+        return self.gconfig(sp, len(ids), field="body", prompt=prompt)
 
     def completion_prompts(self, prompt: str | list[int] | list[list[int]] | list[str]) -> tuple[list[list[int]], bool]:
         """(token ids of each prompt, whether a list of prompts was sent)."""
@@ -106,11 +103,7 @@ class OpenAIRoutes:
         prompts, many = self.completion_prompts(req.prompt)
         if req.stream and many:
             raise _bad("stream: one prompt per streamed request")
-        gs = []
-        for p, ids in enumerate(prompts):
-            name = f"prompt[{p}]" if many else "prompt"
-            self.check_ids(ids, name)
-            gs.append(self.openai_gconfig(req, len(ids), prompt=name))
+        gs = [self.openai_gconfig(req, ids, f"prompt[{p}]" if many else "prompt") for p, ids in enumerate(prompts)]
         if req.stream:
             _agents()
             from relayrl.agents.client import OpenAIClient
@@ -149,13 +142,10 @@ class OpenAIRoutes:
                     alts = await self.engine.atop_logprobs(ids, r.output_tokens, g, req.logprobs)
                     tops = [{piece(j): v for j, v in a} for a in alts]
                 lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": tops, "text_offset": offsets}
-            text = self.decode(r.output_tokens, req.skip_special_tokens)
-            if r.stop_reason == "stop" and g.stop:  # the stop string is not part of the text (vLLM, OpenAI)
-                text = trim_stop(text, g.stop)
             choices.append(
                 {
                     "index": i,
-                    "text": text,
+                    "text": trim_stop(self.decode(r.output_tokens, req.skip_special_tokens), g.stop, r.stop_reason),
                     "logprobs": lp,
                     "finish_reason": r.stop_reason,
                     "token_ids": r.output_tokens,
@@ -201,15 +191,11 @@ class OpenAIRoutes:
 
         extras = {VLLM_EXTRAS[k]: body.pop(k) for k in list(body) if k in VLLM_EXTRAS}
         stop_ids = body.pop("stop_token_ids", None) or []
-        if not isinstance(stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids
-        ):
+        if not isinstance(stop_ids, list) or not all(type(t) is int and 0 <= t < self.vocab_size for t in stop_ids):
             raise RequestError(f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
         for key, name in VLLM_EXTRAS.items():
             want = bool if key == "ignore_eos" else int
-            if name in extras and (
-                not isinstance(extras[name], want) or (want is int and isinstance(extras[name], bool))
-            ):
+            if name in extras and type(extras[name]) is not want:  # JSON's true is no integer, 1 no boolean
                 raise RequestError(f"{key} must be {'a boolean' if want is bool else 'an integer'}", key)
         if "top_k" in extras:
             extras["top_k"] = max(0, extras["top_k"])  # type: ignore[call-overload]  # vLLM: -1 = off
