@@ -246,8 +246,7 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         return resp
 
     def _enqueue(self, seq: Seq) -> None:
-        g = seq.g
-        seq.stop_ids = frozenset(g.stop_token_ids) | (frozenset() if g.ignore_eos else self.eos_ids)
+        seq.stop_ids = frozenset(seq.g.stop_token_ids) | (frozenset() if seq.g.ignore_eos else self.eos_ids)
         with self._wake:
             if self._stopped:
                 seq.on_done(seq.response("abort"))
@@ -347,16 +346,7 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while (
-                        not self._stopped
-                        and self._control.empty()
-                        and (
-                            self._paused
-                            or self._released
-                            or (not self._rows and not self._preempted and self._waiting.empty())
-                        )
-                    ):
-                        self._wake.wait()
+                    self._wake.wait_for(self._has_work)
                     stopped = self._stopped
                 self._run_control()
                 if stopped:
@@ -375,6 +365,11 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
                 seq = self._waiting.get()
                 seq.on_done(seq.response("abort"))
             self._run_control()
+
+    def _has_work(self) -> bool:
+        """Stop, a control call, or rows to step (none while paused or released): what wakes the loop."""
+        idle = self._paused or self._released or (not self._rows and not self._preempted and self._waiting.empty())
+        return self._stopped or not self._control.empty() or not idle
 
     def _run_control(self) -> None:
         while not self._control.empty():

@@ -114,13 +114,12 @@ class Kernels:
 class StaticDecoder:
     """``FastDecoder``'s step over bucketed static buffers (see module docstring)."""
 
-    def __init__(self, fast: FastDecoder, kernels: Kernels | None = None, col_step: int | None = None):
+    def __init__(self, fast: FastDecoder, kernels: Kernels | None = None):
         self.fast, self.kernels = fast, kernels or Kernels()
         self.attention = "flash_attn" if self.kernels.flash_decode is not None else "sdpa"
         self.capture = self.kernels.capture is not None
         self._flash: FlashDecode | None = None
         self.checked = False  # the first step checks the fast paths against the eager SDPA step
-        self.col_step = col_step or COL_STEP
         p = next(fast.model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.n_layers = len(fast.layers)
@@ -166,7 +165,7 @@ class StaticDecoder:
         """Lay the running batch (KV ``layers``, bool ``mask`` [n, L] of its cached columns, next
         positions ``pos`` [n]) out in the buffers; returns cache layers viewing them."""
         n, width = mask.shape
-        b, c = bucket_rows(n), bucket_cols(width + 1, self.col_step)
+        b, c = bucket_rows(n), bucket_cols(width + 1, COL_STEP)
         src = [(layer.keys, layer.values) for layer in layers]
         if (
             self._flat_k

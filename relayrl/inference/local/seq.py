@@ -80,10 +80,7 @@ def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
     files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no model*.safetensors files in checkpoint directory {path!r}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    return state
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
 
 
 def resolver(

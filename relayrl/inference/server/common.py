@@ -15,8 +15,6 @@ from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from relayrl.api.io import ModelResponse
-
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -141,11 +139,6 @@ def _finite(x: object) -> object:
 def _json(content: object) -> Response:
     """A JSON reply written directly (no FastAPI encoder pass over every token and logprob)."""
     return Response(_dumps(content), media_type="application/json")
-
-
-def _usage(prompt_len: int, outs: list[ModelResponse]) -> dict[str, int]:
-    done = sum(r.output_len for r in outs)
-    return {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done}
 
 
 def trim_stop(text: str, stops: list[str], reason: str) -> str:

@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.commands import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelResponse
-from relayrl.inference.server.common import _bad, _json, _usage, error_body, trim_stop
+from relayrl.inference.server.common import _bad, _json, error_body, trim_stop
 from relayrl.inference.server.schemas import CompletionRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -119,12 +119,8 @@ class OpenAIRoutes:
             self.n_calls += 1
             return StreamingResponse(sse_events(chunks), media_type="text/event-stream")  # type: ignore[arg-type]
         cid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-        jobs = [
-            (f"{cid}-{p * req.n + i}", ids, g)
-            for p, (ids, g) in enumerate(zip(prompts, gs, strict=True))
-            for i in range(req.n)
-        ]
-        outs = await asyncio.gather(*(self.run(*job) for job in jobs))
+        runs = (self.run(f"{cid}-{i}", prompts[i // req.n], gs[i // req.n]) for i in range(len(prompts) * req.n))
+        outs = await asyncio.gather(*runs)
         self.n_calls += 1
         choices = []
 
@@ -152,6 +148,7 @@ class OpenAIRoutes:
                     "token_versions": r.output_versions,
                 }
             )
+        n_in, n_out = sum(len(ids) for ids in prompts), sum(r.output_len for r in outs)
         return _json(
             {
                 "id": cid,
@@ -159,7 +156,7 @@ class OpenAIRoutes:
                 "created": int(time.time()),
                 "model": self.cfg.model.path,
                 "choices": choices,
-                "usage": _usage(sum(len(ids) for ids in prompts), outs),
+                "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
             }
         )
 
@@ -267,12 +264,8 @@ def _text_parts_only(messages: list[object]) -> list[object]:
     out: list[object] = []
     for m in messages:
         if isinstance(m, dict) and isinstance(m.get("content"), list):
-            m = {
-                **m,
-                "content": [
-                    p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in ("image", "image_url"))
-                ],
-            }
+            kept = [p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in ("image", "image_url"))]
+            m = {**m, "content": kept}
         out.append(m)
     return out
 
