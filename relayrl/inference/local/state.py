@@ -40,7 +40,7 @@ class EngineState:
     _released: bool
     # the running batch (touched only by the loop thread; slab.py)
     _rows: list[Seq]
-    _alive: list[bool]
+    _alive: list[bool]  # finished rows stay in _rows (not alive) until the batch is compacted
     _preempted: deque[Seq]
     _params: RowParams | None
     _cache: DynamicCache | None
@@ -54,7 +54,7 @@ class EngineState:
     _mask_dict: bool
     _router: RoutingRecorder | None
     _router_shape: tuple[int, int]
-    _route: torch.Tensor | None
+    _route: torch.Tensor | None  # MoE: the experts of each row's newest token (from the last decode)
     _keep_arg: dict[str, int]
     # LocalEngine's methods the mixins call
     _generate: Callable[..., Awaitable[ModelResponse]]
