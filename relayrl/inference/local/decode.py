@@ -43,11 +43,13 @@ class SlabLayer(DynamicLayer):
     values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int = 64) -> None:
-        super().__init__()
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self.length = keys.shape[2]
-        self._kbuf, self._vbuf = with_room(keys, reserve), with_room(values, reserve)
-        self.keys, self.values = self._kbuf[:, :, : self.length], self._vbuf[:, :, : self.length]
+        self._over(with_room(keys, reserve), with_room(values, reserve), keys.shape[2])
+
+    def _over(self, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
+        DynamicLayer.__init__(self)
+        self.dtype, self.device, self.is_initialized = kbuf.dtype, kbuf.device, True
+        self._kbuf, self._vbuf, self.length = kbuf, vbuf, 0
+        self.advance(length)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -58,8 +60,7 @@ class SlabLayer(DynamicLayer):
             self._vbuf = with_room(self._vbuf[:, :, : self.length], max(64, end))
         self._kbuf[:, :, self.length : end] = key_states
         self._vbuf[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        self.advance(key_states.shape[2])
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -70,14 +71,11 @@ class SlabLayer(DynamicLayer):
         """A layer whose first ``length`` columns of ``kbuf``/``vbuf`` are its cache (no copy): the
         static decode step's buffers, which it writes itself (``advance`` then counts the column)."""
         layer = cls.__new__(cls)
-        DynamicLayer.__init__(layer)
-        layer.dtype, layer.device, layer.is_initialized = kbuf.dtype, kbuf.device, True
-        layer._kbuf, layer._vbuf, layer.length = kbuf, vbuf, 0
-        layer.advance(length)
+        layer._over(kbuf, vbuf, length)
         return layer
 
     def advance(self, n: int = 1) -> None:
-        """Count ``n`` more columns as written (by someone else: the static decode step)."""
+        """Count ``n`` more columns as written (by ``update``, or by the static decode step)."""
         self.length += n
         self.keys, self.values = self._kbuf[:, :, : self.length], self._vbuf[:, :, : self.length]
 

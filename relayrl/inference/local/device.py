@@ -1,15 +1,5 @@
-"""Where LocalEngine runs and how big its KV cache may grow; which decode path a model takes.
-
-- ``resolve_device("auto" | "cpu" | "cuda" | "cuda:N")``: ``auto`` is CUDA when available.
-- ``kv_capacity``: the KV budget in tokens. On CPU it is ``inference.max_tokens_in_flight``; on
-  CUDA it is ``inference.kv_cache_fraction`` of the free device memory (measured after the weights
-  are loaded) divided by twice the bytes one token's keys and values take over all layers (a
-  growing slab buffer holds up to twice the columns in use).
-- ``accepts_mask_dict``: whether a model's forward takes a ready ``{"full_attention": 4D mask}``
-  (in transformers 5.x Qwen2/Qwen3 do; Llama, Mistral, Mixtral, Phi-3, OLMo2, GPT-NeoX, GPT-2 do not). The
-  generic decode step passes one when it can, which skips transformers' per-step mask building,
-  and the plain 2D padding mask otherwise: it is found by trying, once, at initialisation.
-"""
+"""Where LocalEngine runs (``resolve_device``), how big its KV cache may grow (``kv_capacity``) and
+which decode path a model takes (``accepts_mask_dict``, ``takes_logits_to_keep``)."""
 
 from __future__ import annotations
 
@@ -55,7 +45,9 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
 
 
 def kv_capacity(model: PreTrainedModel, device: torch.device, fraction: float, max_tokens: int) -> tuple[int, str]:
-    """(KV budget in tokens, the setting that bounds it) for ``model`` on ``device``."""
+    """(KV budget in tokens, the setting that bounds it) for ``model`` on ``device``: on CPU ``max_tokens``
+    (``inference.max_tokens_in_flight``); on CUDA ``fraction`` of the free memory (measured after the weights
+    loaded) over twice one token's KV bytes (a growing slab buffer holds up to twice the columns in use)."""
     if device.type != "cuda":
         return max_tokens, "inference.max_tokens_in_flight"
     free, _total = torch.cuda.mem_get_info(device)
@@ -68,8 +60,9 @@ def takes_logits_to_keep(model: PreTrainedModel) -> bool:
 
 
 def accepts_mask_dict(model: PreTrainedModel, device: torch.device) -> bool:
-    """Whether ``model`` decodes with a ready ``{"full_attention": bool [B, 1, 1, L]}`` mask
-    and returns the same logits as with the 2D mask (one 3-token probe on a private cache)."""
+    """Whether ``model`` decodes with a ready ``{"full_attention": bool [B, 1, 1, L]}`` mask, which skips
+    transformers' per-step mask building (in transformers 5.x Qwen2/Qwen3 do; Llama, Mistral, GPT-2 ...
+    do not), and returns the same logits as with the 2D mask: one 3-token probe on a private cache."""
     ids = torch.tensor([[3, 4, 5]], device=device)
     pos = torch.arange(3, device=device)[None]
 

@@ -7,14 +7,10 @@ One background thread owns the model and runs the decode loop::
     finished rows leave the batch at once and their futures resolve
     one forward step for the rows that remain
 
-The running batch is left-padded: row ``i`` holds its tokens at the right end of the KV
-cache, ``attention_mask`` marks real columns and ``position_ids`` are passed explicitly, so
-prompts of any length share a batch with correct positions. Columns that no remaining row
-uses are trimmed when rows leave. Everything lives on ``inference.device``; the slab's
-rows x columns stay within ``kv_capacity`` (``device.py``): when it would not, the
-latest rows are preempted, set aside and continued later from prompt + output. The batch's
-prefill / merge / trim / decode step live in ``slab.py``; on CUDA the decode step runs
-over ``graphs.py``'s static buffers as captured CUDA graphs.
+The running batch is a left-padded KV slab on ``inference.device`` (``slab.py``: prefill, merge,
+trim, decode step; on CUDA over ``graphs.py``'s static buffers as captured CUDA graphs), so prompts
+of any length share it. Its rows x columns stay within ``kv_capacity`` (``device.py``): when they
+would not, the latest rows are preempted, set aside and continued later from prompt + output.
 
 ``agenerate`` is callable from any thread and asyncio loop: it queues the request and awaits
 a future the loop thread resolves through ``loop.call_soon_threadsafe``. A weight update
@@ -26,6 +22,7 @@ the new weights (prompt + partial output), so one response can carry several ver
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import sys
@@ -34,6 +31,7 @@ import time
 import typing
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -57,6 +55,8 @@ from relayrl.utils.moe import RoutingRecorder, routing_shape
 
 if typing.TYPE_CHECKING:
     from transformers.image_processing_utils import BaseImageProcessor
+
+T = typing.TypeVar("T")
 
 
 class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
@@ -96,7 +96,7 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         self.kv_capacity, self.kv_capacity_by = config.max_tokens_in_flight, "inference.max_tokens_in_flight"
         self._version = 0
         self._waiting = queue.Queue()
-        self._control: queue.Queue[tuple[Callable[[], None], threading.Event, list[BaseException]]] = queue.Queue()
+        self._control: queue.Queue[tuple[Callable[[], object], Future[object]]] = queue.Queue()
         self._wake = threading.Condition()
         self._paused = False
         self._released = False  # release_memory(): no KV cache, no stepping until resume_memory()
@@ -104,25 +104,17 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         self._thread: threading.Thread | None = None
         self._keys = itertools.count()
         self._key_lock = threading.Lock()
-        # running batch state (touched only by the loop thread)
-        self._rows = []
+        # running batch state (touched only by the loop thread; its empty form: slab.SlabBatch._reset_batch)
+        self._reset_batch()
         self._preempted = deque()  # set aside when the KV cache was full; admitted first
-        self._alive = []  # finished rows stay (unused) until the batch is compacted
-        self._params = None
-        self._cache = None
-        self._mask = torch.zeros(0, 0, dtype=torch.long)
-        self._pos = torch.zeros(0, dtype=torch.long)
         self._logits = torch.zeros(0, 0)
-        self._mask_bool = torch.zeros(0, 0, dtype=torch.bool)
         self._fast = None
         self.static_steps = static_steps
         self._router = None  # MoE models: records the experts of every token run
         self._router_shape = (0, 0)
         self.routing_shape: tuple[int, int] | None = None  # (n_moe_layers, top_k) of an MoE model
-        self._route = None  # experts of each row's newest token (from the last decode)
         self.kernels = kernels
         self._static = None
-        self._static_stale = True  # the batch changed since the static buffers were loaded
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self) -> None:
@@ -240,27 +232,21 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
             ttft = ttft or (resp.ttft + seq.submitted - start if resp.output_tokens else 0.0)
             if resp.stop_reason != "abort" or self._stopped or not continue_aborted or seq.cancelled:
                 break
-            # interrupted by a weight update: continue from prompt + partial output
-            seq = Seq(
-                prompt=seq.prompt,
-                g=seq.g,
-                key=seq.key,
-                on_done=seq.on_done,
-                rid=seq.rid,
-                on_token=seq.on_token,
+            # interrupted by a weight update: the same request again from prompt + partial output, timed anew
+            seq = dataclasses.replace(
+                seq,
                 out=resp.output_tokens,
                 logprobs=resp.output_logprobs,
                 versions=resp.output_versions,
-                vision=seq.vision,
-                vision_key=seq.vision_key,
+                submitted=time.perf_counter(),
+                first_token_at=0.0,
             )
         resp.latency = time.perf_counter() - start
         resp.ttft = ttft or resp.latency
         return resp
 
     def _enqueue(self, seq: Seq) -> None:
-        g = seq.g
-        seq.stop_ids = frozenset(g.stop_token_ids) | (frozenset() if g.ignore_eos else self.eos_ids)
+        seq.stop_ids = frozenset(seq.g.stop_token_ids) | (frozenset() if seq.g.ignore_eos else self.eos_ids)
         with self._wake:
             if self._stopped:
                 seq.on_done(seq.response("abort"))
@@ -309,19 +295,16 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
             self._static.reset()
             self._static_stale = True
 
-    def _call_in_loop(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread at a step boundary (or here if no loop runs)."""
+    def _call_in_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the loop thread at a step boundary (or here if no loop runs); its error raises here."""
         if self._thread is None or threading.current_thread() is self._thread:
             with torch.inference_mode():
-                fn()
-            return
-        done, errors = threading.Event(), list[BaseException]()
+                return fn()
+        done: Future[T] = Future()
         with self._wake:
-            self._control.put((fn, done, errors))
+            self._control.put((fn, typing.cast(Future[object], done)))
             self._wake.notify_all()
-        done.wait()
-        if errors:
-            raise errors[0]
+        return done.result()
 
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.counters.items()}
@@ -363,16 +346,7 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while (
-                        not self._stopped
-                        and self._control.empty()
-                        and (
-                            self._paused
-                            or self._released
-                            or (not self._rows and not self._preempted and self._waiting.empty())
-                        )
-                    ):
-                        self._wake.wait()
+                    self._wake.wait_for(self._has_work)
                     stopped = self._stopped
                 self._run_control()
                 if stopped:
@@ -384,29 +358,36 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
                 except torch.OutOfMemoryError as e:  # the cache outgrew the memory: shrink it, keep the requests
                     self._shrink_after_oom(e)
                 except Exception as e:  # a model error fails the running requests, not the engine
-                    for seq, alive in zip(self._rows, self._alive, strict=True):
-                        if alive:
-                            seq.on_done(e)  # the future raises it
-                    self._reset_batch()
+                    for seq in self._take_running():
+                        seq.on_done(e)  # the future raises it
             self._abort_running()
             while not self._waiting.empty():
                 seq = self._waiting.get()
                 seq.on_done(seq.response("abort"))
             self._run_control()
 
+    def _has_work(self) -> bool:
+        """Stop, a control call, or rows to step (none while paused or released): what wakes the loop."""
+        idle = self._paused or self._released or (not self._rows and not self._preempted and self._waiting.empty())
+        return self._stopped or not self._control.empty() or not idle
+
     def _run_control(self) -> None:
         while not self._control.empty():
-            fn, done, errors = self._control.get()
+            fn, done = self._control.get()
             try:
-                fn()
+                done.set_result(fn())
             except BaseException as e:  # handed back to the caller's thread
-                errors.append(e)
-            done.set()
+                done.set_exception(e)
+
+    def _take_running(self) -> list[Seq]:
+        """The rows still running (finished ones stay in ``_rows`` until compaction); the batch is emptied."""
+        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
+        self._reset_batch()
+        return rows
 
     def _abort_running(self) -> None:
-        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive] + list(self._preempted)
+        rows = self._take_running() + list(self._preempted)
         self.counters["aborts"] += len(rows)
-        self._reset_batch()
         self._preempted.clear()
         for seq in rows:
             seq.on_done(seq.response("abort"))
@@ -414,12 +395,10 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
     def _shrink_after_oom(self, error: torch.OutOfMemoryError) -> None:
         """Out of memory in a decode step: lower ``kv_capacity`` below what the batch held and set
         every running row aside (continued under the lower budget); with nothing to give up, fail."""
-        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
         held = len(self._rows) * self._mask.shape[1]
-        if not rows or held * 9 // 10 < 16:
-            for seq in rows:
+        if not any(self._alive) or held * 9 // 10 < 16:
+            for seq in self._take_running():
                 seq.on_done(RuntimeError(f"out of memory on {self.device} with {held} KV tokens held: {error}"))
-            self._reset_batch()
             return
         self.kv_capacity = min(self.kv_capacity, held * 9 // 10)
         self.kv_capacity_by = f"lowered after running out of memory on {self.device} with {held} KV tokens held"
@@ -429,9 +408,8 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
 
     def _preempt_all(self) -> None:
         """Set every running row aside (continued from prompt + output when admitted again)."""
-        rows = [seq for seq, alive in zip(self._rows, self._alive, strict=True) if alive]
+        rows = self._take_running()
         self.counters["preemptions"] += len(rows)
-        self._reset_batch()
         self._preempted.extendleft(reversed(rows))
 
     def _step(self) -> None:

@@ -114,27 +114,24 @@ class Kernels:
 class StaticDecoder:
     """``FastDecoder``'s step over bucketed static buffers (see module docstring)."""
 
-    def __init__(self, fast: FastDecoder, kernels: Kernels | None = None, col_step: int | None = None):
+    def __init__(self, fast: FastDecoder, kernels: Kernels | None = None):
         self.fast, self.kernels = fast, kernels or Kernels()
         self.attention = "flash_attn" if self.kernels.flash_decode is not None else "sdpa"
         self.capture = self.kernels.capture is not None
         self._flash: FlashDecode | None = None
         self.checked = False  # the first step checks the fast paths against the eager SDPA step
-        self.col_step = col_step or COL_STEP
-        cfg = fast.model.config
         p = next(fast.model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.n_layers, self.vocab = len(fast.layers), int(cfg.vocab_size)
+        self.n_layers = len(fast.layers)
         self.graphs: dict[tuple[int, int], tuple[Replay, torch.Tensor]] = {}
         self.captures = 0  # graphs captured so far (a count for tests and benches)
         self.loads = 0  # times the batch was laid out in the buffers again
-        self._capturer: Capture | None = None
         self.reset()
 
     def reset(self) -> None:
         """Drop buffers and graphs (after a weight update re-fused the weights, or to free memory)."""
         self.graphs.clear()
-        self._capturer = None
+        self._capturer: Capture | None = None
         self._flat_k: list[torch.Tensor] = []
         self._flat_v: list[torch.Tensor] = []
         self._mask = torch.zeros(0, dtype=torch.bool, device=self.device)
@@ -168,7 +165,7 @@ class StaticDecoder:
         """Lay the running batch (KV ``layers``, bool ``mask`` [n, L] of its cached columns, next
         positions ``pos`` [n]) out in the buffers; returns cache layers viewing them."""
         n, width = mask.shape
-        b, c = bucket_rows(n), bucket_cols(width + 1, self.col_step)
+        b, c = bucket_rows(n), bucket_cols(width + 1, COL_STEP)
         src = [(layer.keys, layer.values) for layer in layers]
         if (
             self._flat_k

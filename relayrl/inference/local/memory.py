@@ -39,10 +39,8 @@ class MemoryRelease(EngineState):
     def release_memory(self, weights: bool = False) -> None:
         """Free the KV cache (and with ``weights=True`` move the weights to host memory) so a
         trainer on the same GPU can use it; generation stops until ``resume_memory()``.
-        Running requests are set aside and continue afterwards (their futures stay pending).
-
-        Fails safe: if moving the weights off the device fails, they stay (one warning); the first
-        ``resume_memory()`` checks they came back unchanged and refuses to generate if not."""
+        Running requests are set aside and continue afterwards (their futures stay pending). Moving
+        the weights fails safe (see the module docstring)."""
 
         def apply() -> None:
             self._preempt_all()

@@ -5,7 +5,6 @@ SGLang's single-request abort (``abort_rid``)."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 
 import torch
@@ -39,15 +38,13 @@ class RequestControl(EngineState):
         """Recomputed from the model on the loop thread: penalties, temperature and top-k/top-p as sampled."""
         if not output:
             return []
-        found: list[torch.Tensor] = []
 
-        def score() -> None:
+        def score() -> torch.Tensor:
             assert self.model is not None
             seq = torch.tensor([prompt + output], device=self.device)
-            found.append(self.model(seq).logits[0, len(prompt) - 1 : -1].float())
+            return self.model(seq).logits[0, len(prompt) - 1 : -1].float()
 
-        await asyncio.to_thread(self._call_in_loop, score)
-        return top_logprobs(found[0], output, gconfig, k)
+        return top_logprobs(await asyncio.to_thread(self._call_in_loop, score), output, gconfig, k)
 
     async def aprompt_logprobs(
         self, ids: list[int], start: int, k: int
@@ -55,16 +52,14 @@ class RequestControl(EngineState):
         """A teacher-forced forward of ``ids`` on the loop thread (between steps: the weights a request
         would see), at temperature 1: each token's logprob from position ``start`` (None at position 0,
         which nothing predicts) and, for ``k`` > 0, the ``k`` most likely (id, logprob) there."""
-        found: list[torch.Tensor] = []
 
-        def score() -> None:
+        def score() -> torch.Tensor:
             assert self.model is not None
             with torch.inference_mode():
                 logits = self.model(torch.tensor([ids], device=self.device), use_cache=False).logits[0, :-1]
-            found.append(torch.log_softmax(logits.float(), -1).cpu())
+            return torch.log_softmax(logits[max(start, 1) - 1 :].float(), -1).cpu()  # row t - 1: token t's distribution
 
-        await asyncio.to_thread(self._call_in_loop, score)
-        logp = found[0][max(start, 1) - 1 :]  # row t - 1: the distribution token t was drawn from
+        logp = await asyncio.to_thread(self._call_in_loop, score)
         picked = logp.gather(-1, torch.tensor(ids[max(start, 1) :]).unsqueeze(-1)).squeeze(-1).tolist()
         first: list[float | None] = [None] if start == 0 else []
         if k == 0:
@@ -83,13 +78,12 @@ class RequestControl(EngineState):
                 if self._alive[i] and seq.rid == rid:
                     self._alive[i] = False
                     found.append(seq)
-            found.extend(s for s in self._preempted if s.rid == rid)
-            self._preempted = deque(s for s in self._preempted if s.rid != rid)
             with self._waiting.mutex:
-                found.extend(s for s in self._waiting.queue if s.rid == rid)
-                kept = [s for s in self._waiting.queue if s.rid != rid]
-                self._waiting.queue.clear()
-                self._waiting.queue.extend(kept)
+                for waiting in (self._preempted, self._waiting.queue):  # set aside, queued
+                    found.extend(s for s in waiting if s.rid == rid)
+                    kept = [s for s in waiting if s.rid != rid]
+                    waiting.clear()
+                    waiting.extend(kept)
             for seq in found:
                 seq.cancelled = True
                 seq.on_done(seq.response("abort"))

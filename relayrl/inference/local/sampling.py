@@ -104,8 +104,7 @@ def penalized(logits: torch.Tensor, seqs: list[Seq], rows: list[int]) -> torch.T
     for r, seq in zip(rows, seqs, strict=True):
         counts = torch.bincount(
             torch.tensor(seq.out, dtype=torch.long, device=logits.device), minlength=logits.shape[-1]
-        )
-        counts = counts.float()
+        ).float()
         out[r] -= seq.g.frequency_penalty * counts[: logits.shape[-1]] + seq.g.presence_penalty * (counts > 0).float()
     return out
 

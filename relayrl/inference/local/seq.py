@@ -5,6 +5,7 @@ engine's limits."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import os
 import time
@@ -79,10 +80,7 @@ def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
     files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no model*.safetensors files in checkpoint directory {path!r}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    return state
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
 
 
 def resolver(
@@ -99,10 +97,8 @@ def resolver(
             fut.set_result(result)
 
     def done(result: ModelResponse | BaseException) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is waiting any more
             loop.call_soon_threadsafe(settle, result)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-            pass
 
     return done
 
@@ -117,31 +113,24 @@ def validate_request(
 ) -> None:
     """``ValueError`` naming the request and the field when ``req`` asks what an engine with these
     limits cannot give (checked before it queues, so a bad request fails alone)."""
-    ids = req.input_ids
+    ids, g, at = req.input_ids, req.gconfig, f"request {req.rid!r}"
     if not isinstance(ids, list) or not ids:
-        raise ValueError(f"request {req.rid!r}: input_ids must be a non-empty list of token ids")
+        raise ValueError(f"{at}: input_ids must be a non-empty list of token ids")
     for i, t in enumerate(ids):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise ValueError(f"request {req.rid!r}: input_ids[{i}]={t!r} is not a token id in [0, {vocab_size})")
-    if not isinstance(req.gconfig, GenerationConfig):
-        raise ValueError(f"request {req.rid!r}: gconfig must be a GenerationConfig, got {type(req.gconfig).__name__}")
+            raise ValueError(f"{at}: input_ids[{i}]={t!r} is not a token id in [0, {vocab_size})")
+    if not isinstance(g, GenerationConfig):
+        raise ValueError(f"{at}: gconfig must be a GenerationConfig, got {type(g).__name__}")
     try:
-        req.gconfig.validate()
+        g.validate()
     except ValueError as e:
-        raise ValueError(f"request {req.rid!r}: gconfig.{e}") from None
-    if any(t >= vocab_size for t in req.gconfig.stop_token_ids):
-        raise ValueError(
-            f"request {req.rid!r}: gconfig.stop_token_ids {req.gconfig.stop_token_ids} has ids >= vocab size {vocab_size}"
-        )
-    if req.gconfig.stop and not has_tokenizer:
-        raise ValueError(f"request {req.rid!r}: gconfig.stop (stop strings) needs the engine to have a tokenizer")
-    if len(ids) + req.gconfig.max_new_tokens > max_positions:
-        raise ValueError(
-            f"request {req.rid!r}: prompt length {len(ids)} + max_new_tokens {req.gconfig.max_new_tokens} "
-            f"exceeds the model's max_position_embeddings {max_positions}"
-        )
-    if len(ids) + req.gconfig.max_new_tokens > kv_capacity:
-        raise ValueError(
-            f"request {req.rid!r}: prompt length {len(ids)} + max_new_tokens {req.gconfig.max_new_tokens} cannot fit "
-            f"in the KV cache of {kv_capacity} tokens ({kv_capacity_by})"
-        )
+        raise ValueError(f"{at}: gconfig.{e}") from None
+    if any(t >= vocab_size for t in g.stop_token_ids):
+        raise ValueError(f"{at}: gconfig.stop_token_ids {g.stop_token_ids} has ids >= vocab size {vocab_size}")
+    if g.stop and not has_tokenizer:
+        raise ValueError(f"{at}: gconfig.stop (stop strings) needs the engine to have a tokenizer")
+    need = f"{at}: prompt length {len(ids)} + max_new_tokens {g.max_new_tokens}"
+    if len(ids) + g.max_new_tokens > max_positions:
+        raise ValueError(f"{need} exceeds the model's max_position_embeddings {max_positions}")
+    if len(ids) + g.max_new_tokens > kv_capacity:
+        raise ValueError(f"{need} cannot fit in the KV cache of {kv_capacity} tokens ({kv_capacity_by})")

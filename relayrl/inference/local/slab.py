@@ -3,7 +3,8 @@
 A mixin over ``LocalEngine``'s batch state (``state.EngineState``: ``_rows``, ``_alive``, ``_cache``,
 ``_mask``, ``_pos``, ``_logits``), kept apart from the request lifecycle and control in ``engine.py``.
 Row ``i`` holds its tokens at the right end of the cache; ``_mask`` marks real columns and ``_pos`` is
-each row's next position.
+each row's next position (passed explicitly: prompts of any length keep theirs). Columns that no
+remaining row uses are trimmed when rows leave.
 
 Prefill computes what requests admitted together share once: identical inputs (a GRPO group's samples)
 one row for all, and the tokens every input starts with (a system prompt, a chat template's header:
@@ -28,6 +29,7 @@ class SlabBatch(EngineState):
     """Prefill, merge, trim and decode the running batch (mixed into ``LocalEngine``)."""
 
     def _reset_batch(self) -> None:
+        """An empty running batch (finished rows stay in ``_rows``, not ``_alive``, until it is compacted)."""
         self._rows, self._alive, self._cache, self._params = [], [], None, None
         self._static_stale = True
         self._route = None
@@ -40,10 +42,7 @@ class SlabBatch(EngineState):
         n_old = len(self._rows)
         if n_old:
             assert self._cache is not None
-            old_kv = [
-                (layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length])
-                for layer in slab_layers(self._cache)
-            ]
+            old_kv = [(layer.keys, layer.values) for layer in slab_layers(self._cache)]  # views of the written columns
             parts.insert(0, (old_kv, self._mask, self._logits))
         kv, mask, logits = parts[0]
         for p_kv, p_mask, p_logits in parts[1:]:  # stack the left-padded batches by rows
@@ -88,23 +87,18 @@ class SlabBatch(EngineState):
 
         Identical inputs (the samples of one GRPO group share their prompt) are computed once
         and their rows copied, which divides the prefill work by the group size."""
-        first: dict[tuple[object, ...], int] = {}  # the same tokens with other images are other inputs
-        reps: list[Seq] = []
-        rows = []
-        for s in seqs:
-            key = (s.vision_key, *s.prompt, *s.out)
-            if key not in first:
-                first[key] = len(reps)
-                reps.append(s)
-            rows.append(first[key])
+        first: dict[tuple[object, ...], int] = {}  # input -> its unique row (the same tokens with other images differ)
+        rows = [first.setdefault((s.vision_key, *s.prompt, *s.out), len(first)) for s in seqs]
+        reps = [seqs[rows.index(r)] for r in range(len(first))]
+        inputs = [r.prompt + r.out for r in reps]
         if any(s.vision is not None for s in reps):  # vision-language: M-RoPE positions, image features
-            inputs, visions = [r.prompt + r.out for r in reps], [r.vision for r in reps]
             assert self.model is not None
+            visions = [r.vision for r in reps]
             kv, mask, logits, deltas = vision_prefill(self.model, inputs, visions, self.device, self._keep_arg)
             for s, row in zip(seqs, rows, strict=True):
                 s.rope_delta = deltas[row]
         else:
-            kv, mask, logits = self._prefill_unique([r.prompt + r.out for r in reps])
+            kv, mask, logits = self._prefill_unique(inputs)
         if self._router is not None:  # MoE: the experts of every token run, prompt (and earlier output) included
             ids = self._router.take().view(len(first), mask.shape[1], *self._router_shape).cpu()
             for s, r in zip(seqs, rows, strict=True):
@@ -216,7 +210,6 @@ class SlabBatch(EngineState):
         self._mask = functional.pad(self._mask, (0, 1), value=1)
         self._mask_bool = functional.pad(self._mask_bool, (0, 1), value=True)
         self.counters["kv_peak"] = max(self.counters["kv_peak"], self._mask.shape[0] * self._mask.shape[1])
-        assert self._cache is not None
         if self._static is not None:
             logits = self._static.step(tokens, self._pos, slab_layers(self._cache))
         elif self._fast is not None:

@@ -1,11 +1,9 @@
-"""The state LocalEngine's parts share, declared once.
+"""The state LocalEngine's parts share, declared once (for readers and the type checker).
 
 ``LocalEngine`` (``engine.py``: lifecycle, the loop, weights) sets every field; its running batch
-(``slab.py``), request control (``requests.py``) and memory release (``memory.py``) are mixins that
-derive from ``EngineState`` and read and write these fields on the loop thread. The declarations
-here are for readers and the type checker: one list of what the parts share, with one type each.
-The fields stay on the engine rather than in an object it holds (``self.state.rows``): the mixins are
-parts of one engine on one thread, and the decode loop reads them every step.
+(``slab.py``), request control (``requests.py``) and memory release (``memory.py``) are mixins over
+``EngineState`` that use them on the loop thread. The fields stay on the engine, not in an object it
+holds: the mixins are parts of one engine on one thread, and the decode loop reads them every step.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -41,7 +40,7 @@ class EngineState:
     _released: bool
     # the running batch (touched only by the loop thread; slab.py)
     _rows: list[Seq]
-    _alive: list[bool]
+    _alive: list[bool]  # finished rows stay in _rows (not alive) until the batch is compacted
     _preempted: deque[Seq]
     _params: RowParams | None
     _cache: DynamicCache | None
@@ -55,9 +54,9 @@ class EngineState:
     _mask_dict: bool
     _router: RoutingRecorder | None
     _router_shape: tuple[int, int]
-    _route: torch.Tensor | None
+    _route: torch.Tensor | None  # MoE: the experts of each row's newest token (from the last decode)
     _keep_arg: dict[str, int]
     # LocalEngine's methods the mixins call
     _generate: Callable[..., Awaitable[ModelResponse]]
-    _call_in_loop: Callable[[Callable[[], None]], None]  # run on the loop thread, wait for it
+    _call_in_loop: Callable[[Callable[[], Any]], Any]  # run on the loop thread, wait for its result
     _preempt_all: Callable[[], None]  # set the running rows aside

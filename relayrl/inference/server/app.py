@@ -1,38 +1,33 @@
 """``relayrl serve``: an HTTP server around LocalEngine.
 
-Speaks SGLang's native protocol (``/generate``, ``/update_weights_from_disk``, weights by
-collective broadcast (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``: NCCL on GPUs, gloo on CPU), ``/pause_generation``,
-``/continue_generation``, ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
-``/abort_request``, ``/get_server_info`` / ``/server_info``, ``/model_info``), a
-safetensors weight upload (``/update_weights_from_tensor``), and
-OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the same process
-serves RemoteEngine (any of its protocols) and agents written against the OpenAI SDK.
-The OpenAPI schema is at ``/openapi.json``.
-
-A vision-language model takes images as SGLang's ``image_data`` on ``/generate`` and as OpenAI
-``image_url`` content parts on ``/v1/chat/completions`` (see docs/vision.md).
+Speaks SGLang's native protocol (``/generate``, weight updates from disk and by collective broadcast
+(NCCL on GPUs, gloo on CPU), pause / continue / abort, health and info routes: ``build_app`` lists
+them), relayrl's safetensors weight upload (``/update_weights_from_tensor``) and OpenAI's
+``/v1/completions`` and ``/v1/chat/completions`` with logprobs, so the same process serves
+RemoteEngine (any of its protocols) and agents written against the OpenAI SDK. The OpenAPI schema is
+at ``/openapi.json``. A vision-language model takes images as SGLang's ``image_data`` on
+``/generate`` and as OpenAI ``image_url`` content parts on ``/v1/chat/completions`` (docs/vision.md).
 
 ``/generate`` also takes SGLang's batch form (``input_ids`` a list of prompts; ``rid``,
 ``sampling_params`` and ``return_logprob`` one per item or one for all) and answers a list of
 per-item replies; ``/v1/completions`` takes a list of prompts (one choice per prompt and sample).
-Every body is validated (unknown fields, out-of-range values, out-of-vocabulary ids) and
-answered with a 4xx naming the field (and the item index in a batch); the process stays up.
-Admin routes (weights, pause) need ``Authorization: Bearer <token>`` when a token is
-configured. Disk paths are confined to ``allowed_weight_roots`` (symlinks resolved, ``..`` refused).
+Every body is validated and answered with a 4xx naming the field (and the item index in a batch);
+the process stays up. Admin routes (weights, pause) need ``Authorization: Bearer <token>`` when a
+token is configured. Disk paths are confined to ``allowed_weight_roots`` (symlinks resolved, ``..``
+refused).
 
 Where an SGLang client would notice, it answers as SGLang does: ``/pause_generation {}`` aborts
 in-flight requests (``mode`` ``abort``; ``in_place`` / ``retract`` keep them), an interrupted
 ``/generate`` request ends as ``abort`` with its partial output, ``weight_version`` is a string,
-matched stop strings are cut from ``text``. Errors are OpenAI error objects
-(``common.error_body``). Weight routes live in ``weights``, OpenAI routes in
-``openai_routes``.
+matched stop strings are cut from ``text``. Errors are OpenAI error objects (``common.error_body``).
+Weight routes live in ``weights``, OpenAI routes in ``openai_routes``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import os
 import secrets
@@ -82,10 +77,26 @@ from relayrl.utils.webguard import GuardMiddleware
 __all__ = ["LISTEN_PREFIX", "Server", "_dumps", "build_app", "confine_path", "make_server", "run_server"]
 
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
+# SamplingParams' fields that GenerationConfig names alike
+GENERATION_FIELDS = set(
+    "max_new_tokens min_new_tokens top_p stop_token_ids ignore_eos frequency_penalty presence_penalty".split()
+)
 
-_Job = tuple[
-    str, list[int], GenerationConfig, bool, bool, bool, bool, list[str | bytes]
-]  # rid, ids, gconfig, return_logprob, skip_special, no_stop_trim, return_routed_experts, image_data
+Images = str | list[str] | None  # a request's image_data (one image or a list)
+
+
+@dataclasses.dataclass
+class _Job:
+    """One /generate item, checked: what ``Server.generate_item`` runs and how it answers."""
+
+    rid: str
+    ids: list[int]
+    g: GenerationConfig
+    logprob: bool
+    skip_special: bool
+    stops: list[str]  # cut from the text ([] with no_stop_trim)
+    routed: bool
+    images: list[str | bytes]
 
 
 class Server(WeightRoutes, OpenAIRoutes):
@@ -135,19 +146,12 @@ class Server(WeightRoutes, OpenAIRoutes):
         if sp.max_new_tokens == 0:  # only a single /generate scores a prompt
             raise _bad(f"{field}.max_new_tokens=0 (score the prompt) is for a single /generate request, not {prompt}")
         greedy = sp.temperature < GREEDY_BELOW  # as SGLang and vLLM do: a tinier one only overflows the logits
-        stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
         g = GenerationConfig(
-            max_new_tokens=sp.max_new_tokens,
-            min_new_tokens=sp.min_new_tokens,
             greedy=greedy,
             temperature=1.0 if greedy else sp.temperature,
-            top_p=sp.top_p,
-            top_k=max(sp.top_k, 0),
-            stop_token_ids=list(sp.stop_token_ids),
-            stop=stop,
-            ignore_eos=sp.ignore_eos,
-            frequency_penalty=sp.frequency_penalty,
-            presence_penalty=sp.presence_penalty,
+            top_k=max(sp.top_k, 0),  # -1 = off
+            stop=[sp.stop] if isinstance(sp.stop, str) else list(sp.stop),
+            **sp.model_dump(include=GENERATION_FIELDS),
         )
         try:
             g.validate()
@@ -184,10 +188,6 @@ class Server(WeightRoutes, OpenAIRoutes):
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=skip_special))
 
-    def abort_all(self) -> None:
-        """End the running requests now with finish_reason abort (their partial output is returned)."""
-        self.engine.abort_running()
-
     def finish(self, r: ModelResponse) -> dict[str, object]:
         if r.stop_reason == "length":
             return {"type": "length", "length": r.output_len}
@@ -204,14 +204,11 @@ class Server(WeightRoutes, OpenAIRoutes):
             jobs = self.batch_jobs(req)
             if req.stream_items:
                 return StreamingResponse(self.stream_items(jobs), media_type="application/x-ndjson")
-            return _json(list(await asyncio.gather(*(self.generate_item(*job) for job in jobs))))
+            return _json(list(await asyncio.gather(*(self.generate_item(job) for job in jobs))))
         return _json(await self.generate_one(req))
 
     async def generate_one(self, req: GenerateRequest) -> dict[str, object]:
-        if req.stream:
-            raise _bad("stream: streaming is not supported; send stream=false")
-        if (req.input_ids is None) == (req.text is None):
-            raise _bad("give exactly one of input_ids or text")
+        self.check_form(req)
         ids = req.input_ids if req.input_ids is not None else list(self.tok.encode(req.text))
         self.check_ids(ids, "input_ids")
         if req.logprob_start_len >= len(ids) or (req.top_logprobs_num and req.logprob_start_len < 0):
@@ -219,21 +216,12 @@ class Server(WeightRoutes, OpenAIRoutes):
                 f"logprob_start_len={req.logprob_start_len} must be a prompt position (0 <= it < {len(ids)}) "
                 f"{'for top_logprobs_num' if req.top_logprobs_num else ''}".rstrip()
             )
-        if req.sampling_params.max_new_tokens == 0:  # score the prompt only: a distillation teacher's call
-            return await self.score_prompt(req, ids)
-        g = self.gconfig(req.sampling_params, len(ids))
-        self.check_routed(req.return_routed_experts, "return_routed_experts")
-        rid = req.rid or uuid.uuid4().hex
-        images: list[str | bytes] = [req.image_data] if isinstance(req.image_data, str) else list(req.image_data or [])
-        r = await self.run(rid, ids, g, once=True, images=images)
-        out = self.reply(
-            rid,
-            r,
-            req.return_logprob,
-            req.sampling_params.skip_special_tokens,
-            [] if req.sampling_params.no_stop_trim else g.stop,
-            req.return_routed_experts,
-        )
+        rid, sp = req.rid or uuid.uuid4().hex, req.sampling_params
+        if sp.max_new_tokens == 0:  # score the prompt only: a distillation teacher's call
+            out = self.score_prompt(req, rid, ids)
+        else:
+            job = self.job("", rid, ids, sp, req.return_logprob, req.return_routed_experts, req.image_data)
+            out = await self.generate_item(job)
         if req.return_logprob and req.logprob_start_len >= 0:
             meta = typing.cast(dict[str, object], out["meta_info"])
             meta.update(await self.input_logprobs(ids, req.logprob_start_len, req.top_logprobs_num))
@@ -249,38 +237,38 @@ class Server(WeightRoutes, OpenAIRoutes):
             meta["input_top_logprobs"] = [[[lp, j, None] for j, lp in top] or None for top in tops]
         return meta
 
-    async def score_prompt(self, req: GenerateRequest, ids: list[int]) -> dict[str, object]:
-        """``max_new_tokens: 0``: nothing generated; with ``return_logprob`` and ``logprob_start_len``, the
-        prompt's logprobs (what ``actor.teacher.url`` with ``protocol: sglang`` asks a teacher for)."""
+    def score_prompt(self, req: GenerateRequest, rid: str, ids: list[int]) -> dict[str, object]:
+        """``max_new_tokens: 0``: nothing generated, the reply of an empty output (with ``return_logprob``
+        and ``logprob_start_len``, ``generate_one`` adds the prompt's logprobs: what ``actor.teacher.url``
+        with ``protocol: sglang`` asks a teacher for)."""
         if req.image_data or req.return_routed_experts:
             raise _bad(
                 "sampling_params.max_new_tokens=0 scores a text prompt: image_data and routed experts do not apply"
             )
         self.n_served += 1
-        meta: dict[str, object] = {
-            "id": req.rid or uuid.uuid4().hex,
-            "prompt_tokens": len(ids),
-            "completion_tokens": 0,
-            "finish_reason": {"type": "length", "length": 0},
-            "weight_version": str(self.engine.get_version()),
-            "output_token_versions": [],
-        }
-        if req.return_logprob:
-            meta["output_token_logprobs"] = []
-            if req.logprob_start_len >= 0:
-                meta.update(await self.input_logprobs(ids, req.logprob_start_len, req.top_logprobs_num))
-        return {"text": "", "output_ids": [], "meta_info": meta}
+        return self.reply(rid, ModelResponse(ids, [], [], [], stop_reason="length"), req.return_logprob, True, [])
 
-    def check_routed(self, wanted: bool, field: str) -> None:
-        if wanted and self.engine.routing_shape is None:
-            raise _bad(f"{field}: the served model has no mixture-of-experts layers (no experts are routed)")
-
-    def batch_jobs(self, req: GenerateBatchRequest) -> list[_Job]:
-        """Every item validated before any is generated (errors name the item index)."""
+    def check_form(self, req: GenerateRequest | GenerateBatchRequest) -> None:
         if req.stream:
             raise _bad("stream: streaming is not supported; send stream=false")
         if (req.input_ids is None) == (req.text is None):
             raise _bad("give exactly one of input_ids or text")
+
+    def job(
+        self, at: str, rid: str, ids: list[int], sp: SamplingParams, logprob: bool, routed: bool, image: Images
+    ) -> _Job:
+        """One prompt's generation checked, for ``generate_item`` (``at``: ``[i]``, its index in a batch, or "")."""
+        g = self.gconfig(sp, len(ids), field=f"sampling_params{at}", prompt=f"input_ids{at}")
+        if routed and self.engine.routing_shape is None:
+            raise _bad(
+                f"return_routed_experts{at}: the served model has no mixture-of-experts layers (no experts are routed)"
+            )
+        images: list[str | bytes] = [image] if isinstance(image, str) else list(image or [])
+        return _Job(rid, ids, g, logprob, sp.skip_special_tokens, [] if sp.no_stop_trim else g.stop, routed, images)
+
+    def batch_jobs(self, req: GenerateBatchRequest) -> list[_Job]:
+        """Every item validated before any is generated (errors name the item index)."""
+        self.check_form(req)
         prompts = req.input_ids if req.input_ids is not None else [list(self.tok.encode(t)) for t in req.text or []]
         n = len(prompts)
         sps: list[SamplingParams] = _per_item(req.sampling_params, n, "sampling_params")
@@ -291,30 +279,16 @@ class Server(WeightRoutes, OpenAIRoutes):
         else:
             prefix = req.rid or uuid.uuid4().hex
             rids = [f"{prefix}-{i}" for i in range(n)]
-        images = _per_item(req.image_data, n, "image_data") if req.image_data is not None else [None] * n
+        images = _per_item(req.image_data, n, "image_data")
         jobs: list[_Job] = []
         for i, ids in enumerate(prompts):
             self.check_ids(ids, f"input_ids[{i}]")
-            g = self.gconfig(sps[i], len(ids), field=f"sampling_params[{i}]", prompt=f"input_ids[{i}]")
-            self.check_routed(routed[i], f"return_routed_experts[{i}]")
-            image = images[i]
-            item: list[str | bytes] = [image] if isinstance(image, str) else list(image or [])
-            jobs.append((rids[i], ids, g, logprob[i], sps[i].skip_special_tokens, sps[i].no_stop_trim, routed[i], item))
+            jobs.append(self.job(f"[{i}]", rids[i], ids, sps[i], logprob[i], routed[i], images[i]))
         return jobs
 
-    async def generate_item(
-        self,
-        rid: str,
-        ids: list[int],
-        g: GenerationConfig,
-        logprob: bool,
-        skip: bool,
-        keep_stop: bool = False,
-        routed: bool = False,
-        images: list[str | bytes] | None = None,
-    ) -> dict[str, object]:
-        r = await self.run(rid, ids, g, once=True, images=images)
-        return self.reply(rid, r, logprob, skip, [] if keep_stop else g.stop, routed)
+    async def generate_item(self, job: _Job) -> dict[str, object]:
+        r = await self.run(job.rid, job.ids, job.g, once=True, images=job.images)
+        return self.reply(job.rid, r, job.logprob, job.skip_special, job.stops, job.routed)
 
     async def stream_items(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
         """One NDJSON line per item as soon as it finishes: a batch costs one HTTP call, yet no
@@ -322,7 +296,7 @@ class Server(WeightRoutes, OpenAIRoutes):
 
         async def indexed(i: int, job: _Job) -> tuple[int, dict[str, object]]:
             try:
-                return i, await self.generate_item(*job)
+                return i, await self.generate_item(job)
             except HTTPException as e:
                 return i, {"error": e.detail, "status": e.status_code}
 
@@ -341,7 +315,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         r: ModelResponse,
         logprob: bool,
         skip_special: bool,
-        stops: list[str] | None = None,
+        stops: list[str],
         routed: bool = False,
     ) -> dict[str, object]:
         """One item's SGLang reply (+ relayrl's per-token ``output_token_versions``)."""
@@ -362,9 +336,7 @@ class Server(WeightRoutes, OpenAIRoutes):
         if routed and r.routed_experts is not None:
             meta["routed_experts"] = encode_routed_experts(r.routed_experts)
             meta["routed_experts_shape"] = list(r.routed_experts.shape)
-        text = self.decode(r.output_tokens, skip_special)
-        if r.stop_reason == "stop" and stops:
-            text = trim_stop(text, stops)
+        text = trim_stop(self.decode(r.output_tokens, skip_special), stops, r.stop_reason)
         return {"text": text, "output_ids": r.output_tokens, "meta_info": meta}
 
 
@@ -408,7 +380,7 @@ def build_app(srv: Server) -> FastAPI:
         mode = req.mode if req is not None else "abort"
         await asyncio.to_thread(srv.engine.pause)
         if mode == "abort":
-            await asyncio.to_thread(srv.abort_all)
+            await asyncio.to_thread(srv.engine.abort_running)
         srv.paused = True
         return {"success": True, "message": f"paused ({mode})"}
 
@@ -418,7 +390,7 @@ def build_app(srv: Server) -> FastAPI:
         finish_reason abort and the tokens generated so far; an unknown rid is a no-op, as in SGLang."""
         if req.abort_all:
             before = srv.engine.counters["aborts"]
-            await asyncio.to_thread(srv.abort_all)
+            await asyncio.to_thread(srv.engine.abort_running)
             n = srv.engine.counters["aborts"] - before
         else:
             n = await asyncio.to_thread(srv.engine.abort_rid, req.rid) if req.rid else 0
@@ -442,26 +414,23 @@ def build_app(srv: Server) -> FastAPI:
     async def weight_version() -> dict[str, object]:
         return {"weight_version": str(srv.engine.get_version())}
 
+    @app.get("/version")
+    async def version() -> dict[str, object]:
+        from relayrl import __version__
+
+        return {"version": __version__, "server": "relayrl"}
+
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> dict[str, object]:
-        from relayrl import __version__
-
         return {
-            "version": __version__,
-            "server": "relayrl",
+            **(await version()),
             "tp_size": 1,
             "dp_size": 1,
             "model_path": srv.cfg.model.path,
             "served_model_name": srv.cfg.model.path,
             "weight_version": str(srv.engine.get_version()),
         }
-
-    @app.get("/version")
-    async def version() -> dict[str, object]:
-        from relayrl import __version__
-
-        return {"version": __version__, "server": "relayrl"}
 
     @app.get("/model_info")
     async def sglang_model_info() -> dict[str, object]:
@@ -502,14 +471,8 @@ def make_server(cfg: ServerConfig) -> Server:
     reference = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
     engine = LocalEngine(cfg.inference, model=model, tokenizer=tok, model_config=cfg.model)
     engine.initialize()
-    return Server(
-        engine,
-        tok,
-        cfg,
-        int(model.config.get_text_config().vocab_size),
-        int(getattr(model.config.get_text_config(), "max_position_embeddings", 2048)),
-        reference,
-    )
+    max_positions = int(getattr(model.config.get_text_config(), "max_position_embeddings", 2048))
+    return Server(engine, tok, cfg, engine.vocab_size, max_positions, reference)
 
 
 def _write_token(token: str, port: int) -> Path:

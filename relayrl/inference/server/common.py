@@ -15,8 +15,6 @@ from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from relayrl.api.io import ModelResponse
-
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -100,14 +98,13 @@ def confine_file(path: Path, roots: list[str]) -> Path:
     return real
 
 
-def _version(v: object) -> int | None:
+def _version(v: int | str | None) -> int | None:
+    """A request's ``weight_version`` (SGLang sends a string; validated by pydantic or a query string)."""
     if v is None or v == "":
         return None
-    if not isinstance(v, (int, float, str)):
-        raise _bad(f"weight_version must be an integer, got {v!r}")
     try:
         return int(v)
-    except (TypeError, ValueError):
+    except ValueError:
         raise _bad(f"weight_version must be an integer, got {v!r}") from None
 
 
@@ -144,13 +141,8 @@ def _json(content: object) -> Response:
     return Response(_dumps(content), media_type="application/json")
 
 
-def _usage(prompt_len: int, outs: list[ModelResponse]) -> dict[str, int]:
-    done = sum(r.output_len for r in outs)
-    return {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done}
-
-
-def trim_stop(text: str, stops: list[str]) -> str:
-    """``text`` cut before the first stop string it holds (SGLang's and vLLM's default: the stop
-    string is not part of the output text; its tokens stay in ``output_ids``)."""
+def trim_stop(text: str, stops: list[str], reason: str) -> str:
+    """``text`` cut before the first stop string it holds if one ended it (``reason`` "stop"): SGLang's
+    and vLLM's default, the stop string is not part of the output text; its tokens stay in ``output_ids``."""
     cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]
+    return text if reason != "stop" or cut < 0 else text[:cut]

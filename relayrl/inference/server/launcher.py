@@ -11,7 +11,9 @@ spawned it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import functools
 import os
 import secrets
 import selectors
@@ -29,7 +31,6 @@ from relayrl.inference.server import LISTEN_PREFIX
 
 _PR_SET_PDEATHSIG = 1
 _groups: weakref.WeakSet[ServerGroup] = weakref.WeakSet()
-_handlers_installed = False
 _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayrl-launcher")
 
 
@@ -49,15 +50,11 @@ def _on_signal(signum: int, frame: object) -> None:
     os.kill(os.getpid(), signum)
 
 
+@functools.cache  # once per process
 def _install_handlers() -> None:
-    global _handlers_installed
-    if _handlers_installed:
-        return
-    _handlers_installed = True
     atexit.register(_shutdown_all)
-    if threading.current_thread() is threading.main_thread():
-        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_signal)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_signal)
 
 
 class ServerGroup:
@@ -97,11 +94,9 @@ class ServerGroup:
     def wait_healthy(self, i: int) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet
                 if httpx.get(f"http://{self.addresses[i]}/health", timeout=2.0).status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
             if self.procs[i].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"server {i} at {self.addresses[i]} is not healthy after {self.startup_timeout:.0f}s "

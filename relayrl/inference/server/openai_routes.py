@@ -32,13 +32,15 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.commands import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelResponse
-from relayrl.inference.server.common import _bad, _json, _usage, error_body, trim_stop
+from relayrl.inference.server.common import _bad, _json, error_body, trim_stop
 from relayrl.inference.server.schemas import CompletionRequest, SamplingParams
 
 if TYPE_CHECKING:
     from relayrl.agents.messages import RequestError
     from relayrl.inference.local.engine import LocalEngine
 
+# CompletionRequest's fields that SamplingParams names alike
+SAMPLING_FIELDS = set("temperature top_p top_k stop_token_ids ignore_eos frequency_penalty presence_penalty".split())
 VLLM_EXTRAS = {"top_k": "top_k", "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos"}
 
 
@@ -73,21 +75,16 @@ class OpenAIRoutes:
     run: Callable[..., Awaitable[ModelResponse]]
     decode: Callable[..., str]
 
-    def openai_gconfig(self, req: CompletionRequest, prompt_len: int, prompt: str = "prompt") -> GenerationConfig:
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    def openai_gconfig(self, req: CompletionRequest, ids: list[int], prompt: str) -> GenerationConfig:
+        """The generation config of one prompt (``prompt``: its name in errors), its ids checked."""
+        self.check_ids(ids, prompt)
         sp = SamplingParams(
-            max_new_tokens=req.max_tokens or max(1, min(1024, self.max_positions - prompt_len)),
+            max_new_tokens=req.max_tokens or max(1, min(1024, self.max_positions - len(ids))),
             min_new_tokens=req.min_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop=stop,
-            stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-            frequency_penalty=req.frequency_penalty,
-            presence_penalty=req.presence_penalty,
+            stop=req.stop or [],
+            **req.model_dump(include=SAMPLING_FIELDS),
         )
-        return self.gconfig(sp, prompt_len, field="body", prompt=prompt)
+        return self.gconfig(sp, len(ids), field="body", prompt=prompt)
 
     def completion_prompts(self, prompt: str | list[int] | list[list[int]] | list[str]) -> tuple[list[list[int]], bool]:
         """(token ids of each prompt, whether a list of prompts was sent)."""
@@ -106,11 +103,7 @@ class OpenAIRoutes:
         prompts, many = self.completion_prompts(req.prompt)
         if req.stream and many:
             raise _bad("stream: one prompt per streamed request")
-        gs = []
-        for p, ids in enumerate(prompts):
-            name = f"prompt[{p}]" if many else "prompt"
-            self.check_ids(ids, name)
-            gs.append(self.openai_gconfig(req, len(ids), prompt=name))
+        gs = [self.openai_gconfig(req, ids, f"prompt[{p}]" if many else "prompt") for p, ids in enumerate(prompts)]
         if req.stream:
             _agents()
             from relayrl.agents.client import OpenAIClient
@@ -126,12 +119,8 @@ class OpenAIRoutes:
             self.n_calls += 1
             return StreamingResponse(sse_events(chunks), media_type="text/event-stream")  # type: ignore[arg-type]
         cid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-        jobs = [
-            (f"{cid}-{p * req.n + i}", ids, g)
-            for p, (ids, g) in enumerate(zip(prompts, gs, strict=True))
-            for i in range(req.n)
-        ]
-        outs = await asyncio.gather(*(self.run(*job) for job in jobs))
+        runs = (self.run(f"{cid}-{i}", prompts[i // req.n], gs[i // req.n]) for i in range(len(prompts) * req.n))
+        outs = await asyncio.gather(*runs)
         self.n_calls += 1
         choices = []
 
@@ -149,19 +138,17 @@ class OpenAIRoutes:
                     alts = await self.engine.atop_logprobs(ids, r.output_tokens, g, req.logprobs)
                     tops = [{piece(j): v for j, v in a} for a in alts]
                 lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": tops, "text_offset": offsets}
-            text = self.decode(r.output_tokens, req.skip_special_tokens)
-            if r.stop_reason == "stop" and g.stop:  # the stop string is not part of the text (vLLM, OpenAI)
-                text = trim_stop(text, g.stop)
             choices.append(
                 {
                     "index": i,
-                    "text": text,
+                    "text": trim_stop(self.decode(r.output_tokens, req.skip_special_tokens), g.stop, r.stop_reason),
                     "logprobs": lp,
                     "finish_reason": r.stop_reason,
                     "token_ids": r.output_tokens,
                     "token_versions": r.output_versions,
                 }
             )
+        n_in, n_out = sum(len(ids) for ids in prompts), sum(r.output_len for r in outs)
         return _json(
             {
                 "id": cid,
@@ -169,7 +156,7 @@ class OpenAIRoutes:
                 "created": int(time.time()),
                 "model": self.cfg.model.path,
                 "choices": choices,
-                "usage": _usage(sum(len(ids) for ids in prompts), outs),
+                "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
             }
         )
 
@@ -201,15 +188,11 @@ class OpenAIRoutes:
 
         extras = {VLLM_EXTRAS[k]: body.pop(k) for k in list(body) if k in VLLM_EXTRAS}
         stop_ids = body.pop("stop_token_ids", None) or []
-        if not isinstance(stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids
-        ):
+        if not isinstance(stop_ids, list) or not all(type(t) is int and 0 <= t < self.vocab_size for t in stop_ids):
             raise RequestError(f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
         for key, name in VLLM_EXTRAS.items():
             want = bool if key == "ignore_eos" else int
-            if name in extras and (
-                not isinstance(extras[name], want) or (want is int and isinstance(extras[name], bool))
-            ):
+            if name in extras and type(extras[name]) is not want:  # JSON's true is no integer, 1 no boolean
                 raise RequestError(f"{key} must be {'a boolean' if want is bool else 'an integer'}", key)
         if "top_k" in extras:
             extras["top_k"] = max(0, extras["top_k"])  # type: ignore[call-overload]  # vLLM: -1 = off
@@ -281,12 +264,8 @@ def _text_parts_only(messages: list[object]) -> list[object]:
     out: list[object] = []
     for m in messages:
         if isinstance(m, dict) and isinstance(m.get("content"), list):
-            m = {
-                **m,
-                "content": [
-                    p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in ("image", "image_url"))
-                ],
-            }
+            kept = [p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in ("image", "image_url"))]
+            m = {**m, "content": kept}
         out.append(m)
     return out
 
