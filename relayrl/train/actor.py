@@ -24,7 +24,7 @@ from relayrl.api.config import ActorConfig, ConfigError, check_overlong, validat
 from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.rollout.staleness import token_staleness
 from relayrl.train import algorithms
-from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
+from relayrl.train.distill import teacher_targets, token_reverse_kl
 from relayrl.train.lmhead import token_stats_loss
 from relayrl.train.mismatch import correction_weights, mismatch_metrics
 from relayrl.train.packing import shifted, token_entropy, token_logprobs, unpack
@@ -79,30 +79,20 @@ class _GapSink:
 
     def __init__(self, batch: TensorDict) -> None:
         self.shape = tuple(batch["input_ids"].shape)
-        self.sum = torch.zeros((2, *self.shape), dtype=torch.float64)  # logprobs, entropies
-        self.count = torch.zeros(self.shape, dtype=torch.float64)
-        self.flips = (0.0, 0.0)
+        self.sum = torch.zeros((3, *self.shape), dtype=torch.float64)  # logprobs, entropies, count
+        self.flips = torch.zeros(2, dtype=torch.float64)  # (routings flipped, routings recorded)
 
     def add(self, before: torch.Tensor, entropy: torch.Tensor, packed: TensorDict) -> None:
-        where = {k: packed[k].cpu() for k in ("cu_seqlens", "position_ids")}
-        where["row_index"] = packed["batch_row"].cpu()
-        b, seqlen = self.shape
-        for i, values in enumerate((before, entropy)):
-            self.sum[i] += unpack(values.detach().double().cpu(), where, b, seqlen)
-        self.count += unpack(torch.ones_like(before, dtype=torch.float64).cpu(), where, b, seqlen)
+        values = torch.stack([before.detach(), entropy.detach(), torch.ones_like(before)], -1).double().cpu()
+        self.sum += unpack(values, {**packed, "row_index": packed["batch_row"]}, *self.shape).movedim(-1, 0)
         if "moe_expert_flips" in packed:
-            f = packed["moe_expert_flips"].tolist()
-            self.flips = (self.flips[0] + f[0], self.flips[1] + f[1])
+            self.flips += packed["moe_expert_flips"].cpu()
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs, entropies), every rank's share summed (a dummy micro-batch repeats a row: averaged away)."""
-        total, count = self.sum, self.count
-        if dist_utils.is_distributed():
-            both = dist_utils.all_reduce(torch.cat([total, count[None]]))
-            total, count = both[:2], both[2]
-            flips = dist_utils.all_reduce(torch.tensor(self.flips, dtype=torch.float64)).tolist()
-            self.flips = (flips[0], flips[1])
-        out = (total / count.clamp(min=1.0)).float()
+        total = dist_utils.all_reduce(self.sum)
+        self.flips = dist_utils.all_reduce(self.flips)
+        out = (total[:2] / total[2].clamp(min=1.0)).float()
         return out[0], out[1]
 
 
@@ -332,25 +322,18 @@ class PPOActor:
             else:
                 old, prox = packed.get("old_logp", before), None
             advantages = packed["advantages"]
-            if corr.mode != "off":  # the trainer's policy before the update over the generator's
-                w, keep = correction_weights(
-                    old if prox is None else prox,
-                    packed["logprobs"],
-                    mask,
-                    cu,
-                    corr.mode,
-                    corr.level,
-                    corr.low,
-                    corr.high,
-                )
+            extra: dict[str, torch.Tensor] = {}  # stats of the correction and distillation
+            if corr.mode != "off":  # the trainer's policy before the update (``old``) over the generator's
+                w, keep = correction_weights(old, packed["logprobs"], mask, cu, corr)
+                extra["correction_weight_mean"] = algorithms.masked_mean(w, mask)
+                extra["correction_dropped_frac"] = algorithms.masked_mean((~keep).float(), mask)
                 advantages = advantages * w
                 mask = mask if corr.masked_in_norm else keep
-                stats_w = {"weight_mean": algorithms.masked_mean(w, packed["loss_mask"].bool())}
-                stats_w["dropped_frac"] = algorithms.masked_mean((~keep).float(), packed["loss_mask"].bool())
             distill_kl = None
             if self.needs_teacher:  # per-token reverse KL to the teacher, reweighted like the advantages
                 distill_kl = token_reverse_kl(logits, packed, self.temperature)
                 distill_kl = distill_kl if corr.mode == "off" else distill_kl * w
+                extra["distill_kl"] = algorithms.masked_mean(distill_kl.detach(), mask)
             loss, stats = policy_loss(
                 logp=logp,
                 old_logp=old,
@@ -362,13 +345,9 @@ class PPOActor:
                 distill_kl=distill_kl,
                 **reads,
             )
-            stats["policy_loss"] = loss.detach()
-            if distill_kl is not None:
-                stats.update(distill_stats(distill_kl, mask))
-                if cfg.distill_coef > 0:
-                    loss = loss + cfg.distill_coef * algorithms.agg_loss(distill_kl, mask, cu, agg_mode, norm_len)
-            if corr.mode != "off":
-                stats.update({f"correction_{k}": v for k, v in stats_w.items()})
+            stats.update(extra, policy_loss=loss.detach())
+            if distill_kl is not None and cfg.distill_coef > 0:
+                loss = loss + cfg.distill_coef * algorithms.agg_loss(distill_kl, mask, cu, agg_mode, norm_len)
             # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
             # that generated them (staleness in async runs; any inference/training mismatch always)
             r = before - packed["logprobs"]
@@ -485,7 +464,7 @@ class PPOActor:
             batch.get("versions"),
             self.engine.get_version(),
             batch.get("truncated"),
-            gap.flips if gap.flips[1] > 0 else None,
+            gap.flips.tolist(),
         )
         return all_stats
 
@@ -547,5 +526,5 @@ class Critic:
                     return loss
 
                 step = self.engine.train_batch(mb, loss_fn, weight)
-                out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **step}.items()}})
+                out.append({f"critic/{k}": v for k, v in {**sink.result(), **step}.items()})
         return out

@@ -25,7 +25,6 @@ from collections.abc import Callable
 import torch
 
 from relayrl.api.engine import TensorDict, TrainEngine
-from relayrl.train.algorithms import masked_mean
 
 Tensor = torch.Tensor
 
@@ -98,7 +97,3 @@ def teacher_targets(engine: TrainEngine, batch: TensorDict, top_k: int, temperat
         return {"teacher_logp": out}
     k = out.shape[-1] // 2
     return {"teacher_logp": out[..., :k].contiguous(), "teacher_ids": out[..., k:].long()}
-
-
-def distill_stats(kl: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    return {"distill_kl": masked_mean(kl.detach(), mask)}

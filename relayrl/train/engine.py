@@ -30,7 +30,7 @@ from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.rewards.model import RewardModelFn
 from relayrl.train import lora
 from relayrl.train.fastpath import CheckedForward
-from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
+from relayrl.train.heads import last_token_post, load_scalar_head, scalar_head_from_lm, token_values
 from relayrl.train.lmhead import TokenStats, wants_token_stats
 from relayrl.train.mismatch import disable_dropout
 from relayrl.train.packing import (
@@ -574,4 +574,4 @@ class TorchTrainEngine(TrainEngine):
         self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]
 
 
-__all__ = ["NonFiniteError", "TorchTrainEngine", "last_token_scores", "lr_factor"]
+__all__ = ["NonFiniteError", "TorchTrainEngine", "lr_factor"]

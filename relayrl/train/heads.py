@@ -51,12 +51,6 @@ def token_values(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
     return logits[:, 0].float()
 
 
-def last_token_scores(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
-    """``[n]`` one score per packed sequence: the head's output at its last token."""
-    last = packed["cu_seqlens"][1:].long().to(logits.device) - 1
-    return logits[last, 0].float()
-
-
 def last_token_post(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
     """``[T]`` token-aligned: the sequence score at each sequence's last token, 0 elsewhere."""
     out = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
