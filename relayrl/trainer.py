@@ -132,6 +132,7 @@ class Trainer:
 
         # Generation side (the driver).
         self.driver: Driver | None = None
+        self.watchdog: Watchdog | None = None
         if main:
             logger.info("set-up: starting the generators (inference.backend=%s)", cfg.inference.backend)
             engine = wiring.make_inference_engine(cfg, tokenizer)
@@ -155,12 +156,9 @@ class Trainer:
                 or workflow
                 or wiring.make_workflow(cfg, tokenizer, reward, cfg.eval.gconfig, reward_pool=pool),
             )
-        self.engine = self.driver.engine if self.driver else None  # None on the other ranks
-        self.watchdog: Watchdog | None = None
-        if self.driver:
-            d = self.driver
-            w = cfg.watchdog
+            d, w = self.driver, cfg.watchdog
             self.watchdog = Watchdog(self.run_dir, w.stall_s, w.action, d.stall_state, lambda: d.executor.loop)
+        self.engine = self.driver.engine if self.driver else None  # None on the other ranks
 
         self.step = 0
         if resume_from is not None:

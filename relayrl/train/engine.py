@@ -202,35 +202,39 @@ class TorchTrainEngine(TrainEngine):
         for rows in self._plan(batch, shared):
             yield (pack(batch, rows), False) if rows else (pack(batch, [0]), True)
 
-    def _logits(self, packed: TensorDict, shared: bool = False) -> torch.Tensor:
-        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch; ``shared``:
-        in the shared-prefix layout where it applies (``_shared_layout``), the same logits.
-
-        MoE models: the routers use the micro-batch's ``routed_experts`` when it has them
-        (replay; the ids stay set until the next micro-batch, so activation checkpointing
-        recomputes the same routing), and ``packed["moe_aux_loss"]`` receives the 0-d,
-        differentiable load-balancing loss of this forward. Vision-language models: the
-        vision tower runs on the micro-batch's images (``image_grid_thw``)."""
-        moved = {k: v.to(self.device) for k, v in packed.items()}
+    @contextlib.contextmanager
+    def _forward_on(self, packed: TensorDict) -> Iterator[TensorDict]:
+        """``packed`` on the device, for one forward of the model. MoE models: the routers use its
+        ``routed_experts`` when it has them (replay; the ids stay set until the next micro-batch, so
+        activation checkpointing recomputes the same routing), and after the forward
+        ``packed["moe_aux_loss"]`` holds its 0-d, differentiable load-balancing loss and
+        ``packed["moe_expert_flips"]`` how many routings differ from ``recorded_experts``."""
+        moved = self._to_device(packed)
         if self._moe is not None:
             self._moe.ids = moved.get("routed_experts")
             self._moe.recorded = moved.get("recorded_experts")
-        model, inputs = self._require(), model_inputs(moved)
-        layout = self._shared_layout(moved) if shared else None
-        if layout is not None:  # the model lays the plain layout's positions out itself (hidden[index])
-            inputs = {**layout.model_inputs(), "logits_to_keep": layout.index}
-        images: contextlib.AbstractContextManager[dict[str, object]] = (
-            vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
-        )
-        fp16: contextlib.AbstractContextManager[None] = (
-            torch.autocast(self.device.type, dtype=torch.float16) if self.fp16 else contextlib.nullcontext()
-        )
-        with fp16, images as extra:
-            logits = self._checked(lambda: model(**{**inputs, **extra}).logits[0])
+        yield moved
         if self._moe is not None:
             packed["moe_aux_loss"] = self._moe.aux_loss()
             packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
-        return logits
+
+    def _logits(self, packed: TensorDict, shared: bool = False) -> torch.Tensor:
+        """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch; ``shared``:
+        in the shared-prefix layout where it applies (``_shared_layout``), the same logits.
+        Vision-language models: the vision tower runs on the micro-batch's images (``image_grid_thw``)."""
+        with self._forward_on(packed) as moved:
+            model, inputs = self._require(), model_inputs(moved)
+            layout = self._shared_layout(moved) if shared else None
+            if layout is not None:  # the model lays the plain layout's positions out itself (hidden[index])
+                inputs = {**layout.model_inputs(), "logits_to_keep": layout.index}
+            images: contextlib.AbstractContextManager[dict[str, object]] = (
+                vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
+            )
+            fp16: contextlib.AbstractContextManager[None] = (
+                torch.autocast(self.device.type, dtype=torch.float16) if self.fp16 else contextlib.nullcontext()
+            )
+            with fp16, images as extra:
+                return self._checked(lambda: model(**{**inputs, **extra}).logits[0])
 
     # logits a softcap / scale changes after lm_head: the fast path would differ, so they keep full logits
     _SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -285,31 +289,26 @@ class TorchTrainEngine(TrainEngine):
         forward runs (its hooks, MoE replay, FSDP's root hooks all as usual) with ``logits_to_keep=1``;
         a forward hook on the base model takes its ``last_hidden_state``."""
         model = self._require()
-        moved = {k: v.to(self.device) for k, v in packed.items()}
-        if self._moe is not None:
-            self._moe.ids = moved.get("routed_experts")
-            self._moe.recorded = moved.get("recorded_experts")
-        layout = self._shared_layout(moved)
-        inputs = model_inputs(moved) if layout is None else layout.model_inputs()
         body = getattr(model, model.base_model_prefix)
         seen: list[torch.Tensor] = []
 
         def grab(_m: nn.Module, _a: object, out: object) -> None:
             seen.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)  # type: ignore[attr-defined]
 
-        def run() -> torch.Tensor:
-            seen.clear()
-            handle = body.register_forward_hook(grab)
-            try:
-                model(**inputs, logits_to_keep=1)
-            finally:
-                handle.remove()
-            return seen[-1][0] if layout is None else seen[-1][0][layout.index]
+        with self._forward_on(packed) as moved:
+            layout = self._shared_layout(moved)
+            inputs = model_inputs(moved) if layout is None else layout.model_inputs()
 
-        hidden = self._checked(run)
-        if self._moe is not None:
-            packed["moe_aux_loss"] = self._moe.aux_loss()
-            packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
+            def run() -> torch.Tensor:
+                seen.clear()
+                handle = body.register_forward_hook(grab)
+                try:
+                    model(**inputs, logits_to_keep=1)
+                finally:
+                    handle.remove()
+                return seen[-1][0] if layout is None else seen[-1][0][layout.index]
+
+            hidden = self._checked(run)
         return TokenStats(hidden, typing.cast(nn.Linear, model.get_output_embeddings()), moved)
 
     def _shares_loss(self, loss_fn: LossFn, batch: TensorDict) -> bool:
@@ -351,7 +350,7 @@ class TorchTrainEngine(TrainEngine):
             if out is None:
                 out = torch.zeros(bsz, seqlen, *values.shape[1:], dtype=torch.float32)
             if not dummy:
-                out += unpack(values.float().cpu(), {k: v.cpu() for k, v in packed.items()}, bsz, seqlen)
+                out += unpack(values.float().cpu(), packed, bsz, seqlen)
         if out is None:
             out = torch.zeros(bsz, seqlen, dtype=torch.float32)
         return dist_utils.all_reduce(out)  # every rank computed its share of the rows
@@ -494,15 +493,15 @@ class TorchTrainEngine(TrainEngine):
             if self.lora and target.accepts_adapters:  # the adapter alone, as peft saves it
                 adapter = {k: v.detach().to("cpu").clone() for k, v in lora.adapter_state_dict(tensors).items()}
                 config = lora.adapter_config_json(model, self.model_config.path)
-                target.update_weights(
-                    WeightUpdate(kind="adapter", version=self.get_version(), tensors=adapter, adapter_config=config)
+                update = WeightUpdate(
+                    kind="adapter", version=self.get_version(), tensors=adapter, adapter_config=config
                 )
-                dist_utils.barrier()
-                return
-            if self.lora:  # merged into new tensors: the base weights are never touched
-                tensors = lora.merged_state_dict(tensors, lora.lora_layers(model))
-            tensors = {k: v.detach().clone() for k, v in tensors.items()}
-            target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
+            else:
+                if self.lora:  # merged into new tensors: the base weights are never touched
+                    tensors = lora.merged_state_dict(tensors, lora.lora_layers(model))
+                tensors = {k: v.detach().clone() for k, v in tensors.items()}
+                update = WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors)
+            target.update_weights(update)
         dist_utils.barrier()
 
     # ---------------------------------------------------------------- checkpoints
@@ -553,9 +552,7 @@ class TorchTrainEngine(TrainEngine):
             files = sorted(glob.glob(os.path.join(meta.path, "*.safetensors")))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors weights in {meta.path}")
-            state: dict[str, torch.Tensor] = {}
-            for fname in files:
-                state.update(load_file(fname))
+            state = {k: v for fname in files for k, v in load_file(fname).items()}
             if not state.keys() <= model.state_dict().keys():  # saved in the hub format transformers converts from
                 from relayrl.data.models import checkpoint_state_dict
 

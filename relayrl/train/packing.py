@@ -37,10 +37,6 @@ TREE_KWARG = "relayrl_tree"  # the model forward's keyword that carries a shared
 # --------------------------------------------------------------------------------------
 
 
-def _is_token_level(value: torch.Tensor, shape: tuple[int, int]) -> bool:
-    return value.dim() >= 2 and tuple(value.shape[:2]) == shape
-
-
 def pack(batch: TensorDict, rows: Sequence[int] | None = None) -> TensorDict:
     """Pack ``rows`` (default: all) of a right-padded batch into one 1D sequence."""
     if "input_ids" not in batch or "attention_mask" not in batch:
@@ -60,7 +56,7 @@ def pack(batch: TensorDict, rows: Sequence[int] | None = None) -> TensorDict:
     for key, value in batch.items():
         if key == "attention_mask" or key in VISION_KEYS or not isinstance(value, torch.Tensor):
             continue
-        if _is_token_level(value, shape):
+        if value.dim() >= 2 and tuple(value.shape[:2]) == shape:  # token-level
             out[key] = value[idx.to(value.device)][sel.to(value.device)]
         elif value.dim() >= 1 and value.shape[0] == shape[0]:
             out[key] = value[idx.to(value.device)]
@@ -173,16 +169,26 @@ def _greedy(order: list[int], lens: list[int], budget: int, k: int) -> list[list
 # --------------------------------------------------------------------------------------
 
 
-def _first_token_mask(packed: TensorDict, n: int, device: torch.device) -> torch.Tensor:
-    mask = torch.zeros(n, dtype=torch.bool, device=device)
-    mask[packed["cu_seqlens"][:-1].long().to(device)] = True
-    return mask
-
-
 def shifted(per_pred: torch.Tensor, packed: TensorDict) -> torch.Tensor:
     """``per_pred[i]`` is about token ``i+1``; returns ``[T]`` token-aligned, 0 at sequence starts."""
     out = torch.cat([per_pred.new_zeros(1), per_pred])
-    return out.masked_fill(_first_token_mask(packed, out.shape[0], out.device), 0.0)
+    starts = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    starts[packed["cu_seqlens"][:-1].long().to(out.device)] = True
+    return out.masked_fill(starts, 0.0)
+
+
+def _chunked(
+    logits: torch.Tensor, n: int, temperature: float, chunk: int, fn: Callable[[torch.Tensor, int], torch.Tensor]
+) -> torch.Tensor:
+    """``[n]``: ``fn(fp32 logits / temperature, start)`` over the first ``n`` rows, ``chunk`` rows at a time,
+    so no full ``[T, V]`` fp32 copy is materialised (differentiable)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    parts = []
+    for s in range(0, n, chunk):
+        lg = logits[s : min(s + chunk, n)].float()
+        parts.append(fn(lg if temperature == 1.0 else lg / temperature, s))
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
 
 
 def token_logprobs(
@@ -190,28 +196,21 @@ def token_logprobs(
 ) -> torch.Tensor:
     """``[T]``: value i = log p(input_ids[i] | earlier tokens of its sequence); 0 at each start.
 
-    Computed as ``logit[label] - logsumexp(logits)`` in chunks of ``chunk`` tokens, so no
-    full ``[T, V]`` log-softmax is materialised (differentiable). Given a
-    ``relayrl.train.lmhead.TokenStats`` (what a ``token_stats_loss`` receives), the values at
-    loss tokens, 0 elsewhere.
+    Computed as ``logit[label] - logsumexp(logits)`` in chunks of ``chunk`` tokens (``_chunked``).
+    Given a ``relayrl.train.lmhead.TokenStats`` (what a ``token_stats_loss`` receives), the values
+    at loss tokens, 0 elsewhere.
     """
     if isinstance(logits, TokenStats):
         return logits.logprobs(temperature)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     ids = packed["input_ids"]
     if logits.dim() != 2 or logits.shape[0] != ids.shape[0]:
         raise ValueError(f"logits must be [T, V] with T={ids.shape[0]}, got {tuple(logits.shape)}")
-    labels = ids[1:].to(logits.device)
-    parts = []
-    for s in range(0, labels.shape[0], chunk):
-        lg = logits[s : min(s + chunk, labels.shape[0])].float()
-        if temperature != 1.0:
-            lg = lg / temperature
-        lab = labels[s : s + chunk]
-        parts.append(lg.gather(-1, lab.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1))
-    pred = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
-    return shifted(pred, packed)
+    labels = ids[1:].to(logits.device).unsqueeze(-1)
+
+    def label_logp(lg: torch.Tensor, s: int) -> torch.Tensor:
+        return lg.gather(-1, labels[s : s + len(lg)]).squeeze(-1) - torch.logsumexp(lg, -1)
+
+    return shifted(_chunked(logits, labels.shape[0], temperature, chunk, label_logp), packed)
 
 
 def token_entropy(
@@ -221,18 +220,12 @@ def token_entropy(
     ``TokenStats``: at loss tokens, 0 elsewhere)."""
     if isinstance(logits, TokenStats):
         return logits.entropy(temperature)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    parts = []
-    n = logits.shape[0] - 1
-    for s in range(0, n, chunk):
-        lg = logits[s : min(s + chunk, n)].float()
-        if temperature != 1.0:
-            lg = lg / temperature
+
+    def entropy(lg: torch.Tensor, _: int) -> torch.Tensor:
         logp = functional.log_softmax(lg, -1)
-        parts.append(-(logp.exp() * logp).sum(-1))
-    pred = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
-    return shifted(pred, packed)
+        return -(logp.exp() * logp).sum(-1)
+
+    return shifted(_chunked(logits, logits.shape[0] - 1, temperature, chunk, entropy), packed)
 
 
 # --------------------------------------------------------------------------------------

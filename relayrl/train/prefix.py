@@ -194,18 +194,11 @@ def shared_layout(packed: TensorDict, min_shared: int = MIN_SHARED) -> SharedPre
     trees: list[_Tree] = []
     at = 0
     for members, shared in runs:
-        if shared == 0:
-            (r,) = members
-            n = cu[r + 1] - cu[r]
-            pieces.append(ids[cu[r] : cu[r + 1]])
-            positions.append(torch.arange(n))
-            index[cu[r] : cu[r + 1]] = torch.arange(at, at + n)
-            docs.append((at, n))
-            at += n
-            continue
-        p = shared - 1  # P[-1] goes into each segment
+        # the prefix but P[-1], which goes into each segment; an unshared row is all prefix: a plain document
+        first = cu[members[0]]
+        p = shared - 1 if shared else cu[members[0] + 1] - first
         start = at
-        pieces.append(ids[cu[members[0]] : cu[members[0]] + p])
+        pieces.append(ids[first : first + p])
         positions.append(torch.arange(p))
         docs.append((start, p))
         at += p
@@ -219,5 +212,6 @@ def shared_layout(packed: TensorDict, min_shared: int = MIN_SHARED) -> SharedPre
             seg_starts.append(at)
             seg_lens.append(n)
             at += n
-        trees.append(_Tree(start, p, seg_starts, seg_lens))
+        if shared:
+            trees.append(_Tree(start, p, seg_starts, seg_lens))
     return SharedPrefix(torch.cat(pieces), torch.cat(positions), index, docs, trees)
