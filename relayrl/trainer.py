@@ -172,11 +172,6 @@ class Trainer:
             logger.info("set-up: done in %.0f s", self._t_start - t_setup)
 
     # ------------------------------------------------------------------ the loop
-    def _shares_gpu(self) -> bool:
-        """Synchronous RL with an in-process engine on a GPU: nothing generates while the trainer
-        trains, so the engine's KV cache can give its memory to training."""
-        return self.cfg.rollout.max_staleness == 0 and self.engine is not None and self.engine.can_release_memory()
-
     def fit(self) -> dict[str, float]:
         """Train until ``total_steps``; returns the last step's metrics.
 
@@ -238,7 +233,8 @@ class Trainer:
             batch = d.executor.prepare_batch(d.dataloader, d.workflow) if d else None
             batch = dist_utils.broadcast_object(batch)  # every rank trains on the driver's batch
             assert batch is not None
-        share_gpu = self._shares_gpu()
+        # synchronous RL with an in-process engine on a GPU: nothing generates while the trainer trains
+        share_gpu = self.cfg.rollout.max_staleness == 0 and self.engine is not None and self.engine.can_release_memory()
         with guard.held():
             if d and share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
                 d.engine.release_memory()

@@ -174,15 +174,6 @@ class PPOActor:
         self.engine.eval()
         return self.engine.forward(self._routing(batch), temperature=self.temperature)
 
-    def compute_ref_logp(self, batch: TensorDict) -> torch.Tensor:
-        """``[B, L]`` logprobs under the frozen reference engine."""
-        if self.ref_engine is None:
-            raise ValueError(
-                "actor.kl_coef > 0 (or an estimator / loss with needs_ref) needs a reference engine: "
-                "PPOActor(config, engine, ref_engine=...)"
-            )
-        return self.ref_engine.forward(self._routing(batch, replay=False), temperature=self.temperature)
-
     def fill_teacher(self, batch: TensorDict) -> None:
         """Distillation: the teacher's ``teacher_logp`` (and ``teacher_ids``) for ``batch`` from the local teacher
         or the served one (``actor.teacher.url``), unless the batch already carries them (a workflow's own
@@ -214,8 +205,15 @@ class PPOActor:
         reference's, the teacher's), the critic's values, then the advantages."""
         with tracker.record_timing("compute_logp"):
             self._fill_old_logp(batch)
-            if self.needs_ref:
-                batch["ref_logp"] = self.compute_ref_logp(batch)
+            if self.needs_ref:  # the frozen reference's logprobs
+                if self.ref_engine is None:
+                    raise ValueError(
+                        "actor.kl_coef > 0 (or an estimator / loss with needs_ref) needs a reference engine: "
+                        "PPOActor(config, engine, ref_engine=...)"
+                    )
+                batch["ref_logp"] = self.ref_engine.forward(
+                    self._routing(batch, replay=False), temperature=self.temperature
+                )
             self.fill_teacher(batch)
             if self.advantage.needs_critic:
                 if critic is None:

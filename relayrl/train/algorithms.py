@@ -194,8 +194,10 @@ def _group_stats(rewards: Tensor, group_id: Tensor) -> tuple[Tensor, Tensor, Ten
     return mean[inv].to(rewards.dtype), std[inv].to(rewards.dtype), count[inv]
 
 
-def _broadcast(adv: Tensor, loss_mask: Tensor) -> Tensor:
-    return adv.unsqueeze(1) * loss_mask.to(adv.dtype)
+def _outcome(adv: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """A sequence-level advantage ``[B]`` on every loss token ``[B, L]``: the advantages, and the returns."""
+    out = adv.unsqueeze(1) * loss_mask.to(adv.dtype)
+    return out, out
 
 
 @register_advantage("grpo", needs_groups=True, reads=("adv_norm", "adv_eps"))
@@ -207,9 +209,7 @@ def grpo_advantage(
     adv = rewards - mean
     if adv_norm:
         adv = adv / (std + adv_eps)
-    adv = torch.where(count > 1, adv, 0.0)
-    out = _broadcast(adv, loss_mask)
-    return out, out
+    return _outcome(torch.where(count > 1, adv, 0.0), loss_mask)
 
 
 @register_advantage("dr_grpo", needs_groups=True)
@@ -223,8 +223,7 @@ def rloo_advantage(rewards: Tensor, loss_mask: Tensor, group_id: Tensor, **_: ob
     """RLOO: ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean)``; a group of one gets 0."""
     mean, _std, count = _group_stats(rewards, group_id)
     adv = torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1.0), 0.0).to(rewards.dtype)
-    out = _broadcast(adv, loss_mask)
-    return out, out
+    return _outcome(adv, loss_mask)
 
 
 @register_advantage("reinforce", reads=("gamma", "baseline"))
@@ -263,8 +262,7 @@ def reinforce_pp_advantage(
     returns = discounted_returns(token_rewards, loss_mask, gamma)
     adv = returns
     if adv_norm:
-        m = loss_mask.bool()
-        vals = returns[m]
+        vals = returns[loss_mask.bool()]
         if vals.numel() > 1:
             adv = (returns - vals.mean()) / (vals.std() + adv_eps)
         else:
@@ -282,8 +280,7 @@ def remax_advantage(
     """
     if baseline_rewards is None:
         raise ValueError("remax needs the sequence-level batch key 'baseline_rewards' (set by the remax workflow)")
-    out = _broadcast(rewards - baseline_rewards.to(rewards.dtype), loss_mask)
-    return out, out
+    return _outcome(rewards - baseline_rewards.to(rewards.dtype), loss_mask)
 
 
 @register_advantage("gae", needs_critic=True, reads=("gamma", "lam", "adv_norm", "adv_eps"))

@@ -10,6 +10,7 @@ so the summed gradient equals the gradient of the unsplit batch on one process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import inspect
 import math
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from transformers import PreTrainedModel
+from transformers import AutoModelForTokenClassification, PreTrainedModel
 
 from relayrl.api.config import ModelConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
@@ -30,7 +31,7 @@ from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.rewards.model import RewardModelFn
 from relayrl.train import lora
 from relayrl.train.fastpath import CheckedForward
-from relayrl.train.heads import last_token_post, load_scalar_head, scalar_head_from_lm, token_values
+from relayrl.train.heads import last_token_post, scalar_head_from_lm, token_values
 from relayrl.train.lmhead import TokenStats, wants_token_stats
 from relayrl.train.mismatch import disable_dropout
 from relayrl.train.packing import (
@@ -145,7 +146,6 @@ class TorchTrainEngine(TrainEngine):
         from relayrl.data.models import TINY_PRESETS, load_model
 
         given = self._init_model
-        dtype = getattr(torch, self.model_config.dtype)
         if self.head == "lm":
             return given if given is not None else load_model(self.model_config, seed=self.seed)
         if given is not None:
@@ -155,7 +155,10 @@ class TorchTrainEngine(TrainEngine):
             return given if is_scalar else scalar_head_from_lm(given, self.seed)
         if self.model_config.path in TINY_PRESETS:
             return scalar_head_from_lm(load_model(self.model_config, seed=self.seed), self.seed)
-        return load_scalar_head(self.model_config.path, dtype)
+        # a saved critic / reward model (or an LM checkpoint, whose head is then new)
+        return AutoModelForTokenClassification.from_pretrained(
+            self.model_config.path, num_labels=1, classifier_dropout=0.0, dtype=getattr(torch, self.model_config.dtype)
+        )
 
     def destroy(self) -> None:
         self.model = self.optimizer = self.scheduler = None
@@ -327,20 +330,15 @@ class TorchTrainEngine(TrainEngine):
 
     # ---------------------------------------------------------------- forward / eval
 
-    def default_post_fn(self, temperature: float = 1.0) -> PostFn:
-        if self.head == "value":
-            return token_values
-        if self.head == "reward":
-            return last_token_post
-        return lambda logits, packed: token_logprobs(logits, packed, temperature)
-
     @torch.no_grad()
     def forward(self, batch: TensorDict, post_fn: PostFn | None = None, temperature: float = 1.0) -> torch.Tensor:
         """``[B, L]`` token-aligned values (0 on padding); default: logprobs at ``temperature``
         for ``head="lm"``, per-token values for ``"value"``, the score at each sequence's last
         token for ``"reward"``. A ``post_fn`` returning ``[T, ...]`` gives ``[B, L, ...]`` (e.g. the
         teacher's distributions of distillation). Every rank returns the full ``[B, L, ...]``."""
-        post = post_fn or self.default_post_fn(temperature)
+        lm_post = functools.partial(token_logprobs, temperature=temperature)
+        defaults: dict[str, PostFn] = {"lm": lm_post, "value": token_values, "reward": last_token_post}
+        post = post_fn or defaults[self.head]
         bsz, seqlen = batch["input_ids"].shape
         out: torch.Tensor | None = None
         shared = self._shares(batch)

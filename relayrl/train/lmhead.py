@@ -50,6 +50,13 @@ def wants_token_stats(fn: object) -> bool:
     return bool(getattr(fn, TOKEN_STATS_ATTR, False))
 
 
+def loss_positions(packed: TensorDict) -> torch.Tensor:
+    """Packed indices of the loss tokens that have a predecessor in their sequence (every generated one)."""
+    mask = packed["loss_mask"].bool().clone()
+    mask[packed["cu_seqlens"][:-1].long()] = False
+    return mask.nonzero().squeeze(1)
+
+
 def _head_chunk(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +76,9 @@ class TokenStats:
         if hidden.dim() != 2:
             raise ValueError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
         self.hidden, self.head, self.chunk = hidden, head, chunk
-        dev = hidden.device
-        ids = packed["input_ids"].to(dev)
-        n = ids.shape[0]
-        want = packed["loss_mask"].to(dev).bool().clone()
-        want[packed["cu_seqlens"][:-1].long().to(dev)] = False  # a sequence's first token has no prediction
-        self.n = n
-        self.targets = want.nonzero().squeeze(-1)  # token-aligned positions that get a value
+        ids = packed["input_ids"].to(hidden.device)
+        self.n = ids.shape[0]
+        self.targets = loss_positions(packed).to(hidden.device)  # token-aligned positions that get a value
         self.labels = ids[self.targets]
         self._cache: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
         self._detached = False

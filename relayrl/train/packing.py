@@ -170,11 +170,11 @@ def _greedy(order: list[int], lens: list[int], budget: int, k: int) -> list[list
 
 
 def shifted(per_pred: torch.Tensor, packed: TensorDict) -> torch.Tensor:
-    """``per_pred[i]`` is about token ``i+1``; returns ``[T]`` token-aligned, 0 at sequence starts."""
-    out = torch.cat([per_pred.new_zeros(1), per_pred])
-    starts = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-    starts[packed["cu_seqlens"][:-1].long().to(out.device)] = True
-    return out.masked_fill(starts, 0.0)
+    """``per_pred[i]`` (``[T - 1, ...]``) is about token ``i+1``; returns ``[T, ...]`` token-aligned, 0 at
+    sequence starts."""
+    out = torch.cat([per_pred.new_zeros(1, *per_pred.shape[1:]), per_pred])
+    out[packed["cu_seqlens"][:-1].long().to(out.device)] = 0.0
+    return out
 
 
 def _chunked(
