@@ -23,6 +23,7 @@ import json
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -166,7 +167,7 @@ class Trainer:
         # Generators start from the trainer's weights and version.
         self.actor_engine.update_weights(self.engine)  # a collective; rank 0 pushes
         self._critic_stats: list[dict[str, float]] = []
-        self._boundary: dict[str, object] = {}
+        self._boundary: dict[str, Any] = {}
         self._t_start = time.monotonic()
         if main:
             logger.info("set-up: done in %.0f s", self._t_start - t_setup)
@@ -334,7 +335,7 @@ class Trainer:
         return self._main().eval_rows
 
     # ------------------------------------------------------------------ checkpoints
-    def _boundary_state(self) -> dict[str, object]:
+    def _boundary_state(self) -> dict[str, Any]:
         """The driver's data order, the executor's pending prompts and the RNGs at the end of a step."""
         if self.driver is None:
             return {}
@@ -343,7 +344,7 @@ class Trainer:
             "driver": self.driver.state_dict(),
         }
 
-    def save(self, boundary: dict[str, object] | None = None, log: bool = True) -> Path:
+    def save(self, boundary: dict[str, Any] | None = None, log: bool = True) -> Path:
         """A complete checkpoint of this step (a collective under torchrun: engines gather).
 
         ``boundary`` is the data and RNG state taken when the step ended (``_boundary_state``); the
@@ -359,10 +360,7 @@ class Trainer:
             processor = vision_processor(self.cfg.model)  # a vision-language model's, else None
             save_for_inference(tmp / "actor", self.driver.tokenizer, self.actor_engine.model, processor)
             torch.save(boundary["rng"], tmp / "rng.pt")
-            driver_state = boundary["driver"]
-            assert isinstance(driver_state, dict)
-            state = {"version": self.step, **driver_state}
-            final = self.ckpt.commit(self.step, tmp, state)
+            final = self.ckpt.commit(self.step, tmp, {"version": self.step, **boundary["driver"]})
             if log:
                 logger.info("saved checkpoint %s", final)
         dist_utils.barrier()

@@ -185,12 +185,10 @@ class TorchTrainEngine(TrainEngine):
         ]
         budget = self.config.mb_max_tokens
         world = dist_utils.world_size()
+        if world == 1 and shared:
+            return plan_micro_batches(batch["input_ids"], lengths, budget)
         if world == 1:
-            return (
-                plan_micro_batches(batch["input_ids"], lengths, budget)
-                if shared
-                else split_by_token_budget(lengths, budget)
-            )
+            return split_by_token_budget(lengths, budget)
         if len(lengths) < world:
             raise ValueError(f"batch has {len(lengths)} sequences, fewer than the {world} ranks that share it")
         shares = split_by_token_budget(lengths, sum(lengths) + 1, min_groups=world, multiple_of=world)

@@ -15,6 +15,7 @@ compute it once (``relayrl.train.prefix``).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -146,22 +147,17 @@ def split_by_token_budget(
     k = max(min_groups, n_long + math.ceil(sum(n for n in lens if n <= budget) / budget), 1)
     while True:
         k = math.ceil(k / multiple_of) * multiple_of
-        groups = _greedy(order, lens, budget, k)
-        if groups is not None:
+        heap = [(0, g) for g in range(k)]  # (tokens, group)
+        groups: list[list[int]] = [[] for _ in range(k)]
+        for i in order:
+            total, g = heapq.heappop(heap)
+            if total + lens[i] > budget and total > 0:
+                break  # k groups are too few
+            groups[g].append(i)
+            heapq.heappush(heap, (total + lens[i], g))
+        else:
             return [sorted(g) for g in groups]
         k += 1
-
-
-def _greedy(order: list[int], lens: list[int], budget: int, k: int) -> list[list[int]] | None:
-    heap = [(0, g) for g in range(k)]  # (tokens, group)
-    groups: list[list[int]] = [[] for _ in range(k)]
-    for i in order:
-        total, g = heapq.heappop(heap)
-        if total + lens[i] > budget and total > 0:
-            return None
-        groups[g].append(i)
-        heapq.heappush(heap, (total + lens[i], g))
-    return groups
 
 
 # --------------------------------------------------------------------------------------
@@ -265,15 +261,7 @@ def varlen_attention_forward(
         out = functional.scaled_dot_product_attention(query, key, value, dropout_p=drop, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-
-    def attend(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_pos: torch.Tensor | None = None,
-        k_pos: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return _causal_attention(q, k, v, drop, scaling, gqa, window, softcap, q_pos, k_pos)  # type: ignore[arg-type]
+    attend = functools.partial(_causal_attention, drop=drop, scale=scaling, gqa=gqa, window=window, softcap=softcap)  # type: ignore[arg-type]
 
     tree = kwargs.get(TREE_KWARG)  # a shared-prefix layout (relayrl.train.prefix.SharedPrefix) lays out the tokens
     if tree is not None:
@@ -316,13 +304,14 @@ def _causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+    *,
     drop: float,
     scale: float | None,
     gqa: bool,
     window: int | None,
     softcap: float | None,
-    q_pos: torch.Tensor | None = None,
-    k_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``[n, H, W, D]`` queries over ``[n, H_kv, W', D]`` keys/values, with an
     optional sliding window and logit soft-cap (then an explicit mask / the eager formula).

@@ -107,10 +107,7 @@ def _entry(registry: dict[str, Algorithm[F]], field: str, value: str) -> Algorit
     def check(obj: object) -> Algorithm[F] | None:
         if not callable(obj):
             return None
-        for entry in registry.values():
-            if entry.fn is obj:
-                return entry
-        return Algorithm(cast(F, obj))
+        return next((entry for entry in registry.values() if entry.fn is obj), Algorithm(cast(F, obj)))
 
     return resolve(field, value, registry, "a function", check)
 
