@@ -85,7 +85,9 @@ class Trainer:
         main = dist_utils.is_main()  # rank 0 is the driver: generates, evaluates, logs, writes the run directory
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint)
-        resume_from = self._resume_point()
+        resume_from = None if cfg.recover == "off" else self.ckpt.latest()
+        if resume_from is None and cfg.recover == "resume":
+            raise FileNotFoundError(f"recover=resume but {self.ckpt.root} holds no complete checkpoint")
         if main:  # the driver's data side first: bad rows fail before any model loads
             if cfg.recover != "off":  # steps after the checkpoint (all, without one) are re-done: drop their old rows
                 done = 0 if resume_from is None else int(CheckpointManager.load_state(resume_from)["step"])
@@ -365,14 +367,6 @@ class Trainer:
                 logger.info("saved checkpoint %s", final)
         dist_utils.barrier()
         return final
-
-    def _resume_point(self) -> Path | None:
-        if self.cfg.recover == "off":
-            return None
-        latest = self.ckpt.latest()
-        if latest is None and self.cfg.recover == "resume":
-            raise FileNotFoundError(f"recover=resume but {self.ckpt.root} holds no complete checkpoint")
-        return latest
 
     def _load(self, path: Path) -> None:
         state = CheckpointManager.load_state(path)

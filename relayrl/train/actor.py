@@ -371,12 +371,6 @@ class PPOActor:
         # (relayrl.train.lmhead); distillation's reverse KL needs the full distributions, so it keeps logits
         return loss_fn if self.needs_teacher else token_stats_loss(loss_fn)
 
-    def staleness_stats(self, batch: TensorDict) -> dict[str, float]:
-        """Mean and max of ``engine version - token version`` over the loss tokens (``token_staleness``)."""
-        if "versions" not in batch:
-            return {}
-        return token_staleness(batch["versions"], batch["loss_mask"], self.engine.get_version())
-
     def recomputes_logp(self, batch: TensorDict) -> bool:
         """Whether the policy's logprobs before the update come from the trainer: a ``needs_prox_logp``
         loss's proximal policy; else ``recompute_logp``, or when it is None, whether the batch is on-policy
@@ -431,12 +425,14 @@ class PPOActor:
         """``ppo_epochs`` passes of ``n_minibatches`` optimizer steps each; one stats dict per step."""
         cfg = self.config
         self._fill_old_logp(batch)
-        needed = ["advantages"] + (["ref_logp"] if (cfg.kl_coef > 0 and not cfg.kl_in_reward) or self.needs_ref else [])
+        needed = ["advantages"] + (["ref_logp"] if self.needs_ref else [])  # (kl_coef > 0 needs the reference)
         self.fill_teacher(batch)
         missing = [k for k in needed if k not in batch]
         if missing:
             raise ValueError(f"ppo_update: batch is missing {missing}; call actor.prepare(batch) first")
-        common = {**self.adv_stats, **self.staleness_stats(batch)}
+        common = dict(self.adv_stats)
+        if "versions" in batch:  # mean and max of engine version - token version over the loss tokens
+            common.update(token_staleness(batch["versions"], batch["loss_mask"], self.engine.get_version()))
         before = self._logp_before_update(batch)
         self.engine.train()
         all_stats = []

@@ -199,9 +199,9 @@ class TorchTrainEngine(TrainEngine):
         ]
 
     def _micro_batches(self, batch: TensorDict, shared: bool = False) -> Iterator[tuple[TensorDict, bool]]:
-        """(packed micro-batch, is_dummy); a dummy re-packs row 0 so every rank runs alike."""
+        """(packed micro-batch on the device, is_dummy); a dummy re-packs row 0 so every rank runs alike."""
         for rows in self._plan(batch, shared):
-            yield (pack(batch, rows), False) if rows else (pack(batch, [0]), True)
+            yield self._to_device(pack(batch, rows or [0])), not rows
 
     @contextlib.contextmanager
     def _forward_on(self, packed: TensorDict) -> Iterator[TensorDict]:
@@ -341,7 +341,6 @@ class TorchTrainEngine(TrainEngine):
         out: torch.Tensor | None = None
         shared = self._shares(batch)
         for packed, dummy in self._micro_batches(batch, shared):
-            packed = self._to_device(packed)
             values = post(self._logits(packed, shared), packed)
             if out is None:
                 out = torch.zeros(bsz, seqlen, *values.shape[1:], dtype=torch.float32)
@@ -369,7 +368,6 @@ class TorchTrainEngine(TrainEngine):
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> float:
         total = weight = 0.0
         for packed, dummy in self._micro_batches(batch, self._shares_loss(loss_fn, batch)):
-            packed = self._to_device(packed)
             loss = loss_fn(self._loss_input(loss_fn, packed), packed)
             if not dummy:
                 w = float(loss_weight_fn(packed))
@@ -388,7 +386,7 @@ class TorchTrainEngine(TrainEngine):
         if self.optimizer is None:
             raise RuntimeError("train_batch on a frozen engine (trainable=False)")
         shared = self._shares_loss(loss_fn, batch)
-        mbs = [(self._to_device(p), dummy) for p, dummy in self._micro_batches(batch, shared)]
+        mbs = list(self._micro_batches(batch, shared))
         weights = [0.0 if dummy else float(loss_weight_fn(p)) for p, dummy in mbs]
         total_w = dist_utils.all_reduce_sum(sum(weights))
         if not total_w > 0:

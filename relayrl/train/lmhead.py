@@ -12,10 +12,8 @@ The seam: a loss that only needs per-token logprobs / entropies says so with
 :func:`token_stats_loss` (the actor's built-in loss does, unless it distils). The engine then
 passes it a :class:`TokenStats` where the logits would go; ``relayrl.train.packing``'s
 ``token_logprobs`` / ``token_entropy`` accept either. Every other loss (custom ``LossFn`` s,
-distillation, value/reward heads) still gets full logits. The engine also keeps full logits
-where the fast path does not give the same numbers or cannot run (see
-``TorchTrainEngine._head_stats_ok``): soft-capped or scaled logits, a non-``nn.Linear`` (e.g.
-LoRA-wrapped) head, vision models, fp16/bf16 autocast, FSDP2 (sharded head weight).
+distillation, value/reward heads) still gets full logits, and so does every loss where the fast
+path would not give the same numbers or cannot run (``TorchTrainEngine._head_stats_ok``).
 
 Values at positions outside the loss mask are 0 (the generic path computes them; no built-in
 loss reads them).

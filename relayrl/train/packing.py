@@ -29,7 +29,6 @@ from relayrl.train.lmhead import TokenStats
 from relayrl.utils.batching import length_groups
 
 VARLEN_ATTN = "relayrl_varlen"
-PACK_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "row_index")
 TREE_KWARG = "relayrl_tree"  # the model forward's keyword that carries a shared-prefix layout to the attention
 
 
@@ -239,19 +238,15 @@ def varlen_attention_forward(
     scaling: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed document (``cu_seq_lens_q`` in kwargs).
+    """Causal attention within each packed document (``cu_seq_lens_q`` in kwargs): ``query [1, H, T, D]``,
+    ``key``/``value`` ``[1, H_kv, T, D]`` -> ``[1, T, H, D]``, like transformers' other attention functions.
 
-    ``query``: ``[1, H, T, D]``, ``key``/``value``: ``[1, H_kv, T, D]``. Documents of similar
-    length (``length_groups``) are gathered into one right-padded ``[n, H, W, D]`` batch and run
-    through SDPA with ``is_causal``: a real token never sees a padding key (they come after it),
-    so the result is exact, the cost is about ``sum(len_i^2)`` instead of ``T^2``, no mask is
-    allocated, and 64 short documents take a couple of SDPA calls instead of 64. Without
-    ``cu_seq_lens_q`` it is plain causal SDPA (one document). ``sliding_window`` (Mistral,
-    Gemma2/3: a token sees the last ``sliding_window`` tokens, itself included) and ``softcap``
-    (Gemma2: ``tanh(scores / c) * c``) are honoured as transformers' eager attention does. With
-    ``relayrl_tree`` in kwargs (a ``relayrl.train.prefix.SharedPrefix``) the tokens are in the
-    shared-prefix layout, which runs its own documents and trees. Returns ``[1, T, H, D]`` like
-    transformers' other attention functions.
+    Documents of similar length run as one right-padded SDPA call with ``is_causal`` (``document_attention``):
+    exact, as a real token never sees a padding key (they come after it), about ``sum(len_i^2)`` instead of
+    ``T^2``, no mask allocated. ``sliding_window`` (Mistral, Gemma2/3: a token sees the last ``sliding_window``
+    tokens, itself included) and ``softcap`` (Gemma2: ``tanh(scores / c) * c``) are honoured as transformers'
+    eager attention does. ``relayrl_tree`` in kwargs (a ``relayrl.train.prefix.SharedPrefix``): the tokens
+    are in the shared-prefix layout, which runs its own documents and trees.
     """
     if attention_mask is not None and query.shape[0] != 1:
         raise ValueError("relayrl_varlen attention expects packed input ([1, T]) without an attention mask")
