@@ -155,8 +155,7 @@ def shape_rewards(
 def last_token_rewards(rewards: Tensor, loss_mask: Tensor) -> Tensor:
     """``[B, L]`` per-token rewards: each sequence's reward on its last generated token."""
     mask = loss_mask.bool()
-    L = mask.shape[1]
-    last = torch.where(mask, torch.arange(L, device=mask.device), -1).amax(1)
+    last = torch.where(mask, torch.arange(mask.shape[1], device=mask.device), -1).amax(1)
     out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
     has = last >= 0
     out[has.nonzero().squeeze(1), last[has]] = rewards[has]

@@ -241,10 +241,9 @@ class TorchTrainEngine(TrainEngine):
     _SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
     def _head_stats_ok(self, packed: TensorDict) -> bool:
-        """Whether this micro-batch may take the LM-head fast path (``relayrl.train.lmhead``): an
-        ``lm`` head that is a plain ``nn.Linear`` (not LoRA-wrapped), logits neither soft-capped nor
-        scaled, no images, no fp16/bf16 autocast, no FSDP2 (its head weight is sharded outside the
-        root forward), a forward that takes ``logits_to_keep``, and ``loss_mask`` in the batch."""
+        """Whether this micro-batch may take the LM-head fast path (``relayrl.train.lmhead``): only where it
+        gives the plain path's numbers (a plain ``nn.Linear`` head, unscaled logits, no autocast) and can run
+        (no images; no FSDP2, whose head weight is sharded outside the root forward)."""
         model = self._require()
         if self.head != "lm" or self.lora or self.fp16 or self._checked.bf16 or "loss_mask" not in packed:
             return False
@@ -268,10 +267,9 @@ class TorchTrainEngine(TrainEngine):
         return "logits_to_keep" in inspect.signature(self._require().forward).parameters
 
     def _shares(self, batch: TensorDict) -> bool:
-        """Whether the shared-prefix layout (``relayrl.train.prefix``) may run on this (packed) batch: not
-        with ``train.shared_prefix=off``, a value/reward head, LoRA, fp16/bf16 autocast, MoE (routing
-        replay and the load-balancing loss are per plain token), images, torch.distributed (FSDP2 or
-        replicated), an attention other than ``relayrl_varlen`` (flash-attn, sdpa, eager)."""
+        """Whether the shared-prefix layout (``relayrl.train.prefix``) may run on this (packed) batch: a plain
+        ``lm`` forward in one process on ``relayrl_varlen`` attention (not under MoE, whose routing replay and
+        load-balancing loss are per plain token)."""
         if self.config.shared_prefix == "off":
             return False
         if self.head != "lm" or self.lora or self.fp16 or self._checked.bf16 or self._moe is not None:

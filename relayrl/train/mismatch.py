@@ -25,11 +25,9 @@ LOG_BOUND = 20.0  # log-ratios are clamped to +-20 before exponentiating (exp(20
 
 
 def disable_dropout(model: nn.Module) -> int:
-    """Turn every dropout of ``model`` off: ``nn.Dropout`` modules get ``p = 0``, float attributes
-    named ``*dropout*`` (attention modules pass them to SDPA) become 0.0, and so do the config's
-    ``*dropout*`` / ``*pdrop*`` fields (code that reads the config at forward time). Returns how many
-    non-zero values it changed. RL needs the trainer to score tokens exactly as the generator
-    sampled them; dropout in the update forward is noise in every ratio."""
+    """Turn every dropout of ``model`` off (also float ``*dropout*`` attributes attention passes to SDPA, and
+    config fields read at forward time); returns how many non-zero values it changed. RL needs the trainer
+    to score tokens exactly as the generator sampled them: dropout in the update is noise in every ratio."""
     changed = 0
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
