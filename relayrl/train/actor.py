@@ -402,11 +402,10 @@ class PPOActor:
         if self.loss.needs_prox_logp:
             if "prox_logp" not in batch:
                 batch["prox_logp"] = self.compute_logp(batch)
+        elif "old_logp" not in batch and not recompute:
+            batch["old_logp"] = batch["logprobs"]
         elif "old_logp" not in batch:
-            if not recompute:
-                batch["old_logp"] = batch["logprobs"]
-            else:
-                batch["old_logp"] = batch["prox_logp"] if "prox_logp" in batch else self.compute_logp(batch)
+            batch["old_logp"] = batch["prox_logp"] if "prox_logp" in batch else self.compute_logp(batch)
 
     def _logp_before_update(self, batch: TensorDict) -> torch.Tensor | None:
         """The trainer's logprobs at the weights before this update, for the ``mismatch/`` metrics:
