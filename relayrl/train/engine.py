@@ -161,8 +161,7 @@ class TorchTrainEngine(TrainEngine):
         )
 
     def destroy(self) -> None:
-        self.model = self.optimizer = self.scheduler = None
-        self._init_model = None
+        self.model = self.optimizer = self.scheduler = self._init_model = None
 
     def train(self, mode: bool = True) -> None:
         self._require().train(mode)
