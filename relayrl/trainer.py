@@ -23,6 +23,7 @@ import json
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -84,7 +85,9 @@ class Trainer:
         main = dist_utils.is_main()  # rank 0 is the driver: generates, evaluates, logs, writes the run directory
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint)
-        resume_from = self._resume_point()
+        resume_from = None if cfg.recover == "off" else self.ckpt.latest()
+        if resume_from is None and cfg.recover == "resume":
+            raise FileNotFoundError(f"recover=resume but {self.ckpt.root} holds no complete checkpoint")
         if main:  # the driver's data side first: bad rows fail before any model loads
             if cfg.recover != "off":  # steps after the checkpoint (all, without one) are re-done: drop their old rows
                 done = 0 if resume_from is None else int(CheckpointManager.load_state(resume_from)["step"])
@@ -132,6 +135,7 @@ class Trainer:
 
         # Generation side (the driver).
         self.driver: Driver | None = None
+        self.watchdog: Watchdog | None = None
         if main:
             logger.info("set-up: starting the generators (inference.backend=%s)", cfg.inference.backend)
             engine = wiring.make_inference_engine(cfg, tokenizer)
@@ -155,12 +159,9 @@ class Trainer:
                 or workflow
                 or wiring.make_workflow(cfg, tokenizer, reward, cfg.eval.gconfig, reward_pool=pool),
             )
-        self.engine = self.driver.engine if self.driver else None  # None on the other ranks
-        self.watchdog: Watchdog | None = None
-        if self.driver:
-            d = self.driver
-            w = cfg.watchdog
+            d, w = self.driver, cfg.watchdog
             self.watchdog = Watchdog(self.run_dir, w.stall_s, w.action, d.stall_state, lambda: d.executor.loop)
+        self.engine = self.driver.engine if self.driver else None  # None on the other ranks
 
         self.step = 0
         if resume_from is not None:
@@ -168,17 +169,12 @@ class Trainer:
         # Generators start from the trainer's weights and version.
         self.actor_engine.update_weights(self.engine)  # a collective; rank 0 pushes
         self._critic_stats: list[dict[str, float]] = []
-        self._boundary: dict[str, object] = {}
+        self._boundary: dict[str, Any] = {}
         self._t_start = time.monotonic()
         if main:
             logger.info("set-up: done in %.0f s", self._t_start - t_setup)
 
     # ------------------------------------------------------------------ the loop
-    def _shares_gpu(self) -> bool:
-        """Synchronous RL with an in-process engine on a GPU: nothing generates while the trainer
-        trains, so the engine's KV cache can give its memory to training."""
-        return self.cfg.rollout.max_staleness == 0 and self.engine is not None and self.engine.can_release_memory()
-
     def fit(self) -> dict[str, float]:
         """Train until ``total_steps``; returns the last step's metrics.
 
@@ -240,7 +236,8 @@ class Trainer:
             batch = d.executor.prepare_batch(d.dataloader, d.workflow) if d else None
             batch = dist_utils.broadcast_object(batch)  # every rank trains on the driver's batch
             assert batch is not None
-        share_gpu = self._shares_gpu()
+        # synchronous RL with an in-process engine on a GPU: nothing generates while the trainer trains
+        share_gpu = self.cfg.rollout.max_staleness == 0 and self.engine is not None and self.engine.can_release_memory()
         with guard.held():
             if d and share_gpu:  # one GPU for both: the KV cache is freed while the trainer trains
                 d.engine.release_memory()
@@ -340,7 +337,7 @@ class Trainer:
         return self._main().eval_rows
 
     # ------------------------------------------------------------------ checkpoints
-    def _boundary_state(self) -> dict[str, object]:
+    def _boundary_state(self) -> dict[str, Any]:
         """The driver's data order, the executor's pending prompts and the RNGs at the end of a step."""
         if self.driver is None:
             return {}
@@ -349,7 +346,7 @@ class Trainer:
             "driver": self.driver.state_dict(),
         }
 
-    def save(self, boundary: dict[str, object] | None = None, log: bool = True) -> Path:
+    def save(self, boundary: dict[str, Any] | None = None, log: bool = True) -> Path:
         """A complete checkpoint of this step (a collective under torchrun: engines gather).
 
         ``boundary`` is the data and RNG state taken when the step ended (``_boundary_state``); the
@@ -365,22 +362,11 @@ class Trainer:
             processor = vision_processor(self.cfg.model)  # a vision-language model's, else None
             save_for_inference(tmp / "actor", self.driver.tokenizer, self.actor_engine.model, processor)
             torch.save(boundary["rng"], tmp / "rng.pt")
-            driver_state = boundary["driver"]
-            assert isinstance(driver_state, dict)
-            state = {"version": self.step, **driver_state}
-            final = self.ckpt.commit(self.step, tmp, state)
+            final = self.ckpt.commit(self.step, tmp, {"version": self.step, **boundary["driver"]})
             if log:
                 logger.info("saved checkpoint %s", final)
         dist_utils.barrier()
         return final
-
-    def _resume_point(self) -> Path | None:
-        if self.cfg.recover == "off":
-            return None
-        latest = self.ckpt.latest()
-        if latest is None and self.cfg.recover == "resume":
-            raise FileNotFoundError(f"recover=resume but {self.ckpt.root} holds no complete checkpoint")
-        return latest
 
     def _load(self, path: Path) -> None:
         state = CheckpointManager.load_state(path)

@@ -24,7 +24,7 @@ from relayrl.api.config import ActorConfig, ConfigError, check_overlong, validat
 from relayrl.api.engine import TensorDict, TrainEngine
 from relayrl.rollout.staleness import token_staleness
 from relayrl.train import algorithms
-from relayrl.train.distill import distill_stats, teacher_targets, token_reverse_kl
+from relayrl.train.distill import teacher_targets, token_reverse_kl
 from relayrl.train.lmhead import token_stats_loss
 from relayrl.train.mismatch import correction_weights, mismatch_metrics
 from relayrl.train.packing import shifted, token_entropy, token_logprobs, unpack
@@ -79,30 +79,20 @@ class _GapSink:
 
     def __init__(self, batch: TensorDict) -> None:
         self.shape = tuple(batch["input_ids"].shape)
-        self.sum = torch.zeros((2, *self.shape), dtype=torch.float64)  # logprobs, entropies
-        self.count = torch.zeros(self.shape, dtype=torch.float64)
-        self.flips = (0.0, 0.0)
+        self.sum = torch.zeros((3, *self.shape), dtype=torch.float64)  # logprobs, entropies, count
+        self.flips = torch.zeros(2, dtype=torch.float64)  # (routings flipped, routings recorded)
 
     def add(self, before: torch.Tensor, entropy: torch.Tensor, packed: TensorDict) -> None:
-        where = {k: packed[k].cpu() for k in ("cu_seqlens", "position_ids")}
-        where["row_index"] = packed["batch_row"].cpu()
-        b, seqlen = self.shape
-        for i, values in enumerate((before, entropy)):
-            self.sum[i] += unpack(values.detach().double().cpu(), where, b, seqlen)
-        self.count += unpack(torch.ones_like(before, dtype=torch.float64).cpu(), where, b, seqlen)
+        values = torch.stack([before.detach(), entropy.detach(), torch.ones_like(before)], -1).double().cpu()
+        self.sum += unpack(values, {**packed, "row_index": packed["batch_row"]}, *self.shape).movedim(-1, 0)
         if "moe_expert_flips" in packed:
-            f = packed["moe_expert_flips"].tolist()
-            self.flips = (self.flips[0] + f[0], self.flips[1] + f[1])
+            self.flips += packed["moe_expert_flips"].cpu()
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs, entropies), every rank's share summed (a dummy micro-batch repeats a row: averaged away)."""
-        total, count = self.sum, self.count
-        if dist_utils.is_distributed():
-            both = dist_utils.all_reduce(torch.cat([total, count[None]]))
-            total, count = both[:2], both[2]
-            flips = dist_utils.all_reduce(torch.tensor(self.flips, dtype=torch.float64)).tolist()
-            self.flips = (flips[0], flips[1])
-        out = (total / count.clamp(min=1.0)).float()
+        total = dist_utils.all_reduce(self.sum)
+        self.flips = dist_utils.all_reduce(self.flips)
+        out = (total[:2] / total[2].clamp(min=1.0)).float()
         return out[0], out[1]
 
 
@@ -184,15 +174,6 @@ class PPOActor:
         self.engine.eval()
         return self.engine.forward(self._routing(batch), temperature=self.temperature)
 
-    def compute_ref_logp(self, batch: TensorDict) -> torch.Tensor:
-        """``[B, L]`` logprobs under the frozen reference engine."""
-        if self.ref_engine is None:
-            raise ValueError(
-                "actor.kl_coef > 0 (or an estimator / loss with needs_ref) needs a reference engine: "
-                "PPOActor(config, engine, ref_engine=...)"
-            )
-        return self.ref_engine.forward(self._routing(batch, replay=False), temperature=self.temperature)
-
     def fill_teacher(self, batch: TensorDict) -> None:
         """Distillation: the teacher's ``teacher_logp`` (and ``teacher_ids``) for ``batch`` from the local teacher
         or the served one (``actor.teacher.url``), unless the batch already carries them (a workflow's own
@@ -224,8 +205,15 @@ class PPOActor:
         reference's, the teacher's), the critic's values, then the advantages."""
         with tracker.record_timing("compute_logp"):
             self._fill_old_logp(batch)
-            if self.needs_ref:
-                batch["ref_logp"] = self.compute_ref_logp(batch)
+            if self.needs_ref:  # the frozen reference's logprobs
+                if self.ref_engine is None:
+                    raise ValueError(
+                        "actor.kl_coef > 0 (or an estimator / loss with needs_ref) needs a reference engine: "
+                        "PPOActor(config, engine, ref_engine=...)"
+                    )
+                batch["ref_logp"] = self.ref_engine.forward(
+                    self._routing(batch, replay=False), temperature=self.temperature
+                )
             self.fill_teacher(batch)
             if self.advantage.needs_critic:
                 if critic is None:
@@ -332,25 +320,18 @@ class PPOActor:
             else:
                 old, prox = packed.get("old_logp", before), None
             advantages = packed["advantages"]
-            if corr.mode != "off":  # the trainer's policy before the update over the generator's
-                w, keep = correction_weights(
-                    old if prox is None else prox,
-                    packed["logprobs"],
-                    mask,
-                    cu,
-                    corr.mode,
-                    corr.level,
-                    corr.low,
-                    corr.high,
-                )
+            extra: dict[str, torch.Tensor] = {}  # stats of the correction and distillation
+            if corr.mode != "off":  # the trainer's policy before the update (``old``) over the generator's
+                w, keep = correction_weights(old, packed["logprobs"], mask, cu, corr)
+                extra["correction_weight_mean"] = algorithms.masked_mean(w, mask)
+                extra["correction_dropped_frac"] = algorithms.masked_mean((~keep).float(), mask)
                 advantages = advantages * w
                 mask = mask if corr.masked_in_norm else keep
-                stats_w = {"weight_mean": algorithms.masked_mean(w, packed["loss_mask"].bool())}
-                stats_w["dropped_frac"] = algorithms.masked_mean((~keep).float(), packed["loss_mask"].bool())
             distill_kl = None
             if self.needs_teacher:  # per-token reverse KL to the teacher, reweighted like the advantages
                 distill_kl = token_reverse_kl(logits, packed, self.temperature)
                 distill_kl = distill_kl if corr.mode == "off" else distill_kl * w
+                extra["distill_kl"] = algorithms.masked_mean(distill_kl.detach(), mask)
             loss, stats = policy_loss(
                 logp=logp,
                 old_logp=old,
@@ -362,13 +343,9 @@ class PPOActor:
                 distill_kl=distill_kl,
                 **reads,
             )
-            stats["policy_loss"] = loss.detach()
-            if distill_kl is not None:
-                stats.update(distill_stats(distill_kl, mask))
-                if cfg.distill_coef > 0:
-                    loss = loss + cfg.distill_coef * algorithms.agg_loss(distill_kl, mask, cu, agg_mode, norm_len)
-            if corr.mode != "off":
-                stats.update({f"correction_{k}": v for k, v in stats_w.items()})
+            stats.update(extra, policy_loss=loss.detach())
+            if distill_kl is not None and cfg.distill_coef > 0:
+                loss = loss + cfg.distill_coef * algorithms.agg_loss(distill_kl, mask, cu, agg_mode, norm_len)
             # KL(behaviour || policy), k3 over the loss tokens: how far the policy has moved from the one
             # that generated them (staleness in async runs; any inference/training mismatch always)
             r = before - packed["logprobs"]
@@ -393,12 +370,6 @@ class PPOActor:
         # it reads logprobs / entropies at loss tokens only: the engine may compute the LM head just there
         # (relayrl.train.lmhead); distillation's reverse KL needs the full distributions, so it keeps logits
         return loss_fn if self.needs_teacher else token_stats_loss(loss_fn)
-
-    def staleness_stats(self, batch: TensorDict) -> dict[str, float]:
-        """Mean and max of ``engine version - token version`` over the loss tokens (``token_staleness``)."""
-        if "versions" not in batch:
-            return {}
-        return token_staleness(batch["versions"], batch["loss_mask"], self.engine.get_version())
 
     def recomputes_logp(self, batch: TensorDict) -> bool:
         """Whether the policy's logprobs before the update come from the trainer: a ``needs_prox_logp``
@@ -431,11 +402,10 @@ class PPOActor:
         if self.loss.needs_prox_logp:
             if "prox_logp" not in batch:
                 batch["prox_logp"] = self.compute_logp(batch)
+        elif "old_logp" not in batch and not recompute:
+            batch["old_logp"] = batch["logprobs"]
         elif "old_logp" not in batch:
-            if not recompute:
-                batch["old_logp"] = batch["logprobs"]
-            else:
-                batch["old_logp"] = batch["prox_logp"] if "prox_logp" in batch else self.compute_logp(batch)
+            batch["old_logp"] = batch["prox_logp"] if "prox_logp" in batch else self.compute_logp(batch)
 
     def _logp_before_update(self, batch: TensorDict) -> torch.Tensor | None:
         """The trainer's logprobs at the weights before this update, for the ``mismatch/`` metrics:
@@ -454,12 +424,14 @@ class PPOActor:
         """``ppo_epochs`` passes of ``n_minibatches`` optimizer steps each; one stats dict per step."""
         cfg = self.config
         self._fill_old_logp(batch)
-        needed = ["advantages"] + (["ref_logp"] if (cfg.kl_coef > 0 and not cfg.kl_in_reward) or self.needs_ref else [])
+        needed = ["advantages"] + (["ref_logp"] if self.needs_ref else [])  # (kl_coef > 0 needs the reference)
         self.fill_teacher(batch)
         missing = [k for k in needed if k not in batch]
         if missing:
             raise ValueError(f"ppo_update: batch is missing {missing}; call actor.prepare(batch) first")
-        common = {**self.adv_stats, **self.staleness_stats(batch)}
+        common = dict(self.adv_stats)
+        if "versions" in batch:  # mean and max of engine version - token version over the loss tokens
+            common.update(token_staleness(batch["versions"], batch["loss_mask"], self.engine.get_version()))
         before = self._logp_before_update(batch)
         self.engine.train()
         all_stats = []
@@ -485,7 +457,7 @@ class PPOActor:
             batch.get("versions"),
             self.engine.get_version(),
             batch.get("truncated"),
-            gap.flips if gap.flips[1] > 0 else None,
+            gap.flips.tolist(),
         )
         return all_stats
 
@@ -547,5 +519,5 @@ class Critic:
                     return loss
 
                 step = self.engine.train_batch(mb, loss_fn, weight)
-                out.append({**{f"critic/{k}": v for k, v in {**sink.result(), **step}.items()}})
+                out.append({f"critic/{k}": v for k, v in {**sink.result(), **step}.items()})
         return out

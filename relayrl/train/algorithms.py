@@ -65,6 +65,17 @@ def seq_sums(x: Tensor, cu_seqlens: Tensor) -> Tensor:
     return out[:n]
 
 
+def seq_means(x: Tensor, mask: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Per-sequence means ``[n_seqs]`` of a packed ``[T]`` tensor over ``mask`` (0 for a sequence without one)."""
+    m = mask.to(x.dtype)
+    return seq_sums(x * m, cu_seqlens) / seq_sums(m, cu_seqlens).clamp(min=1.0)
+
+
+def seq_to_tokens(per_seq: Tensor, cu_seqlens: Tensor, n_tokens: int) -> Tensor:
+    """``[T]``: each packed token gets its sequence's value of ``per_seq [n_seqs]`` (trailing padding 0)."""
+    return torch.cat([per_seq, per_seq.new_zeros(1)])[seq_ids(cu_seqlens, n_tokens)]
+
+
 def agg_loss(
     values: Tensor, mask: Tensor, cu_seqlens: Tensor, mode: str = "token-mean", norm_len: float = 0.0
 ) -> Tensor:
@@ -78,15 +89,14 @@ def agg_loss(
 
     The sequence modes count every sequence of the micro-batch, also those with no loss token.
     """
-    m = mask.to(values.dtype)
     if mode == "token-mean":
-        return (values * m).sum() / m.sum().clamp(min=1.0)
+        return masked_mean(values, mask)
     n_seqs = max(len(cu_seqlens) - 1, 1)
-    sums = seq_sums(values * m, cu_seqlens)
+    if mode == "seq-mean-token-mean":
+        return seq_means(values, mask, cu_seqlens).sum() / n_seqs
+    sums = seq_sums(values * mask.to(values.dtype), cu_seqlens)
     if mode == "seq-mean-token-sum":
         return sums.sum() / n_seqs
-    if mode == "seq-mean-token-mean":
-        return (sums / seq_sums(m, cu_seqlens).clamp(min=1.0)).sum() / n_seqs
     if mode == "seq-mean-token-sum-norm":
         if norm_len <= 0:
             raise ValueError(f"agg_loss mode {mode!r} needs norm_len > 0 (the max completion length), got {norm_len}")
@@ -145,8 +155,7 @@ def shape_rewards(
 def last_token_rewards(rewards: Tensor, loss_mask: Tensor) -> Tensor:
     """``[B, L]`` per-token rewards: each sequence's reward on its last generated token."""
     mask = loss_mask.bool()
-    L = mask.shape[1]
-    last = torch.where(mask, torch.arange(L, device=mask.device), -1).amax(1)
+    last = torch.where(mask, torch.arange(mask.shape[1], device=mask.device), -1).amax(1)
     out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
     has = last >= 0
     out[has.nonzero().squeeze(1), last[has]] = rewards[has]
@@ -184,8 +193,10 @@ def _group_stats(rewards: Tensor, group_id: Tensor) -> tuple[Tensor, Tensor, Ten
     return mean[inv].to(rewards.dtype), std[inv].to(rewards.dtype), count[inv]
 
 
-def _broadcast(adv: Tensor, loss_mask: Tensor) -> Tensor:
-    return adv.unsqueeze(1) * loss_mask.to(adv.dtype)
+def _outcome(adv: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """A sequence-level advantage ``[B]`` on every loss token ``[B, L]``: the advantages, and the returns."""
+    out = adv.unsqueeze(1) * loss_mask.to(adv.dtype)
+    return out, out
 
 
 @register_advantage("grpo", needs_groups=True, reads=("adv_norm", "adv_eps"))
@@ -197,9 +208,7 @@ def grpo_advantage(
     adv = rewards - mean
     if adv_norm:
         adv = adv / (std + adv_eps)
-    adv = torch.where(count > 1, adv, 0.0)
-    out = _broadcast(adv, loss_mask)
-    return out, out
+    return _outcome(torch.where(count > 1, adv, 0.0), loss_mask)
 
 
 @register_advantage("dr_grpo", needs_groups=True)
@@ -213,8 +222,7 @@ def rloo_advantage(rewards: Tensor, loss_mask: Tensor, group_id: Tensor, **_: ob
     """RLOO: ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean)``; a group of one gets 0."""
     mean, _std, count = _group_stats(rewards, group_id)
     adv = torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1.0), 0.0).to(rewards.dtype)
-    out = _broadcast(adv, loss_mask)
-    return out, out
+    return _outcome(adv, loss_mask)
 
 
 @register_advantage("reinforce", reads=("gamma", "baseline"))
@@ -253,8 +261,7 @@ def reinforce_pp_advantage(
     returns = discounted_returns(token_rewards, loss_mask, gamma)
     adv = returns
     if adv_norm:
-        m = loss_mask.bool()
-        vals = returns[m]
+        vals = returns[loss_mask.bool()]
         if vals.numel() > 1:
             adv = (returns - vals.mean()) / (vals.std() + adv_eps)
         else:
@@ -272,8 +279,7 @@ def remax_advantage(
     """
     if baseline_rewards is None:
         raise ValueError("remax needs the sequence-level batch key 'baseline_rewards' (set by the remax workflow)")
-    out = _broadcast(rewards - baseline_rewards.to(rewards.dtype), loss_mask)
-    return out, out
+    return _outcome(rewards - baseline_rewards.to(rewards.dtype), loss_mask)
 
 
 @register_advantage("gae", needs_critic=True, reads=("gamma", "lam", "adv_norm", "adv_eps"))
@@ -333,14 +339,16 @@ def _ratio_stats(ratio: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, Te
 
 
 def _clipped_surrogate(
-    ratio: Tensor,
+    log_ratio: Tensor,
     advantages: Tensor,
     mask: Tensor,
     eps_clip: float,
     eps_clip_higher: float | None,
     c_clip: float | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token ``-min(r A, clip(r) A)``, with dual clip ``min(., -c A)`` for ``A < 0``."""
+    """Per-token ``-min(r A, clip(r) A)`` of ``r = exp(log_ratio)``, with dual clip ``min(., -c A)`` for
+    ``A < 0``; the stats include the ratio's (``_ratio_stats``)."""
+    ratio = log_ratio.exp()
     high = eps_clip if eps_clip_higher is None else eps_clip_higher
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + high)
@@ -353,7 +361,7 @@ def _clipped_surrogate(
         dual = (advantages < 0) & (loss > loss3)
         loss = torch.where(advantages < 0, torch.minimum(loss, loss3), loss)
         stats["dual_clip_frac"] = masked_mean(dual.float(), mask)
-    return loss, stats
+    return loss, {**stats, **_ratio_stats(ratio, log_ratio, mask)}
 
 
 _CLIP = ("eps_clip", "eps_clip_higher", "c_clip")
@@ -377,12 +385,8 @@ def ppo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (with DAPO clip-higher and dual clip), ratio against ``old_logp``."""
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
-    per_token, stats = _clipped_surrogate(ratio, advantages, loss_mask, eps_clip, eps_clip_higher, c_clip)
-    return agg_loss(per_token, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len), {
-        **stats,
-        **_ratio_stats(ratio, log_ratio, loss_mask),
-    }
+    per_token, stats = _clipped_surrogate(log_ratio, advantages, loss_mask, eps_clip, eps_clip_higher, c_clip)
+    return agg_loss(per_token, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len), stats
 
 
 @register_loss("decoupled_ppo", needs_prox_logp=True, reads=_CLIP + _BEHAV + _AGG)
@@ -424,13 +428,10 @@ def decoupled_ppo_loss(
             f"{behav_weight_level!r}, {behav_weight_clip!r}"
         )
     log_ratio = (logp - prox_logp).clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
-    per_token, stats = _clipped_surrogate(ratio, advantages, loss_mask, eps_clip, eps_clip_higher, c_clip)
+    per_token, stats = _clipped_surrogate(log_ratio, advantages, loss_mask, eps_clip, eps_clip_higher, c_clip)
     log_w = (prox_logp - old_logp).clamp(-20.0, 20.0)
     if behav_weight_level == "sequence":
-        m = loss_mask.to(log_w.dtype)
-        seq = seq_ids(cu_seqlens, log_w.shape[0])
-        log_w = (seq_sums(log_w * m, cu_seqlens) / seq_sums(m, cu_seqlens).clamp(min=1.0))[seq]
+        log_w = seq_to_tokens(seq_means(log_w, loss_mask, cu_seqlens), cu_seqlens, log_w.shape[0])
     behav_weight = log_w.exp()
     keep = loss_mask.bool()
     capped = torch.zeros_like(keep)
@@ -447,7 +448,7 @@ def decoupled_ppo_loss(
     loss = agg_loss(per_token * behav_weight, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len)
     stats["behav_capped_frac"] = masked_mean((loss_mask.bool() & capped).float(), loss_mask)
     stats["behav_weight_mean"] = masked_mean(behav_weight, keep)
-    return loss, {**stats, **_ratio_stats(ratio, log_ratio, loss_mask)}
+    return loss, stats
 
 
 @register_loss("gspo", reads=("eps_clip", "eps_clip_higher") + _AGG)
@@ -468,17 +469,10 @@ def gspo_loss(
     ``s_i = exp(mean_t (logp - old_logp))``; token ``t`` uses ``sg[s_i] * pi_t / sg[pi_t]``
     (same value, gradient of the sequence-level objective, token-level advantages allowed).
     """
-    m = loss_mask.to(logp.dtype)
-    seq = seq_ids(cu_seqlens, logp.shape[0])
-    seq_log_ratio = seq_sums((logp - old_logp) * m, cu_seqlens) / seq_sums(m, cu_seqlens).clamp(min=1.0)
-    seq_log_ratio = torch.cat([seq_log_ratio, seq_log_ratio.new_zeros(1)])[seq]  # padding tokens -> 0
+    seq_log_ratio = seq_to_tokens(seq_means(logp - old_logp, loss_mask, cu_seqlens), cu_seqlens, logp.shape[0])
     log_ratio = (seq_log_ratio.detach() + logp - logp.detach()).clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
-    per_token, stats = _clipped_surrogate(ratio, advantages, loss_mask, eps_clip, eps_clip_higher, None)
-    return agg_loss(per_token, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len), {
-        **stats,
-        **_ratio_stats(ratio, log_ratio, loss_mask),
-    }
+    per_token, stats = _clipped_surrogate(log_ratio, advantages, loss_mask, eps_clip, eps_clip_higher, None)
+    return agg_loss(per_token, loss_mask, cu_seqlens, loss_agg_mode, loss_norm_len), stats
 
 
 @register_loss("reinforce", reads=_AGG)

@@ -25,7 +25,8 @@ from collections.abc import Callable
 import torch
 
 from relayrl.api.engine import TensorDict, TrainEngine
-from relayrl.train.algorithms import masked_mean
+from relayrl.train.lmhead import loss_positions
+from relayrl.train.packing import shifted
 
 Tensor = torch.Tensor
 
@@ -45,13 +46,6 @@ def reverse_kl(student_logp: Tensor, teacher_logp: Tensor, teacher_ids: Tensor |
         s = s - torch.logsumexp(s, -1, keepdim=True)
         t = teacher_logp - torch.logsumexp(teacher_logp, -1, keepdim=True)
     return (s.exp() * (s - t)).sum(-1)
-
-
-def loss_positions(packed: TensorDict) -> Tensor:
-    """Packed indices of the loss tokens that have a predecessor in their sequence (every generated one)."""
-    mask = packed["loss_mask"].bool().clone()
-    mask[packed["cu_seqlens"][:-1].long()] = False
-    return mask.nonzero().squeeze(1)
 
 
 def token_reverse_kl(
@@ -82,9 +76,7 @@ def teacher_post_fn(top_k: int, temperature: float) -> Callable[[Tensor, TensorD
         if top_k:
             values, ids = logp.topk(min(top_k, logp.shape[-1]), -1)
             logp = torch.cat([values, ids.float()], -1)
-        out = torch.cat([logp.new_zeros(1, logp.shape[1]), logp[:-1]])
-        out[packed["cu_seqlens"][:-1].long()] = 0.0
-        return out
+        return shifted(logp[:-1], packed)
 
     return post
 
@@ -98,7 +90,3 @@ def teacher_targets(engine: TrainEngine, batch: TensorDict, top_k: int, temperat
         return {"teacher_logp": out}
     k = out.shape[-1] // 2
     return {"teacher_logp": out[..., :k].contiguous(), "teacher_ids": out[..., k:].long()}
-
-
-def distill_stats(kl: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    return {"distill_kl": masked_mean(kl.detach(), mask)}

@@ -10,6 +10,7 @@ so the summed gradient equals the gradient of the unsplit batch on one process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import inspect
 import math
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from transformers import PreTrainedModel
+from transformers import AutoModelForTokenClassification, PreTrainedModel
 
 from relayrl.api.config import ModelConfig, TrainEngineConfig
 from relayrl.api.engine import InferenceEngine, LossFn, LossWeightFn, PostFn, TensorDict, TrainEngine
@@ -30,7 +31,7 @@ from relayrl.api.io import SaveLoadMeta, WeightUpdate
 from relayrl.rewards.model import RewardModelFn
 from relayrl.train import lora
 from relayrl.train.fastpath import CheckedForward
-from relayrl.train.heads import last_token_post, last_token_scores, load_scalar_head, scalar_head_from_lm, token_values
+from relayrl.train.heads import last_token_post, scalar_head_from_lm, token_values
 from relayrl.train.lmhead import TokenStats, wants_token_stats
 from relayrl.train.mismatch import disable_dropout
 from relayrl.train.packing import (
@@ -145,7 +146,6 @@ class TorchTrainEngine(TrainEngine):
         from relayrl.data.models import TINY_PRESETS, load_model
 
         given = self._init_model
-        dtype = getattr(torch, self.model_config.dtype)
         if self.head == "lm":
             return given if given is not None else load_model(self.model_config, seed=self.seed)
         if given is not None:
@@ -155,11 +155,13 @@ class TorchTrainEngine(TrainEngine):
             return given if is_scalar else scalar_head_from_lm(given, self.seed)
         if self.model_config.path in TINY_PRESETS:
             return scalar_head_from_lm(load_model(self.model_config, seed=self.seed), self.seed)
-        return load_scalar_head(self.model_config.path, dtype)
+        # a saved critic / reward model (or an LM checkpoint, whose head is then new)
+        return AutoModelForTokenClassification.from_pretrained(
+            self.model_config.path, num_labels=1, classifier_dropout=0.0, dtype=getattr(torch, self.model_config.dtype)
+        )
 
     def destroy(self) -> None:
-        self.model = self.optimizer = self.scheduler = None
-        self._init_model = None
+        self.model = self.optimizer = self.scheduler = self._init_model = None
 
     def train(self, mode: bool = True) -> None:
         self._require().train(mode)
@@ -182,12 +184,10 @@ class TorchTrainEngine(TrainEngine):
         ]
         budget = self.config.mb_max_tokens
         world = dist_utils.world_size()
+        if world == 1 and shared:
+            return plan_micro_batches(batch["input_ids"], lengths, budget)
         if world == 1:
-            return (
-                plan_micro_batches(batch["input_ids"], lengths, budget)
-                if shared
-                else split_by_token_budget(lengths, budget)
-            )
+            return split_by_token_budget(lengths, budget)
         if len(lengths) < world:
             raise ValueError(f"batch has {len(lengths)} sequences, fewer than the {world} ranks that share it")
         shares = split_by_token_budget(lengths, sum(lengths) + 1, min_groups=world, multiple_of=world)
@@ -198,48 +198,51 @@ class TorchTrainEngine(TrainEngine):
         ]
 
     def _micro_batches(self, batch: TensorDict, shared: bool = False) -> Iterator[tuple[TensorDict, bool]]:
-        """(packed micro-batch, is_dummy); a dummy re-packs row 0 so every rank runs alike."""
+        """(packed micro-batch on the device, is_dummy); a dummy re-packs row 0 so every rank runs alike."""
         for rows in self._plan(batch, shared):
-            yield (pack(batch, rows), False) if rows else (pack(batch, [0]), True)
+            yield self._to_device(pack(batch, rows or [0])), not rows
+
+    @contextlib.contextmanager
+    def _forward_on(self, packed: TensorDict) -> Iterator[TensorDict]:
+        """``packed`` on the device, for one forward of the model. MoE models: the routers use its
+        ``routed_experts`` when it has them (replay; the ids stay set until the next micro-batch, so
+        activation checkpointing recomputes the same routing), and after the forward
+        ``packed["moe_aux_loss"]`` holds its 0-d, differentiable load-balancing loss and
+        ``packed["moe_expert_flips"]`` how many routings differ from ``recorded_experts``."""
+        moved = self._to_device(packed)
+        if self._moe is not None:
+            self._moe.ids = moved.get("routed_experts")
+            self._moe.recorded = moved.get("recorded_experts")
+        yield moved
+        if self._moe is not None:
+            packed["moe_aux_loss"] = self._moe.aux_loss()
+            packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
 
     def _logits(self, packed: TensorDict, shared: bool = False) -> torch.Tensor:
         """``[T, V]`` logits (``[T, 1]`` for value/reward heads) of one packed micro-batch; ``shared``:
         in the shared-prefix layout where it applies (``_shared_layout``), the same logits.
-
-        MoE models: the routers use the micro-batch's ``routed_experts`` when it has them
-        (replay; the ids stay set until the next micro-batch, so activation checkpointing
-        recomputes the same routing), and ``packed["moe_aux_loss"]`` receives the 0-d,
-        differentiable load-balancing loss of this forward. Vision-language models: the
-        vision tower runs on the micro-batch's images (``image_grid_thw``)."""
-        moved = {k: v.to(self.device) for k, v in packed.items()}
-        if self._moe is not None:
-            self._moe.ids = moved.get("routed_experts")
-            self._moe.recorded = moved.get("recorded_experts")
-        model, inputs = self._require(), model_inputs(moved)
-        layout = self._shared_layout(moved) if shared else None
-        if layout is not None:  # the model lays the plain layout's positions out itself (hidden[index])
-            inputs = {**layout.model_inputs(), "logits_to_keep": layout.index}
-        images: contextlib.AbstractContextManager[dict[str, object]] = (
-            vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
-        )
-        fp16: contextlib.AbstractContextManager[None] = (
-            torch.autocast(self.device.type, dtype=torch.float16) if self.fp16 else contextlib.nullcontext()
-        )
-        with fp16, images as extra:
-            logits = self._checked(lambda: model(**{**inputs, **extra}).logits[0])
-        if self._moe is not None:
-            packed["moe_aux_loss"] = self._moe.aux_loss()
-            packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
-        return logits
+        Vision-language models: the vision tower runs on the micro-batch's images (``image_grid_thw``)."""
+        with self._forward_on(packed) as moved:
+            model, inputs = self._require(), model_inputs(moved)
+            layout = self._shared_layout(moved) if shared else None
+            if layout is not None:  # the model lays the plain layout's positions out itself (hidden[index])
+                inputs = {**layout.model_inputs(), "logits_to_keep": layout.index}
+            images: contextlib.AbstractContextManager[dict[str, object]] = (
+                vision_forward(model, moved) if "image_grid_thw" in moved else contextlib.nullcontext({})
+            )
+            fp16: contextlib.AbstractContextManager[None] = (
+                torch.autocast(self.device.type, dtype=torch.float16) if self.fp16 else contextlib.nullcontext()
+            )
+            with fp16, images as extra:
+                return self._checked(lambda: model(**{**inputs, **extra}).logits[0])
 
     # logits a softcap / scale changes after lm_head: the fast path would differ, so they keep full logits
     _SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
     def _head_stats_ok(self, packed: TensorDict) -> bool:
-        """Whether this micro-batch may take the LM-head fast path (``relayrl.train.lmhead``): an
-        ``lm`` head that is a plain ``nn.Linear`` (not LoRA-wrapped), logits neither soft-capped nor
-        scaled, no images, no fp16/bf16 autocast, no FSDP2 (its head weight is sharded outside the
-        root forward), a forward that takes ``logits_to_keep``, and ``loss_mask`` in the batch."""
+        """Whether this micro-batch may take the LM-head fast path (``relayrl.train.lmhead``): only where it
+        gives the plain path's numbers (a plain ``nn.Linear`` head, unscaled logits, no autocast) and can run
+        (no images; no FSDP2, whose head weight is sharded outside the root forward)."""
         model = self._require()
         if self.head != "lm" or self.lora or self.fp16 or self._checked.bf16 or "loss_mask" not in packed:
             return False
@@ -263,10 +266,9 @@ class TorchTrainEngine(TrainEngine):
         return "logits_to_keep" in inspect.signature(self._require().forward).parameters
 
     def _shares(self, batch: TensorDict) -> bool:
-        """Whether the shared-prefix layout (``relayrl.train.prefix``) may run on this (packed) batch: not
-        with ``train.shared_prefix=off``, a value/reward head, LoRA, fp16/bf16 autocast, MoE (routing
-        replay and the load-balancing loss are per plain token), images, torch.distributed (FSDP2 or
-        replicated), an attention other than ``relayrl_varlen`` (flash-attn, sdpa, eager)."""
+        """Whether the shared-prefix layout (``relayrl.train.prefix``) may run on this (packed) batch: a plain
+        ``lm`` forward in one process on ``relayrl_varlen`` attention (not under MoE, whose routing replay and
+        load-balancing loss are per plain token)."""
         if self.config.shared_prefix == "off":
             return False
         if self.head != "lm" or self.lora or self.fp16 or self._checked.bf16 or self._moe is not None:
@@ -285,31 +287,26 @@ class TorchTrainEngine(TrainEngine):
         forward runs (its hooks, MoE replay, FSDP's root hooks all as usual) with ``logits_to_keep=1``;
         a forward hook on the base model takes its ``last_hidden_state``."""
         model = self._require()
-        moved = {k: v.to(self.device) for k, v in packed.items()}
-        if self._moe is not None:
-            self._moe.ids = moved.get("routed_experts")
-            self._moe.recorded = moved.get("recorded_experts")
-        layout = self._shared_layout(moved)
-        inputs = model_inputs(moved) if layout is None else layout.model_inputs()
         body = getattr(model, model.base_model_prefix)
         seen: list[torch.Tensor] = []
 
         def grab(_m: nn.Module, _a: object, out: object) -> None:
             seen.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)  # type: ignore[attr-defined]
 
-        def run() -> torch.Tensor:
-            seen.clear()
-            handle = body.register_forward_hook(grab)
-            try:
-                model(**inputs, logits_to_keep=1)
-            finally:
-                handle.remove()
-            return seen[-1][0] if layout is None else seen[-1][0][layout.index]
+        with self._forward_on(packed) as moved:
+            layout = self._shared_layout(moved)
+            inputs = model_inputs(moved) if layout is None else layout.model_inputs()
 
-        hidden = self._checked(run)
-        if self._moe is not None:
-            packed["moe_aux_loss"] = self._moe.aux_loss()
-            packed["moe_expert_flips"] = torch.tensor(self._moe.flips, dtype=torch.float64)
+            def run() -> torch.Tensor:
+                seen.clear()
+                handle = body.register_forward_hook(grab)
+                try:
+                    model(**inputs, logits_to_keep=1)
+                finally:
+                    handle.remove()
+                return seen[-1][0] if layout is None else seen[-1][0][layout.index]
+
+            hidden = self._checked(run)
         return TokenStats(hidden, typing.cast(nn.Linear, model.get_output_embeddings()), moved)
 
     def _shares_loss(self, loss_fn: LossFn, batch: TensorDict) -> bool:
@@ -328,30 +325,24 @@ class TorchTrainEngine(TrainEngine):
 
     # ---------------------------------------------------------------- forward / eval
 
-    def default_post_fn(self, temperature: float = 1.0) -> PostFn:
-        if self.head == "value":
-            return token_values
-        if self.head == "reward":
-            return last_token_post
-        return lambda logits, packed: token_logprobs(logits, packed, temperature)
-
     @torch.no_grad()
     def forward(self, batch: TensorDict, post_fn: PostFn | None = None, temperature: float = 1.0) -> torch.Tensor:
         """``[B, L]`` token-aligned values (0 on padding); default: logprobs at ``temperature``
         for ``head="lm"``, per-token values for ``"value"``, the score at each sequence's last
         token for ``"reward"``. A ``post_fn`` returning ``[T, ...]`` gives ``[B, L, ...]`` (e.g. the
         teacher's distributions of distillation). Every rank returns the full ``[B, L, ...]``."""
-        post = post_fn or self.default_post_fn(temperature)
+        lm_post = functools.partial(token_logprobs, temperature=temperature)
+        defaults: dict[str, PostFn] = {"lm": lm_post, "value": token_values, "reward": last_token_post}
+        post = post_fn or defaults[self.head]
         bsz, seqlen = batch["input_ids"].shape
         out: torch.Tensor | None = None
         shared = self._shares(batch)
         for packed, dummy in self._micro_batches(batch, shared):
-            packed = self._to_device(packed)
             values = post(self._logits(packed, shared), packed)
             if out is None:
                 out = torch.zeros(bsz, seqlen, *values.shape[1:], dtype=torch.float32)
             if not dummy:
-                out += unpack(values.float().cpu(), {k: v.cpu() for k, v in packed.items()}, bsz, seqlen)
+                out += unpack(values.float().cpu(), packed, bsz, seqlen)
         if out is None:
             out = torch.zeros(bsz, seqlen, dtype=torch.float32)
         return dist_utils.all_reduce(out)  # every rank computed its share of the rows
@@ -374,7 +365,6 @@ class TorchTrainEngine(TrainEngine):
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> float:
         total = weight = 0.0
         for packed, dummy in self._micro_batches(batch, self._shares_loss(loss_fn, batch)):
-            packed = self._to_device(packed)
             loss = loss_fn(self._loss_input(loss_fn, packed), packed)
             if not dummy:
                 w = float(loss_weight_fn(packed))
@@ -393,7 +383,7 @@ class TorchTrainEngine(TrainEngine):
         if self.optimizer is None:
             raise RuntimeError("train_batch on a frozen engine (trainable=False)")
         shared = self._shares_loss(loss_fn, batch)
-        mbs = [(self._to_device(p), dummy) for p, dummy in self._micro_batches(batch, shared)]
+        mbs = list(self._micro_batches(batch, shared))
         weights = [0.0 if dummy else float(loss_weight_fn(p)) for p, dummy in mbs]
         total_w = dist_utils.all_reduce_sum(sum(weights))
         if not total_w > 0:
@@ -494,15 +484,15 @@ class TorchTrainEngine(TrainEngine):
             if self.lora and target.accepts_adapters:  # the adapter alone, as peft saves it
                 adapter = {k: v.detach().to("cpu").clone() for k, v in lora.adapter_state_dict(tensors).items()}
                 config = lora.adapter_config_json(model, self.model_config.path)
-                target.update_weights(
-                    WeightUpdate(kind="adapter", version=self.get_version(), tensors=adapter, adapter_config=config)
+                update = WeightUpdate(
+                    kind="adapter", version=self.get_version(), tensors=adapter, adapter_config=config
                 )
-                dist_utils.barrier()
-                return
-            if self.lora:  # merged into new tensors: the base weights are never touched
-                tensors = lora.merged_state_dict(tensors, lora.lora_layers(model))
-            tensors = {k: v.detach().clone() for k, v in tensors.items()}
-            target.update_weights(WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors))
+            else:
+                if self.lora:  # merged into new tensors: the base weights are never touched
+                    tensors = lora.merged_state_dict(tensors, lora.lora_layers(model))
+                tensors = {k: v.detach().clone() for k, v in tensors.items()}
+                update = WeightUpdate(kind="tensors", version=self.get_version(), tensors=tensors)
+            target.update_weights(update)
         dist_utils.barrier()
 
     # ---------------------------------------------------------------- checkpoints
@@ -553,9 +543,7 @@ class TorchTrainEngine(TrainEngine):
             files = sorted(glob.glob(os.path.join(meta.path, "*.safetensors")))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors weights in {meta.path}")
-            state: dict[str, torch.Tensor] = {}
-            for fname in files:
-                state.update(load_file(fname))
+            state = {k: v for fname in files for k, v in load_file(fname).items()}
             if not state.keys() <= model.state_dict().keys():  # saved in the hub format transformers converts from
                 from relayrl.data.models import checkpoint_state_dict
 
@@ -574,4 +562,4 @@ class TorchTrainEngine(TrainEngine):
         self._steps, self._version, self._nan_skips = ts["steps"], ts["version"], ts["nan_skips"]
 
 
-__all__ = ["NonFiniteError", "TorchTrainEngine", "last_token_scores", "lr_factor"]
+__all__ = ["NonFiniteError", "TorchTrainEngine", "lr_factor"]

@@ -62,20 +62,15 @@ class CheckedForward:
             with self._paths(False, False):
                 ref = forward()
             dtype = next(self.model.parameters()).dtype
-            for path, on, flash, bf16 in (
-                (FLASH_VARLEN, self.flash, True, False),
-                (BF16_AUTOCAST, self.bf16, False, True),
-            ):
-                if not on:
+            for path, attr in ((FLASH_VARLEN, "flash"), (BF16_AUTOCAST, "bf16")):
+                if not getattr(self, attr):
                     continue
+                bf16 = attr == "bf16"
                 try:
-                    with self._paths(flash, bf16):
+                    with self._paths(not bf16, bf16):
                         ok = check(path, forward(), ref, torch.bfloat16 if bf16 else dtype, "the tested path")
                 except Exception as e:  # noqa: BLE001 - any failure of the fast path means: do not use it
                     fall_back(path, reason(e), "the tested path")
                     ok = False
                 ok = bool(dist_utils.all_reduce(torch.tensor([float(ok)]), "min").item())  # passed on every rank
-                if path == FLASH_VARLEN:
-                    self.flash = ok
-                else:
-                    self.bf16 = ok
+                setattr(self, attr, ok)

@@ -41,20 +41,9 @@ def scalar_head_from_lm(lm: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
     return model
 
 
-def load_scalar_head(path: str, dtype: torch.dtype) -> PreTrainedModel:
-    """Load a saved critic / reward model (or an LM checkpoint, whose head is then new)."""
-    return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, classifier_dropout=0.0, dtype=dtype)
-
-
 def token_values(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
     """``[T]`` per-token values: the head's output at token i (it has seen tokens <= i)."""
     return logits[:, 0].float()
-
-
-def last_token_scores(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
-    """``[n]`` one score per packed sequence: the head's output at its last token."""
-    last = packed["cu_seqlens"][1:].long().to(logits.device) - 1
-    return logits[last, 0].float()
 
 
 def last_token_post(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:

@@ -12,10 +12,8 @@ The seam: a loss that only needs per-token logprobs / entropies says so with
 :func:`token_stats_loss` (the actor's built-in loss does, unless it distils). The engine then
 passes it a :class:`TokenStats` where the logits would go; ``relayrl.train.packing``'s
 ``token_logprobs`` / ``token_entropy`` accept either. Every other loss (custom ``LossFn`` s,
-distillation, value/reward heads) still gets full logits. The engine also keeps full logits
-where the fast path does not give the same numbers or cannot run (see
-``TorchTrainEngine._head_stats_ok``): soft-capped or scaled logits, a non-``nn.Linear`` (e.g.
-LoRA-wrapped) head, vision models, fp16/bf16 autocast, FSDP2 (sharded head weight).
+distillation, value/reward heads) still gets full logits, and so does every loss where the fast
+path would not give the same numbers or cannot run (``TorchTrainEngine._head_stats_ok``).
 
 Values at positions outside the loss mask are 0 (the generic path computes them; no built-in
 loss reads them).
@@ -50,6 +48,13 @@ def wants_token_stats(fn: object) -> bool:
     return bool(getattr(fn, TOKEN_STATS_ATTR, False))
 
 
+def loss_positions(packed: TensorDict) -> torch.Tensor:
+    """Packed indices of the loss tokens that have a predecessor in their sequence (every generated one)."""
+    mask = packed["loss_mask"].bool().clone()
+    mask[packed["cu_seqlens"][:-1].long()] = False
+    return mask.nonzero().squeeze(1)
+
+
 def _head_chunk(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +74,9 @@ class TokenStats:
         if hidden.dim() != 2:
             raise ValueError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
         self.hidden, self.head, self.chunk = hidden, head, chunk
-        dev = hidden.device
-        ids = packed["input_ids"].to(dev)
-        n = ids.shape[0]
-        want = packed["loss_mask"].to(dev).bool().clone()
-        want[packed["cu_seqlens"][:-1].long().to(dev)] = False  # a sequence's first token has no prediction
-        self.n = n
-        self.targets = want.nonzero().squeeze(-1)  # token-aligned positions that get a value
+        ids = packed["input_ids"].to(hidden.device)
+        self.n = ids.shape[0]
+        self.targets = loss_positions(packed).to(hidden.device)  # token-aligned positions that get a value
         self.labels = ids[self.targets]
         self._cache: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
         self._detached = False

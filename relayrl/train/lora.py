@@ -15,7 +15,6 @@ code serves one process and FSDP2:
 from __future__ import annotations
 
 import os
-import types
 import typing
 
 import torch
@@ -32,41 +31,30 @@ if typing.TYPE_CHECKING:
     from peft import PeftModel
 
 
-def _peft() -> types.ModuleType:
-    try:
-        import peft
-    except ImportError as e:  # peft comes with the lora (and dev) extras
-        raise ImportError("model.lora.rank > 0 needs peft: pip install 'relayrl[lora]'") from e
-    return peft
-
-
-def _is_linear(module: nn.Module) -> bool:
-    from transformers.pytorch_utils import Conv1D  # GPT-2's transposed linear, which peft adapts too
-
-    return isinstance(module, nn.Linear | Conv1D)
+def _family(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
 
 def linear_modules(model: nn.Module) -> list[str]:
-    """Qualified names of the linear modules LoRA could adapt (the output head excluded)."""
+    """Qualified names of the linear modules LoRA could adapt (the output head excluded; GPT-2's
+    transposed ``Conv1D`` linear counts, peft adapts it too)."""
+    from transformers.pytorch_utils import Conv1D
+
     head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
-    return [name for name, m in model.named_modules() if _is_linear(m) and m is not head]
-
-
-def default_targets(model: nn.Module) -> list[str]:
-    """The family's attention and MLP projections: the distinct last name parts of its linear modules."""
-    return sorted({name.rsplit(".", 1)[-1] for name in linear_modules(model)})
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear | Conv1D) and m is not head]
 
 
 def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """``cfg.target_modules`` (or the default), each checked to match at least one linear module."""
+    """``cfg.target_modules``, each checked to match at least one linear module; by default the family's
+    attention and MLP projections (the distinct last name parts of its linear modules)."""
     linear = linear_modules(model)
-    family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    family = _family(model)
     if not linear:
         raise ValueError(f"model.lora.rank > 0: model family {family!r} has no linear module LoRA can adapt")
-    targets = list(cfg.target_modules) or default_targets(model)
+    names = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    targets = list(cfg.target_modules) or names
     for pattern in targets:
         if not any(name == pattern or name.endswith("." + pattern) for name in linear):
-            names = sorted({n.rsplit(".", 1)[-1] for n in linear})
             raise ValueError(
                 f"model.lora.target_modules: {pattern!r} matches no linear module of this {family} model; "
                 f"its linear modules are {names} (e.g. {linear[0]!r})"
@@ -76,12 +64,14 @@ def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Wrap ``model`` with fresh adapters (B = 0, so the wrapped model computes what the base does)."""
-    peft = _peft()
+    try:
+        import peft
+    except ImportError as e:  # peft comes with the lora (and dev) extras
+        raise ImportError("model.lora.rank > 0 needs peft: pip install 'relayrl[lora]'") from e
     targets = resolve_targets(model, cfg)
-    family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     config = peft.LoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # (peft annotates int, takes any number)
         lora_dropout=cfg.dropout,
         target_modules=targets,
         bias="none",
@@ -91,7 +81,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         return peft.get_peft_model(model, config)
     except (ValueError, TypeError, NotImplementedError, AttributeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"model.lora: peft cannot wrap model family {family!r}: {first}") from e
+        raise ValueError(f"model.lora: peft cannot wrap model family {_family(model)!r}: {first}") from e
 
 
 def lora_layers(model: nn.Module) -> dict[str, tuple[float, bool]]:

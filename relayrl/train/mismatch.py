@@ -11,12 +11,13 @@ docs/mismatch.md says which to pick.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from relayrl.train.algorithms import seq_ids, seq_sums
+from relayrl.api.mismatch import RolloutCorrectionConfig
+from relayrl.train.algorithms import seq_sums, seq_to_tokens
 
 # completion-position buckets (token index within the generated part): [lo, hi)
 POSITION_BUCKETS = ((0, 16), (16, 64), (64, 256), (256, 1024), (1024, 1 << 30))
@@ -24,11 +25,9 @@ LOG_BOUND = 20.0  # log-ratios are clamped to +-20 before exponentiating (exp(20
 
 
 def disable_dropout(model: nn.Module) -> int:
-    """Turn every dropout of ``model`` off: ``nn.Dropout`` modules get ``p = 0``, float attributes
-    named ``*dropout*`` (attention modules pass them to SDPA) become 0.0, and so do the config's
-    ``*dropout*`` / ``*pdrop*`` fields (code that reads the config at forward time). Returns how many
-    non-zero values it changed. RL needs the trainer to score tokens exactly as the generator
-    sampled them; dropout in the update forward is noise in every ratio."""
+    """Turn every dropout of ``model`` off (also float ``*dropout*`` attributes attention passes to SDPA, and
+    config fields read at forward time); returns how many non-zero values it changed. RL needs the trainer
+    to score tokens exactly as the generator sampled them: dropout in the update is noise in every ratio."""
     changed = 0
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
@@ -67,7 +66,7 @@ def mismatch_metrics(
     versions: torch.Tensor | None = None,
     version: int = 0,
     truncated: torch.Tensor | None = None,
-    expert_flips: tuple[float, float] | None = None,
+    expert_flips: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """The ``mismatch/`` metrics of one batch (``[B, L]`` padded tensors, loss tokens only).
 
@@ -85,20 +84,22 @@ def mismatch_metrics(
         return {}
     d = (train_logp.double() - gen_logp.double()).clamp(-LOG_BOUND, LOG_BOUND)
     out = _gap_stats(d[mask])
+
+    def add(name: str, sel: torch.Tensor) -> None:
+        if bool(sel.any()):
+            out.update({f"{name}/{k}": v for k, v in _gap_stats(d[sel]).items()})
+
     pos = mask.long().cumsum(1) - 1  # [B, L] index of each loss token among its row's loss tokens
     for lo, hi in POSITION_BUCKETS:
-        sel = mask & (pos >= lo) & (pos < hi)
-        if bool(sel.any()):
-            out.update({f"pos_{lo}_{hi}/{k}": v for k, v in _gap_stats(d[sel]).items()})
+        add(f"pos_{lo}_{hi}", mask & (pos >= lo) & (pos < hi))
     if truncated is not None:
         rows = truncated.bool().view(-1, 1).expand_as(mask)
-        for name, sel in (("length", mask & rows), ("stop", mask & ~rows)):
-            if bool(sel.any()):
-                out.update({f"{name}/{k}": v for k, v in _gap_stats(d[sel]).items()})
+        add("length", mask & rows)
+        add("stop", mask & ~rows)
     if versions is not None:
         lag = version - versions.long()
-        for k in sorted(Counter(lag[mask].tolist())):
-            out.update({f"lag_{k}/{kk}": v for kk, v in _gap_stats(d[mask & (lag == k)]).items()})
+        for k in sorted(set(lag[mask].tolist())):
+            add(f"lag_{k}", mask & (lag == k))
     w = d[mask].exp()
     out["ess"] = float(w.sum().square() / (w.numel() * w.square().sum()))
     ws = (d * mask).sum(1)[mask.any(1)].clamp(-LOG_BOUND, LOG_BOUND).exp()
@@ -113,36 +114,32 @@ def correction_weights(
     gen_logp: torch.Tensor,
     loss_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    mode: str,
-    level: str,
-    low: float | None,
-    high: float,
+    corr: RolloutCorrectionConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T], keep [T])`` of one packed micro-batch: the rollout correction's
     importance weight ``w = pi_trainer / pi_generator`` of each token (detached), per token,
-    per sequence (``level="sequence"``: the product of its tokens' ratios, verl / TRL) or the
-    sequence's geometric mean (``"geometric"``). ``mode="truncate"`` (TIS) clamps ``w`` to
+    per sequence (``corr.level="sequence"``: the product of its tokens' ratios, verl / TRL) or the
+    sequence's geometric mean (``"geometric"``). ``corr.mode="truncate"`` (TIS) clamps ``w`` to
     ``[low, high]`` (no lower bound when ``low`` is None); ``"mask"`` (MIS / IcePop) sets ``w = 0``
     and ``keep = False`` where ``w`` is outside ``[low, high]`` (``low`` None: ``1 / high``)."""
     m = loss_mask.to(torch.float64)
     log_w = (trainer_logp.detach().double() - gen_logp.double()) * m
-    if level in ("sequence", "geometric"):
-        seq = seq_ids(cu_seqlens, log_w.shape[0])
+    if corr.level in ("sequence", "geometric"):
         per_seq = seq_sums(log_w, cu_seqlens)
-        if level == "geometric":
+        if corr.level == "geometric":
             per_seq = per_seq / seq_sums(m, cu_seqlens).clamp(min=1.0)
-        log_w = torch.cat([per_seq, per_seq.new_zeros(1)])[seq]
-    elif level != "token":
-        raise ValueError(f"rollout correction level must be token|sequence|geometric, got {level!r}")
+        log_w = seq_to_tokens(per_seq, cu_seqlens, log_w.shape[0])
+    elif corr.level != "token":
+        raise ValueError(f"rollout correction level must be token|sequence|geometric, got {corr.level!r}")
     w = log_w.clamp(-LOG_BOUND, LOG_BOUND).exp()
     keep = loss_mask.bool()
-    if mode == "truncate":
-        w = w.clamp(min=low, max=high)
-    elif mode == "mask":
-        lo = 1.0 / high if low is None else low
-        inside = (w >= lo) & (w <= high)
+    if corr.mode == "truncate":
+        w = w.clamp(min=corr.low, max=corr.high)
+    elif corr.mode == "mask":
+        lo = 1.0 / corr.high if corr.low is None else corr.low
+        inside = (w >= lo) & (w <= corr.high)
         keep = keep & inside
         w = torch.where(inside, w, 0.0)
     else:
-        raise ValueError(f"rollout correction mode must be truncate|mask, got {mode!r}")
+        raise ValueError(f"rollout correction mode must be truncate|mask, got {corr.mode!r}")
     return torch.where(loss_mask.bool(), w, 0.0).to(trainer_logp.dtype), keep

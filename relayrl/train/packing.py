@@ -15,6 +15,7 @@ compute it once (``relayrl.train.prefix``).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -28,17 +29,12 @@ from relayrl.train.lmhead import TokenStats
 from relayrl.utils.batching import length_groups
 
 VARLEN_ATTN = "relayrl_varlen"
-PACK_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "row_index")
 TREE_KWARG = "relayrl_tree"  # the model forward's keyword that carries a shared-prefix layout to the attention
 
 
 # --------------------------------------------------------------------------------------
 # pack / unpack
 # --------------------------------------------------------------------------------------
-
-
-def _is_token_level(value: torch.Tensor, shape: tuple[int, int]) -> bool:
-    return value.dim() >= 2 and tuple(value.shape[:2]) == shape
 
 
 def pack(batch: TensorDict, rows: Sequence[int] | None = None) -> TensorDict:
@@ -60,7 +56,7 @@ def pack(batch: TensorDict, rows: Sequence[int] | None = None) -> TensorDict:
     for key, value in batch.items():
         if key == "attention_mask" or key in VISION_KEYS or not isinstance(value, torch.Tensor):
             continue
-        if _is_token_level(value, shape):
+        if value.dim() >= 2 and tuple(value.shape[:2]) == shape:  # token-level
             out[key] = value[idx.to(value.device)][sel.to(value.device)]
         elif value.dim() >= 1 and value.shape[0] == shape[0]:
             out[key] = value[idx.to(value.device)]
@@ -150,22 +146,17 @@ def split_by_token_budget(
     k = max(min_groups, n_long + math.ceil(sum(n for n in lens if n <= budget) / budget), 1)
     while True:
         k = math.ceil(k / multiple_of) * multiple_of
-        groups = _greedy(order, lens, budget, k)
-        if groups is not None:
+        heap = [(0, g) for g in range(k)]  # (tokens, group)
+        groups: list[list[int]] = [[] for _ in range(k)]
+        for i in order:
+            total, g = heapq.heappop(heap)
+            if total + lens[i] > budget and total > 0:
+                break  # k groups are too few
+            groups[g].append(i)
+            heapq.heappush(heap, (total + lens[i], g))
+        else:
             return [sorted(g) for g in groups]
         k += 1
-
-
-def _greedy(order: list[int], lens: list[int], budget: int, k: int) -> list[list[int]] | None:
-    heap = [(0, g) for g in range(k)]  # (tokens, group)
-    groups: list[list[int]] = [[] for _ in range(k)]
-    for i in order:
-        total, g = heapq.heappop(heap)
-        if total + lens[i] > budget and total > 0:
-            return None
-        groups[g].append(i)
-        heapq.heappush(heap, (total + lens[i], g))
-    return groups
 
 
 # --------------------------------------------------------------------------------------
@@ -173,16 +164,26 @@ def _greedy(order: list[int], lens: list[int], budget: int, k: int) -> list[list
 # --------------------------------------------------------------------------------------
 
 
-def _first_token_mask(packed: TensorDict, n: int, device: torch.device) -> torch.Tensor:
-    mask = torch.zeros(n, dtype=torch.bool, device=device)
-    mask[packed["cu_seqlens"][:-1].long().to(device)] = True
-    return mask
-
-
 def shifted(per_pred: torch.Tensor, packed: TensorDict) -> torch.Tensor:
-    """``per_pred[i]`` is about token ``i+1``; returns ``[T]`` token-aligned, 0 at sequence starts."""
-    out = torch.cat([per_pred.new_zeros(1), per_pred])
-    return out.masked_fill(_first_token_mask(packed, out.shape[0], out.device), 0.0)
+    """``per_pred[i]`` (``[T - 1, ...]``) is about token ``i+1``; returns ``[T, ...]`` token-aligned, 0 at
+    sequence starts."""
+    out = torch.cat([per_pred.new_zeros(1, *per_pred.shape[1:]), per_pred])
+    out[packed["cu_seqlens"][:-1].long().to(out.device)] = 0.0
+    return out
+
+
+def _chunked(
+    logits: torch.Tensor, n: int, temperature: float, chunk: int, fn: Callable[[torch.Tensor, int], torch.Tensor]
+) -> torch.Tensor:
+    """``[n]``: ``fn(fp32 logits / temperature, start)`` over the first ``n`` rows, ``chunk`` rows at a time,
+    so no full ``[T, V]`` fp32 copy is materialised (differentiable)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    parts = []
+    for s in range(0, n, chunk):
+        lg = logits[s : min(s + chunk, n)].float()
+        parts.append(fn(lg if temperature == 1.0 else lg / temperature, s))
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
 
 
 def token_logprobs(
@@ -190,28 +191,21 @@ def token_logprobs(
 ) -> torch.Tensor:
     """``[T]``: value i = log p(input_ids[i] | earlier tokens of its sequence); 0 at each start.
 
-    Computed as ``logit[label] - logsumexp(logits)`` in chunks of ``chunk`` tokens, so no
-    full ``[T, V]`` log-softmax is materialised (differentiable). Given a
-    ``relayrl.train.lmhead.TokenStats`` (what a ``token_stats_loss`` receives), the values at
-    loss tokens, 0 elsewhere.
+    Computed as ``logit[label] - logsumexp(logits)`` in chunks of ``chunk`` tokens (``_chunked``).
+    Given a ``relayrl.train.lmhead.TokenStats`` (what a ``token_stats_loss`` receives), the values
+    at loss tokens, 0 elsewhere.
     """
     if isinstance(logits, TokenStats):
         return logits.logprobs(temperature)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     ids = packed["input_ids"]
     if logits.dim() != 2 or logits.shape[0] != ids.shape[0]:
         raise ValueError(f"logits must be [T, V] with T={ids.shape[0]}, got {tuple(logits.shape)}")
-    labels = ids[1:].to(logits.device)
-    parts = []
-    for s in range(0, labels.shape[0], chunk):
-        lg = logits[s : min(s + chunk, labels.shape[0])].float()
-        if temperature != 1.0:
-            lg = lg / temperature
-        lab = labels[s : s + chunk]
-        parts.append(lg.gather(-1, lab.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1))
-    pred = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
-    return shifted(pred, packed)
+    labels = ids[1:].to(logits.device).unsqueeze(-1)
+
+    def label_logp(lg: torch.Tensor, s: int) -> torch.Tensor:
+        return lg.gather(-1, labels[s : s + len(lg)]).squeeze(-1) - torch.logsumexp(lg, -1)
+
+    return shifted(_chunked(logits, labels.shape[0], temperature, chunk, label_logp), packed)
 
 
 def token_entropy(
@@ -221,18 +215,12 @@ def token_entropy(
     ``TokenStats``: at loss tokens, 0 elsewhere)."""
     if isinstance(logits, TokenStats):
         return logits.entropy(temperature)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    parts = []
-    n = logits.shape[0] - 1
-    for s in range(0, n, chunk):
-        lg = logits[s : min(s + chunk, n)].float()
-        if temperature != 1.0:
-            lg = lg / temperature
+
+    def entropy(lg: torch.Tensor, _: int) -> torch.Tensor:
         logp = functional.log_softmax(lg, -1)
-        parts.append(-(logp.exp() * logp).sum(-1))
-    pred = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
-    return shifted(pred, packed)
+        return -(logp.exp() * logp).sum(-1)
+
+    return shifted(_chunked(logits, logits.shape[0] - 1, temperature, chunk, entropy), packed)
 
 
 # --------------------------------------------------------------------------------------
@@ -250,19 +238,15 @@ def varlen_attention_forward(
     scaling: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed document (``cu_seq_lens_q`` in kwargs).
+    """Causal attention within each packed document (``cu_seq_lens_q`` in kwargs): ``query [1, H, T, D]``,
+    ``key``/``value`` ``[1, H_kv, T, D]`` -> ``[1, T, H, D]``, like transformers' other attention functions.
 
-    ``query``: ``[1, H, T, D]``, ``key``/``value``: ``[1, H_kv, T, D]``. Documents of similar
-    length (``length_groups``) are gathered into one right-padded ``[n, H, W, D]`` batch and run
-    through SDPA with ``is_causal``: a real token never sees a padding key (they come after it),
-    so the result is exact, the cost is about ``sum(len_i^2)`` instead of ``T^2``, no mask is
-    allocated, and 64 short documents take a couple of SDPA calls instead of 64. Without
-    ``cu_seq_lens_q`` it is plain causal SDPA (one document). ``sliding_window`` (Mistral,
-    Gemma2/3: a token sees the last ``sliding_window`` tokens, itself included) and ``softcap``
-    (Gemma2: ``tanh(scores / c) * c``) are honoured as transformers' eager attention does. With
-    ``relayrl_tree`` in kwargs (a ``relayrl.train.prefix.SharedPrefix``) the tokens are in the
-    shared-prefix layout, which runs its own documents and trees. Returns ``[1, T, H, D]`` like
-    transformers' other attention functions.
+    Documents of similar length run as one right-padded SDPA call with ``is_causal`` (``document_attention``):
+    exact, as a real token never sees a padding key (they come after it), about ``sum(len_i^2)`` instead of
+    ``T^2``, no mask allocated. ``sliding_window`` (Mistral, Gemma2/3: a token sees the last ``sliding_window``
+    tokens, itself included) and ``softcap`` (Gemma2: ``tanh(scores / c) * c``) are honoured as transformers'
+    eager attention does. ``relayrl_tree`` in kwargs (a ``relayrl.train.prefix.SharedPrefix``): the tokens
+    are in the shared-prefix layout, which runs its own documents and trees.
     """
     if attention_mask is not None and query.shape[0] != 1:
         raise ValueError("relayrl_varlen attention expects packed input ([1, T]) without an attention mask")
@@ -272,15 +256,7 @@ def varlen_attention_forward(
         out = functional.scaled_dot_product_attention(query, key, value, dropout_p=drop, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-
-    def attend(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_pos: torch.Tensor | None = None,
-        k_pos: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return _causal_attention(q, k, v, drop, scaling, gqa, window, softcap, q_pos, k_pos)  # type: ignore[arg-type]
+    attend = functools.partial(_causal_attention, drop=drop, scale=scaling, gqa=gqa, window=window, softcap=softcap)  # type: ignore[arg-type]
 
     tree = kwargs.get(TREE_KWARG)  # a shared-prefix layout (relayrl.train.prefix.SharedPrefix) lays out the tokens
     if tree is not None:
@@ -323,13 +299,14 @@ def _causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+    *,
     drop: float,
     scale: float | None,
     gqa: bool,
     window: int | None,
     softcap: float | None,
-    q_pos: torch.Tensor | None = None,
-    k_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``[n, H, W, D]`` queries over ``[n, H_kv, W', D]`` keys/values, with an
     optional sliding window and logit soft-cap (then an explicit mask / the eager formula).

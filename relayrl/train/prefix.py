@@ -35,6 +35,7 @@ Where it is used: ``TorchTrainEngine`` (``train.shared_prefix``, docs/benchmarks
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -121,19 +122,12 @@ class SharedPrefix:
         return torch.cat(outs, 1)[:, torch.argsort(torch.cat(positions))]
 
 
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def plan_runs(rows: list[list[int]], min_shared: int = MIN_SHARED) -> list[tuple[list[int], int]]:
     """Rows (token lists) -> ``(row indices, shared tokens)`` runs covering every row once; a run of one
     row shares nothing (0). Chosen to save the most tokens (see the module docstring)."""
     order = sorted(range(len(rows)), key=lambda i: rows[i])
-    adj = [_lcp(rows[a], rows[b]) for a, b in zip(order[:-1], order[1:], strict=True)]
+    # longest common prefixes of adjacent sorted rows (os.path.commonprefix compares lists element-wise)
+    adj = [len(os.path.commonprefix([rows[a], rows[b]])) for a, b in zip(order[:-1], order[1:], strict=True)]
     n = len(order)
     best = [0] * (n + 1)  # best[j]: tokens saved on the first j sorted rows
     cut: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # (start of the last run, its shared tokens)
@@ -194,18 +188,11 @@ def shared_layout(packed: TensorDict, min_shared: int = MIN_SHARED) -> SharedPre
     trees: list[_Tree] = []
     at = 0
     for members, shared in runs:
-        if shared == 0:
-            (r,) = members
-            n = cu[r + 1] - cu[r]
-            pieces.append(ids[cu[r] : cu[r + 1]])
-            positions.append(torch.arange(n))
-            index[cu[r] : cu[r + 1]] = torch.arange(at, at + n)
-            docs.append((at, n))
-            at += n
-            continue
-        p = shared - 1  # P[-1] goes into each segment
+        # the prefix but P[-1], which goes into each segment; an unshared row is all prefix: a plain document
+        first = cu[members[0]]
+        p = shared - 1 if shared else cu[members[0] + 1] - first
         start = at
-        pieces.append(ids[cu[members[0]] : cu[members[0]] + p])
+        pieces.append(ids[first : first + p])
         positions.append(torch.arange(p))
         docs.append((start, p))
         at += p
@@ -219,5 +206,6 @@ def shared_layout(packed: TensorDict, min_shared: int = MIN_SHARED) -> SharedPre
             seg_starts.append(at)
             seg_lens.append(n)
             at += n
-        trees.append(_Tree(start, p, seg_starts, seg_lens))
+        if shared:
+            trees.append(_Tree(start, p, seg_starts, seg_lens))
     return SharedPrefix(torch.cat(pieces), torch.cat(positions), index, docs, trees)

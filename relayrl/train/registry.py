@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 
@@ -47,17 +47,15 @@ ADVANTAGES: dict[str, Algorithm[AdvantageFn]] = {}
 LOSSES: dict[str, Algorithm[PolicyLossFn]] = {}
 
 
-def _register(
-    registry: dict[str, Algorithm[F]], kind: str, name: str, entry: Callable[[F], Algorithm[F]]
-) -> Callable[[F], F]:
-    """A decorator adding ``fn`` to ``registry``; a second function under one name is an error,
-    the same function registering again (its module re-imported, a notebook cell re-run) is not."""
+def _register(registry: dict[str, Algorithm[F]], kind: str, name: str, needs: dict[str, Any]) -> Callable[[F], F]:
+    """A decorator adding ``fn`` to ``registry`` with what it ``needs``; a second function under one name is
+    an error, the same function registering again (its module re-imported, a notebook cell re-run) is not."""
 
     def deco(fn: F) -> F:
         old = registry.get(name)
         if old is not None and _qualname(old.fn) != _qualname(fn):
             raise ValueError(f"{kind} {name!r} is already registered (by {_qualname(old.fn)})")
-        registry[name] = entry(fn)
+        registry[name] = Algorithm(fn, **needs)
         return fn
 
     return deco
@@ -72,14 +70,8 @@ def register_advantage(
     reads: tuple[str, ...] = (),
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Register an advantage estimator under ``name`` (``actor.adv_estimator``), declaring its needs."""
-    return _register(
-        ADVANTAGES,
-        "advantage estimator",
-        name,
-        lambda fn: Algorithm(
-            fn, needs_critic=needs_critic, needs_groups=needs_groups, needs_ref=needs_ref, reads=reads
-        ),
-    )
+    needs = {"needs_critic": needs_critic, "needs_groups": needs_groups, "needs_ref": needs_ref, "reads": reads}
+    return _register(ADVANTAGES, "advantage estimator", name, needs)
 
 
 def register_loss(
@@ -91,14 +83,8 @@ def register_loss(
     reads: tuple[str, ...] = (),
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Register a policy loss under ``name`` (``actor.loss``), declaring its needs."""
-    return _register(
-        LOSSES,
-        "policy loss",
-        name,
-        lambda fn: Algorithm(
-            fn, needs_prox_logp=needs_prox_logp, needs_ref=needs_ref, needs_teacher=needs_teacher, reads=reads
-        ),
-    )
+    needs = {"needs_prox_logp": needs_prox_logp, "needs_ref": needs_ref, "needs_teacher": needs_teacher, "reads": reads}
+    return _register(LOSSES, "policy loss", name, needs)
 
 
 def _entry(registry: dict[str, Algorithm[F]], field: str, value: str) -> Algorithm[F]:
@@ -107,10 +93,7 @@ def _entry(registry: dict[str, Algorithm[F]], field: str, value: str) -> Algorit
     def check(obj: object) -> Algorithm[F] | None:
         if not callable(obj):
             return None
-        for entry in registry.values():
-            if entry.fn is obj:
-                return entry
-        return Algorithm(cast(F, obj))
+        return next((entry for entry in registry.values() if entry.fn is obj), Algorithm(cast(F, obj)))
 
     return resolve(field, value, registry, "a function", check)
 
