@@ -357,11 +357,9 @@ def _eval(argv: list[str]) -> int:
         raise CommandError("no eval rows (set data.eval_path, or data.n_eval for a synthetic task)")
     engine = wiring.make_inference_engine(cfg, tokenizer)
     engine.initialize()
-    try:
+    try:  # the run's own workflow, generating with the eval gconfig
         rows = rows[: cfg.eval.max_prompts or None]
-        workflow = wiring.make_workflow(
-            cfg, tokenizer, wiring.reward_fn_for(cfg), cfg.eval.gconfig
-        )  # the run's workflow
+        workflow = wiring.make_workflow(cfg, tokenizer, wiring.reward_fn_for(cfg), cfg.eval.gconfig)
         out = evaluate(engine, workflow, rows, cfg.eval.n_samples)
     finally:
         engine.destroy()

@@ -166,15 +166,12 @@ def _coerce(value: YamlValue, tp: object, name: str) -> object:
             return int(value)
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):  # YAML reads "1e-5" as a string
             try:
                 return float(value)
             except OverflowError:  # an int too large for a float
                 raise ConfigError(f"{name}: {value!r} is too large for a number") from None
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads "1e-5" as a string
-            except ValueError:
+            except ValueError:  # a string that is not a number
                 pass
         raise ConfigError(f"{name}: expected a number, got {value!r}")
     if tp is str:
@@ -390,15 +387,11 @@ def public_dict(obj: object) -> dict[str, YamlValue]:
     return out
 
 
-def config_to_yaml(cfg: object) -> str:
-    return yaml.safe_dump(public_dict(cfg), sort_keys=False)
-
-
 def save_config(cfg: object, run_dir: str | os.PathLike[str]) -> Path:
     """Write the resolved config to ``run_dir/config.yaml`` (what the run really used)."""
     out = Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(config_to_yaml(cfg))
+    out.write_text(yaml.safe_dump(public_dict(cfg), sort_keys=False))
     return out
 
 
