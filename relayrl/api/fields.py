@@ -224,11 +224,8 @@ def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "
             shown = shown if shown.isprintable() else shown.encode("unicode_escape").decode()  # one line, always
             raise ConfigError(f"unknown config key '{shown}'{hint}")
     kwargs: dict[str, object] = {}
-    for name in fields:
-        if name not in values:
-            continue
-        value = values[name]
-        tp = hints[name]
+    for name in [n for n in fields if n in values]:  # in declaration order: the first bad field is reported
+        value, tp = values[name], hints[name]
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             fl = fields[name]  # the section's own default (not cls()'s, which may be resolved against others)
             default = fl.default_factory() if fl.default_factory is not dataclasses.MISSING else None
