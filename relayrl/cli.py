@@ -6,6 +6,7 @@ Each subcommand imports its heavy modules lazily so ``relayrl --help`` is instan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -444,12 +445,8 @@ def _inspect(argv: list[str]) -> int:
     except OSError as e:
         raise CommandError(f"cannot listen on 127.0.0.1:{ns.port} ({e}); try --port 0") from None
     print(f"relayrl inspect: http://127.0.0.1:{server.server_address[1]}/  (Ctrl-C stops)", flush=True)
-    try:
+    with server, contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the server closes, exit status 0
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
     return 0
 
 

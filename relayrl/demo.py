@@ -1,17 +1,12 @@
 """The CPU demo (``relayrl demo``): a tiny char-level model learns 2-digit addition, first by
 imitating imperfect demonstrations (SFT), then by GRPO against the verifier.
 
-Everything is built in code (model, tokenizer, task), so it runs offline on a laptop CPU:
-
-1. ``make_task("arithmetic")`` -> training / held-out prompts with reference answers;
-2. ``demonstrations(error_rate)`` -> SFT pairs of which ``error_rate`` are plausibly wrong;
-3. SFT warm start (``run_sft``) of the ~0.6M-parameter demo model until greedy decoding is
-   mostly right; the model also imitates the mistakes, so its *sampled* (temperature 1)
-   held-out accuracy is clearly short of perfect (about 0.3);
-4. GRPO through the ordinary ``Trainer`` (LocalEngine, WorkflowExecutor, PPOActor), starting
-   from the SFT checkpoint, sharpens the policy towards verified answers;
-5. held-out sampled accuracy before and after, the learning curves as ``curves.png``, and
-   one JSON line at the end for scripts.
+Everything is built in code (model, tokenizer, task), so it runs offline on a laptop CPU. SFT on
+demonstrations of which ``error_rate`` are wrong stops once greedy decoding is mostly right; the
+model also imitates the mistakes, so its *sampled* (temperature 1) held-out accuracy is clearly
+short of perfect (about 0.3). GRPO through the ordinary ``Trainer``, from the SFT checkpoint, then
+sharpens the policy towards verified answers. The result: held-out sampled accuracy before and
+after, the learning curves as ``curves.png``, and one JSON line at the end for scripts.
 
 The RL stage is synchronous (eta = 0) by default, so a run repeats itself: the same samples,
 batches and updates from the same seed (only the generator's logprobs, which synchronous PPO
