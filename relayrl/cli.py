@@ -327,22 +327,21 @@ def _eval(argv: list[str]) -> int:
 
     run_dir = Path(path) if path is not None and Path(path).is_dir() else None
     cfg = load_config(RunConfig, run_dir / "config.yaml" if run_dir else path, overrides)
-    if run_dir is not None:
-        latest = CheckpointManager(run_dir, cfg.checkpoint).latest()
-        if latest is not None and cfg.model.lora.rank > 0:  # a peft adapter on the run's base model
-            if cfg.model.lora.adapter_path:
-                raise CommandError(
-                    "a LoRA run that started from model.lora.adapter_path holds adapters on top "
-                    "of that one; evaluate it with a merged base as model.path"
-                )
-            lora = replace(cfg.model.lora, adapter_path=str(latest / "actor"))
-            cfg = replace(cfg, model=replace(cfg.model, lora=lora))
-        elif latest is not None:
-            if not (latest / "actor" / "tokenizer_config.json").is_file():  # written before checkpoints had one
-                tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
-            else:  # the checkpoint's own (the run's tokenizer, saved): the run's model directory may be gone
-                tokenizer_path = ""
-            cfg = replace(cfg, model=replace(cfg.model, path=str(latest / "actor"), tokenizer_path=tokenizer_path))
+    latest = CheckpointManager(run_dir, cfg.checkpoint).latest() if run_dir is not None else None
+    if latest is not None and cfg.model.lora.rank > 0:  # a peft adapter on the run's base model
+        if cfg.model.lora.adapter_path:
+            raise CommandError(
+                "a LoRA run that started from model.lora.adapter_path holds adapters on top "
+                "of that one; evaluate it with a merged base as model.path"
+            )
+        lora = replace(cfg.model.lora, adapter_path=str(latest / "actor"))
+        cfg = replace(cfg, model=replace(cfg.model, lora=lora))
+    elif latest is not None:
+        if not (latest / "actor" / "tokenizer_config.json").is_file():  # written before checkpoints had one
+            tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
+        else:  # the checkpoint's own (the run's tokenizer, saved): the run's model directory may be gone
+            tokenizer_path = ""
+        cfg = replace(cfg, model=replace(cfg.model, path=str(latest / "actor"), tokenizer_path=tokenizer_path))
     from relayrl.data.preflight import check_run
 
     check_run(cfg)  # a wrong path or device in one line, before the model code is imported
