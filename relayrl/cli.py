@@ -355,14 +355,9 @@ def _eval(argv: list[str]) -> int:
     _, rows = wiring.load_rows(cfg, tokenizer)
     if not rows:
         raise CommandError("no eval rows (set data.eval_path, or data.n_eval for a synthetic task)")
-    engine = wiring.make_inference_engine(cfg, tokenizer)
-    engine.initialize()
-    try:  # the run's own workflow, generating with the eval gconfig
-        rows = rows[: cfg.eval.max_prompts or None]
+    with wiring.make_inference_engine(cfg, tokenizer) as engine:  # the run's own workflow, with the eval gconfig
         workflow = wiring.make_workflow(cfg, tokenizer, wiring.reward_fn_for(cfg), cfg.eval.gconfig)
-        out = evaluate(engine, workflow, rows, cfg.eval.n_samples)
-    finally:
-        engine.destroy()
+        out = evaluate(engine, workflow, rows[: cfg.eval.max_prompts or None], cfg.eval.n_samples)
     adapter = cfg.model.lora.adapter_path
     if adapter:  # say so: the numbers are the base's with this adapter merged, not the base's
         print(f"relayrl eval: applied the LoRA adapter {adapter} to {cfg.model.path}", file=sys.stderr)

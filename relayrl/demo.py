@@ -132,17 +132,12 @@ def held_out_accuracy(
     from relayrl.inference.local import LocalEngine
     from relayrl.rollout.workflows.rlvr import RLVRWorkflow
 
-    engine = LocalEngine(
-        InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=tokenizer
-    )
-    engine.initialize()
     reward_fn = task_reward_fn("arithmetic")
-    try:
-        g = GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
+    g = GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
+    inference = InferenceConfig(seed=seed, max_batch_size=256)
+    with LocalEngine(inference, model=generation_copy(model), tokenizer=tokenizer) as engine:
         sampled = evaluate(engine, RLVRWorkflow(reward_fn, g, tokenizer), rows, n_samples=n_samples)
         greedy = evaluate(engine, RLVRWorkflow(reward_fn, g.new(greedy=True), tokenizer), rows, n_samples=1)
-    finally:
-        engine.destroy()
     return {"sampled": sampled.get("eval/accuracy_mean", sampled["eval/accuracy"]), "greedy": greedy["eval/accuracy"]}
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -24,7 +23,7 @@ import platform
 import sys
 import time
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,15 +58,9 @@ class Check:
     seconds: float = 0.0
 
 
-@contextlib.contextmanager
-def engine(model: PreTrainedModel, device: str, static: bool | None = None, **cfg: object) -> Iterator[LocalEngine]:
-    """An initialized LocalEngine over a copy of ``model``, destroyed on exit."""
-    eng = LocalEngine(InferenceConfig(device=device, **cfg), model=copy.deepcopy(model), static_steps=static)  # type: ignore[arg-type]
-    eng.initialize()
-    try:
-        yield eng
-    finally:
-        eng.destroy()
+def engine(model: PreTrainedModel, device: str, static: bool | None = None, **cfg: object) -> LocalEngine:
+    """A LocalEngine over a copy of ``model`` (``with engine(...)`` initializes and destroys it)."""
+    return LocalEngine(InferenceConfig(device=device, **cfg), model=copy.deepcopy(model), static_steps=static)  # type: ignore[arg-type]
 
 
 def answers(eng: LocalEngine) -> list[ModelResponse]:
