@@ -109,11 +109,12 @@ ENVIRONMENT_ERRORS = (
     ("relayrl.api.config", "ConfigError"),
     ("relayrl.data.datasets", "DatasetError"),
     ("relayrl.rollout.executor", "FilterExhausted"),
+    ("relayrl.inspector.data", "RunDirError"),
 )
 
 
 def _is_environment_error(e: Exception) -> bool:
-    """Errors that say what to change in the config, the data or the machine (exit 2, one line).
+    """Errors that say what to change in the config, the data, a path given or the machine (exit 2, one line).
 
     Looked up only in modules already imported (an exception cannot be an instance of a class never
     loaded), so a config error is reported without first importing the trainer (~10 s of CPU)."""
@@ -424,13 +425,10 @@ def _inspect(argv: list[str]) -> int:
     p.add_argument("--export", metavar="DIR", help="write the page and its data as static files to DIR instead")
     ns = p.parse_args(argv)
 
-    from relayrl.inspector.data import RunDirError, check_run_dir
+    from relayrl.inspector.data import check_run_dir
     from relayrl.inspector.server import export, make_server
 
-    try:
-        run_dirs = [check_run_dir(Path(d)) for d in ns.run_dirs]
-    except RunDirError as e:
-        raise CommandError(e) from None
+    run_dirs = [check_run_dir(Path(d)) for d in ns.run_dirs]  # a RunDirError: one line and exit 2 (main)
     if ns.export:
         print(f"wrote {export(run_dirs, Path(ns.export))} (open it in a browser)", flush=True)
         return 0
