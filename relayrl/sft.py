@@ -273,6 +273,5 @@ def run_sft(
             checkpoint = str(Path(cfg.run_dir) / "final")
             engine.save(SaveLoadMeta(path=checkpoint))
             tokenizer.save_pretrained(checkpoint)
-    trained = engine.model
-    assert trained is not None
-    return SFTResult(total, sum(window) / max(1, len(window)), ev, time.monotonic() - t0, checkpoint, trained)
+    mean_loss = sum(window) / max(1, len(window))
+    return SFTResult(total, mean_loss, ev, time.monotonic() - t0, checkpoint, engine._require())
