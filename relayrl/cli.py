@@ -6,16 +6,13 @@ Each subcommand imports its heavy modules lazily so ``relayrl --help`` is instan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from relayrl.api.config import RunConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,10 +50,22 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:
-        if debug or not _is_environment_error(e):
+        if debug or not (isinstance(e, (CommandError, *REPORTED.get(args.command, ()))) or _is_environment_error(e)):
             raise
         print(f"relayrl {args.command}: {e}", file=sys.stderr)
         return 2
+
+
+class CommandError(Exception):
+    """What a command refuses: ``main`` prints ``relayrl COMMAND: message`` and exits with status 2."""
+
+
+# Errors a command reports in one line (as CommandError), by command; --debug shows their traceback instead
+REPORTED: dict[str, tuple[type[Exception], ...]] = {
+    "sft": (ValueError, FileNotFoundError),
+    "plot": (FileNotFoundError,),
+    "doctor": (FileNotFoundError,),
+}
 
 
 def _config_reference(argv: list[str]) -> int:
@@ -100,19 +109,16 @@ ENVIRONMENT_ERRORS = (
     ("relayrl.api.config", "ConfigError"),
     ("relayrl.data.datasets", "DatasetError"),
     ("relayrl.rollout.executor", "FilterExhausted"),
+    ("relayrl.inspector.data", "RunDirError"),
 )
 
 
 def _is_environment_error(e: Exception) -> bool:
-    """Errors that say what to change in the config, the data or the machine (exit 2, one line).
+    """Errors that say what to change in the config, the data, a path given or the machine (exit 2, one line).
 
     Looked up only in modules already imported (an exception cannot be an instance of a class never
     loaded), so a config error is reported without first importing the trainer (~10 s of CPU)."""
-    for module, name in ENVIRONMENT_ERRORS:
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(e, cls):
-            return True
-    return False
+    return any(isinstance(e, getattr(sys.modules.get(module), name, ())) for module, name in ENVIRONMENT_ERRORS)
 
 
 def _interrupted(command: str, e: KeyboardInterrupt) -> int:
@@ -164,11 +170,9 @@ def _serve(argv: list[str]) -> int:
         try:
             ns.admin_token = Path(ns.admin_token_file).read_text().strip()
         except OSError as e:
-            print(f"relayrl serve: --admin-token-file {ns.admin_token_file}: {e.strerror}", file=sys.stderr)
-            return 2
+            raise CommandError(f"--admin-token-file {ns.admin_token_file}: {e.strerror}") from None
         if not ns.admin_token:
-            print(f"relayrl serve: --admin-token-file {ns.admin_token_file} is empty", file=sys.stderr)
-            return 2
+            raise CommandError(f"--admin-token-file {ns.admin_token_file} is empty")
     for key, value in (
         ("model.path", ns.model),
         ("model.lora.adapter_path", ns.lora_adapter),
@@ -210,11 +214,7 @@ def _sft(argv: list[str]) -> int:
 
     from relayrl.sft import run_sft
 
-    try:
-        res = run_sft(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"relayrl sft: {e}", file=sys.stderr)
-        return 2
+    res = run_sft(cfg)  # a ValueError or FileNotFoundError: one line and exit 2 (REPORTED)
     print(
         json.dumps(
             {
@@ -279,12 +279,17 @@ def _train(argv: list[str]) -> int:
 
 
 def _train_run(path: str | None, overrides: list[str]) -> int:
-    from relayrl.api.config import RunConfig, load_config
+    from relayrl.api.config import ConfigError, RunConfig, load_config
     from relayrl.utils.interrupt import raise_interrupted
 
     signal.signal(signal.SIGTERM, raise_interrupted)  # set-up stops like Ctrl-C; the trainer takes over in fit
     cfg = load_config(RunConfig, path, overrides)
-    if cfg.launcher != "ray":  # (under Ray the paths are the nodes' to check)
+    if cfg.launcher == "ray":  # the trainer ranks and servers as Ray actors (the paths are the nodes' to check)
+        try:
+            from relayrl.launch.ray_cluster import run_on_ray
+        except ImportError as e:
+            raise ConfigError(f"launcher=ray needs Ray ({e}): pip install 'relayrl[ray]'") from None
+    else:
         from relayrl.data.preflight import check_run
 
         check_run(cfg)  # a wrong path or device in one line before ~10 s of trainer imports (train() checks again)
@@ -295,38 +300,18 @@ def _train_run(path: str | None, overrides: list[str]) -> int:
     from relayrl.utils.deadline import Stalled
 
     try:
-        last = _run_on_ray(cfg) if cfg.launcher == "ray" else train(cfg)
-    except (NonFiniteError, Stalled) as e:  # NaN/inf losses too many steps in a row; a wait past its deadline
+        last = run_on_ray(cfg) if cfg.launcher == "ray" else train(cfg)
+    except (NonFiniteError, Stalled, LaunchError) as e:  # NaN/inf steps, a missed deadline, a failed Ray run
         print(f"relayrl train: {e}", file=sys.stderr)
-        return 1
-    except LaunchError as e:  # launcher=ray: the cluster cannot run it, or a trainer rank died
-        print(f"relayrl train: {e}", file=sys.stderr)
-        return e.exit_code
+        return e.exit_code if isinstance(e, LaunchError) else 1
     for s in (signal.SIGINT, signal.SIGTERM):  # the run is complete: a signal now changes nothing
         signal.signal(s, signal.SIG_IGN)
     from relayrl.utils import dist as dist_utils
 
     if dist_utils.is_main():  # under torchrun: one summary line, from the driver
-        print(
-            json.dumps(
-                {
-                    "run_dir": cfg.run_dir,
-                    **{k: last[k] for k in sorted(last) if k.startswith(("eval/", "rollout/reward"))},
-                }
-            )
-        )
+        scores = {k: last[k] for k in sorted(last) if k.startswith(("eval/", "rollout/reward"))}
+        print(json.dumps({"run_dir": cfg.run_dir, **scores}))
     return 0
-
-
-def _run_on_ray(cfg: RunConfig) -> dict[str, float]:
-    """``launcher=ray``: the trainer ranks and servers as Ray actors (relayrl.launch.ray_cluster)."""
-    try:
-        from relayrl.launch.ray_cluster import run_on_ray
-    except ImportError as e:
-        from relayrl.api.config import ConfigError
-
-        raise ConfigError(f"launcher=ray needs Ray ({e}): pip install 'relayrl[ray]'") from None
-    return run_on_ray(cfg)
 
 
 def _eval(argv: list[str]) -> int:
@@ -343,24 +328,21 @@ def _eval(argv: list[str]) -> int:
 
     run_dir = Path(path) if path is not None and Path(path).is_dir() else None
     cfg = load_config(RunConfig, run_dir / "config.yaml" if run_dir else path, overrides)
-    if run_dir is not None:
-        latest = CheckpointManager(run_dir, cfg.checkpoint).latest()
-        if latest is not None and cfg.model.lora.rank > 0:  # a peft adapter on the run's base model
-            if cfg.model.lora.adapter_path:
-                print(
-                    "relayrl eval: a LoRA run that started from model.lora.adapter_path holds adapters on top "
-                    "of that one; evaluate it with a merged base as model.path",
-                    file=sys.stderr,
-                )
-                return 2
-            lora = replace(cfg.model.lora, adapter_path=str(latest / "actor"))
-            cfg = replace(cfg, model=replace(cfg.model, lora=lora))
-        elif latest is not None:
-            if not (latest / "actor" / "tokenizer_config.json").is_file():  # written before checkpoints had one
-                tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
-            else:  # the checkpoint's own (the run's tokenizer, saved): the run's model directory may be gone
-                tokenizer_path = ""
-            cfg = replace(cfg, model=replace(cfg.model, path=str(latest / "actor"), tokenizer_path=tokenizer_path))
+    latest = CheckpointManager(run_dir, cfg.checkpoint).latest() if run_dir is not None else None
+    if latest is not None and cfg.model.lora.rank > 0:  # a peft adapter on the run's base model
+        if cfg.model.lora.adapter_path:
+            raise CommandError(
+                "a LoRA run that started from model.lora.adapter_path holds adapters on top "
+                "of that one; evaluate it with a merged base as model.path"
+            )
+        lora = replace(cfg.model.lora, adapter_path=str(latest / "actor"))
+        cfg = replace(cfg, model=replace(cfg.model, lora=lora))
+    elif latest is not None:
+        if not (latest / "actor" / "tokenizer_config.json").is_file():  # written before checkpoints had one
+            tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
+        else:  # the checkpoint's own (the run's tokenizer, saved): the run's model directory may be gone
+            tokenizer_path = ""
+        cfg = replace(cfg, model=replace(cfg.model, path=str(latest / "actor"), tokenizer_path=tokenizer_path))
     from relayrl.data.preflight import check_run
 
     check_run(cfg)  # a wrong path or device in one line, before the model code is imported
@@ -373,18 +355,10 @@ def _eval(argv: list[str]) -> int:
     tokenizer = load_tokenizer(cfg.model)
     _, rows = wiring.load_rows(cfg, tokenizer)
     if not rows:
-        print("relayrl eval: no eval rows (set data.eval_path, or data.n_eval for a synthetic task)", file=sys.stderr)
-        return 2
-    engine = wiring.make_inference_engine(cfg, tokenizer)
-    engine.initialize()
-    try:
-        rows = rows[: cfg.eval.max_prompts or None]
-        workflow = wiring.make_workflow(
-            cfg, tokenizer, wiring.reward_fn_for(cfg), cfg.eval.gconfig
-        )  # the run's workflow
-        out = evaluate(engine, workflow, rows, cfg.eval.n_samples)
-    finally:
-        engine.destroy()
+        raise CommandError("no eval rows (set data.eval_path, or data.n_eval for a synthetic task)")
+    with wiring.make_inference_engine(cfg, tokenizer) as engine:  # the run's own workflow, with the eval gconfig
+        workflow = wiring.make_workflow(cfg, tokenizer, wiring.reward_fn_for(cfg), cfg.eval.gconfig)
+        out = evaluate(engine, workflow, rows[: cfg.eval.max_prompts or None], cfg.eval.n_samples)
     adapter = cfg.model.lora.adapter_path
     if adapter:  # say so: the numbers are the base's with this adapter merged, not the base's
         print(f"relayrl eval: applied the LoRA adapter {adapter} to {cfg.model.path}", file=sys.stderr)
@@ -399,11 +373,7 @@ def _plot(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     from relayrl.utils.plot import plot_runs
 
-    try:
-        print(plot_runs(ns.run_dirs, ns.out))
-    except FileNotFoundError as e:
-        print(f"relayrl plot: {e}", file=sys.stderr)
-        return 2
+    print(plot_runs(ns.run_dirs, ns.out))
     return 0
 
 
@@ -414,11 +384,7 @@ def _doctor(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     from relayrl.doctor.replay import run
 
-    try:
-        run(ns.run_dir, ns.step)
-    except FileNotFoundError as e:
-        print(f"relayrl doctor: {e}", file=sys.stderr)
-        return 2
+    run(ns.run_dir, ns.step)
     return 0
 
 
@@ -433,15 +399,13 @@ def _show(argv: list[str]) -> int:
         runs = sorted(p.parent for p in run_dir.glob("*/rollouts") if p.is_dir())
         if len(runs) != 1:
             found = ", ".join(str(r) for r in runs) if runs else "none"
-            print(f"relayrl show: {run_dir} holds no rollouts/; runs with rollouts under it: {found}", file=sys.stderr)
-            return 2
+            raise CommandError(f"{run_dir} holds no rollouts/; runs with rollouts under it: {found}")
         run_dir = runs[0]
     files = sorted((run_dir / "rollouts").glob("step_*.jsonl"))
     if ns.step is not None:
         files = [f for f in files if f.name == f"step_{ns.step:06d}.jsonl"]
     if not files:
-        print(f"relayrl show: no rollouts saved for step {ns.step} in {run_dir}/rollouts", file=sys.stderr)
-        return 2
+        raise CommandError(f"no rollouts saved for step {ns.step} in {run_dir}/rollouts")
     print(f"{files[-1]}:")
     for line in files[-1].read_text().splitlines():
         r = json.loads(line)
@@ -461,29 +425,20 @@ def _inspect(argv: list[str]) -> int:
     p.add_argument("--export", metavar="DIR", help="write the page and its data as static files to DIR instead")
     ns = p.parse_args(argv)
 
-    from relayrl.inspector.data import RunDirError, check_run_dir
+    from relayrl.inspector.data import check_run_dir
     from relayrl.inspector.server import export, make_server
 
-    try:
-        run_dirs = [check_run_dir(Path(d)) for d in ns.run_dirs]
-    except RunDirError as e:
-        print(f"relayrl inspect: {e}", file=sys.stderr)
-        return 2
+    run_dirs = [check_run_dir(Path(d)) for d in ns.run_dirs]  # a RunDirError: one line and exit 2 (main)
     if ns.export:
         print(f"wrote {export(run_dirs, Path(ns.export))} (open it in a browser)", flush=True)
         return 0
     try:
         server = make_server(run_dirs, port=ns.port)
     except OSError as e:
-        print(f"relayrl inspect: cannot listen on 127.0.0.1:{ns.port} ({e}); try --port 0", file=sys.stderr)
-        return 2
+        raise CommandError(f"cannot listen on 127.0.0.1:{ns.port} ({e}); try --port 0") from None
     print(f"relayrl inspect: http://127.0.0.1:{server.server_address[1]}/  (Ctrl-C stops)", flush=True)
-    try:
+    with server, contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the server closes, exit status 0
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
     return 0
 
 

@@ -1,17 +1,12 @@
 """The CPU demo (``relayrl demo``): a tiny char-level model learns 2-digit addition, first by
 imitating imperfect demonstrations (SFT), then by GRPO against the verifier.
 
-Everything is built in code (model, tokenizer, task), so it runs offline on a laptop CPU:
-
-1. ``make_task("arithmetic")`` -> training / held-out prompts with reference answers;
-2. ``demonstrations(error_rate)`` -> SFT pairs of which ``error_rate`` are plausibly wrong;
-3. SFT warm start (``run_sft``) of the ~0.6M-parameter demo model until greedy decoding is
-   mostly right; the model also imitates the mistakes, so its *sampled* (temperature 1)
-   held-out accuracy is clearly short of perfect (about 0.3);
-4. GRPO through the ordinary ``Trainer`` (LocalEngine, WorkflowExecutor, PPOActor), starting
-   from the SFT checkpoint, sharpens the policy towards verified answers;
-5. held-out sampled accuracy before and after, the learning curves as ``curves.png``, and
-   one JSON line at the end for scripts.
+Everything is built in code (model, tokenizer, task), so it runs offline on a laptop CPU. SFT on
+demonstrations of which ``error_rate`` are wrong stops once greedy decoding is mostly right; the
+model also imitates the mistakes, so its *sampled* (temperature 1) held-out accuracy is clearly
+short of perfect (about 0.3). GRPO through the ordinary ``Trainer``, from the SFT checkpoint, then
+sharpens the policy towards verified answers. The result: held-out sampled accuracy before and
+after, the learning curves as ``curves.png``, and one JSON line at the end for scripts.
 
 The RL stage is synchronous (eta = 0) by default, so a run repeats itself: the same samples,
 batches and updates from the same seed (only the generator's logprobs, which synchronous PPO
@@ -137,17 +132,12 @@ def held_out_accuracy(
     from relayrl.inference.local import LocalEngine
     from relayrl.rollout.workflows.rlvr import RLVRWorkflow
 
-    engine = LocalEngine(
-        InferenceConfig(seed=seed, max_batch_size=256), model=generation_copy(model), tokenizer=tokenizer
-    )
-    engine.initialize()
     reward_fn = task_reward_fn("arithmetic")
-    try:
-        g = GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
+    g = GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
+    inference = InferenceConfig(seed=seed, max_batch_size=256)
+    with LocalEngine(inference, model=generation_copy(model), tokenizer=tokenizer) as engine:
         sampled = evaluate(engine, RLVRWorkflow(reward_fn, g, tokenizer), rows, n_samples=n_samples)
         greedy = evaluate(engine, RLVRWorkflow(reward_fn, g.new(greedy=True), tokenizer), rows, n_samples=1)
-    finally:
-        engine.destroy()
     return {"sampled": sampled.get("eval/accuracy_mean", sampled["eval/accuracy"]), "greedy": greedy["eval/accuracy"]}
 
 

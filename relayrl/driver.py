@@ -85,11 +85,17 @@ class Driver:
             stats.gauge(**self.evaluate())
 
     def log(self, step: int, metrics: dict[str, float], batch: TensorDict) -> None:
-        """metrics.jsonl (with the row ids this step trained on: audits see nothing lost or repeated)
-        and the step's saved rollouts."""
+        """metrics.jsonl (with the row ids this step trained on: audits see nothing lost or repeated) and
+        ``logging.rollouts_per_step`` of the step's rollouts, token by token, for ``relayrl show`` and
+        ``relayrl inspect`` (format: ``relayrl.utils.rollouts``)."""
         row: dict[str, object] = {**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}
         self.metrics.log(row, step=step)
-        self.save_rollouts(step, batch)
+        if self.cfg.logging.rollouts_per_step > 0:
+            if self.rollout_writer is None:
+                processor = vision_processor(self.cfg.model) if "pixel_values" in batch else None
+                images = functools.partial(png_data_urls, processor) if processor is not None else None
+                self.rollout_writer = RolloutWriter(self.run_dir, self.tokenizer, images)
+            self.rollout_writer.write(step, batch, self.cfg.logging.rollouts_per_step)
 
     def evaluate(self) -> dict[str, float]:
         """Score the held-out rows with the eval generation config (executor paused; it resumes
@@ -101,16 +107,6 @@ class Driver:
         finally:
             if not was_paused:
                 self.executor.resume()
-
-    def save_rollouts(self, step: int, batch: TensorDict) -> None:
-        """``logging.rollouts_per_step`` of this step's rollouts, token by token, for ``relayrl show`` and
-        ``relayrl inspect`` (format: ``relayrl.utils.rollouts``)."""
-        if self.cfg.logging.rollouts_per_step > 0:
-            if self.rollout_writer is None:
-                processor = vision_processor(self.cfg.model) if "pixel_values" in batch else None
-                images = functools.partial(png_data_urls, processor) if processor is not None else None
-                self.rollout_writer = RolloutWriter(self.run_dir, self.tokenizer, images)
-            self.rollout_writer.write(step, batch, self.cfg.logging.rollouts_per_step)
 
     def state_dict(self) -> dict[str, Any]:
         """The driver's part of a checkpoint (JSON): data order and what the executor had not trained

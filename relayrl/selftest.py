@@ -58,21 +58,33 @@ class Check:
     seconds: float = 0.0
 
 
+def engine(model: PreTrainedModel, device: str, static: bool | None = None, **cfg: object) -> LocalEngine:
+    """A LocalEngine over a copy of ``model`` (``with engine(...)`` initializes and destroys it)."""
+    return LocalEngine(InferenceConfig(device=device, **cfg), model=copy.deepcopy(model), static_steps=static)  # type: ignore[arg-type]
+
+
+def answers(eng: LocalEngine) -> list[ModelResponse]:
+    """``eng``'s responses to every prompt of ``PROMPTS``, requested at once."""
+
+    async def go() -> list[ModelResponse]:
+        return list(
+            await asyncio.gather(*(eng.agenerate(ModelRequest(f"r{i}", p, GEN)) for i, p in enumerate(PROMPTS)))
+        )
+
+    return asyncio.run(go())
+
+
 def generate(
-    model: PreTrainedModel, device: str, static: bool, prompts: list[list[int]], **cfg: object
+    model: PreTrainedModel, device: str, static: bool, **cfg: object
 ) -> tuple[list[ModelResponse], LocalEngine]:
     """Greedy responses of a LocalEngine over a copy of ``model`` (destroyed before returning)."""
-    eng = LocalEngine(InferenceConfig(device=device, **cfg), model=copy.deepcopy(model), static_steps=static)  # type: ignore[arg-type]
-    eng.initialize()
-    try:
+    with engine(model, device, static, **cfg) as eng:
+        return answers(eng), eng
 
-        async def go() -> list[ModelResponse]:
-            reqs = [ModelRequest(f"r{i}", p, GEN) for i, p in enumerate(prompts)]
-            return list(await asyncio.gather(*(eng.agenerate(r) for r in reqs)))
 
-        return asyncio.run(go()), eng
-    finally:
-        eng.destroy()
+def verdict(name: str, ok: bool, figure: str, detail: str, values: dict[str, float], t0: float) -> Check:
+    """The row of a check that passes when ``ok``, timed from ``t0``."""
+    return Check(name, "pass" if ok else "fail", figure, detail, values, time.perf_counter() - t0)
 
 
 def as_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -105,45 +117,36 @@ def check_decode(model: PreTrainedModel, device: torch.device) -> list[Check]:
     """Static decode steps (and on CUDA the captured graphs, flash-attn) against eager steps."""
     dev = str(device)
     out: list[Check] = []
-    eager, _ = generate(model, dev, False, PROMPTS, cuda_graphs=False)
-    variants: list[tuple[str, str, PreTrainedModel, dict[str, object], str]] = [
-        ("decode: static steps = eager", "static", model, {"cuda_graphs": False}, "")
-    ]
+    eager, _ = generate(model, dev, False, cuda_graphs=False)
     graphs_skip = "" if device.type == "cuda" else "no CUDA device"
-    variants.append(("decode: CUDA graphs = eager", "graphs", model, {"cuda_graphs": True}, graphs_skip))
     flash_skip = graphs_skip or ("" if importlib.util.find_spec("flash_attn") else "flash-attn is not installed")
     half = as_dtype(model, torch.bfloat16)
-    variants.append(("decode: flash-attn = SDPA (bf16)", "flash", half, {"cuda_graphs": True}, flash_skip))
+    variants = [  # (name, model, CUDA graphs, why skipped)
+        ("decode: static steps = eager", model, False, ""),
+        ("decode: CUDA graphs = eager", model, True, graphs_skip),
+        ("decode: flash-attn = SDPA (bf16)", half, True, flash_skip),
+    ]
     eager_half = None
-    for name, kind, m, cfg, skip in variants:
+    for name, m, graphs, skip in variants:
         if skip:
             out.append(Check(name, "skip", "-", skip))
             continue
         t0, before = time.perf_counter(), set(failsafe.FALLBACKS)
-        got, eng = generate(m, dev, True, PROMPTS, **cfg)
+        got, eng = generate(m, dev, True, cuda_graphs=graphs)
+        flash = m is half
         ref = eager
-        if kind == "flash":
-            eager_half = eager_half or generate(half, dev, False, PROMPTS, cuda_graphs=False)[0]
+        if flash:
+            eager_half = eager_half or generate(half, dev, False, cuda_graphs=False)[0]
             ref = eager_half
         same, gap = compare(got, ref)
-        tol = 0.1 if kind == "flash" else 1e-4
-        need = len(PROMPTS) - (1 if kind == "flash" else 0)  # bf16: a near-tie may flip one greedy row
+        tol = 0.1 if flash else 1e-4
+        need = len(PROMPTS) - (1 if flash else 0)  # bf16: a near-tie may flip one greedy row
         fell = _fell_back(before)
         ok = same >= need and gap <= tol and not fell
-        used = ""
-        if eng._static is not None:
-            used = f"attention={eng._static.attention}, graphs captured={eng._static.captures}"
-        detail = fell or used
-        out.append(
-            Check(
-                name,
-                "pass" if ok else "fail",
-                f"{same}/{len(PROMPTS)} rows equal, max |dlogp| {gap:.2g} (bound {tol:g})",
-                detail,
-                {"rows_equal": same, "max_logprob_gap": gap},
-                time.perf_counter() - t0,
-            )
-        )
+        static = eng._static
+        used = f"attention={static.attention}, graphs captured={static.captures}" if static is not None else ""
+        figure = f"{same}/{len(PROMPTS)} rows equal, max |dlogp| {gap:.2g} (bound {tol:g})"
+        out.append(verdict(name, ok, figure, fell or used, {"rows_equal": same, "max_logprob_gap": gap}, t0))
     return out
 
 
@@ -170,21 +173,14 @@ def check_packed(model: PreTrainedModel, device: torch.device, batch: dict[str, 
             logp = torch.log_softmax(ref(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
             gap = max(gap, float((packed[i, 1:n] - logp.cpu()).abs().max()))
     tol = 1e-4
-    ok = gap <= tol
-    return Check(
-        "train: packed = per sequence",
-        "pass" if ok else "fail",
-        f"max |dlogp| {gap:.2g} (bound {tol:g})",
-        f"{len(batch['input_ids'])} sequences",
-        {"max_logprob_gap": gap},
-        time.perf_counter() - t0,
-    )
+    figure, detail = f"max |dlogp| {gap:.2g} (bound {tol:g})", f"{len(batch['input_ids'])} sequences"
+    return verdict("train: packed = per sequence", gap <= tol, figure, detail, {"max_logprob_gap": gap}, t0)
 
 
 def check_bf16_gap(model: PreTrainedModel, device: torch.device) -> Check:
     """The generator on bf16 weights against the trainer (bf16 autocast on CUDA, fp32 elsewhere)."""
     t0, before = time.perf_counter(), set(failsafe.FALLBACKS)
-    responses, _ = generate(as_dtype(model, torch.bfloat16), str(device), False, PROMPTS, cuda_graphs=False)
+    responses, _ = generate(as_dtype(model, torch.bfloat16), str(device), False, cuda_graphs=False)
     batch = batch_of(responses)
     trainer = train_engine(model, attn="auto", bf16=True).forward(batch)
     mask = batch["loss_mask"].bool()
@@ -193,14 +189,8 @@ def check_bf16_gap(model: PreTrainedModel, device: torch.device) -> Check:
     fell = _fell_back(before)
     ok = mean <= BF16_MEAN and top <= BF16_MAX and not fell
     figure = f"mean |dlogp| {mean:.3g} (bound {BF16_MEAN:g}), max {top:.3g} (bound {BF16_MAX:g})"
-    return Check(
-        "logprobs: generator bf16 vs trainer",
-        "pass" if ok else "fail",
-        figure,
-        fell or f"{int(mask.sum())} tokens",
-        {"mean_gap": mean, "max_gap": top},
-        time.perf_counter() - t0,
-    )
+    values = {"mean_gap": mean, "max_gap": top}
+    return verdict("logprobs: generator bf16 vs trainer", ok, figure, fell or f"{int(mask.sum())} tokens", values, t0)
 
 
 def _receiver(port: int, backend: str, result: mp.SimpleQueue) -> None:
@@ -237,91 +227,51 @@ def check_broadcast() -> Check:
         if child.is_alive():
             child.kill()
     mb = sum(p.numel() * p.element_size() for p in model.state_dict().values()) / 2**20
-    ok = gap == 0.0
     figure = f"{mb:.1f} MB in {sent_s:.2f}s (the receiver's start included), max |diff| after {gap:g}"
-    return Check(
-        f"weights: broadcast ({backend})",
-        "pass" if ok else "fail",
-        figure,
-        why,
-        {"mb": mb, "seconds": sent_s, "max_diff": gap},
-        time.perf_counter() - t0,
-    )
+    values = {"mb": mb, "seconds": sent_s, "max_diff": gap}
+    return verdict(f"weights: broadcast ({backend})", gap == 0.0, figure, why, values, t0)
 
 
 def check_release(model: PreTrainedModel, device: torch.device) -> Check:
     """release_memory(weights=True) then resume_memory(): the same tokens, memory freed on CUDA."""
     t0, before = time.perf_counter(), set(failsafe.FALLBACKS)
-    eng = LocalEngine(InferenceConfig(device=str(device)), model=copy.deepcopy(model))
-    eng.initialize()
-    try:
-
-        async def run() -> list[ModelResponse]:
-            return list(
-                await asyncio.gather(*(eng.agenerate(ModelRequest(f"m{i}", p, GEN)) for i, p in enumerate(PROMPTS)))
-            )
-
-        first = asyncio.run(run())
+    with engine(model, str(device)) as eng:
+        first = answers(eng)
         held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         eng.release_memory(weights=True)
         freed = (held - torch.cuda.memory_allocated(device)) / 2**20 if device.type == "cuda" else 0.0
         eng.resume_memory()
-        again = asyncio.run(run())
-    finally:
-        eng.destroy()
+        again = answers(eng)
     same, gap = compare(again, first)
     fell = _fell_back(before)
     ok = same == len(PROMPTS) and gap <= 1e-5 and not fell and (device.type != "cuda" or freed > 0)
     where = f"{freed:.1f} MB freed while released" if device.type == "cuda" else "CPU: weights stay in place"
-    return Check(
-        "memory: release/resume",
-        "pass" if ok else "fail",
-        f"{same}/{len(PROMPTS)} rows equal after resume, {where}",
-        fell,
-        {"rows_equal": same, "freed_mb": freed},
-        time.perf_counter() - t0,
-    )
+    figure = f"{same}/{len(PROMPTS)} rows equal after resume, {where}"
+    return verdict("memory: release/resume", ok, figure, fell, {"rows_equal": same, "freed_mb": freed}, t0)
 
 
 def check_kv_budget(model: PreTrainedModel, device: torch.device) -> Check:
     """The KV budget this machine gets, and a budget too small for the batch: rows are preempted and
     continued with the same tokens."""
     t0 = time.perf_counter()
-    full, eng = generate(model, str(device), False, PROMPTS)
+    full, eng = generate(model, str(device), False)
     capacity, by = eng.kv_capacity, eng.kv_capacity_by
-    small = LocalEngine(InferenceConfig(device=str(device)), model=copy.deepcopy(model))
-    small.initialize()
-    small.kv_capacity = 96  # fewer cells than the 8 rows need: some wait or are preempted
-    try:
-
-        async def run() -> list[ModelResponse]:
-            return list(
-                await asyncio.gather(*(small.agenerate(ModelRequest(f"k{i}", p, GEN)) for i, p in enumerate(PROMPTS)))
-            )
-
-        tight = asyncio.run(run())
-    finally:
-        small.destroy()
+    with engine(model, str(device)) as small:
+        small.kv_capacity = 96  # fewer cells than the 8 rows need: some wait or are preempted
+        tight = answers(small)
     same, gap = compare(tight, full)
     peak, pre = small.counters["kv_peak"], small.counters["preemptions"]
     ok = same == len(PROMPTS) and gap <= 1e-4 and peak <= 96 + len(PROMPTS)
     figure = (
         f"budget {capacity} tokens ({by}); at 96: peak {peak} cells, {pre} preempted, {same}/{len(PROMPTS)} rows equal"
     )
-    return Check(
-        "KV budget",
-        "pass" if ok else "fail",
-        figure,
-        "",
-        {"capacity": capacity, "peak": peak, "preemptions": pre},
-        time.perf_counter() - t0,
-    )
+    return verdict("KV budget", ok, figure, "", {"capacity": capacity, "peak": peak, "preemptions": pre}, t0)
 
 
 def run_checks(device: torch.device) -> list[Check]:
     model = build_tiny_model("tiny", seed=0).eval()
     checks = check_decode(model, device)
-    responses, _ = generate(model, str(device), False, PROMPTS, cuda_graphs=False)
+    responses, _ = generate(model, str(device), False, cuda_graphs=False)
     steps: list[tuple[str, Callable[[], Check]]] = [
         ("train: packed = per sequence", lambda: check_packed(model, device, batch_of(responses))),
         ("logprobs: generator bf16 vs trainer", lambda: check_bf16_gap(model, device)),

@@ -18,6 +18,7 @@ Column names come from ``SFTDataConfig``. Each example is ``(input_ids, loss_mas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -191,10 +192,6 @@ class SFTResult:
     model: PreTrainedModel  # the trained model (the engine's, still in memory)
 
 
-def num_steps(cfg: SFTConfig, n_examples: int) -> int:
-    return cfg.total_steps or cfg.epochs * math.ceil(n_examples / cfg.batch_size)
-
-
 def run_sft(
     cfg: SFTConfig,
     tokenizer: PreTrainedTokenizerBase | None = None,
@@ -223,15 +220,12 @@ def run_sft(
     if not train_ex:
         raise ValueError("SFT needs at least one training row")
     eval_ex = encode_rows(eval_rows or [], tokenizer, cfg.data, "eval")
-    total = num_steps(cfg, len(train_ex))
+    total = cfg.total_steps or cfg.epochs * math.ceil(len(train_ex) / cfg.batch_size)
     train_cfg = dataclasses.replace(cfg.train, total_steps=cfg.train.total_steps or total)
     engine = TorchTrainEngine(train_cfg, cfg.model, model=model, seed=cfg.seed)
     engine.initialize()
-    own_logger = logger is None
-    if own_logger:
+    if logger is None:
         save_config(cfg, cfg.run_dir)
-        logger = MetricLogger.from_config(cfg.logging, cfg.run_dir, cfg)
-    assert logger is not None
 
     def eval_loss() -> float | None:
         if not eval_ex:
@@ -249,7 +243,8 @@ def run_sft(
     window: list[float] = []
     ev: float | None = None
     stream = batches(train_ex, cfg.batch_size, cfg.seed)
-    try:
+    sink = MetricLogger.from_config(cfg.logging, cfg.run_dir, cfg) if logger is None else contextlib.nullcontext(logger)
+    with sink as logger:  # a logger passed in stays open
         engine.train()
         for step in range(1, total + 1):
             epoch, examples = next(stream)
@@ -278,9 +273,5 @@ def run_sft(
             checkpoint = str(Path(cfg.run_dir) / "final")
             engine.save(SaveLoadMeta(path=checkpoint))
             tokenizer.save_pretrained(checkpoint)
-    finally:
-        if own_logger:
-            logger.close()
-    trained = engine.model
-    assert trained is not None
-    return SFTResult(total, sum(window) / max(1, len(window)), ev, time.monotonic() - t0, checkpoint, trained)
+    mean_loss = sum(window) / max(1, len(window))
+    return SFTResult(total, mean_loss, ev, time.monotonic() - t0, checkpoint, engine._require())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Callable
+from typing import Self
 
 import torch
 
@@ -67,6 +68,14 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     def destroy(self) -> None:
         """Release threads, processes and connections. Safe to call twice."""
+
+    def __enter__(self) -> Self:
+        """``with engine:`` initializes it, and destroys it on the way out."""
+        self.initialize()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
 
     @abc.abstractmethod
     async def agenerate(self, req: ModelRequest) -> ModelResponse:

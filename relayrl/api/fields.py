@@ -166,15 +166,12 @@ def _coerce(value: YamlValue, tp: object, name: str) -> object:
             return int(value)
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):  # YAML reads "1e-5" as a string
             try:
                 return float(value)
             except OverflowError:  # an int too large for a float
                 raise ConfigError(f"{name}: {value!r} is too large for a number") from None
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads "1e-5" as a string
-            except ValueError:
+            except ValueError:  # a string that is not a number
                 pass
         raise ConfigError(f"{name}: expected a number, got {value!r}")
     if tp is str:
@@ -227,11 +224,8 @@ def _build(cls: type[T], values: typing.Mapping[str, YamlValue], prefix: str = "
             shown = shown if shown.isprintable() else shown.encode("unicode_escape").decode()  # one line, always
             raise ConfigError(f"unknown config key '{shown}'{hint}")
     kwargs: dict[str, object] = {}
-    for name in fields:
-        if name not in values:
-            continue
-        value = values[name]
-        tp = hints[name]
+    for name in [n for n in fields if n in values]:  # in declaration order: the first bad field is reported
+        value, tp = values[name], hints[name]
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             fl = fields[name]  # the section's own default (not cls()'s, which may be resolved against others)
             default = fl.default_factory() if fl.default_factory is not dataclasses.MISSING else None
@@ -390,15 +384,11 @@ def public_dict(obj: object) -> dict[str, YamlValue]:
     return out
 
 
-def config_to_yaml(cfg: object) -> str:
-    return yaml.safe_dump(public_dict(cfg), sort_keys=False)
-
-
 def save_config(cfg: object, run_dir: str | os.PathLike[str]) -> Path:
     """Write the resolved config to ``run_dir/config.yaml`` (what the run really used)."""
     out = Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(config_to_yaml(cfg))
+    out.write_text(yaml.safe_dump(public_dict(cfg), sort_keys=False))
     return out
 
 

@@ -203,13 +203,9 @@ def concat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory:
         for t in trajs:
             v = t[key]
             is_token = v.dim() >= 2 and v.shape[1] == t["input_ids"].shape[1] and key != "rewards"
-            if is_token and v.shape[1] < seqlen:
-                pad = torch.full(
-                    (v.shape[0], seqlen - v.shape[1], *v.shape[2:]),
-                    -1 if key in ("versions", "routed_experts") else 0,
-                    dtype=v.dtype,
-                )
-                v = torch.cat([v, pad], dim=1)
+            if is_token and v.shape[1] < seqlen:  # right-pad dim 1 (pad's spec runs from the last dim)
+                fill = -1 if key in ("versions", "routed_experts") else 0
+                v = functional.pad(v, (0, 0) * (v.dim() - 2) + (0, seqlen - v.shape[1]), value=fill)
             parts.append(v)
         out[key] = torch.cat(parts, dim=0)
     return out

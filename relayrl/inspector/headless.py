@@ -3,7 +3,6 @@ open the page. Playwright (the ``dev`` extra) drives the system browser; nothing
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,19 +30,15 @@ def chromium(width: int = 1400, height: int = 1000) -> Iterator[BrowserContext]:
     """A browser context on a fresh profile (``--user-data-dir``), removed afterwards."""
     from playwright.sync_api import sync_playwright
 
-    profile = tempfile.mkdtemp(prefix="relayrl-chromium-")
-    try:
-        with sync_playwright() as p:
-            ctx = p.chromium.launch_persistent_context(
-                profile,
-                executable_path=CHROMIUM,
-                args=FLAGS,
-                headless=True,
-                viewport={"width": width, "height": height},
-            )
-            try:
-                yield ctx
-            finally:
-                ctx.close()
-    finally:
-        shutil.rmtree(profile, ignore_errors=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="relayrl-chromium-", ignore_cleanup_errors=True) as profile,
+        sync_playwright() as p,
+        p.chromium.launch_persistent_context(
+            profile,
+            executable_path=CHROMIUM,
+            args=FLAGS,
+            headless=True,
+            viewport={"width": width, "height": height},
+        ) as ctx,
+    ):
+        yield ctx

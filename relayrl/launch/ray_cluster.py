@@ -31,7 +31,6 @@ import re
 import secrets
 import signal
 import socket
-import typing
 from dataclasses import replace
 
 import ray
@@ -52,8 +51,7 @@ _node_port = ray.remote(num_cpus=0)(node_port)
 
 
 def _bundle(cpus: float, gpus: float) -> dict[str, float]:
-    out = {"CPU": cpus, "GPU": gpus}
-    return {k: v for k, v in out.items() if v > 0}
+    return {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
 
 
 def connect(rc: RayConfig) -> bool:
@@ -192,16 +190,9 @@ class RayRun:
     def _create_ranks(self) -> None:
         r = self.cfg.ray
         rank = ray.remote(TrainerRank)
+        options = {"num_cpus": r.trainer_cpus, "num_gpus": r.trainer_gpus, "max_restarts": 0}
         self.ranks = [
-            typing.cast(
-                ray.actor.ActorHandle,
-                rank.options(
-                    num_cpus=r.trainer_cpus,
-                    num_gpus=r.trainer_gpus,
-                    max_restarts=0,
-                    scheduling_strategy=self._in_bundle(i),
-                ).remote(),
-            )
+            rank.options(**options, scheduling_strategy=self._in_bundle(i)).remote()  # type: ignore[misc]
             for i in range(r.trainer_ranks)
         ]
 
