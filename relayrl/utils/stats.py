@@ -236,10 +236,8 @@ class StatsTracker:
         with self._lock:
             accs = dict(self._accs)
             if reset:
-                self._accs = {}
-                self._masks = {}
-        distributed = not local and dist_utils.world_size(group) > 1
-        if distributed:
+                self.reset()
+        if not local and dist_utils.world_size(group) > 1:
             accs = _reduce_across_ranks(accs, group)
         out: dict[str, float] = {}
         for key, acc in sorted(accs.items()):  # denominators sum, timings sum (max over ranks), gauges max
@@ -254,37 +252,22 @@ class StatsTracker:
 
 
 def _reduce_across_ranks(accs: dict[str, _Acc], group: dist.ProcessGroup | None) -> dict[str, _Acc]:
-    """Sum totals and counts, min the lows, max the highs over ranks (3 all-reduces).
-
-    Keys recorded on only some ranks still line up: the union of every rank's keys is
-    reduced, with identity values where a rank has none. Timing totals are maxed (wall time
-    of the slowest rank), everything else summed.
-    """
-    specs = {k: (a.kind, a.reduces) for k, a in accs.items()}
-    union: dict[str, tuple[Kind, tuple[ReduceType, ...]]] = {}
-    for r, theirs in enumerate(dist_utils.all_gather_object(specs, group)):
-        for k, spec in typing.cast(dict[str, tuple[Kind, tuple[ReduceType, ...]]], theirs).items():
-            if k in union and union[k] != spec:
-                raise ValueError(f"stats key {k!r} is recorded as {union[k]} on one rank and {spec} on rank {r}")
-            union[k] = spec
-    keys = sorted(union)
-    merged = {k: accs.get(k) or _Acc(*union[k]) for k in keys}
-    sums = torch.tensor(
-        [[0.0 if merged[k].kind == "timing" else merged[k].total, merged[k].count] for k in keys], dtype=torch.float64
-    ).reshape(-1, 2)
-    lows = torch.tensor([merged[k].low for k in keys], dtype=torch.float64)
-    highs = torch.tensor(
-        [merged[k].total if merged[k].kind == "timing" and merged[k].count else merged[k].high for k in keys],
-        dtype=torch.float64,
-    )
-    sums = dist_utils.all_reduce(sums, "sum", group)
-    lows = dist_utils.all_reduce(lows, "min", group)
-    highs = dist_utils.all_reduce(highs, "max", group)
-    out = {}
-    for i, k in enumerate(keys):
-        kind, reduces = union[k]
-        total = float(highs[i]) if kind == "timing" else float(sums[i, 0])
-        out[k] = _Acc(kind, reduces, total, float(sums[i, 1]), float(lows[i]), float(highs[i]))
+    """Every rank's partial reductions merged (one all-gather), in rank order, so every rank gets the
+    same result: totals and counts summed, lows min'd, highs max'd; a timing total is the slowest
+    rank's (its wall time). A key recorded on only some ranks merges what those ranks have."""
+    out: dict[str, _Acc] = {}
+    for r, theirs in enumerate(dist_utils.all_gather_object(accs, group)):
+        for k, acc in typing.cast(dict[str, _Acc], theirs).items():
+            mine = out.setdefault(k, _Acc(acc.kind, acc.reduces))
+            if (mine.kind, mine.reduces) != (acc.kind, acc.reduces):
+                raise ValueError(
+                    f"stats key {k!r} is recorded as {(mine.kind, mine.reduces)} on one rank "
+                    f"and {(acc.kind, acc.reduces)} on rank {r}"
+                )
+            if acc.kind == "timing":
+                mine.total, mine.count = max(mine.total, acc.total), mine.count + acc.count
+            else:
+                mine.add(acc.total, acc.count, acc.low, acc.high)
     return out
 
 
