@@ -38,23 +38,20 @@ from relayrl.rewards.tasks import evaluate_countdown
 from relayrl.utils.resolve import registrar, resolve
 
 Row = dict[str, object]
+Problem = tuple[tuple[object, ...], str, str, Row]  # a key telling problems apart, prompt, answer, the task's fields
 ERROR_KINDS = ("carry", "digit", "swap", "off_by")
-
-
-def _user(text: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": text}]
 
 
 def _split(
     name: str,
-    problems: Callable[[random.Random], tuple[tuple[object, ...], Row]],
+    problems: Callable[[random.Random], Problem],
     n_train: int,
     n_eval: int,
     difficulty: int,
     seed: int,
     capacity: int,
 ) -> tuple[list[Row], list[Row]]:
-    """Draw ``n_train + n_eval`` distinct problems (keyed by ``problems``), then cut into splits."""
+    """Draw ``n_train + n_eval`` distinct problems (keyed by ``problems``) as rows, then cut into splits."""
     need = n_train + n_eval
     if need > capacity // 2:
         raise ValueError(
@@ -65,11 +62,11 @@ def _split(
     seen: set[tuple[object, ...]] = set()
     rows: list[Row] = []
     while len(rows) < need:
-        key, row = problems(rng)
+        key, prompt, answer, fields = problems(rng)
         if key in seen:
             continue
         seen.add(key)
-        rows.append(row)
+        rows.append({"messages": [{"role": "user", "content": prompt}], "answer": answer, "task": name, **fields})
     out: tuple[list[Row], list[Row]] = (rows[:n_train], rows[n_train:])
     for split, part in zip(("train", "eval"), out, strict=True):
         for i, row in enumerate(part):
@@ -88,19 +85,12 @@ def arithmetic_task(
     lo, hi = (0 if difficulty == 1 else 10 ** (difficulty - 1)), 10**difficulty - 1
     op_list = sorted(set(ops))
 
-    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+    def problem(rng: random.Random) -> Problem:
         a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(op_list)
         if op == "-" and a < b:
             a, b = b, a
         result = a + b if op == "+" else a - b
-        row: Row = {
-            "messages": _user(f"{a}{op}{b}="),
-            "answer": str(result),
-            "task": "arithmetic",
-            "operands": [a, b],
-            "op": op,
-        }
-        return (a, op, b), row
+        return (a, op, b), f"{a}{op}{b}=", str(result), {"operands": [a, b], "op": op}
 
     capacity = (hi - lo + 1) ** 2 * len(op_list) // (2 if op_list == ["-"] else 1)
     return _split("arithmetic", problem, n_train, n_eval, difficulty, seed, capacity)
@@ -129,7 +119,7 @@ def countdown_task(
     if difficulty < 2:
         raise ValueError(f"countdown difficulty (how many numbers) must be >= 2, got {difficulty}")
 
-    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+    def problem(rng: random.Random) -> Problem:
         while True:
             numbers = [rng.randint(1, max_number) for _ in range(difficulty)]
             expr = _countdown_expr(rng, numbers)
@@ -137,14 +127,8 @@ def countdown_task(
             if target is not None and 0 < target <= max_target:
                 break
         shown = sorted(numbers, key=lambda _: rng.random())
-        row: Row = {
-            "messages": _user(f"Make {target} with {' '.join(map(str, shown))}:"),
-            "answer": expr,
-            "task": "countdown",
-            "numbers": shown,
-            "target": target,
-        }
-        return (tuple(sorted(numbers)), target), row
+        prompt = f"Make {target} with {' '.join(map(str, shown))}:"
+        return (tuple(sorted(numbers)), target), prompt, expr, {"numbers": shown, "target": target}
 
     capacity = min(max_number**difficulty * 3 ** (difficulty - 1), max_number**difficulty // 2 * max_target)
     return _split("countdown", problem, n_train, n_eval, difficulty, seed, capacity)
@@ -158,18 +142,11 @@ def count_task(
         raise ValueError(f"count difficulty (length scale) must be in [1, 6], got {difficulty}")
     median, longest = 3 * difficulty, 15 * difficulty
 
-    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+    def problem(rng: random.Random) -> Problem:
         n = min(longest, max(1, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
         b = 100 * rng.randint(101, 999)  # every number has 5 digits
         a = b - n + 1
-        row: Row = {
-            "messages": _user(f"Count to {b} from {a}:"),
-            "answer": " ".join(map(str, range(a, b + 1))),
-            "task": "count",
-            "start": a,
-            "end": b,
-        }
-        return (a, b), row
+        return (a, b), f"Count to {b} from {a}:", " ".join(map(str, range(a, b + 1))), {"start": a, "end": b}
 
     return _split("count", problem, n_train, n_eval, difficulty, seed, 899 * longest)
 
@@ -182,19 +159,13 @@ def count_squares_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int
     if not 1 <= difficulty <= 3:
         raise ValueError(f"count_squares difficulty (largest count - 1) must be in [1, 3], got {difficulty}")
 
-    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+    def problem(rng: random.Random) -> Problem:
         k = rng.randint(1, difficulty + 1)
         cells = tuple(sorted(rng.sample(range(4), k)))
         colours = tuple(rng.randrange(3) for _ in cells)
         offsets = tuple((rng.randint(0, 8), rng.randint(0, 8)) for _ in cells)
-        image = squares_image(cells, colours, offsets)
-        row: Row = {
-            "messages": _user("How many squares?"),
-            "images": [image],
-            "answer": str(k),
-            "task": "count_squares",
-        }
-        return (cells, colours, offsets), row
+        images = [squares_image(cells, colours, offsets)]
+        return (cells, colours, offsets), "How many squares?", str(k), {"images": images}
 
     return _split("count_squares", problem, n_train, n_eval, difficulty, seed, 20_000)
 

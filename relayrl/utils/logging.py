@@ -179,9 +179,5 @@ SUMMARY = (
 
 def summary(metrics: Mapping[str, object]) -> str:
     """One readable line for the end of a run (its last step's metrics), instead of ~50 keys."""
-    parts = []
-    for key, label, fmt in SUMMARY:
-        value = _number(metrics.get(key))
-        if value is not None:
-            parts.append(f"{label} {fmt.format(value)}")
-    return " | ".join(parts) or "no metrics logged"
+    logged = ((label, fmt, _number(metrics.get(key))) for key, label, fmt in SUMMARY)
+    return " | ".join(f"{label} {fmt.format(v)}" for label, fmt, v in logged if v is not None) or "no metrics logged"

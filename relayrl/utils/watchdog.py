@@ -72,10 +72,10 @@ def task_waits(loop: asyncio.AbstractEventLoop | None) -> str:
 def thread_stacks() -> str:
     """Every thread's stack, named."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    out = []
-    for ident, frame in sys._current_frames().items():
-        out.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n" + "".join(traceback.format_stack(frame)))
-    return "\n".join(out)
+    return "\n".join(
+        f"--- thread {names.get(ident, '?')} ({ident}) ---\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 def task_stacks(loop: asyncio.AbstractEventLoop | None) -> str:
