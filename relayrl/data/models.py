@@ -1,11 +1,9 @@
 """Tiny models and an offline tokenizer, built in code (no hub access).
 
-``load_model`` / ``load_tokenizer`` are the one place that turns a ``ModelConfig`` into
-objects: a real Hugging Face path loads with ``from_pretrained``; ``tiny`` (~5M params)
-and ``tiny-30m`` (~30M) build a Qwen2-style causal LM from a config with the offline
-character-level tokenizer below, so tests and the CPU demo run anywhere; ``tiny-vl`` and
-``tiny-vl2.5`` build a Qwen2-VL / Qwen2.5-VL with that tokenizer plus the vision special tokens
-(``build_tiny_vl_model``); ``vision_processor`` gives a model's image processor, if it takes images.
+``load_model`` / ``load_tokenizer`` are the one place that turns a ``ModelConfig`` into objects: a
+Hugging Face path loads with ``from_pretrained``; the tiny presets (``relayrl.data.presets``) are built
+from a config with the offline character-level tokenizer below (plus the vision special tokens for
+``tiny-vl``), so tests and the CPU demo run anywhere.
 """
 
 from __future__ import annotations

@@ -47,9 +47,9 @@ def _import() -> Any:
 
 def dataset_names() -> list[str]:
     """Every generator reasoning-gym registers."""
+    _import()
     from reasoning_gym.factory import DATASETS
 
-    _import()
     return sorted(DATASETS)
 
 
@@ -70,8 +70,9 @@ EVAL_DRAWS = 20  # entries looked at per eval row wanted, past the training ones
 
 def make_dataset(name: str, config: dict[str, object], seed: int = 0, size: int = 1) -> Any:
     """``reasoning_gym.create_dataset(name, seed=, size=, **config)``, cached; ConfigError naming a bad config."""
-    if name not in dataset_names():
-        close = difflib.get_close_matches(name, dataset_names(), n=1)
+    names = dataset_names()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"data.task={PREFIX}{name}: reasoning-gym has no generator {name!r}; {hint}see its README")
     try:
@@ -108,7 +109,7 @@ def reasoning_gym_task(
             "rg_entry": entry,
         }
 
-    train = [row(i) for i in range(n_train)]
+    train = [{**row(i), "id": f"{PREFIX}{name}/train/{i}"} for i in range(n_train)]
     seen = {str(r["messages"]) for r in train}
     evals: list[Row] = []
     for i in range(n_train, n_train + EVAL_DRAWS * n_eval):
@@ -117,16 +118,13 @@ def reasoning_gym_task(
         r = row(i)
         if str(r["messages"]) not in seen:
             seen.add(str(r["messages"]))
-            evals.append(r)
+            evals.append({**r, "id": f"{PREFIX}{name}/eval/{len(evals)}"})
     if n_eval and not evals:
         raise ConfigError(
             f"data.task={PREFIX}{name}: no eval question that is not also a training one in {EVAL_DRAWS * n_eval} "
             f"draws: the generator's config has few distinct questions and data.n_train={n_train} covers them; "
             "lower data.n_train or widen data.task_kwargs"
         )
-    for split, part in (("train", train), ("eval", evals)):
-        for i, r in enumerate(part):
-            r["id"] = f"{PREFIX}{name}/{split}/{i}"
     return train, evals
 
 

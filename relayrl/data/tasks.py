@@ -19,11 +19,9 @@ given the arguments, and no problem appears in both splits.
 Verifiers live in ``relayrl.rewards.tasks`` (``task_reward_fn(name)``); the expected
 completion is the bare answer, optionally followed by EOS.
 
-``demonstrations(rows, error_rate, seed)`` writes prompt/completion pairs for SFT warm-up of
-which exactly ``round(error_rate * len(rows))`` are wrong in plausible ways (a dropped carry,
-one digit off, swapped digits, off by one or ten; for countdown a changed operator or number;
-for count a skipped or repeated number, or stopping 1-3 numbers early or late),
-so a model imitating them is measurably short of perfect and RL has room to improve it.
+``demonstrations(rows, error_rate, seed)`` writes prompt/completion pairs for SFT warm-up, exactly
+``round(error_rate * len(rows))`` of them wrong in plausible ways (``_wrong_*`` below), so a model
+imitating them is measurably short of perfect and RL has room to improve it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,4 @@
-"""Metric sinks and the text logger.
-
-``MetricLogger`` writes every step's metrics to ``run_dir/metrics.jsonl`` (always; one JSON
-object per ``log`` call, with ``step`` and wall-clock ``time``), to TensorBoard event files
-under ``run_dir/tensorboard`` when enabled, and to Weights & Biases when configured (offline
-mode needs no network). In a distributed run only rank 0 should create one.
-
-``get_logger(name)`` returns a standard ``logging`` logger under ``relayrl`` with one format.
-"""
+"""Metric sinks (``MetricLogger``) and the text logger (``get_logger``: ``relayrl.*`` loggers, one format)."""
 
 from __future__ import annotations
 
@@ -79,13 +71,14 @@ def _number(value: object) -> float | None:
         return float(value)
     shape = getattr(value, "shape", None)
     if shape is not None and hasattr(value, "item") and math.prod(shape) == 1:  # tensor / ndarray
-        v = value.item()
-        return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None
+        return _number(value.item())
     return None
 
 
 class MetricLogger:
-    """Write scalar metrics to JSONL (always), TensorBoard and W&B (when enabled).
+    """Write metrics to ``run_dir/metrics.jsonl`` (always: one JSON object per ``log``, with ``step`` and
+    wall-clock ``time``), ``run_dir/tensorboard`` and W&B (offline mode needs no network) when enabled.
+    In a distributed run only rank 0 should create one.
 
     ``log({"actor/loss": 0.3, ...}, step=7)``; ``close()`` (or use as a context manager)
     flushes the sinks. Non-numeric values are kept in JSONL and skipped by the other sinks.
