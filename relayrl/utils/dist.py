@@ -1,9 +1,6 @@
-"""torch.distributed helpers, all in one module: ranks and collectives that also work when
-torch.distributed is absent or idle, joining torchrun's process group, and the train engine's
-FSDP2 sharding and full (unsharded) state dicts.
-
-Every function answers for a single process (rank 0 of 1) when no process group exists,
-so code that calls them runs unchanged in one process, under ``torchrun``, or in tests.
+"""torch.distributed helpers: ranks and collectives that answer for a single process (rank 0 of 1)
+when no process group exists, so callers run unchanged in one process, under ``torchrun`` or in tests;
+joining torchrun's process group; the train engine's FSDP2 sharding and full (unsharded) state dicts.
 """
 
 from __future__ import annotations
@@ -87,13 +84,6 @@ def barrier(what: str = "a barrier") -> None:
         dist.barrier()
 
 
-def _comm_device() -> torch.device:
-    """Where collective tensors must live for the backend (NCCL needs CUDA)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
     """Return ``tensor`` reduced over the ranks (a new tensor on ``tensor``'s device).
 
@@ -104,7 +94,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
         raise ValueError(f"all_reduce op must be one of {list(typing.get_args(ReduceOpName))}, got {op!r}")
     if not is_distributed():
         return tensor.clone()
-    buf = tensor.detach().to(_comm_device(), copy=True)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buf = tensor.detach().to(device, copy=True)
     with _deadline(f"an all-reduce ({op})"):
         dist.all_reduce(buf, op=getattr(dist.ReduceOp, op.upper()))
     return buf.to(tensor.device)
