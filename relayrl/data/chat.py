@@ -54,11 +54,6 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str, special: bool = False)
     return [int(i) for i in tokenizer.encode(text, add_special_tokens=special)]
 
 
-def plain_text(messages: Sequence[Mapping[str, object]]) -> str:
-    """A plain-text prompt: the turns' contents, one per line (a single turn is used as is)."""
-    return "\n".join(str(m.get("content") or "") for m in messages)
-
-
 def render(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, object]],
@@ -97,7 +92,8 @@ def prompt_ids(
             raise ValueError(
                 "tools need a chat template (prompt_format=chat); the tokenizer has none or plain was asked"
             )
-        return encode(tokenizer, plain_text(messages), special=True)
+        text = "\n".join(str(m.get("content") or "") for m in messages)  # the turns' contents, one per line
+        return encode(tokenizer, text, special=True)
     return encode(tokenizer, render(tokenizer, messages, tools))
 
 

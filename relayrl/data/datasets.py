@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -112,6 +112,40 @@ def to_row(record: dict[str, object], index: int, prompt_key: str, answer_key: s
     return row
 
 
+def _checked(
+    source: str, rows: list[DataItem], check: Callable[[int, DataItem], DataItem], skip: bool
+) -> list[DataItem]:
+    """``check(i, row)`` of every row: a ``DatasetError`` stops naming ``source``, or with ``skip``
+    the row is skipped (and counted in a warning); no valid row at all is a DatasetError."""
+    out, skipped = [], []
+    for i, row in enumerate(rows):
+        try:
+            out.append(check(i, row))
+        except DatasetError as e:
+            if not skip:
+                raise DatasetError(f"{source}: {e}") from None
+            skipped.append(str(e))
+    if skipped:
+        logger.warning("%s: skipped %d invalid rows (first: %s)", source, len(skipped), skipped[0])
+    if not out:
+        raise DatasetError(f"{source}: no valid rows")
+    return out
+
+
+def _with_images(
+    i: int, row: DataItem, tokenizer: PreTrainedTokenizerBase | None, image_processor: BaseImageProcessor | None
+) -> DataItem:
+    """``row`` with its ``vision`` prompt when it has images; DatasetError naming the row when it cannot."""
+    if not has_images(row):
+        return row
+    if image_processor is None or tokenizer is None:
+        raise DatasetError(f"row {i} (id={row['id']!r}) has images but the model takes none")
+    try:
+        return with_vision(row, tokenizer, image_processor)
+    except (ValueError, KeyError) as e:
+        raise DatasetError(f"row {i} (id={row.get('id', i)!r}): {e}") from None
+
+
 def load_rows_from_file(
     path: str | Path,
     prompt_key: str = "question",
@@ -126,36 +160,20 @@ def load_rows_from_file(
     tokens are bad rows too. Rows with images (``images`` column, image content parts) need
     the model's ``image_processor`` and get their ``vision`` prompt (``relayrl.data.vision``);
     an unreadable or rejected image makes a bad row."""
-    rows, skipped = [], []
-    for i, record in enumerate(read_records(path)):
-        try:
-            row = to_row(record, i, prompt_key, answer_key)
-            if has_images(row):
-                if image_processor is None or tokenizer is None:
-                    raise DatasetError(f"row {i} (id={row['id']!r}) has images but the model takes none")
-                try:
-                    row = with_vision(row, tokenizer, image_processor)
-                except (ValueError, KeyError) as e:
-                    raise DatasetError(f"row {i} (id={row['id']!r}): {e}") from None
-            if tokenizer is not None and max_prompt_len:
-                vp = row_vision(row)
-                messages = typing.cast(list[dict[str, object]], row["messages"])
-                n = len(vp.input_ids) if vp is not None else len(chat_ids(tokenizer, messages))
-                if n > max_prompt_len:
-                    raise DatasetError(
-                        f"row {i} (id={row['id']!r}): prompt has {n} tokens > data.max_prompt_len={max_prompt_len}"
-                    )
-        except DatasetError as e:
-            if not skip_invalid:
-                raise DatasetError(f"{path}: {e}") from None
-            skipped.append(str(e))
-            continue
-        rows.append(row)
-    if skipped:
-        logger.warning("%s: skipped %d invalid rows (first: %s)", path, len(skipped), skipped[0])
-    if not rows:
-        raise DatasetError(f"{path}: no valid rows")
-    return rows
+
+    def check(i: int, record: DataItem) -> DataItem:
+        row = _with_images(i, to_row(record, i, prompt_key, answer_key), tokenizer, image_processor)
+        if tokenizer is not None and max_prompt_len:
+            vp = row_vision(row)
+            messages = typing.cast(list[dict[str, object]], row["messages"])
+            n = len(vp.input_ids) if vp is not None else len(chat_ids(tokenizer, messages))
+            if n > max_prompt_len:
+                raise DatasetError(
+                    f"row {i} (id={row['id']!r}): prompt has {n} tokens > data.max_prompt_len={max_prompt_len}"
+                )
+        return row
+
+    return _checked(str(path), read_records(path), check, skip_invalid)
 
 
 def attach_vision(
@@ -169,20 +187,7 @@ def attach_vision(
     image content parts). A bad image raises ``DatasetError`` naming the row, its id and the reason,
     or the row is skipped (and counted in a warning) with ``skip_invalid`` (``data.skip_invalid_rows``).
     Rows without images pass unchanged."""
-    out, skipped = [], []
-    for i, row in enumerate(rows):
-        try:
-            out.append(with_vision(row, tokenizer, image_processor) if has_images(row) else row)
-        except (ValueError, KeyError) as e:
-            msg = f"{source}: row {i} (id={row.get('id', i)!r}): {e}"
-            if not skip_invalid:
-                raise DatasetError(msg) from None
-            skipped.append(msg)
-    if skipped:
-        logger.warning("%s: skipped %d rows with bad images (first: %s)", source, len(skipped), skipped[0])
-    if not out:
-        raise DatasetError(f"{source}: no valid rows")
-    return out
+    return _checked(source, rows, lambda i, row: _with_images(i, row, tokenizer, image_processor), skip_invalid)
 
 
 class RLDataLoader:

@@ -1,11 +1,9 @@
 """Tiny models and an offline tokenizer, built in code (no hub access).
 
-``load_model`` / ``load_tokenizer`` are the one place that turns a ``ModelConfig`` into
-objects: a real Hugging Face path loads with ``from_pretrained``; ``tiny`` (~5M params)
-and ``tiny-30m`` (~30M) build a Qwen2-style causal LM from a config with the offline
-character-level tokenizer below, so tests and the CPU demo run anywhere; ``tiny-vl`` and
-``tiny-vl2.5`` build a Qwen2-VL / Qwen2.5-VL with that tokenizer plus the vision special tokens
-(``build_tiny_vl_model``); ``vision_processor`` gives a model's image processor, if it takes images.
+``load_model`` / ``load_tokenizer`` are the one place that turns a ``ModelConfig`` into objects: a
+Hugging Face path loads with ``from_pretrained``; the tiny presets (``relayrl.data.presets``) are built
+from a config with the offline character-level tokenizer below (plus the vision special tokens for
+``tiny-vl``), so tests and the CPU demo run anywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import json
 import os
 import string
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ from transformers import (
 from transformers.image_processing_utils import BaseImageProcessor
 
 from relayrl.api.config import ModelConfig
+from relayrl.data.chat import prompt_ids
 from relayrl.data.presets import TINY_PRESETS
 from relayrl.data.real_models import resolve_model_path
 from relayrl.data.templates import set_chat_template
@@ -94,11 +93,10 @@ def build_tiny_model(preset: str = "tiny", vocab_size: int | None = None, seed: 
     ``model_type``; fp32)."""
     if preset not in TINY_PRESETS:
         raise ValueError(f"unknown tiny model preset {preset!r}; choose one of {sorted(TINY_PRESETS)}")
-    tok_vocab = len(build_tokenizer())
     preset_kwargs = dict(TINY_PRESETS[preset])
     cfg = AutoConfig.for_model(
         str(preset_kwargs.pop("model_type", "qwen2")),
-        vocab_size=vocab_size or tok_vocab,
+        vocab_size=vocab_size or len(build_tokenizer()),
         max_position_embeddings=2048,
         **TOKEN_IDS,
         **preset_kwargs,
@@ -151,12 +149,9 @@ def build_tiny_vl_model(preset: str = "tiny-vl", seed: int = 0) -> PreTrainedMod
     return model
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, object]]) -> list[int]:
-    """Token ids of a chat prompt ending with the assistant's generation prompt (plain text, with a
-    warning, when the tokenizer has no chat template: see ``relayrl.data.chat``)."""
-    from relayrl.data.chat import prompt_ids
-
-    return prompt_ids(tokenizer, messages, "chat")
+# Token ids of a chat prompt ending with the assistant's generation prompt (plain text, with a warning,
+# when the tokenizer has no chat template: see ``relayrl.data.chat``).
+chat_ids = prompt_ids
 
 
 _PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # how build_tokenizer() saves itself
@@ -190,10 +185,8 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
         model = build_tiny_model(path, vocab_size=cfg.vocab_size or None, seed=seed).to(dtype)
     elif path in VL_PRESETS:
         model = build_tiny_vl_model(path, seed=seed).to(dtype)
-    elif is_vision_config(AutoConfig.from_pretrained(path)):  # Qwen2-VL style: text + vision tower
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = _auto_class(path).from_pretrained(path, dtype=dtype)
     return merge_adapter(model, cfg.lora.adapter_path) if cfg.lora.adapter_path else model
 
 
@@ -203,9 +196,12 @@ def checkpoint_state_dict(path: str) -> dict[str, torch.Tensor]:
     ``save_pretrained`` writes some architectures in their original hub format (Qwen2-VL's
     ``visual.*`` for ``model.visual.*``, MoE experts one by one for the fused tensors) and only
     ``from_pretrained`` converts them back, so the checkpoint is loaded through it, in its saved dtype."""
-    config = AutoConfig.from_pretrained(path)
-    cls = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
-    return typing.cast(PreTrainedModel, cls.from_pretrained(path, dtype="auto")).state_dict()
+    return typing.cast(PreTrainedModel, _auto_class(path).from_pretrained(path, dtype="auto")).state_dict()
+
+
+def _auto_class(path: str) -> type[AutoModelForCausalLM] | type[AutoModelForImageTextToText]:
+    """The auto class that loads the checkpoint at ``path``: Qwen2-VL style (text + vision tower) or a causal LM."""
+    return AutoModelForImageTextToText if is_vision_config(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
 
 
 def merge_adapter(model: PreTrainedModel, path: str) -> PreTrainedModel:

@@ -61,11 +61,9 @@ def check_model(model: ModelConfig) -> None:
             model.tokenizer_path = model.tokenizer_path or model.path
         model.path, model.lora.adapter_path = base, model.path
     check_model_dir("model.path", model.path)
-    if model.chat_template and model.chat_template not in CHAT_TEMPLATES:
-        if not Path(model.chat_template).expanduser().is_file():
-            raise ConfigError(
-                f"model.chat_template={model.chat_template!r}: give hermes, llama3 or a Jinja file's path"
-            )
+    template = model.chat_template
+    if template and template not in CHAT_TEMPLATES and not Path(template).expanduser().is_file():
+        raise ConfigError(f"model.chat_template={template!r}: give hermes, llama3 or a Jinja file's path")
     if model.tokenizer_path:
         check_model_dir("model.tokenizer_path", model.tokenizer_path, need="tokenizer_config.json")
     if model.lora.adapter_path:

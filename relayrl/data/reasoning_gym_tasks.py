@@ -45,21 +45,6 @@ def _import() -> Any:
     return reasoning_gym
 
 
-def dataset_names() -> list[str]:
-    """Every generator reasoning-gym registers."""
-    from reasoning_gym.factory import DATASETS
-
-    _import()
-    return sorted(DATASETS)
-
-
-def system_prompt_text(system_prompt: str) -> str:
-    """One of reasoning-gym's named system prompts, else ``system_prompt`` itself as text."""
-    from reasoning_gym.utils import SYSTEM_PROMPTS
-
-    return str(SYSTEM_PROMPTS.get(system_prompt, system_prompt))
-
-
 @functools.lru_cache(maxsize=64)
 def _dataset(name: str, config_json: str, seed: int, size: int) -> Any:
     return _import().create_dataset(name, seed=seed, size=size, **json.loads(config_json))
@@ -70,8 +55,11 @@ EVAL_DRAWS = 20  # entries looked at per eval row wanted, past the training ones
 
 def make_dataset(name: str, config: dict[str, object], seed: int = 0, size: int = 1) -> Any:
     """``reasoning_gym.create_dataset(name, seed=, size=, **config)``, cached; ConfigError naming a bad config."""
-    if name not in dataset_names():
-        close = difflib.get_close_matches(name, dataset_names(), n=1)
+    _import()
+    from reasoning_gym.factory import DATASETS  # every generator reasoning-gym registers
+
+    if name not in DATASETS:
+        close = difflib.get_close_matches(name, sorted(DATASETS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"data.task={PREFIX}{name}: reasoning-gym has no generator {name!r}; {hint}see its README")
     try:
@@ -92,7 +80,9 @@ def reasoning_gym_task(
     """``(train_rows, eval_rows)`` from reasoning-gym generator ``name`` with ``config`` (module doc)."""
     del difficulty  # the generator's config sets difficulty
     ds = make_dataset(name, dict(config), seed, n_train + EVAL_DRAWS * n_eval)
-    system = system_prompt_text(system_prompt)
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    system = str(SYSTEM_PROMPTS.get(system_prompt, system_prompt))  # a named prompt, else the text itself
 
     def row(i: int) -> Row:
         entry = ds[i]
@@ -108,7 +98,7 @@ def reasoning_gym_task(
             "rg_entry": entry,
         }
 
-    train = [row(i) for i in range(n_train)]
+    train = [{**row(i), "id": f"{PREFIX}{name}/train/{i}"} for i in range(n_train)]
     seen = {str(r["messages"]) for r in train}
     evals: list[Row] = []
     for i in range(n_train, n_train + EVAL_DRAWS * n_eval):
@@ -117,16 +107,13 @@ def reasoning_gym_task(
         r = row(i)
         if str(r["messages"]) not in seen:
             seen.add(str(r["messages"]))
-            evals.append(r)
+            evals.append({**r, "id": f"{PREFIX}{name}/eval/{len(evals)}"})
     if n_eval and not evals:
         raise ConfigError(
             f"data.task={PREFIX}{name}: no eval question that is not also a training one in {EVAL_DRAWS * n_eval} "
             f"draws: the generator's config has few distinct questions and data.n_train={n_train} covers them; "
             "lower data.n_train or widen data.task_kwargs"
         )
-    for split, part in (("train", train), ("eval", evals)):
-        for i, r in enumerate(part):
-            r["id"] = f"{PREFIX}{name}/{split}/{i}"
     return train, evals
 
 

@@ -19,17 +19,16 @@ given the arguments, and no problem appears in both splits.
 Verifiers live in ``relayrl.rewards.tasks`` (``task_reward_fn(name)``); the expected
 completion is the bare answer, optionally followed by EOS.
 
-``demonstrations(rows, error_rate, seed)`` writes prompt/completion pairs for SFT warm-up of
-which exactly ``round(error_rate * len(rows))`` are wrong in plausible ways (a dropped carry,
-one digit off, swapped digits, off by one or ten; for countdown a changed operator or number;
-for count a skipped or repeated number, or stopping 1-3 numbers early or late),
-so a model imitating them is measurably short of perfect and RL has room to improve it.
+``demonstrations(rows, error_rate, seed)`` writes prompt/completion pairs for SFT warm-up, exactly
+``round(error_rate * len(rows))`` of them wrong in plausible ways (``_wrong_*`` below), so a model
+imitating them is measurably short of perfect and RL has room to improve it.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Callable
 from typing import cast
 
@@ -37,23 +36,20 @@ from relayrl.rewards.tasks import evaluate_countdown
 from relayrl.utils.resolve import registrar, resolve
 
 Row = dict[str, object]
+Problem = tuple[tuple[object, ...], str, str, Row]  # a key telling problems apart, prompt, answer, the task's fields
 ERROR_KINDS = ("carry", "digit", "swap", "off_by")
-
-
-def _user(text: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": text}]
 
 
 def _split(
     name: str,
-    problems: Callable[[random.Random], tuple[tuple[object, ...], Row]],
+    problems: Callable[[random.Random], Problem],
     n_train: int,
     n_eval: int,
     difficulty: int,
     seed: int,
     capacity: int,
 ) -> tuple[list[Row], list[Row]]:
-    """Draw ``n_train + n_eval`` distinct problems (keyed by ``problems``), then cut into splits."""
+    """Draw ``n_train + n_eval`` distinct problems (keyed by ``problems``) as rows, then cut into splits."""
     need = n_train + n_eval
     if need > capacity // 2:
         raise ValueError(
@@ -64,16 +60,14 @@ def _split(
     seen: set[tuple[object, ...]] = set()
     rows: list[Row] = []
     while len(rows) < need:
-        key, row = problems(rng)
+        key, prompt, answer, fields = problems(rng)
         if key in seen:
             continue
         seen.add(key)
-        rows.append(row)
-    out: tuple[list[Row], list[Row]] = (rows[:n_train], rows[n_train:])
-    for split, part in zip(("train", "eval"), out, strict=True):
-        for i, row in enumerate(part):
-            row["id"] = f"{name}/{split}/{i}"
-    return out
+        rows.append({"messages": [{"role": "user", "content": prompt}], "answer": answer, "task": name, **fields})
+    for i, row in enumerate(rows):
+        row["id"] = f"{name}/train/{i}" if i < n_train else f"{name}/eval/{i - n_train}"
+    return rows[:n_train], rows[n_train:]
 
 
 def arithmetic_task(
@@ -87,19 +81,12 @@ def arithmetic_task(
     lo, hi = (0 if difficulty == 1 else 10 ** (difficulty - 1)), 10**difficulty - 1
     op_list = sorted(set(ops))
 
-    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+    def problem(rng: random.Random) -> Problem:
         a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(op_list)
         if op == "-" and a < b:
             a, b = b, a
         result = a + b if op == "+" else a - b
-        row: Row = {
-            "messages": _user(f"{a}{op}{b}="),
-            "answer": str(result),
-            "task": "arithmetic",
-            "operands": [a, b],
-            "op": op,
-        }
-        return (a, op, b), row
+        return (a, op, b), f"{a}{op}{b}=", str(result), {"operands": [a, b], "op": op}
 
     capacity = (hi - lo + 1) ** 2 * len(op_list) // (2 if op_list == ["-"] else 1)
     return _split("arithmetic", problem, n_train, n_eval, difficulty, seed, capacity)
@@ -128,7 +115,7 @@ def countdown_task(
     if difficulty < 2:
         raise ValueError(f"countdown difficulty (how many numbers) must be >= 2, got {difficulty}")
 
-    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+    def problem(rng: random.Random) -> Problem:
         while True:
             numbers = [rng.randint(1, max_number) for _ in range(difficulty)]
             expr = _countdown_expr(rng, numbers)
@@ -136,14 +123,8 @@ def countdown_task(
             if target is not None and 0 < target <= max_target:
                 break
         shown = sorted(numbers, key=lambda _: rng.random())
-        row: Row = {
-            "messages": _user(f"Make {target} with {' '.join(map(str, shown))}:"),
-            "answer": expr,
-            "task": "countdown",
-            "numbers": shown,
-            "target": target,
-        }
-        return (tuple(sorted(numbers)), target), row
+        prompt = f"Make {target} with {' '.join(map(str, shown))}:"
+        return (tuple(sorted(numbers)), target), prompt, expr, {"numbers": shown, "target": target}
 
     capacity = min(max_number**difficulty * 3 ** (difficulty - 1), max_number**difficulty // 2 * max_target)
     return _split("countdown", problem, n_train, n_eval, difficulty, seed, capacity)
@@ -157,18 +138,11 @@ def count_task(
         raise ValueError(f"count difficulty (length scale) must be in [1, 6], got {difficulty}")
     median, longest = 3 * difficulty, 15 * difficulty
 
-    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+    def problem(rng: random.Random) -> Problem:
         n = min(longest, max(1, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
         b = 100 * rng.randint(101, 999)  # every number has 5 digits
         a = b - n + 1
-        row: Row = {
-            "messages": _user(f"Count to {b} from {a}:"),
-            "answer": " ".join(map(str, range(a, b + 1))),
-            "task": "count",
-            "start": a,
-            "end": b,
-        }
-        return (a, b), row
+        return (a, b), f"Count to {b} from {a}:", " ".join(map(str, range(a, b + 1))), {"start": a, "end": b}
 
     return _split("count", problem, n_train, n_eval, difficulty, seed, 899 * longest)
 
@@ -181,19 +155,13 @@ def count_squares_task(n_train: int, n_eval: int, difficulty: int = 2, seed: int
     if not 1 <= difficulty <= 3:
         raise ValueError(f"count_squares difficulty (largest count - 1) must be in [1, 3], got {difficulty}")
 
-    def problem(rng: random.Random) -> tuple[tuple[object, ...], Row]:
+    def problem(rng: random.Random) -> Problem:
         k = rng.randint(1, difficulty + 1)
         cells = tuple(sorted(rng.sample(range(4), k)))
         colours = tuple(rng.randrange(3) for _ in cells)
         offsets = tuple((rng.randint(0, 8), rng.randint(0, 8)) for _ in cells)
-        image = squares_image(cells, colours, offsets)
-        row: Row = {
-            "messages": _user("How many squares?"),
-            "images": [image],
-            "answer": str(k),
-            "task": "count_squares",
-        }
-        return (cells, colours, offsets), row
+        images = [squares_image(cells, colours, offsets)]
+        return (cells, colours, offsets), "How many squares?", str(k), {"images": images}
 
     return _split("count_squares", problem, n_train, n_eval, difficulty, seed, 20_000)
 
@@ -285,15 +253,11 @@ def _wrong_expression(rng: random.Random, row: Row) -> str:
             used = nums
         else:
             # change one number literal: the expression still parses but uses a wrong number
-            positions = [i for i, c in enumerate(expr) if c.isdigit() and (i == 0 or not expr[i - 1].isdigit())]
-            i = rng.choice(positions)
-            j = i
-            while j < len(expr) and expr[j].isdigit():
-                j += 1
-            new = max(1, int(expr[i:j]) + rng.choice((1, -1, 2)))
-            cand = expr[:i] + str(new) + expr[j:]
+            literal = rng.choice(list(re.finditer(r"\d+", expr)))
+            new = max(1, int(literal[0]) + rng.choice((1, -1, 2)))
+            cand = expr[: literal.start()] + str(new) + expr[literal.end() :]
             used = nums.copy()
-            used.remove(int(expr[i:j]))
+            used.remove(int(literal[0]))
             used.append(new)
         value = evaluate_countdown(cand, used)
         if value is not None and value != target:

@@ -16,6 +16,7 @@ format a Qwen2.5 model was trained on, which vLLM's and SGLang's ``hermes`` tool
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -99,10 +100,8 @@ def model_default_system(tokenizer: PreTrainedTokenizerBase) -> str | None:
     if not getattr(tokenizer, "chat_template", None):
         return None
     text = str(tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], tokenize=False))
-    head = "<|im_start|>system\n"
-    if not text.startswith(head) or "<|im_end|>" not in text or text.index("<|im_end|>") > text.index(_PROBE):
-        return None
-    return text[len(head) : text.index("<|im_end|>")]
+    system = re.match(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", text, re.DOTALL)
+    return system[1] if system and _PROBE not in system[1] else None
 
 
 def set_chat_template(tokenizer: PreTrainedTokenizerBase, choice: str) -> None:

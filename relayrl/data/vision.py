@@ -199,7 +199,7 @@ def expand_image_tokens(ids: list[int], grid: torch.Tensor, image_token_id: int,
     """Each single image pad token of ``ids`` becomes as many as its image has merged patches.
 
     ``ValueError`` when the number of image tokens differs from the number of images."""
-    n_blocks = sum(1 for t in ids if t == image_token_id)
+    n_blocks = ids.count(image_token_id)
     if n_blocks != grid.shape[0]:
         raise ValueError(f"the prompt has {n_blocks} image placeholders but {grid.shape[0]} images")
     counts = iter((grid.prod(-1) // (merge * merge)).tolist())

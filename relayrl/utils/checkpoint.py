@@ -52,8 +52,6 @@ class CheckpointManager:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        if not self.root.exists():
-            return []
         return sorted(p for p in self.root.glob("step_*") if (p / STATE_FILE).exists())
 
     def latest(self) -> Path | None:

@@ -1,9 +1,6 @@
-"""torch.distributed helpers, all in one module: ranks and collectives that also work when
-torch.distributed is absent or idle, joining torchrun's process group, and the train engine's
-FSDP2 sharding and full (unsharded) state dicts.
-
-Every function answers for a single process (rank 0 of 1) when no process group exists,
-so code that calls them runs unchanged in one process, under ``torchrun``, or in tests.
+"""torch.distributed helpers: ranks and collectives that answer for a single process (rank 0 of 1)
+when no process group exists, so callers run unchanged in one process, under ``torchrun`` or in tests;
+joining torchrun's process group; the train engine's FSDP2 sharding and full (unsharded) state dicts.
 """
 
 from __future__ import annotations
@@ -33,20 +30,18 @@ from relayrl.utils.deadline import Stalled
 ReduceOpName = Literal["sum", "min", "max"]
 T = TypeVar("T")
 
-_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
-
 
 def _joined() -> bool:
     """Whether a default process group exists (``rank`` / ``world_size`` ask it only then)."""
     return dist.is_available() and dist.is_initialized()
 
 
-def rank(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_rank(group) if _joined() else 0
+def rank() -> int:
+    return dist.get_rank() if _joined() else 0
 
 
-def world_size(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_world_size(group) if _joined() else 1
+def world_size() -> int:
+    return dist.get_world_size() if _joined() else 1
 
 
 def is_distributed() -> bool:
@@ -81,52 +76,45 @@ def _deadline(what: str) -> Iterator[None]:
         ) from None
 
 
-def barrier(group: dist.ProcessGroup | None = None, what: str = "a barrier") -> None:
+def barrier(what: str = "a barrier") -> None:
     """Wait for every rank; ``Stalled`` (one line) when one does not come within the group's timeout."""
     if not _joined():
         return
     with _deadline(what):
-        dist.barrier(group)
+        dist.barrier()
 
 
-def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where collective tensors must live for the group's backend (NCCL needs CUDA)."""
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Return ``tensor`` reduced over the ranks of ``group`` (a new tensor on ``tensor``'s device).
+def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
+    """Return ``tensor`` reduced over the ranks (a new tensor on ``tensor``'s device).
 
     Without a process group this is the identity. The tensor is moved to the backend's
     device for the collective (CPU for gloo, CUDA for NCCL) and moved back.
     """
-    if op not in _OPS:
-        raise ValueError(f"all_reduce op must be one of {list(_OPS)}, got {op!r}")
-    if world_size(group) == 1:
+    if op not in typing.get_args(ReduceOpName):
+        raise ValueError(f"all_reduce op must be one of {list(typing.get_args(ReduceOpName))}, got {op!r}")
+    if not is_distributed():
         return tensor.clone()
-    buf = tensor.detach().to(_comm_device(group), copy=True)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buf = tensor.detach().to(device, copy=True)
     with _deadline(f"an all-reduce ({op})"):
-        dist.all_reduce(buf, op=getattr(dist.ReduceOp, _OPS[op]), group=group)
+        dist.all_reduce(buf, op=getattr(dist.ReduceOp, op.upper()))
     return buf.to(tensor.device)
 
 
-def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+def all_gather_object(obj: object) -> list[object]:
     """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` without a process group."""
-    if world_size(group) == 1:
+    if not is_distributed():
         return [obj]
-    out: list[object] = [None] * world_size(group)
+    out: list[object] = [None] * world_size()
     with _deadline("an all-gather"):
-        dist.all_gather_object(out, obj, group=group)
+        dist.all_gather_object(out, obj)
     return out
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:
     """``obj`` of rank ``src`` on every rank (picklable; tensors travel inside the pickle);
     ``obj`` itself without a process group."""
-    if world_size() == 1:
+    if not is_distributed():
         return obj
     box: list[object] = [obj]
     with _deadline(f"a broadcast (from rank {src})"):

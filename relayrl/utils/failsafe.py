@@ -36,14 +36,12 @@ def distance(fast: torch.Tensor, ref: torch.Tensor) -> float:
     between the two next-token distributions of a row (0 = equal, 1 = disjoint); for ``[..., 1]``
     scalars (value heads) the largest difference relative to the largest value."""
     a, b = fast.detach().float(), ref.detach().float()
-    if a.shape != b.shape:
+    if a.shape != b.shape or not torch.isfinite(a).all():
         return float("inf")
-    if not torch.isfinite(a).all():
-        return float("inf")
-    if a.shape[-1] == 1:
-        return float((a - b).abs().max() / (1.0 + b.abs().max())) if a.numel() else 0.0
     if not a.numel():
         return 0.0
+    if a.shape[-1] == 1:
+        return float((a - b).abs().max() / (1.0 + b.abs().max()))
     return float(0.5 * (a.softmax(-1) - b.softmax(-1)).abs().sum(-1).max())
 
 

@@ -1,12 +1,4 @@
-"""Metric sinks and the text logger.
-
-``MetricLogger`` writes every step's metrics to ``run_dir/metrics.jsonl`` (always; one JSON
-object per ``log`` call, with ``step`` and wall-clock ``time``), to TensorBoard event files
-under ``run_dir/tensorboard`` when enabled, and to Weights & Biases when configured (offline
-mode needs no network). In a distributed run only rank 0 should create one.
-
-``get_logger(name)`` returns a standard ``logging`` logger under ``relayrl`` with one format.
-"""
+"""Metric sinks (``MetricLogger``) and the text logger (``get_logger``: ``relayrl.*`` loggers, one format)."""
 
 from __future__ import annotations
 
@@ -79,13 +71,14 @@ def _number(value: object) -> float | None:
         return float(value)
     shape = getattr(value, "shape", None)
     if shape is not None and hasattr(value, "item") and math.prod(shape) == 1:  # tensor / ndarray
-        v = value.item()
-        return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None
+        return _number(value.item())
     return None
 
 
 class MetricLogger:
-    """Write scalar metrics to JSONL (always), TensorBoard and W&B (when enabled).
+    """Write metrics to ``run_dir/metrics.jsonl`` (always: one JSON object per ``log``, with ``step`` and
+    wall-clock ``time``), ``run_dir/tensorboard`` and W&B (offline mode needs no network) when enabled.
+    In a distributed run only rank 0 should create one.
 
     ``log({"actor/loss": 0.3, ...}, step=7)``; ``close()`` (or use as a context manager)
     flushes the sinks. Non-numeric values are kept in JSONL and skipped by the other sinks.
@@ -146,11 +139,6 @@ class MetricLogger:
         if self._wandb_run is not None:
             self._wandb_run.log(scalars, step=int(step))
 
-    def flush(self) -> None:
-        self._jsonl.flush()
-        if self._tb is not None:
-            self._tb.flush()
-
     def close(self) -> None:
         """Flush and close every sink; safe to call twice."""
         if not self._jsonl.closed:
@@ -184,9 +172,5 @@ SUMMARY = (
 
 def summary(metrics: Mapping[str, object]) -> str:
     """One readable line for the end of a run (its last step's metrics), instead of ~50 keys."""
-    parts = []
-    for key, label, fmt in SUMMARY:
-        value = _number(metrics.get(key))
-        if value is not None:
-            parts.append(f"{label} {fmt.format(value)}")
-    return " | ".join(parts) or "no metrics logged"
+    logged = ((label, fmt, _number(metrics.get(key))) for key, label, fmt in SUMMARY)
+    return " | ".join(f"{label} {fmt.format(v)}" for label, fmt, v in logged if v is not None) or "no metrics logged"

@@ -18,6 +18,8 @@ router then picks its own experts for that token).
 
 from __future__ import annotations
 
+import base64
+import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,13 +55,14 @@ def _layer_routers(model: nn.Module) -> list[nn.Module | None]:
     """Per decoder layer of ``model``, in order, its MoE router or None (a dense layer, or not an MoE family)."""
     family = _family(model)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if family is None:
+        return [None] * len(layers)
     out: list[nn.Module | None] = []
     for layer in layers:
         mod: nn.Module | None = layer
-        for name in family.path.split(".") if family is not None else []:
+        for name in family.path.split("."):
             mod = getattr(mod, name, None)
-        # dense layers (Qwen3-MoE mlp_only_layers) have none
-        out.append(mod if family is not None and mod is not None and hasattr(mod, "top_k") else None)
+        out.append(mod if hasattr(mod, "top_k") else None)  # dense layers (Qwen3-MoE mlp_only_layers) have none
     return out
 
 
@@ -185,21 +188,15 @@ class RoutingReplay:
 
 def encode_routed_experts(ids: torch.Tensor) -> str:
     """SGLang's wire form of routed experts: base64 of the int32 ids, little-endian, row-major."""
-    import base64
-
     return base64.b64encode(ids.to(torch.int32).contiguous().numpy().astype("<i4").tobytes()).decode("ascii")
 
 
 def decode_routed_experts(data: str, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
     """The int32 tensor of ``shape`` that ``encode_routed_experts`` (or SGLang) sent as ``data``."""
-    import base64
-
     import numpy as np
 
     flat = np.frombuffer(base64.b64decode(data), dtype="<i4")
-    n = 1
-    for d in shape:
-        n *= int(d)
+    n = math.prod(int(d) for d in shape)
     if flat.size != n:
         raise ValueError(f"routed_experts holds {flat.size} ids, shape {list(shape)} needs {n}")
     return torch.from_numpy(flat.astype(np.int32)).view(*[int(d) for d in shape])

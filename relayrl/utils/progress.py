@@ -1,11 +1,7 @@
 """A live status line on a terminal; plain log lines when not on a TTY (CI, files).
 
-Hand-written rather than ``rich.progress`` (rich was dropped from the dependencies): the display
-is one carriage-return line of a few metrics plus an ETA, and the other half of the job, plain
-lines in CI logs and files, is what rich's live display does not do; fifty lines here cost less
-than a dependency and its terminal heuristics in every trainer process. tqdm (installed with
-transformers) would draw only the bar: it writes carriage-return frames to files too and skips updates
-inside its refresh interval, so the plain lines and the metrics summary would still be written here.
+Hand-written: tqdm (installed with transformers) writes carriage-return frames to files too and skips
+updates inside its refresh interval, and rich is not a dependency.
 """
 
 from __future__ import annotations

@@ -41,8 +41,7 @@ def sample_rows(batch: TensorDict, k: int) -> list[int]:
     order: dict[int, list[int]] = {}
     for i, g in enumerate(batch["group_id"].tolist()):
         order.setdefault(int(g), []).append(i)
-    rows = [i for members in order.values() for i in members]
-    return rows[:k]
+    return [i for members in order.values() for i in members][:k]
 
 
 def _rounded(values: list[float], once: bool = False) -> list[float] | float:
@@ -161,8 +160,7 @@ def read_index(run_dir: Path) -> list[Row]:
                 continue  # a line cut short by a kill
     for path in (run_dir / "rollouts").glob("step_*.jsonl"):
         step = int(path.stem.removeprefix("step_"))
-        if step not in steps:
-            steps[step] = {"step": step, "file": path.name}
+        steps.setdefault(step, {"step": step, "file": path.name})
     return [steps[s] for s in sorted(steps) if step_file(run_dir, s).exists()]
 
 

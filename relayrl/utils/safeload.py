@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 
+from relayrl.utils.failsafe import reason
+
 
 def load_state_file(path: str | Path) -> Any:
     """The contents of ``path`` (a relayrl ``torch.save`` file), loaded without running pickled code."""
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(
             f"{path} holds objects other than tensors, numbers and containers; refusing to unpickle it "
-            f"(a tampered or foreign file?): {first[:300]}"
+            f"(a tampered or foreign file?): {reason(e)}"
         ) from None

@@ -53,9 +53,8 @@ def set_rng_state(state: RngState) -> None:
     for part in ("python", "numpy", "torch"):
         if part not in state:
             raise KeyError(f"rng state is missing {part!r} (has {sorted(state)})")
-    py = state["python"]
     # torch.load may turn the inner tuple into a list; random.setstate needs tuples.
-    py = typing.cast(tuple[int, list[int], float | None], py)
+    py = typing.cast(tuple[int, list[int], float | None], state["python"])
     random.setstate((py[0], tuple(py[1]), py[2]))
     kind, keys, pos, has_gauss, cached = typing.cast(tuple[str, object, int, int, float], state["numpy"])
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))

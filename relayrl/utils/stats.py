@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from relayrl.utils import dist as dist_utils
 
@@ -96,38 +95,37 @@ def _as_mask(value: object, key: str) -> torch.Tensor:
     return value.detach() != 0
 
 
+class _Scopes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[str] = []  # this thread's scope names, outermost first
+
+
 class StatsTracker:
     """Collects metrics during a step and exports them reduced over ranks. Thread-safe."""
 
     def __init__(self, name: str = "") -> None:
         self.root = [name.strip("/")] if name.strip("/") else []
         self._lock = threading.RLock()
-        self._local = threading.local()
+        self._scopes = _Scopes()
         self._accs: dict[str, _Acc] = {}
         self._masks: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ scopes and keys
-    @property
-    def _stack(self) -> list[str]:
-        if not hasattr(self._local, "stack"):
-            self._local.stack = []
-        return self._local.stack
-
     @contextmanager
     def scope(self, name: str) -> Iterator[None]:
         """Prefix keys recorded inside the block with ``name/`` (nests; per thread)."""
         name = name.strip("/")
         if not name:
             raise ValueError("stats scope name must be non-empty")
-        self._stack.append(name)
+        self._scopes.stack.append(name)
         try:
             yield
         finally:
-            self._stack.pop()
+            self._scopes.stack.pop()
 
     def full_key(self, key: str) -> str:
         """``key`` with the current scopes in front, e.g. ``actor/loss``."""
-        return "/".join([*self.root, *self._stack, key])
+        return "/".join([*self.root, *self._scopes.stack, key])
 
     def _acc(self, key: str, kind: Kind, reduces: tuple[ReduceType, ...]) -> _Acc:
         acc = self._accs.get(key)
@@ -174,16 +172,10 @@ class StatsTracker:
                         f"stat {full!r} has shape {list(value.shape)} but its denominator {den_key!r} "
                         f"has shape {list(mask.shape)}"
                     )
-                m = mask.to(value.device)
-                x = value.detach().to(torch.float64)
-                count = float(m.sum())
-                if count == 0:
-                    self._acc(full, "stat", reduces)
-                    continue
-                total = float(torch.where(m, x, 0.0).sum())
-                low = float(torch.where(m, x, math.inf).min())
-                high = float(torch.where(m, x, -math.inf).max())
-                self._acc(full, "stat", reduces).add(total, count, low, high)
+                acc = self._acc(full, "stat", reduces)
+                x = value.detach().to(torch.float64)[mask.to(value.device)]
+                if x.numel():
+                    acc.add(float(x.sum()), x.numel(), float(x.min()), float(x.max()))
 
     def scalar(self, reduce: ReduceType | Sequence[ReduceType] = "avg", **values: float) -> None:
         """Record plain numbers (floats, ints or one-element tensors)."""
@@ -225,22 +217,18 @@ class StatsTracker:
             self._accs.clear()
             self._masks.clear()
 
-    def export(
-        self, reset: bool = True, group: dist.ProcessGroup | None = None, local: bool = False
-    ) -> dict[str, float]:
+    def export(self, reset: bool = True, local: bool = False) -> dict[str, float]:
         """Reduce everything recorded since the last reset into ``{key: value}``.
 
-        With a process group (and ``local=False``) this is a collective: every rank of
-        ``group`` must call it, and every rank gets the same dict.
+        With a process group (and ``local=False``) this is a collective: every rank must call it,
+        and every rank gets the same dict.
         """
         with self._lock:
             accs = dict(self._accs)
             if reset:
-                self._accs = {}
-                self._masks = {}
-        distributed = not local and dist_utils.world_size(group) > 1
-        if distributed:
-            accs = _reduce_across_ranks(accs, group)
+                self.reset()
+        if not local and dist_utils.is_distributed():
+            accs = _reduce_across_ranks(accs)
         out: dict[str, float] = {}
         for key, acc in sorted(accs.items()):  # denominators sum, timings sum (max over ranks), gauges max
             if acc.count == 0 and acc.kind != "denominator":  # a denominator of nothing still counts 0
@@ -253,38 +241,23 @@ class StatsTracker:
         return out
 
 
-def _reduce_across_ranks(accs: dict[str, _Acc], group: dist.ProcessGroup | None) -> dict[str, _Acc]:
-    """Sum totals and counts, min the lows, max the highs over ranks (3 all-reduces).
-
-    Keys recorded on only some ranks still line up: the union of every rank's keys is
-    reduced, with identity values where a rank has none. Timing totals are maxed (wall time
-    of the slowest rank), everything else summed.
-    """
-    specs = {k: (a.kind, a.reduces) for k, a in accs.items()}
-    union: dict[str, tuple[Kind, tuple[ReduceType, ...]]] = {}
-    for r, theirs in enumerate(dist_utils.all_gather_object(specs, group)):
-        for k, spec in typing.cast(dict[str, tuple[Kind, tuple[ReduceType, ...]]], theirs).items():
-            if k in union and union[k] != spec:
-                raise ValueError(f"stats key {k!r} is recorded as {union[k]} on one rank and {spec} on rank {r}")
-            union[k] = spec
-    keys = sorted(union)
-    merged = {k: accs.get(k) or _Acc(*union[k]) for k in keys}
-    sums = torch.tensor(
-        [[0.0 if merged[k].kind == "timing" else merged[k].total, merged[k].count] for k in keys], dtype=torch.float64
-    ).reshape(-1, 2)
-    lows = torch.tensor([merged[k].low for k in keys], dtype=torch.float64)
-    highs = torch.tensor(
-        [merged[k].total if merged[k].kind == "timing" and merged[k].count else merged[k].high for k in keys],
-        dtype=torch.float64,
-    )
-    sums = dist_utils.all_reduce(sums, "sum", group)
-    lows = dist_utils.all_reduce(lows, "min", group)
-    highs = dist_utils.all_reduce(highs, "max", group)
-    out = {}
-    for i, k in enumerate(keys):
-        kind, reduces = union[k]
-        total = float(highs[i]) if kind == "timing" else float(sums[i, 0])
-        out[k] = _Acc(kind, reduces, total, float(sums[i, 1]), float(lows[i]), float(highs[i]))
+def _reduce_across_ranks(accs: dict[str, _Acc]) -> dict[str, _Acc]:
+    """Every rank's partial reductions merged (one all-gather), in rank order, so every rank gets the
+    same result: totals and counts summed, lows min'd, highs max'd; a timing total is the slowest
+    rank's (its wall time). A key recorded on only some ranks merges what those ranks have."""
+    out: dict[str, _Acc] = {}
+    for r, theirs in enumerate(dist_utils.all_gather_object(accs)):
+        for k, acc in typing.cast(dict[str, _Acc], theirs).items():
+            mine = out.setdefault(k, _Acc(acc.kind, acc.reduces))
+            if (mine.kind, mine.reduces) != (acc.kind, acc.reduces):
+                raise ValueError(
+                    f"stats key {k!r} is recorded as {(mine.kind, mine.reduces)} on one rank "
+                    f"and {(acc.kind, acc.reduces)} on rank {r}"
+                )
+            if acc.kind == "timing":
+                mine.total, mine.count = max(mine.total, acc.total), mine.count + acc.count
+            else:
+                mine.add(acc.total, acc.count, acc.low, acc.high)
     return out
 
 

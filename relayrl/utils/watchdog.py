@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 
@@ -30,16 +30,21 @@ _PKG = str(Path(__file__).resolve().parents[1])  # relayrl/
 _SELF = str(Path(__file__).resolve())
 
 
-def where(frame: FrameType | None) -> str:
-    """The innermost relayrl frame of a stack (``rollout/executor.py:431 in wait``), else the innermost one."""
-    inner, f = None, frame
-    while f is not None:
+def _ours(frames: Iterable[FrameType]) -> str | None:
+    """The innermost relayrl frame of ``frames`` (innermost first): ``rollout/executor.py:431 in wait``."""
+    for f in frames:
         path = f.f_code.co_filename
         if path.startswith(_PKG) and path != _SELF:
             return f"{os.path.relpath(path, _PKG)}:{f.f_lineno} in {f.f_code.co_name}"
-        inner = inner or f"{os.path.basename(path)}:{f.f_lineno} in {f.f_code.co_name}"
-        f = f.f_back
-    return inner or "?"
+    return None
+
+
+def where(frame: FrameType | None) -> str:
+    """The innermost relayrl frame of a stack, else the innermost one."""
+    if frame is None:
+        return "?"
+    here = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return _ours(f for f, _ in traceback.walk_stack(frame)) or here
 
 
 def await_chain(task: asyncio.Task[object]) -> list[FrameType]:
@@ -55,30 +60,22 @@ def await_chain(task: asyncio.Task[object]) -> list[FrameType]:
     return frames
 
 
-def _inner(frames: list[FrameType]) -> str:
-    """The innermost relayrl frame of ``frames`` (oldest first, as ``Task.get_stack`` gives them)."""
-    for f in reversed(frames):
-        if f.f_code.co_filename.startswith(_PKG):
-            return f"{os.path.relpath(f.f_code.co_filename, _PKG)}:{f.f_lineno} in {f.f_code.co_name}"
-    return "?"
-
-
 def task_waits(loop: asyncio.AbstractEventLoop | None) -> str:
     """Where the loop's tasks wait, most common first: ``rollout/workflows/rlvr.py:60 in _in_thread (x4)``."""
     if loop is None or loop.is_closed():
         return ""
-    counts = Counter(_inner(await_chain(t)) for t in list(asyncio.all_tasks(loop)))
-    counts.pop("?", None)
+    counts = Counter(_ours(reversed(await_chain(t))) for t in list(asyncio.all_tasks(loop)))
+    counts.pop(None, None)
     return ", ".join(f"{w} (x{n})" for w, n in counts.most_common(3))
 
 
 def thread_stacks() -> str:
     """Every thread's stack, named."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    out = []
-    for ident, frame in sys._current_frames().items():
-        out.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n" + "".join(traceback.format_stack(frame)))
-    return "\n".join(out)
+    return "\n".join(
+        f"--- thread {names.get(ident, '?')} ({ident}) ---\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 def task_stacks(loop: asyncio.AbstractEventLoop | None) -> str:

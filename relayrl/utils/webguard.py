@@ -51,11 +51,7 @@ def is_loopback(host: str) -> bool:
 
 @functools.cache
 def _own_names() -> frozenset[str]:
-    names = {"localhost"}
-    for name in (socket.gethostname(), socket.getfqdn()):
-        if name:
-            names.add(name.lower())
-    return frozenset(names)
+    return frozenset({"localhost"} | {name.lower() for name in (socket.gethostname(), socket.getfqdn()) if name})
 
 
 def refusal(headers: Mapping[str, str], bound_host: str) -> str | None:
@@ -76,13 +72,6 @@ def refusal(headers: Mapping[str, str], bound_host: str) -> str | None:
     return None
 
 
-JsonBody = tuple[int, dict[str, object]]
-
-
-def _reply(status: int, message: str) -> JsonBody:
-    return status, {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
-
-
 class GuardMiddleware:
     """ASGI middleware in front of a local server's routes: refuses what :func:`refusal` refuses
     (403), POST bodies that are not ``application/json`` (415: a browser sends text/plain or form
@@ -101,9 +90,10 @@ class GuardMiddleware:
         self.app, self.bound_host, self.max_body = app, bound_host, max_body
         self.body_timeout, self.raw_paths = body_timeout, raw_paths
 
-    async def _send(self, send: Any, reply: JsonBody) -> None:
-        status, body = reply
-        data = json.dumps(body).encode()
+    async def _send(self, send: Any, status: int, message: str) -> None:
+        """An OpenAI-style JSON error reply, the connection closed after it."""
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": status}
+        data = json.dumps({"error": error}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": [*headers, (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": data})
@@ -115,44 +105,42 @@ class GuardMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         why = refusal(headers, self.bound_host)
         if why is not None:
-            await self._send(send, _reply(403, f"refused: {why}"))
+            await self._send(send, 403, f"refused: {why}")
             return
         if scope["method"] not in ("POST", "PUT", "PATCH") or scope["path"] in self.raw_paths:
             await self.app(scope, receive, send)  # type: ignore[operator]
             return
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            await self._send(send, _reply(413, f"request body over {self.max_body} bytes (Content-Length {length})"))
+            await self._send(send, 413, f"request body over {self.max_body} bytes (Content-Length {length})")
             return
         kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         has_body = "transfer-encoding" in headers or (length is not None and int(length) > 0)
         if has_body and kind != "application/json":
-            await self._send(send, _reply(415, f"Content-Type must be application/json, got {kind or 'none'!r}"))
+            await self._send(send, 415, f"Content-Type must be application/json, got {kind or 'none'!r}")
             return
-        chunks: list[bytes] = []
-        total = 0
+        body = bytearray()
         while True:
             try:
                 message = await asyncio.wait_for(receive(), self.body_timeout)
             except TimeoutError:
-                await self._send(send, _reply(408, f"request body not received within {self.body_timeout:g}s"))
+                await self._send(send, 408, f"request body not received within {self.body_timeout:g}s")
                 return
             if message["type"] == "http.disconnect":
                 return
-            total += len(message.get("body", b""))
-            if total > self.max_body:
-                await self._send(send, _reply(413, f"request body over {self.max_body} bytes"))
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                await self._send(send, 413, f"request body over {self.max_body} bytes")
                 return
-            chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        body, sent = b"".join(chunks), False
+        sent = False
 
         async def replay() -> dict[str, object]:
             nonlocal sent
             if not sent:
                 sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
             return typing.cast(dict[str, object], await receive())
 
         await self.app(scope, replay, send)  # type: ignore[operator]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import os
 import ssl
@@ -123,7 +124,7 @@ class WebSocket:
             fin, opcode, data = await self._frame()
             if opcode == 0x8:  # close: echo it, report the server's code and reason
                 code = struct.unpack("!H", data[:2])[0] if len(data) >= 2 else 1005
-                await self._close_quietly(data[:2])
+                await self.close(data[:2])
                 raise WebSocketError(
                     f"{self.url} closed the session (code {code}: {data[2:].decode(errors='replace')!r})"
                 )
@@ -140,18 +141,12 @@ class WebSocket:
             if fin:
                 return b"".join(parts).decode()
 
-    async def _close_quietly(self, code: bytes = struct.pack("!H", 1000)) -> None:
+    async def close(self, code: bytes = struct.pack("!H", 1000)) -> None:
+        """Send a close frame with ``code`` (best effort) and close the connection."""
         if not self.closed:
-            try:
+            with contextlib.suppress(OSError, TimeoutError, WebSocketError):
                 await self._send(0x8, code)
-            except (OSError, TimeoutError, WebSocketError):
-                pass
         self.closed = True
         self._writer.close()
-        try:
+        with contextlib.suppress(OSError, TimeoutError):
             await asyncio.wait_for(self._writer.wait_closed(), 1.0)
-        except (OSError, TimeoutError):
-            pass
-
-    async def close(self) -> None:
-        await self._close_quietly()
