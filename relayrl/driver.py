@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.config import RunConfig
 from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
-from relayrl.api.workflow import RewardFn, RolloutWorkflow
+from relayrl.api.workflow import RolloutWorkflow
 from relayrl.data.datasets import RLDataLoader
 from relayrl.data.models import vision_processor
 from relayrl.data.vision import png_data_urls, row_from_json, row_to_json
@@ -40,7 +40,6 @@ class Driver:
     tokenizer: PreTrainedTokenizerBase
     dataloader: RLDataLoader
     eval_rows: list[DataItem]
-    reward_fn: RewardFn
     engine: InferenceEngine
     executor: WorkflowExecutor
     reward_pool: RewardPool | None

@@ -150,7 +150,6 @@ class Trainer:
                 tokenizer=tokenizer,
                 dataloader=dataloader,
                 eval_rows=(eval_rows or [])[: cfg.eval.max_prompts or None],
-                reward_fn=reward,
                 engine=engine,
                 executor=executor,
                 reward_pool=pool,
