@@ -75,12 +75,20 @@ def test_sglang_generate_with_image_data(served, local):
     assert r.status_code == 400 and "image pad tokens but image_data is empty" in r.text
 
 
-def test_openai_chat_with_image_content_parts(served, local):
+@pytest.mark.parametrize("kind", ["image_url", "input_image", "image"])
+def test_openai_chat_with_image_content_parts(served, local, kind):
+    """Each image part form the server reads (OpenAI chat's ``image_url``, the Responses API's
+    ``input_image``, plain ``image``) gives the same prompt as the processor."""
     url, _ = served
     tok, proc, model = local
     img = squares(2, (84, 56), seed=5)
     vp = encode_prompt(tok, proc, [{"role": "user", "content": "how many squares?"}], [img])
-    part = {"type": "image_url", "image_url": {"url": wire_image(vp.image_data[0])}}
+    data = wire_image(vp.image_data[0])
+    part = {
+        "image_url": {"type": "image_url", "image_url": {"url": data}},
+        "input_image": {"type": "input_image", "image_url": data},
+        "image": {"type": "image", "image": data},
+    }[kind]
     messages = [{"role": "user", "content": [part, {"type": "text", "text": "how many squares?"}]}]
     r = httpx.post(
         f"{url}/v1/chat/completions",

@@ -213,6 +213,9 @@ def count_image_tokens(ids: list[int], image_token_id: int) -> int:
     return sum(1 for t in ids if t == image_token_id)
 
 
+IMAGE_PARTS = ("image", "image_url", "input_image")  # the content part types that carry an image
+
+
 def messages_with_image_blocks(messages: list[dict[str, object]], n_images: int) -> list[dict[str, str]]:
     """Chat turns with plain-string content: image content parts (``{"type": "image"}`` /
     ``"image_url"``) become ``IMAGE_BLOCK``; with no image parts at all, the blocks of the row's
@@ -224,7 +227,7 @@ def messages_with_image_blocks(messages: list[dict[str, object]], n_images: int)
             parts = []
             for p in content:
                 kind = p.get("type") if isinstance(p, dict) else None
-                if kind in ("image", "image_url", "input_image"):
+                if kind in IMAGE_PARTS:
                     parts.append(IMAGE_BLOCK)
                     seen += 1
                 elif kind == "text":

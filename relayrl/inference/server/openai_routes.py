@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.commands import ServerConfig
 from relayrl.api.io import GenerationConfig, ModelResponse
+from relayrl.data.vision import IMAGE_PARTS, encode_prompt, image_parts, inline_image
 from relayrl.inference.server.common import _bad, _json, error_body, trim_stop
 from relayrl.inference.server.schemas import CompletionRequest, SamplingParams
 
@@ -162,10 +163,8 @@ class OpenAIRoutes:
 
     def vision_messages(self, messages: object, stream: bool) -> tuple[list[int], list[str | bytes]]:
         """Prompt ids (image pad tokens expanded by the model's processor) and images of chat turns
-        with ``image_url`` content parts (``[], []`` without any); 400 naming the reason when the model
+        with image content parts (``IMAGE_PARTS``; ``[], []`` without any); 400 naming the reason when the model
         takes no images, one is bad, or the request streams."""
-        from relayrl.data.vision import encode_prompt, image_parts
-
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return [], []  # the client names what is malformed
         if not image_parts(messages):
@@ -264,7 +263,7 @@ def _text_parts_only(messages: list[object]) -> list[object]:
     out: list[object] = []
     for m in messages:
         if isinstance(m, dict) and isinstance(m.get("content"), list):
-            kept = [p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in ("image", "image_url"))]
+            kept = [p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in IMAGE_PARTS)]
             m = {**m, "content": kept}
         out.append(m)
     return out
@@ -273,8 +272,6 @@ def _text_parts_only(messages: list[object]) -> list[object]:
 def _inline_images(messages: list[dict[str, object]]) -> list[dict[str, object]]:
     """``messages`` with each image part's data decoded to bytes (``inline_image``: a data URL or
     base64, never a path on this machine)."""
-    from relayrl.data.vision import inline_image
-
     out, j = [], 0
     for m in messages:
         content = m.get("content")
@@ -283,7 +280,7 @@ def _inline_images(messages: list[dict[str, object]]) -> list[dict[str, object]]
             continue
         parts: list[object] = []
         for p in content:
-            if isinstance(p, dict) and p.get("type") in ("image", "image_url", "input_image"):
+            if isinstance(p, dict) and p.get("type") in IMAGE_PARTS:
                 url = p.get("image") if p.get("type") == "image" else p.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 p = {"type": "image", "image": inline_image(url, f"image {j}")}
