@@ -23,7 +23,7 @@ from relayrl.api.engine import DataItem
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RewardFn
 from relayrl.data.chat import encode
-from relayrl.rollout.workflows.rlvr import AsyncRewardPool, call_reward
+from relayrl.rollout.workflows.rlvr import AsyncRewardPool, call_reward, reward_kwargs
 
 CALC_TOOL = {
     "type": "function",
@@ -72,11 +72,10 @@ def tool_agent_workflow(
                 except (json.JSONDecodeError, AttributeError):
                     expr = ""
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})
-        extra = {k: v for k, v in data.items() if k not in ("prompt", "completions", "prompt_ids", "completion_ids")}
-        last = client.records[-1]
-        kwargs = dict(
-            prompt="", completions=answer, prompt_ids=last.prompt_ids, completion_ids=encode(tokenizer, answer)
+        ids = client.records[-1].prompt_ids
+        kwargs = reward_kwargs(
+            data, prompt="", completions=answer, prompt_ids=ids, completion_ids=encode(tokenizer, answer)
         )
-        return await call_reward(reward_fn, None, {**kwargs, **extra}, reward_pool, reward_timeout)
+        return await call_reward(reward_fn, None, kwargs, reward_pool, reward_timeout)
 
     return OpenAIAgentWorkflow(agent, tokenizer, gconfig, timeout=timeout)

@@ -61,7 +61,8 @@ from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
 from relayrl.api.workflow import Trajectory, concat_trajectories
 from relayrl.data.chat import continuation_ids, encode, render
-from relayrl.rollout.workflows.multi_turn import TokenBuffer
+from relayrl.inference.server.common import trim_stop
+from relayrl.rollout.workflows.multi_turn import TokenBuffer, reply_text, stop_ids
 
 
 class _ChatCompletions:
@@ -129,18 +130,12 @@ class OpenAIClient:
         ]
         return list(await asyncio.gather(*(self.engine.agenerate(r) for r in reqs)))
 
-    def _output_text(self, resp: ModelResponse, gconfig: GenerationConfig) -> tuple[str, int | None]:
-        """Decoded reply without its stop token or stop string, and the stop token it ended with."""
-        out = resp.output_tokens
-        stops = set(gconfig.stop_token_ids) | (
-            {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
-        )
-        end = out[-1] if out and resp.stop_reason == "stop" and out[-1] in stops else None
-        text = str(self.tokenizer.decode(out[:-1] if end is not None else out, skip_special_tokens=False))
-        if resp.stop_reason == "stop" and end is None and gconfig.stop:
-            cut = min((text.find(s) for s in gconfig.stop if s in text), default=-1)
-            text = text[:cut] if cut >= 0 else text
-        return text, end
+    def _output_text(self, resp: ModelResponse, gconfig: GenerationConfig) -> str:
+        """Decoded reply without its stop token, or without its stop string where it ended at one."""
+        text = reply_text(self.tokenizer, resp.output_tokens, gconfig, resp.stop_reason)
+        if resp.stop_reason == "stop" and not self._ends_with_stop(resp.output_tokens, gconfig):
+            text = trim_stop(text, gconfig.stop)
+        return text
 
     def _find_parent(self, messages: list[Message], tools: list[Message] | None) -> CallRecord | None:
         """The latest-longest chat call whose turns + reply are a strict prefix of ``messages``."""
@@ -167,7 +162,7 @@ class OpenAIClient:
         parent, ids = self._find_parent(messages, tools), None
         if parent is not None:
             k = len(parent.messages or []) + 1
-            end = parent.output_ids[-1] if self._ends_with_stop(parent) else None
+            end = parent.output_ids[-1] if self._ends_with_stop(parent.output_ids, self.gconfig) else None
             extra = continuation_ids(
                 self.tokenizer, parent.messages or [], parent.reply or {}, messages[k:], end, tools
             )
@@ -199,8 +194,7 @@ class OpenAIClient:
         """The completion of a chat call from its responses; every choice recorded."""
         cid, choices = cid or "chatcmpl-" + uuid.uuid4().hex, []
         for i, resp in enumerate(resps):
-            text, _ = self._output_text(resp, plan.gconfig)
-            text = plan.prefill + text
+            text = plan.prefill + self._output_text(resp, plan.gconfig)
             parsed = (
                 ParsedOutput(text, [])
                 if not plan.tools or plan.tool_choice == "none"
@@ -222,14 +216,11 @@ class OpenAIClient:
                 logprobs = ChoiceLogprobs(content=await self._token_logprobs(plan.ids, resp, plan.gconfig, plan.top))
             choices.append(Choice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
             self.records.append(
-                CallRecord(
-                    id=cid,
-                    index=i,
-                    prompt_ids=list(plan.ids),
-                    output_ids=list(resp.output_tokens),
-                    logprobs=list(resp.output_logprobs),
-                    versions=list(resp.output_versions),
-                    stop_reason=resp.stop_reason,
+                CallRecord.of(
+                    cid,
+                    i,
+                    plan.ids,
+                    resp,
                     messages=plan.messages,
                     tools=plan.tools,
                     reply=normalize_messages([message])[0],
@@ -264,10 +255,9 @@ class OpenAIClient:
             yield item
         await runs
 
-    def _ends_with_stop(self, rec: CallRecord) -> bool:
-        """Whether the record's last token is a stop token (EOS or one of the config's)."""
-        stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}
-        return bool(rec.output_ids) and rec.output_ids[-1] in stops
+    def _ends_with_stop(self, tokens: list[int], gconfig: GenerationConfig) -> bool:
+        """Whether the last token is a stop token (EOS or one of the config's)."""
+        return bool(tokens) and tokens[-1] in stop_ids(self.tokenizer, gconfig)
 
     async def _complete(
         self, prompt: str | list[int], params: dict[str, object]
@@ -318,7 +308,7 @@ class OpenAIClient:
         ids, gconfig, parent, prompt = plan.ids, plan.gconfig, plan.parent, plan.prompt_text
         cid, choices = cid or "cmpl-" + uuid.uuid4().hex, []
         for i, resp in enumerate(resps):
-            text, _ = self._output_text(resp, gconfig)
+            text = self._output_text(resp, gconfig)
             lp = None
             if plan.logprobs:
                 toks = [self._piece(t) for t in resp.output_tokens]
@@ -334,20 +324,7 @@ class OpenAIClient:
                     index=i, text=text, logprobs=lp, finish_reason="length" if resp.stop_reason == "length" else "stop"
                 )
             )
-            self.records.append(
-                CallRecord(
-                    id=cid,
-                    index=i,
-                    prompt_ids=list(ids),
-                    output_ids=list(resp.output_tokens),
-                    logprobs=list(resp.output_logprobs),
-                    versions=list(resp.output_versions),
-                    stop_reason=resp.stop_reason,
-                    prompt_text=prompt,
-                    text=text,
-                    parent=parent,
-                )
-            )
+            self.records.append(CallRecord.of(cid, i, ids, resp, prompt_text=prompt, text=text, parent=parent))
         return Completion(
             id=cid,
             object="text_completion",

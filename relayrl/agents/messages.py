@@ -148,14 +148,13 @@ def normalize_tools(tools: object) -> list[Message] | None:
     return out or None
 
 
-def _calls(message: Message) -> list[dict[str, Any]]:
-    return typing.cast(list[dict[str, Any]], message.get("tool_calls", []))
+def _calls(message: Message) -> list[tuple[object, object]]:
+    calls = typing.cast(list[dict[str, Any]], message.get("tool_calls", []))
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 def same_message(a: Message, b: Message) -> bool:
     """Whether two normalized messages are the same turn (content compared without outer whitespace)."""
     if a.get("role") != b.get("role") or str(a.get("content") or "").strip() != str(b.get("content") or "").strip():
         return False
-    calls_a = [(c["function"]["name"], c["function"]["arguments"]) for c in _calls(a)]
-    calls_b = [(c["function"]["name"], c["function"]["arguments"]) for c in _calls(b)]
-    return calls_a == calls_b and a.get("tool_call_id") == b.get("tool_call_id")
+    return _calls(a) == _calls(b) and a.get("tool_call_id") == b.get("tool_call_id")

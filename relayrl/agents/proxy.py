@@ -32,7 +32,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Completion
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
@@ -138,8 +138,8 @@ class AgentProxy:
         return sid
 
     async def wait_reward(self, session_id: str, timeout: float) -> OpenAIClient:
-        """The session's client once its final reward is posted (the session is then closed);
-        ``TimeoutError`` naming the session when none arrives within ``timeout`` seconds."""
+        """The session's client once its final reward is posted; ``TimeoutError`` naming the session
+        when none arrives within ``timeout`` seconds."""
         session = self.sessions[session_id]
         try:
             await asyncio.wait_for(asyncio.wrap_future(session.done), timeout)
@@ -148,9 +148,6 @@ class AgentProxy:
                 f"agent session {session_id!r} posted no reward within {timeout}s "
                 f"({len(session.client.records)} model calls made)"
             ) from None
-        finally:
-            with self._lock:
-                self.sessions.pop(session_id, None)
         return session.client
 
     def close_session(self, session_id: str) -> None:
@@ -194,21 +191,12 @@ class AgentProxy:
             if isinstance(body, JSONResponse):
                 return body
             out: ChatCompletion | Completion | AsyncIterator[ChatCompletionChunk] | AsyncIterator[Completion]
+            key = "messages" if chat else "prompt"
             try:
-                if chat:
-                    messages = body.pop("messages", None)
-                    if messages is None:
-                        raise RequestError("messages is required", "messages")
-                    out = await session.client.chat.completions.create(
-                        messages=typing.cast(list[ChatCompletionMessageParam], messages), **typing.cast(_Kwargs, body)
-                    )
-                else:
-                    prompt = body.pop("prompt", None)
-                    if prompt is None:
-                        raise RequestError("prompt is required", "prompt")
-                    out = await session.client.completions.create(
-                        prompt=typing.cast(str | list[int], prompt), **typing.cast(_Kwargs, body)
-                    )
+                if body.get(key) is None:
+                    raise RequestError(f"{key} is required", key)
+                create = session.client.chat.completions.create if chat else session.client.completions.create
+                out = await create(**typing.cast(_Kwargs, body))
             except RequestError as e:
                 return JSONResponse({"error": e.body}, status_code=400)
             except ValueError as e:  # the engine refused the request (ids out of vocabulary, too long, ...)

@@ -25,8 +25,6 @@ import shutil
 import subprocess
 import sys
 
-NOBODY = 65534
-
 # Runs as root inside the new namespaces; $1 = the Python prefix to keep visible, the rest = the command.
 _SETUP = r"""
 set -e

@@ -23,6 +23,22 @@ from relayrl.api.workflow import Trajectory, routed_experts_row
 from relayrl.rollout.workflows.rlvr import AsyncRewardPool, PromptWorkflow, RewardFn
 
 
+def stop_ids(tokenizer: PreTrainedTokenizerBase, gconfig: GenerationConfig) -> set[int]:
+    """The tokens a generation with ``gconfig`` stops at: its ``stop_token_ids`` and the tokenizer's EOS."""
+    eos = tokenizer.eos_token_id
+    return set(gconfig.stop_token_ids) | (set() if eos is None else {int(eos)})
+
+
+def reply_text(
+    tokenizer: PreTrainedTokenizerBase, tokens: list[int], gconfig: GenerationConfig, stop_reason: str = "stop"
+) -> str:
+    """A reply decoded as an OpenAI endpoint answers it: without the stop token it ended with, other
+    special tokens kept (a tool-call marker may be one)."""
+    if tokens and stop_reason == "stop" and tokens[-1] in stop_ids(tokenizer, gconfig):
+        tokens = tokens[:-1]
+    return str(tokenizer.decode(tokens, skip_special_tokens=False))
+
+
 class TokenBuffer:
     """A sequence under construction: tokens with their loss mask, logprobs and versions."""
 

@@ -32,7 +32,6 @@ from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
 from relayrl.api.workflow import RewardFn, RolloutWorkflow, Trajectory, trajectory_from_response
 from relayrl.data.vision import row_vision
 
-_NAMED = ("prompt", "completions", "prompt_ids", "completion_ids")
 _NOT_FOR_REWARDS = ("vision",)  # a row's processed images (tensors) stay out of reward fns
 
 
@@ -127,14 +126,20 @@ async def compute_reward(
     """Score one completion with a reward fn (the signature and where it runs: module doc for where it runs)."""
     p_ids = list(resp.input_tokens if prompt_ids is None else prompt_ids)
     c_ids = list(resp.output_tokens if completion_ids is None else completion_ids)
-    kwargs: dict[str, object] = {k: v for k, v in data.items() if k not in _NAMED and k not in _NOT_FOR_REWARDS}
-    kwargs.update(
+    kwargs = reward_kwargs(
+        data,
         prompt=tokenizer.decode(p_ids, skip_special_tokens=True),
         completions=tokenizer.decode(c_ids, skip_special_tokens=False),
         prompt_ids=p_ids,
         completion_ids=c_ids,
     )
     return await call_reward(reward_fn, engine, kwargs, reward_pool, reward_timeout)
+
+
+def reward_kwargs(data: DataItem, **named: object) -> dict[str, object]:
+    """A reward fn's keyword arguments: the row's fields (not its processed images) and the named ones
+    (``prompt``, ``completions``, ``prompt_ids``, ``completion_ids``), which win over the row's."""
+    return {**{k: v for k, v in data.items() if k not in _NOT_FOR_REWARDS}, **named}
 
 
 async def call_reward(
