@@ -62,16 +62,10 @@ def tool_agent_workflow(
             if not message.tool_calls:
                 break
             messages.append(message)
-            for call in message.tool_calls:
-                try:
-                    expr = str(
-                        json.loads(typing.cast(ChatCompletionMessageFunctionToolCall, call).function.arguments).get(
-                            "expr", ""
-                        )
-                    )
-                except (json.JSONDecodeError, AttributeError):
-                    expr = ""
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})
+            for call in message.tool_calls:  # the client's calls: functions, arguments a JSON object
+                args = json.loads(typing.cast(ChatCompletionMessageFunctionToolCall, call).function.arguments)
+                result = await tool(str(args.get("expr", "")))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         ids = client.records[-1].prompt_ids
         kwargs = reward_kwargs(
             data, prompt="", completions=answer, prompt_ids=ids, completion_ids=encode(tokenizer, answer)

@@ -27,8 +27,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Literal
 
-import torch
-
 try:
     from openai.types import Completion, CompletionChoice, CompletionUsage
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -280,20 +278,14 @@ class OpenAIClient:
                     parent = rec
         elif isinstance(prompt, str) and prompt:
             for rec in self.records:  # a text prompt that extends a call's prompt + reply keeps that call's tokens
-                if (
-                    rec.prompt_text is not None
-                    and prompt.startswith(rec.prompt_text + rec.text)
-                    and len(prompt) > len(rec.prompt_text + rec.text)
-                ):
+                head = None if rec.prompt_text is None else rec.prompt_text + rec.text
+                if head is not None and len(prompt) > len(head) and prompt.startswith(head):
                     parent = rec
-            if parent is not None:
-                ids = (
-                    parent.prompt_ids
-                    + parent.output_ids
-                    + encode(self.tokenizer, prompt[len(parent.prompt_text or "") + len(parent.text) :])
-                )
-            else:
+            if parent is None:
                 ids = encode(self.tokenizer, prompt, special=True)
+            else:
+                rest = prompt[len(parent.prompt_text or "") + len(parent.text) :]
+                ids = parent.prompt_ids + parent.output_ids + encode(self.tokenizer, rest)
         else:
             raise RequestError("prompt must be a non-empty string or a list of token ids", "prompt")
         plan = CompletionPlan(prompt if isinstance(prompt, str) else None, ids, gconfig, n, want_logprobs, top, parent)
@@ -421,10 +413,10 @@ class OpenAIClient:
             trajs.append(
                 buf.trajectory(
                     returns[id(chain[0])],
-                    num_turns=torch.tensor([len(chain)], dtype=torch.int64),
-                    num_tool_calls=torch.tensor([sum(r.tool_calls for r in chain)], dtype=torch.int64),
-                    malformed_tool_calls=torch.tensor([sum(r.malformed_tool_calls for r in chain)], dtype=torch.int64),
-                    truncated=torch.tensor([chain[-1].stop_reason == "length"], dtype=torch.bool),
+                    num_turns=len(chain),
+                    num_tool_calls=sum(r.tool_calls for r in chain),
+                    malformed_tool_calls=sum(r.malformed_tool_calls for r in chain),
+                    truncated=chain[-1].stop_reason == "length",
                 )
             )
         return concat_trajectories(trajs) if trajs else None

@@ -26,13 +26,13 @@ import threading
 import time
 import typing
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Completion
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat import ChatCompletion
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
@@ -66,6 +66,11 @@ class _Session:
     def __init__(self, client: OpenAIClient) -> None:
         self.client = client
         self.done: concurrent.futures.Future[float] = concurrent.futures.Future()
+
+    def finish(self, reward: float) -> None:
+        """The episode's final reward (on its last call): the session ends."""
+        self.client.set_final_reward(reward)
+        self.done.set_result(reward)
 
 
 class AgentProxy:
@@ -190,7 +195,6 @@ class AgentProxy:
             body = await body_of(request)
             if isinstance(body, JSONResponse):
                 return body
-            out: ChatCompletion | Completion | AsyncIterator[ChatCompletionChunk] | AsyncIterator[Completion]
             key = "messages" if chat else "prompt"
             try:
                 if body.get(key) is None:
@@ -244,8 +248,7 @@ class AgentProxy:
                 return _error(400, "the session made no model call: there is nothing to reward", "reward")
             if session.done.done():
                 return _error(409, f"session {sid!r} already has its final reward", code="session_closed")
-            session.client.set_final_reward(float(reward))
-            session.done.set_result(float(reward))
+            session.finish(float(reward))
             return JSONResponse(
                 {"session": sid, "reward": float(reward), "final": True, "calls": len(session.client.records)}
             )

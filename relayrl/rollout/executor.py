@@ -259,7 +259,6 @@ class WorkflowExecutor:
                 traj = concat_trajectories(ok)
             except TrajectoryError as e:
                 outs = [(SampleStatus.FAILED, None, self._log_failure(p, e))] * len(outs)
-                ok = []
             else:
                 if self._accepts(traj, p):
                     traj["prompt_index"] = torch.full((traj["input_ids"].shape[0],), p.index, dtype=torch.int64)

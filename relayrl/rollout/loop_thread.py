@@ -21,16 +21,9 @@ class LoopThread:
 
     def start(self) -> None:
         self.loop = uvloop.new_event_loop()
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(self.loop, started), name=self.name, daemon=True)
+        self.loop.create_task(self._ticker())  # (the loop is not running yet: safe from this thread)
+        self._thread = threading.Thread(target=self.loop.run_forever, name=self.name, daemon=True)
         self._thread.start()
-        started.wait()
-
-    def _run(self, loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
-        asyncio.set_event_loop(loop)
-        loop.create_task(self._ticker())
-        loop.call_soon(started.set)
-        loop.run_forever()
 
     async def _ticker(self) -> None:
         while True:

@@ -19,6 +19,7 @@ A tool never raises on bad input: it returns ``"error: ..."`` text for the model
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 
@@ -105,9 +106,5 @@ class SubprocessTool:
         return out.decode(errors="replace")[: self.max_output_chars]
 
 
-def calculator(timeout: float = 2.0, memory_mb: int = 256) -> SubprocessTool:
-    return SubprocessTool("calc", timeout, memory_mb)
-
-
-def python_tool(timeout: float = 2.0, memory_mb: int = 256) -> SubprocessTool:
-    return SubprocessTool("python", timeout, memory_mb)
+calculator = functools.partial(SubprocessTool, "calc")  # calculator(timeout=2.0, memory_mb=256)
+python_tool = functools.partial(SubprocessTool, "python")

@@ -25,12 +25,7 @@ WORKFLOWS: dict[str, WorkflowFactory] = {
     "tool_agent": ToolAgentWorkflow,
     "openenv": OpenEnvWorkflow,
 }
-_register = registrar(WORKFLOWS, "workflow")
-
-
-def register_workflow(name: str) -> Callable[[WorkflowFactory], WorkflowFactory]:
-    """``@register_workflow("name")`` on a ``RolloutWorkflow`` subclass (or a function returning one)."""
-    return _register(name)
+register_workflow = registrar(WORKFLOWS, "workflow")  # @register_workflow("name") on a RolloutWorkflow subclass
 
 
 def _as_factory(obj: object) -> WorkflowFactory | None:

@@ -27,7 +27,6 @@ import uuid
 from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
@@ -112,10 +111,8 @@ class OpenEnvSession:
 
     async def close(self) -> None:
         if not self.ws.closed:
-            try:
+            with contextlib.suppress(WebSocketError, OSError, TimeoutError):  # a lost server is closed anyway
                 await self.ws.send_text(json.dumps({"type": "close", "data": {}}))
-            except (WebSocketError, OSError, TimeoutError):
-                pass
         await self.ws.close()
 
 
@@ -284,9 +281,5 @@ class OpenEnvWorkflow(RolloutWorkflow):
             buf.add_context(ids)
             history += [{"role": "assistant", "content": text}, {"role": role, "content": content}]
         reward = (rewards[-1] if self.reward_mode == "last" else sum(rewards)) if rewards else 0.0
-        return buf.trajectory(
-            reward,
-            num_turns=torch.tensor([len(rewards) + int(invalid)], dtype=torch.int64),
-            env_done=torch.tensor([float(done)], dtype=torch.float32),
-            invalid_action=torch.tensor([float(invalid)], dtype=torch.float32),
-        )
+        turns = len(rewards) + int(invalid)
+        return buf.trajectory(reward, num_turns=turns, env_done=float(done), invalid_action=float(invalid))

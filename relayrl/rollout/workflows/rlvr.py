@@ -15,6 +15,7 @@ An async callable (e.g. a ``GenerativeJudge``) is awaited with the engine as fir
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import math
 import queue
@@ -87,28 +88,21 @@ async def _in_thread(fn: RewardFn, kwargs: dict[str, object], timeout: float) ->
         if _THREADS is None:
             _THREADS = _RewardThreads()
         threads = _THREADS
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[float] = loop.create_future()
-
-    def settle(value: float | BaseException) -> None:
-        if not fut.done():
-            fut.set_exception(value) if isinstance(value, BaseException) else fut.set_result(value)
+    fut: concurrent.futures.Future[float] = concurrent.futures.Future()
 
     def run() -> None:
-        try:
-            value: float | BaseException = float(fn(**kwargs))
-        except BaseException as e:  # handed to the awaiting episode
-            value = e
-        try:
-            loop.call_soon_threadsafe(settle, value)
-        except RuntimeError:  # loop closed: nobody waits any more
-            pass
+        if fut.set_running_or_notify_cancel():  # else it timed out while waiting for a thread
+            try:
+                fut.set_result(float(fn(**kwargs)))
+            except BaseException as e:  # handed to the awaiting episode
+                fut.set_exception(e)
 
     threads.submit(run)
     try:
-        return await asyncio.wait_for(fut, timeout)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
     except TimeoutError:
-        threads.add_thread()  # the hung call keeps its thread; the others keep serving
+        if not fut.cancel():  # running: the hung call keeps its thread, a new one serves the others
+            threads.add_thread()
         raise TimeoutError(f"reward fn {getattr(fn, '__name__', fn)!r} did not return within {timeout}s") from None
 
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.api.workflow import Trajectory
 from relayrl.rollout.tools import calculator
-from relayrl.rollout.workflows.multi_turn import TokenBuffer
+from relayrl.rollout.workflows.multi_turn import TokenBuffer, stop_ids
 from relayrl.rollout.workflows.rlvr import AsyncRewardPool, PromptWorkflow, RewardFn
 
 Tool = Callable[[str], Awaitable[str]]
@@ -93,7 +92,7 @@ class ToolAgentWorkflow(PromptWorkflow):
         prompt = self.prompt_ids(data)
         buf = TokenBuffer(prompt)
         rid = uuid.uuid4().hex
-        user_stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}
+        user_stops = stop_ids(self.tokenizer, self.gconfig)
         generated = calls = 0
         last: list[int] = []
         truncated = False
@@ -131,8 +130,4 @@ class ToolAgentWorkflow(PromptWorkflow):
         if not any(buf.mask):
             return None
         reward = await self.reward(engine, resp, data, prompt_ids=prompt, completion_ids=last)
-        return buf.trajectory(
-            reward,
-            num_tool_calls=torch.tensor([calls], dtype=torch.int64),
-            truncated=torch.tensor([truncated], dtype=torch.bool),
-        )
+        return buf.trajectory(reward, num_tool_calls=calls, truncated=truncated)
