@@ -5,9 +5,8 @@ it produced (``CallRecord``, one per choice: everything training needs)."""
 from __future__ import annotations
 
 import json
-import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from relayrl.agents.messages import Message, RequestError
 from relayrl.api.io import GenerationConfig, ModelResponse
@@ -51,7 +50,6 @@ class CallRecord:
     tool_calls: int = 0
     malformed_tool_calls: int = 0
     reward: float | None = None
-    created: float = field(default_factory=time.monotonic)
 
     @classmethod
     def of(cls, cid: str, index: int, prompt_ids: list[int], resp: ModelResponse, **kw: typing.Any) -> CallRecord:

@@ -76,8 +76,7 @@ def _tool_calls(calls: object, where: str) -> list[Message]:
     for j, call in enumerate(calls):
         call = _plain(call)
         fn = _plain(call.get("function")) if isinstance(call, dict) else None
-        assert isinstance(call, dict)
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(call, dict) or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise RequestError("a tool call needs function.name", f"{where}.tool_calls[{j}].function")
         args = fn.get("arguments", "{}")
         if isinstance(args, str):

@@ -270,11 +270,10 @@ class WorkflowExecutor:
             self._running.pop(p.index, None)
             for s, _, err in outs:
                 self._window.append(s is SampleStatus.FAILED)
+                if s is not SampleStatus.COMPLETED:  # completed ones count when consumed
+                    self.status.finish(s)
                 if s is SampleStatus.FAILED:
-                    self.status.finish(SampleStatus.FAILED)
                     self._last_error = err
-                elif s is SampleStatus.FILTERED:
-                    self.status.finish(SampleStatus.FILTERED)
             if n_bad:
                 self.status.finish(SampleStatus.FILTERED, n_bad)
                 self._filtered_groups += 1

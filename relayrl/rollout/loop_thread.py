@@ -43,7 +43,7 @@ class LoopThread:
         task.add_done_callback(self._tasks.discard)
 
     def stop(self) -> None:
-        """Cancel the spawned tasks, then every other task on the loop, and close it. Safe to call twice."""
+        """Cancel every task on the loop and close it. Safe to call twice."""
         if self._thread is None or self.loop is None:
             return
         asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop).result(timeout=60)
@@ -53,15 +53,11 @@ class LoopThread:
         self._thread = self.loop = None
 
     async def _cancel_all(self) -> None:
-        tasks = list(self._tasks)
+        # The spawned tasks and those they started (an engine's batched HTTP calls, a user's helpers) are
+        # given time to unwind (close their connections) before the loop closes: a task cancelled but
+        # never run again is destroyed pending, its clean-up skipped.
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        # Tasks the spawned ones started (an engine's batched HTTP calls, a user's helpers) are cancelled
-        # too, and given time to unwind (close their connections) before the loop closes: a task
-        # cancelled but never run again is destroyed pending, its clean-up skipped.
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in others:
-            t.cancel()
-        if others:
-            await asyncio.wait(others, timeout=10)
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
