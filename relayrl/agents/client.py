@@ -35,11 +35,8 @@ from openai.types.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionMessage,
-    ChatCompletionMessageFunctionToolCall,
-    ChatCompletionMessageToolCallUnion,
 )
 from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
-from openai.types.chat.chat_completion_message_function_tool_call import Function
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_choice import Logprobs
 from transformers import PreTrainedTokenizerBase
@@ -199,13 +196,12 @@ class OpenAIClient:
                 else parse_tool_calls(text, self.tool_parser)
             )
             calls = [
-                ChatCompletionMessageFunctionToolCall(
-                    id=c.id, type="function", function=Function(name=c.name, arguments=c.arguments)
-                )
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in parsed.tool_calls
             ]
-            tool_calls: list[ChatCompletionMessageToolCallUnion] | None = list(calls) or None
-            message = ChatCompletionMessage(role="assistant", content=parsed.content, tool_calls=tool_calls)
+            message = ChatCompletionMessage.model_validate(
+                {"role": "assistant", "content": parsed.content, "tool_calls": calls or None}
+            )
             finish: Literal["tool_calls", "length", "stop"] = (
                 "tool_calls" if calls else ("length" if resp.stop_reason == "length" else "stop")
             )
@@ -386,14 +382,13 @@ class OpenAIClient:
         """Calls grouped into rows: a call joins the row of the call it extends, unless another call
         already continued that one (a branch starts its own row, its shared prefix masked)."""
         rows: list[list[CallRecord]] = []
-        tail_of: dict[int, int] = {}  # id(record) -> row index, for records that end a row
+        tail_of: dict[int, list[CallRecord]] = {}  # id(record) -> its row, for records that end a row
         for rec in self.records:
             row = tail_of.pop(id(rec.parent), None) if rec.parent is not None else None
             if row is None:
-                rows.append([rec])
-                row = len(rows) - 1
-            else:
-                rows[row].append(rec)
+                row = []
+                rows.append(row)
+            row.append(rec)
             tail_of[id(rec)] = row
         return rows
 
@@ -404,9 +399,8 @@ class OpenAIClient:
         trajs = []
         for chain in self.chains():
             buf = TokenBuffer(chain[0].prompt_ids)
-            for prev, rec in zip([None, *chain[:-1]], chain, strict=True):
-                if prev is not None:
-                    buf.add_context(rec.prompt_ids[len(prev.prompt_ids) + len(prev.output_ids) :])
+            for rec in chain:  # a call's prompt extends the row so far: the rest is the environment's
+                buf.add_context(rec.prompt_ids[len(buf.ids) :])
                 buf.add_generated(rec.output_ids, rec.logprobs, rec.versions)
             if not any(buf.mask):
                 continue

@@ -13,6 +13,7 @@ last chunk carries the usage.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -20,12 +21,11 @@ from collections.abc import AsyncIterator
 from typing import Literal, Protocol
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageFunctionToolCall
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat.chat_completion_chunk import (
     Choice,
     ChoiceDelta,
     ChoiceDeltaToolCall,
-    ChoiceDeltaToolCallFunction,
     ChoiceLogprobs,
 )
 from pydantic import BaseModel
@@ -115,13 +115,14 @@ class _Samples:
 async def stream_chat(client: Source, plan: ChatPlan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
 
+    head = functools.partial(
+        ChatCompletionChunk, id=cid, object="chat.completion.chunk", created=created, model=client.model_name
+    )
+
     def chunk(
         i: int, delta: ChoiceDelta, finish: FinishReason | None = None, logprobs: ChoiceLogprobs | None = None
     ) -> ChatCompletionChunk:
-        choice = Choice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)
-        return ChatCompletionChunk(
-            id=cid, object="chat.completion.chunk", created=created, model=client.model_name, choices=[choice]
-        )
+        return head(choices=[Choice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)])
 
     for i in range(plan.n):
         yield chunk(i, ChoiceDelta(role="assistant", content=""))
@@ -132,29 +133,16 @@ async def stream_chat(client: Source, plan: ChatPlan, include_usage: bool) -> As
     done = await client.chat_result(plan, samples.resps, cid)
     for c in done.choices:
         rest = samples.rest(c.index, c.message.content or "")
-        calls = [
-            ChoiceDeltaToolCall(
-                index=j,
-                id=t.id,
-                type="function",
-                function=ChoiceDeltaToolCallFunction(name=t.function.name, arguments=t.function.arguments),
-            )
+        calls = [  # each call whole in one delta: id, type and function as in the completion
+            ChoiceDeltaToolCall.model_validate({"index": j, **t.model_dump()})
             for j, t in enumerate(c.message.tool_calls or [])
-            if isinstance(t, ChatCompletionMessageFunctionToolCall)  # the client only makes function calls
         ]
         if rest or calls:
             yield chunk(c.index, ChoiceDelta(content=rest or None, tool_calls=calls or None))
         logprobs = ChoiceLogprobs(content=c.logprobs.content) if c.logprobs is not None else None
         yield chunk(c.index, ChoiceDelta(), c.finish_reason, logprobs)
     if include_usage:
-        yield ChatCompletionChunk(
-            id=cid,
-            object="chat.completion.chunk",
-            created=created,
-            model=client.model_name,
-            choices=[],
-            usage=done.usage,
-        )
+        yield head(choices=[], usage=done.usage)
 
 
 async def stream_completion(client: Source, plan: CompletionPlan, include_usage: bool) -> AsyncIterator[Completion]:

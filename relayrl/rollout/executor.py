@@ -68,12 +68,6 @@ class _Group:
     episodes: int
 
 
-def all_rewards_equal(traj: Trajectory) -> bool:
-    """DAPO dynamic sampling drops groups where this holds (no learning signal)."""
-    r = traj["rewards"]
-    return bool((r == r[0]).all())
-
-
 class FilterExhausted(RuntimeError):
     """Dynamic filtering rejected ``rollout.filter_patience`` batches' worth of groups in a row."""
 
@@ -285,7 +279,8 @@ class WorkflowExecutor:
             self._lock.notify_all()
 
     def _accepts(self, traj: Trajectory, p: _Prompt) -> bool:
-        if self.config.dynamic_filter and all_rewards_equal(traj):
+        r = traj["rewards"]
+        if self.config.dynamic_filter and bool((r == r[0]).all()):  # DAPO: equal rewards, no learning signal
             return False
         if self.accept_group is None:
             return True
@@ -522,8 +517,6 @@ class WorkflowExecutor:
                 tail_prompts=float(len(self._tail)),
                 consumed_prompts=float(self._consumed),
                 discarded_prompts=float(self._discarded),
-                # per group: trainer version - the oldest version it was generated with (the trainer's own
-                # rollout/staleness_* are per token)
                 group_staleness_mean=sum(self.last_staleness) / max(1, len(self.last_staleness)),
                 group_staleness_max=float(max(self.last_staleness, default=0)),
             )

@@ -29,9 +29,8 @@ register_workflow = registrar(WORKFLOWS, "workflow")  # @register_workflow("name
 
 
 def _as_factory(obj: object) -> WorkflowFactory | None:
-    if isinstance(obj, type):
-        return cast(WorkflowFactory, obj) if hasattr(obj, "arun_episode") else None
-    return cast(WorkflowFactory, obj) if callable(obj) else None
+    ok = hasattr(obj, "arun_episode") if isinstance(obj, type) else callable(obj)  # a class: a workflow's
+    return cast(WorkflowFactory, obj) if ok else None
 
 
 def workflow_factory(value: str, field: str = "workflow") -> WorkflowFactory:

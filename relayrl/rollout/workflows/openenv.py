@@ -125,10 +125,9 @@ class OpenEnvWorkflow(RolloutWorkflow):
     - ``observation_field``: the user turn is that field of the observation; or ``render_fn``
       ``fn(observation) -> str``; neither: the observation as JSON.
     - ``reset_key``: the row's key whose dict is sent as reset arguments (``seed``, ``episode_id``).
-    - ``tools``: an MCP environment's tools (``MCPEnvironment``): listed after reset (a ``list_tools``
-      action), their schemas rendered by the chat template; a tool's observation (``tool_name``,
-      ``result``, ``error``) comes back as a ``tool`` turn holding the result's text. The policy's
-      calls become ``call_tool`` actions through ``action_fn`` (``relayrl.agents.openenv:hermes_call_tool``).
+    - ``tools``: an MCP environment's tools, listed after reset (``list_tools``) and rendered by the chat
+      template; a tool's observation (``tool_name``, ``result``, ``error``) becomes a ``tool`` turn of the
+      result's text, the policy's calls ``call_tool`` actions (``relayrl.agents.openenv:hermes_call_tool``).
     - ``max_sessions``: most episodes in a session at once (the server's ``max_concurrent_envs``);
       more wait for one to close. 0: no limit (a full server then fails the episode).
     - ``invalid_action``: ``fail`` (the episode fails naming the action and the server's reason) or
