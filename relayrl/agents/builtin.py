@@ -23,7 +23,7 @@ from relayrl.api.engine import DataItem
 from relayrl.api.io import GenerationConfig
 from relayrl.api.workflow import RewardFn
 from relayrl.data.chat import encode
-from relayrl.rollout.workflows.rlvr import AsyncRewardPool, call_reward
+from relayrl.rollout.workflows.rlvr import AsyncRewardPool, call_reward, reward_kwargs
 
 CALC_TOOL = {
     "type": "function",
@@ -62,21 +62,14 @@ def tool_agent_workflow(
             if not message.tool_calls:
                 break
             messages.append(message)
-            for call in message.tool_calls:
-                try:
-                    expr = str(
-                        json.loads(typing.cast(ChatCompletionMessageFunctionToolCall, call).function.arguments).get(
-                            "expr", ""
-                        )
-                    )
-                except (json.JSONDecodeError, AttributeError):
-                    expr = ""
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": await tool(expr)})
-        extra = {k: v for k, v in data.items() if k not in ("prompt", "completions", "prompt_ids", "completion_ids")}
-        last = client.records[-1]
-        kwargs = dict(
-            prompt="", completions=answer, prompt_ids=last.prompt_ids, completion_ids=encode(tokenizer, answer)
+            for call in message.tool_calls:  # the client's calls: functions, arguments a JSON object
+                args = json.loads(typing.cast(ChatCompletionMessageFunctionToolCall, call).function.arguments)
+                result = await tool(str(args.get("expr", "")))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        ids = client.records[-1].prompt_ids
+        kwargs = reward_kwargs(
+            data, prompt="", completions=answer, prompt_ids=ids, completion_ids=encode(tokenizer, answer)
         )
-        return await call_reward(reward_fn, None, {**kwargs, **extra}, reward_pool, reward_timeout)
+        return await call_reward(reward_fn, None, kwargs, reward_pool, reward_timeout)
 
     return OpenAIAgentWorkflow(agent, tokenizer, gconfig, timeout=timeout)

@@ -5,12 +5,11 @@ it produced (``CallRecord``, one per choice: everything training needs)."""
 from __future__ import annotations
 
 import json
-import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from relayrl.agents.messages import Message, RequestError
-from relayrl.api.io import GenerationConfig
+from relayrl.api.io import GenerationConfig, ModelResponse
 
 # Accepted and ignored: they change nothing about what a local policy generates.
 IGNORED = {
@@ -51,7 +50,12 @@ class CallRecord:
     tool_calls: int = 0
     malformed_tool_calls: int = 0
     reward: float | None = None
-    created: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, cid: str, index: int, prompt_ids: list[int], resp: ModelResponse, **kw: typing.Any) -> CallRecord:
+        """The record of choice ``index`` of call ``cid``: its prompt and what ``resp`` generated."""
+        generated = list(resp.output_tokens), list(resp.output_logprobs), list(resp.output_versions)
+        return cls(cid, index, list(prompt_ids), *generated, resp.stop_reason, **kw)
 
 
 @dataclass

@@ -27,8 +27,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Literal
 
-import torch
-
 try:
     from openai.types import Completion, CompletionChoice, CompletionUsage
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -37,11 +35,8 @@ from openai.types.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionMessage,
-    ChatCompletionMessageFunctionToolCall,
-    ChatCompletionMessageToolCallUnion,
 )
 from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
-from openai.types.chat.chat_completion_message_function_tool_call import Function
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_choice import Logprobs
 from transformers import PreTrainedTokenizerBase
@@ -61,7 +56,8 @@ from relayrl.api.engine import InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
 from relayrl.api.workflow import Trajectory, concat_trajectories
 from relayrl.data.chat import continuation_ids, encode, render
-from relayrl.rollout.workflows.multi_turn import TokenBuffer
+from relayrl.inference.server.common import trim_stop
+from relayrl.rollout.workflows.multi_turn import TokenBuffer, reply_text, stop_ids
 
 
 class _ChatCompletions:
@@ -129,18 +125,12 @@ class OpenAIClient:
         ]
         return list(await asyncio.gather(*(self.engine.agenerate(r) for r in reqs)))
 
-    def _output_text(self, resp: ModelResponse, gconfig: GenerationConfig) -> tuple[str, int | None]:
-        """Decoded reply without its stop token or stop string, and the stop token it ended with."""
-        out = resp.output_tokens
-        stops = set(gconfig.stop_token_ids) | (
-            {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
-        )
-        end = out[-1] if out and resp.stop_reason == "stop" and out[-1] in stops else None
-        text = str(self.tokenizer.decode(out[:-1] if end is not None else out, skip_special_tokens=False))
-        if resp.stop_reason == "stop" and end is None and gconfig.stop:
-            cut = min((text.find(s) for s in gconfig.stop if s in text), default=-1)
-            text = text[:cut] if cut >= 0 else text
-        return text, end
+    def _output_text(self, resp: ModelResponse, gconfig: GenerationConfig) -> str:
+        """Decoded reply without its stop token, or without its stop string where it ended at one."""
+        text = reply_text(self.tokenizer, resp.output_tokens, gconfig, resp.stop_reason)
+        if resp.stop_reason == "stop" and not self._ends_with_stop(resp.output_tokens, gconfig):
+            text = trim_stop(text, gconfig.stop)
+        return text
 
     def _find_parent(self, messages: list[Message], tools: list[Message] | None) -> CallRecord | None:
         """The latest-longest chat call whose turns + reply are a strict prefix of ``messages``."""
@@ -167,7 +157,7 @@ class OpenAIClient:
         parent, ids = self._find_parent(messages, tools), None
         if parent is not None:
             k = len(parent.messages or []) + 1
-            end = parent.output_ids[-1] if self._ends_with_stop(parent) else None
+            end = parent.output_ids[-1] if self._ends_with_stop(parent.output_ids, self.gconfig) else None
             extra = continuation_ids(
                 self.tokenizer, parent.messages or [], parent.reply or {}, messages[k:], end, tools
             )
@@ -199,21 +189,19 @@ class OpenAIClient:
         """The completion of a chat call from its responses; every choice recorded."""
         cid, choices = cid or "chatcmpl-" + uuid.uuid4().hex, []
         for i, resp in enumerate(resps):
-            text, _ = self._output_text(resp, plan.gconfig)
-            text = plan.prefill + text
+            text = plan.prefill + self._output_text(resp, plan.gconfig)
             parsed = (
                 ParsedOutput(text, [])
                 if not plan.tools or plan.tool_choice == "none"
                 else parse_tool_calls(text, self.tool_parser)
             )
             calls = [
-                ChatCompletionMessageFunctionToolCall(
-                    id=c.id, type="function", function=Function(name=c.name, arguments=c.arguments)
-                )
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in parsed.tool_calls
             ]
-            tool_calls: list[ChatCompletionMessageToolCallUnion] | None = list(calls) or None
-            message = ChatCompletionMessage(role="assistant", content=parsed.content, tool_calls=tool_calls)
+            message = ChatCompletionMessage.model_validate(
+                {"role": "assistant", "content": parsed.content, "tool_calls": calls or None}
+            )
             finish: Literal["tool_calls", "length", "stop"] = (
                 "tool_calls" if calls else ("length" if resp.stop_reason == "length" else "stop")
             )
@@ -222,14 +210,11 @@ class OpenAIClient:
                 logprobs = ChoiceLogprobs(content=await self._token_logprobs(plan.ids, resp, plan.gconfig, plan.top))
             choices.append(Choice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
             self.records.append(
-                CallRecord(
-                    id=cid,
-                    index=i,
-                    prompt_ids=list(plan.ids),
-                    output_ids=list(resp.output_tokens),
-                    logprobs=list(resp.output_logprobs),
-                    versions=list(resp.output_versions),
-                    stop_reason=resp.stop_reason,
+                CallRecord.of(
+                    cid,
+                    i,
+                    plan.ids,
+                    resp,
                     messages=plan.messages,
                     tools=plan.tools,
                     reply=normalize_messages([message])[0],
@@ -264,10 +249,9 @@ class OpenAIClient:
             yield item
         await runs
 
-    def _ends_with_stop(self, rec: CallRecord) -> bool:
-        """Whether the record's last token is a stop token (EOS or one of the config's)."""
-        stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}
-        return bool(rec.output_ids) and rec.output_ids[-1] in stops
+    def _ends_with_stop(self, tokens: list[int], gconfig: GenerationConfig) -> bool:
+        """Whether the last token is a stop token (EOS or one of the config's)."""
+        return bool(tokens) and tokens[-1] in stop_ids(self.tokenizer, gconfig)
 
     async def _complete(
         self, prompt: str | list[int], params: dict[str, object]
@@ -290,20 +274,14 @@ class OpenAIClient:
                     parent = rec
         elif isinstance(prompt, str) and prompt:
             for rec in self.records:  # a text prompt that extends a call's prompt + reply keeps that call's tokens
-                if (
-                    rec.prompt_text is not None
-                    and prompt.startswith(rec.prompt_text + rec.text)
-                    and len(prompt) > len(rec.prompt_text + rec.text)
-                ):
+                head = None if rec.prompt_text is None else rec.prompt_text + rec.text
+                if head is not None and len(prompt) > len(head) and prompt.startswith(head):
                     parent = rec
-            if parent is not None:
-                ids = (
-                    parent.prompt_ids
-                    + parent.output_ids
-                    + encode(self.tokenizer, prompt[len(parent.prompt_text or "") + len(parent.text) :])
-                )
-            else:
+            if parent is None:
                 ids = encode(self.tokenizer, prompt, special=True)
+            else:
+                rest = prompt[len(parent.prompt_text or "") + len(parent.text) :]
+                ids = parent.prompt_ids + parent.output_ids + encode(self.tokenizer, rest)
         else:
             raise RequestError("prompt must be a non-empty string or a list of token ids", "prompt")
         plan = CompletionPlan(prompt if isinstance(prompt, str) else None, ids, gconfig, n, want_logprobs, top, parent)
@@ -318,7 +296,7 @@ class OpenAIClient:
         ids, gconfig, parent, prompt = plan.ids, plan.gconfig, plan.parent, plan.prompt_text
         cid, choices = cid or "cmpl-" + uuid.uuid4().hex, []
         for i, resp in enumerate(resps):
-            text, _ = self._output_text(resp, gconfig)
+            text = self._output_text(resp, gconfig)
             lp = None
             if plan.logprobs:
                 toks = [self._piece(t) for t in resp.output_tokens]
@@ -334,20 +312,7 @@ class OpenAIClient:
                     index=i, text=text, logprobs=lp, finish_reason="length" if resp.stop_reason == "length" else "stop"
                 )
             )
-            self.records.append(
-                CallRecord(
-                    id=cid,
-                    index=i,
-                    prompt_ids=list(ids),
-                    output_ids=list(resp.output_tokens),
-                    logprobs=list(resp.output_logprobs),
-                    versions=list(resp.output_versions),
-                    stop_reason=resp.stop_reason,
-                    prompt_text=prompt,
-                    text=text,
-                    parent=parent,
-                )
-            )
+            self.records.append(CallRecord.of(cid, i, ids, resp, prompt_text=prompt, text=text, parent=parent))
         return Completion(
             id=cid,
             object="text_completion",
@@ -417,14 +382,13 @@ class OpenAIClient:
         """Calls grouped into rows: a call joins the row of the call it extends, unless another call
         already continued that one (a branch starts its own row, its shared prefix masked)."""
         rows: list[list[CallRecord]] = []
-        tail_of: dict[int, int] = {}  # id(record) -> row index, for records that end a row
+        tail_of: dict[int, list[CallRecord]] = {}  # id(record) -> its row, for records that end a row
         for rec in self.records:
             row = tail_of.pop(id(rec.parent), None) if rec.parent is not None else None
             if row is None:
-                rows.append([rec])
-                row = len(rows) - 1
-            else:
-                rows[row].append(rec)
+                row = []
+                rows.append(row)
+            row.append(rec)
             tail_of[id(rec)] = row
         return rows
 
@@ -435,19 +399,18 @@ class OpenAIClient:
         trajs = []
         for chain in self.chains():
             buf = TokenBuffer(chain[0].prompt_ids)
-            for prev, rec in zip([None, *chain[:-1]], chain, strict=True):
-                if prev is not None:
-                    buf.add_context(rec.prompt_ids[len(prev.prompt_ids) + len(prev.output_ids) :])
+            for rec in chain:  # a call's prompt extends the row so far: the rest is the environment's
+                buf.add_context(rec.prompt_ids[len(buf.ids) :])
                 buf.add_generated(rec.output_ids, rec.logprobs, rec.versions)
             if not any(buf.mask):
                 continue
             trajs.append(
                 buf.trajectory(
                     returns[id(chain[0])],
-                    num_turns=torch.tensor([len(chain)], dtype=torch.int64),
-                    num_tool_calls=torch.tensor([sum(r.tool_calls for r in chain)], dtype=torch.int64),
-                    malformed_tool_calls=torch.tensor([sum(r.malformed_tool_calls for r in chain)], dtype=torch.int64),
-                    truncated=torch.tensor([chain[-1].stop_reason == "length"], dtype=torch.bool),
+                    num_turns=len(chain),
+                    num_tool_calls=sum(r.tool_calls for r in chain),
+                    malformed_tool_calls=sum(r.malformed_tool_calls for r in chain),
+                    truncated=chain[-1].stop_reason == "length",
                 )
             )
         return concat_trajectories(trajs) if trajs else None

@@ -76,8 +76,7 @@ def _tool_calls(calls: object, where: str) -> list[Message]:
     for j, call in enumerate(calls):
         call = _plain(call)
         fn = _plain(call.get("function")) if isinstance(call, dict) else None
-        assert isinstance(call, dict)
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(call, dict) or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise RequestError("a tool call needs function.name", f"{where}.tool_calls[{j}].function")
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
@@ -148,14 +147,13 @@ def normalize_tools(tools: object) -> list[Message] | None:
     return out or None
 
 
-def _calls(message: Message) -> list[dict[str, Any]]:
-    return typing.cast(list[dict[str, Any]], message.get("tool_calls", []))
+def _calls(message: Message) -> list[tuple[object, object]]:
+    calls = typing.cast(list[dict[str, Any]], message.get("tool_calls", []))
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 def same_message(a: Message, b: Message) -> bool:
     """Whether two normalized messages are the same turn (content compared without outer whitespace)."""
     if a.get("role") != b.get("role") or str(a.get("content") or "").strip() != str(b.get("content") or "").strip():
         return False
-    calls_a = [(c["function"]["name"], c["function"]["arguments"]) for c in _calls(a)]
-    calls_b = [(c["function"]["name"], c["function"]["arguments"]) for c in _calls(b)]
-    return calls_a == calls_b and a.get("tool_call_id") == b.get("tool_call_id")
+    return _calls(a) == _calls(b) and a.get("tool_call_id") == b.get("tool_call_id")

@@ -26,13 +26,13 @@ import threading
 import time
 import typing
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Completion
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
+from openai.types.chat import ChatCompletion
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.agents.client import OpenAIClient
@@ -66,6 +66,11 @@ class _Session:
     def __init__(self, client: OpenAIClient) -> None:
         self.client = client
         self.done: concurrent.futures.Future[float] = concurrent.futures.Future()
+
+    def finish(self, reward: float) -> None:
+        """The episode's final reward (on its last call): the session ends."""
+        self.client.set_final_reward(reward)
+        self.done.set_result(reward)
 
 
 class AgentProxy:
@@ -138,8 +143,8 @@ class AgentProxy:
         return sid
 
     async def wait_reward(self, session_id: str, timeout: float) -> OpenAIClient:
-        """The session's client once its final reward is posted (the session is then closed);
-        ``TimeoutError`` naming the session when none arrives within ``timeout`` seconds."""
+        """The session's client once its final reward is posted; ``TimeoutError`` naming the session
+        when none arrives within ``timeout`` seconds."""
         session = self.sessions[session_id]
         try:
             await asyncio.wait_for(asyncio.wrap_future(session.done), timeout)
@@ -148,9 +153,6 @@ class AgentProxy:
                 f"agent session {session_id!r} posted no reward within {timeout}s "
                 f"({len(session.client.records)} model calls made)"
             ) from None
-        finally:
-            with self._lock:
-                self.sessions.pop(session_id, None)
         return session.client
 
     def close_session(self, session_id: str) -> None:
@@ -193,22 +195,12 @@ class AgentProxy:
             body = await body_of(request)
             if isinstance(body, JSONResponse):
                 return body
-            out: ChatCompletion | Completion | AsyncIterator[ChatCompletionChunk] | AsyncIterator[Completion]
+            key = "messages" if chat else "prompt"
             try:
-                if chat:
-                    messages = body.pop("messages", None)
-                    if messages is None:
-                        raise RequestError("messages is required", "messages")
-                    out = await session.client.chat.completions.create(
-                        messages=typing.cast(list[ChatCompletionMessageParam], messages), **typing.cast(_Kwargs, body)
-                    )
-                else:
-                    prompt = body.pop("prompt", None)
-                    if prompt is None:
-                        raise RequestError("prompt is required", "prompt")
-                    out = await session.client.completions.create(
-                        prompt=typing.cast(str | list[int], prompt), **typing.cast(_Kwargs, body)
-                    )
+                if body.get(key) is None:
+                    raise RequestError(f"{key} is required", key)
+                create = session.client.chat.completions.create if chat else session.client.completions.create
+                out = await create(**typing.cast(_Kwargs, body))
             except RequestError as e:
                 return JSONResponse({"error": e.body}, status_code=400)
             except ValueError as e:  # the engine refused the request (ids out of vocabulary, too long, ...)
@@ -256,8 +248,7 @@ class AgentProxy:
                 return _error(400, "the session made no model call: there is nothing to reward", "reward")
             if session.done.done():
                 return _error(409, f"session {sid!r} already has its final reward", code="session_closed")
-            session.client.set_final_reward(float(reward))
-            session.done.set_result(float(reward))
+            session.finish(float(reward))
             return JSONResponse(
                 {"session": sid, "reward": float(reward), "final": True, "calls": len(session.client.records)}
             )

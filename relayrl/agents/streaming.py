@@ -13,6 +13,7 @@ last chunk carries the usage.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -20,12 +21,11 @@ from collections.abc import AsyncIterator
 from typing import Literal, Protocol
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageFunctionToolCall
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat.chat_completion_chunk import (
     Choice,
     ChoiceDelta,
     ChoiceDeltaToolCall,
-    ChoiceDeltaToolCallFunction,
     ChoiceLogprobs,
 )
 from pydantic import BaseModel
@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from relayrl.agents.calls import ChatPlan, CompletionPlan
 from relayrl.agents.messages import RequestError
 from relayrl.api.io import GenerationConfig, ModelResponse, StreamChunk
+from relayrl.rollout.workflows.multi_turn import reply_text
 
 HERMES_OPEN = "<tool_call>"
 
@@ -81,85 +82,67 @@ def safe_prefix(text: str, stops: list[str], parser: str | None) -> str:
     return safe.rstrip("\ufffd").rstrip()
 
 
-def _visible(client: Source, tokens: list[int], g: GenerationConfig) -> str:
-    """The decoded reply so far without a final stop token."""
-    stops = set(g.stop_token_ids) | (
-        {int(client.tokenizer.eos_token_id)} if client.tokenizer.eos_token_id is not None else set()
-    )
-    if tokens and tokens[-1] in stops:
-        tokens = tokens[:-1]
-    return str(client.tokenizer.decode(tokens, skip_special_tokens=False))
+class _Samples:
+    """The ``n`` samples of a streamed call: ``deltas`` yields (choice, new content) as it becomes safe to
+    send; then ``resps`` holds the responses and ``rest`` gives what a choice's final text adds."""
 
+    def __init__(
+        self, client: Source, plan: ChatPlan | CompletionPlan, prefix: str = "", parser: str | None = None
+    ) -> None:
+        self.client, self.plan, self.prefix, self.parser = client, plan, prefix, parser
+        self.sent = [""] * plan.n
+        self.resps: list[ModelResponse] = []
 
-async def _collect(
-    client: Source, ids: list[int], g: GenerationConfig, n: int, prefix: str, parser: str | None
-) -> AsyncIterator[tuple[int, str] | list[ModelResponse]]:
-    """(choice, new content) as it becomes safe to send; finally the list of responses."""
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    sent = [""] * n
-    finals: list[ModelResponse | None] = [None] * n
-    async for i, chunk in client.stream_samples(ids, g, n):
-        tokens[i] += chunk.tokens
-        if chunk.final is not None:
-            finals[i] = chunk.final
-            continue
-        safe = safe_prefix(prefix + _visible(client, tokens[i], g), g.stop, parser)
-        if len(safe) > len(sent[i]) and safe.startswith(sent[i]):
-            yield i, safe[len(sent[i]) :]
-            sent[i] = safe
-    yield [f for f in finals if f is not None]
+    async def deltas(self) -> AsyncIterator[tuple[int, str]]:
+        g, n = self.plan.gconfig, self.plan.n
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        finals: list[ModelResponse | None] = [None] * n
+        async for i, chunk in self.client.stream_samples(self.plan.ids, g, n):
+            tokens[i] += chunk.tokens
+            if chunk.final is not None:
+                finals[i] = chunk.final
+                continue
+            safe = safe_prefix(self.prefix + reply_text(self.client.tokenizer, tokens[i], g), g.stop, self.parser)
+            if len(safe) > len(self.sent[i]) and safe.startswith(self.sent[i]):
+                yield i, safe[len(self.sent[i]) :]
+                self.sent[i] = safe
+        self.resps = [f for f in finals if f is not None]
+
+    def rest(self, i: int, text: str) -> str:
+        return text[len(self.sent[i]) :] if text.startswith(self.sent[i]) else ""
 
 
 async def stream_chat(client: Source, plan: ChatPlan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
 
+    head = functools.partial(
+        ChatCompletionChunk, id=cid, object="chat.completion.chunk", created=created, model=client.model_name
+    )
+
     def chunk(
         i: int, delta: ChoiceDelta, finish: FinishReason | None = None, logprobs: ChoiceLogprobs | None = None
     ) -> ChatCompletionChunk:
-        choice = Choice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)
-        return ChatCompletionChunk(
-            id=cid, object="chat.completion.chunk", created=created, model=client.model_name, choices=[choice]
-        )
+        return head(choices=[Choice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)])
 
     for i in range(plan.n):
         yield chunk(i, ChoiceDelta(role="assistant", content=""))
     parser = client.tool_parser if plan.tools and plan.tool_choice != "none" else None
-    sent = [""] * plan.n
-    resps: list[ModelResponse] = []
-    async for item in _collect(client, plan.ids, plan.gconfig, plan.n, plan.prefill, parser):
-        if isinstance(item, list):
-            resps = item
-            break
-        i, text = item
-        sent[i] += text
+    samples = _Samples(client, plan, plan.prefill, parser)
+    async for i, text in samples.deltas():
         yield chunk(i, ChoiceDelta(content=text))
-    done = await client.chat_result(plan, resps, cid)
+    done = await client.chat_result(plan, samples.resps, cid)
     for c in done.choices:
-        content = c.message.content or ""
-        rest = content[len(sent[c.index]) :] if content.startswith(sent[c.index]) else ""
-        calls = [
-            ChoiceDeltaToolCall(
-                index=j,
-                id=t.id,
-                type="function",
-                function=ChoiceDeltaToolCallFunction(name=t.function.name, arguments=t.function.arguments),
-            )
+        rest = samples.rest(c.index, c.message.content or "")
+        calls = [  # each call whole in one delta: id, type and function as in the completion
+            ChoiceDeltaToolCall.model_validate({"index": j, **t.model_dump()})
             for j, t in enumerate(c.message.tool_calls or [])
-            if isinstance(t, ChatCompletionMessageFunctionToolCall)  # the client only makes function calls
         ]
         if rest or calls:
             yield chunk(c.index, ChoiceDelta(content=rest or None, tool_calls=calls or None))
         logprobs = ChoiceLogprobs(content=c.logprobs.content) if c.logprobs is not None else None
         yield chunk(c.index, ChoiceDelta(), c.finish_reason, logprobs)
     if include_usage:
-        yield ChatCompletionChunk(
-            id=cid,
-            object="chat.completion.chunk",
-            created=created,
-            model=client.model_name,
-            choices=[],
-            usage=done.usage,
-        )
+        yield head(choices=[], usage=done.usage)
 
 
 async def stream_completion(client: Source, plan: CompletionPlan, include_usage: bool) -> AsyncIterator[Completion]:
@@ -170,19 +153,13 @@ async def stream_completion(client: Source, plan: CompletionPlan, include_usage:
             id=cid, object="text_completion", created=created, model=client.model_name, choices=choices, usage=usage
         )
 
-    sent = [""] * plan.n
-    resps: list[ModelResponse] = []
-    async for item in _collect(client, plan.ids, plan.gconfig, plan.n, "", None):
-        if isinstance(item, list):
-            resps = item
-            break
-        i, text = item
-        sent[i] += text
+    samples = _Samples(client, plan)
+    async for i, text in samples.deltas():
         piece = CompletionChoice.model_construct(index=i, text=text, finish_reason=None, logprobs=None)  # type: ignore[arg-type]
         yield chunk([piece])
-    done = await client.completion_result(plan, resps, cid)
+    done = await client.completion_result(plan, samples.resps, cid)
     for c in done.choices:
-        rest = c.text[len(sent[c.index]) :] if c.text.startswith(sent[c.index]) else ""
+        rest = samples.rest(c.index, c.text)
         yield chunk([CompletionChoice(index=c.index, text=rest, finish_reason=c.finish_reason, logprobs=c.logprobs)])
     if include_usage:
         yield chunk([], done.usage)

@@ -21,7 +21,6 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-TOOL_PARSERS = ("hermes", "llama3")
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 
 
@@ -92,13 +91,14 @@ def parse_llama3(text: str) -> ParsedOutput:
     return ParsedOutput(None, calls)
 
 
+TOOL_PARSERS = {"hermes": parse_hermes, "llama3": parse_llama3}
+
+
 def parse_tool_calls(text: str, parser: str) -> ParsedOutput:
     """Split a reply into content and tool calls with the named format (see module doc)."""
-    if parser == "hermes":
-        return parse_hermes(text)
-    if parser == "llama3":
-        return parse_llama3(text)
-    raise ValueError(f"tool parser must be one of {list(TOOL_PARSERS)}, got {parser!r}")
+    if parser not in TOOL_PARSERS:
+        raise ValueError(f"tool parser must be one of {list(TOOL_PARSERS)}, got {parser!r}")
+    return TOOL_PARSERS[parser](text)
 
 
 def detect_parser(chat_template: str | None) -> str:

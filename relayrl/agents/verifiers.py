@@ -1,15 +1,9 @@
-"""verifiers environments as a relayrl workflow: the environment runs in a venv of its own, its model
-calls come to relayrl's ``AgentProxy``.
-
-verifiers (0.4) pins ``openai<3``, relayrl's ``agents`` extra ``openai>=3.51``, so the two never share
-a process: a *worker* (``WORKER``, a script run by the verifiers venv's python; see its docstring)
-loads the environment once and plays one episode per ``POST /episode``, with its harness calling the
-OpenAI-compatible endpoint it is given. That endpoint is this workflow's ``AgentProxy``, so every
-model call of the episode is relayrl's own generation, recorded with exact prompt and generated token
-ids, logprobs and weight versions (``docs/agents.md``). The worker answers with the reward verifiers
-computed (its reward functions, or what the environment recorded); that reward goes on the episode's
-last call and the proxy's records become the trajectories, as ``ProxyAgentWorkflow`` does.
-relayrl imports nothing of verifiers.
+"""verifiers environments as a relayrl workflow: the environment runs in a venv of its own (verifiers
+0.4 pins ``openai<3``, relayrl's ``agents`` extra ``openai>=3.51``), in a *worker* (``WORKER``: see its
+docstring) that plays one episode per ``POST /episode``. Its harness calls this workflow's
+``AgentProxy``, so every model call is relayrl's own generation, recorded with exact token ids, logprobs
+and weight versions (``docs/agents.md``); the reward verifiers computed goes on the episode's last call,
+as in ``ProxyAgentWorkflow``. relayrl imports nothing of verifiers.
 
     workflow: relayrl.agents.verifiers:VerifiersWorkflow
     workflow_kwargs: {worker_url: "http://127.0.0.1:8100"}
@@ -22,10 +16,9 @@ from pathlib import Path
 import httpx
 from transformers import PreTrainedTokenizerBase
 
-from relayrl.agents.proxy import AgentProxy
-from relayrl.api.engine import DataItem, InferenceEngine
+from relayrl.agents.proxy import AgentProxy, ProxyAgentWorkflow
+from relayrl.api.engine import DataItem
 from relayrl.api.io import GenerationConfig
-from relayrl.api.workflow import RolloutWorkflow, Trajectory
 
 WORKER = Path(__file__).resolve().with_name("verifiers_worker.py")
 
@@ -34,8 +27,9 @@ class VerifiersError(RuntimeError):
     """The verifiers worker was unreachable, refused the request, or its episode failed."""
 
 
-class VerifiersWorkflow(RolloutWorkflow):
-    """One episode = one task of the worker's taskset, played through a fresh proxy session.
+class VerifiersWorkflow(ProxyAgentWorkflow):
+    """One episode = one task of the worker's taskset, played through a fresh proxy session (the
+    session's ``launch`` is ``play``: the worker's reward ends it).
 
     - ``worker_url``: the worker's ``http://HOST:PORT`` (started with the verifiers venv's python).
     - ``task_key``: the row's key holding the task's index in the worker's taskset; a row without it
@@ -59,17 +53,14 @@ class VerifiersWorkflow(RolloutWorkflow):
         tool_parser: str = "auto",
         proxy: AgentProxy | None = None,
     ) -> None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if not worker_url.startswith(("http://", "https://")):
             raise ValueError(f"worker_url={worker_url!r}: expected the verifiers worker's http://HOST:PORT")
-        self.worker_url, self.task_key, self.timeout, self.discount = (
-            worker_url.rstrip("/"),
-            task_key,
-            timeout,
-            discount,
+        super().__init__(
+            proxy or AgentProxy(None, tokenizer, gconfig, tool_parser=tool_parser), self.play, timeout, discount
         )
-        self.proxy = proxy or AgentProxy(None, tokenizer, gconfig, tool_parser=tool_parser).start()
+        if proxy is None:
+            self.proxy.start()
+        self.worker_url, self.task_key = worker_url.rstrip("/"), task_key
         self._tasks: int | None = None
 
     async def _post(self, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
@@ -98,28 +89,22 @@ class VerifiersWorkflow(RolloutWorkflow):
             self._tasks = int(str((await self._post("/health"))["tasks"]))
         return self._tasks
 
-    async def arun_episode(self, engine: InferenceEngine, data: DataItem) -> Trajectory | None:
-        if self.proxy.engine is None:
-            self.proxy.engine = engine
+    async def play(self, base_url: str, session_id: str, data: DataItem) -> None:
+        """The row's task played by the worker, its model calls through proxy session ``session_id``."""
         n = await self.num_tasks()
         index = int(str(data[self.task_key] if self.task_key in data else int(str(data["id"])) % max(n, 1)))
-        sid = self.proxy.open_session()
-        try:
-            session = self.proxy.sessions[sid]
-            got = await self._post("/episode", {"task": index, "base_url": self.proxy.base_url + "/v1", "session": sid})
-            errors = got.get("errors")
-            if not got.get("ok") or errors:
-                why = "; ".join(str(e) for e in errors) if isinstance(errors, list) else "not ok, no error reported"
-                raise VerifiersError(f"verifiers episode of task {index} failed: {why}")
-            if not session.client.records:
-                raise VerifiersError(
-                    f"verifiers episode of task {index} made no model call through relayrl's proxy "
-                    f"({self.proxy.base_url}/v1): nothing to train on"
-                )
-            session.client.set_final_reward(float(str(got["reward"])))
-            return session.client.export_trajectories(self.discount)
-        finally:
-            self.proxy.close_session(sid)
+        got = await self._post("/episode", {"task": index, "base_url": base_url, "session": session_id})
+        errors = got.get("errors")
+        if not got.get("ok") or errors:
+            why = "; ".join(str(e) for e in errors) if isinstance(errors, list) else "not ok, no error reported"
+            raise VerifiersError(f"verifiers episode of task {index} failed: {why}")
+        session = self.proxy.sessions[session_id]
+        if not session.client.records:
+            raise VerifiersError(
+                f"verifiers episode of task {index} made no model call through relayrl's proxy "
+                f"({base_url}): nothing to train on"
+            )
+        session.finish(float(str(got["reward"])))
 
     def close(self) -> None:
         """Stop the proxy this workflow started (a passed-in one too)."""

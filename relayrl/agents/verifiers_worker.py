@@ -24,16 +24,8 @@ import asyncio
 import json
 import os
 import sys
+from collections import Counter
 from typing import Any
-
-
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(
-        description="verifiers environment worker for relayrl workflow=verifiers", allow_abbrev=False
-    )
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--host", default="127.0.0.1")
-    return ap.parse_known_args(argv)
 
 
 async def _serve(args: argparse.Namespace, vf_argv: list[str]) -> None:
@@ -71,13 +63,10 @@ async def _serve(args: argparse.Namespace, vf_argv: list[str]) -> None:
         )
         ctx = ModelContext(client=client, model=str(body.get("model") or config.model), sampling=config.sampling)
         ep = await env.run_episode(tasks[index], ctx)
-        rewards: dict[str, float] = {}
-        for trace in ep.traces:
-            for name, r in trace.rewards.items():
-                if r is not None:
-                    rewards[name] = rewards.get(name, 0.0) + float(r.value)
+        rewards: Counter[str] = Counter()  # each reward function's value, summed over the traces
         errors = [f"{e.type}: {e.message}" for e in ep.errors]
         for trace in ep.traces:
+            rewards.update({name: float(r.value) for name, r in trace.rewards.items() if r is not None})
             errors += [f"{e.type}: {e.message}" for e in getattr(trace, "errors", None) or []]
         return web.json_response(
             {
@@ -110,7 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     # it would shadow the verifiers package.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    args, vf_argv = _parse(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(
+        description="verifiers environment worker for relayrl workflow=verifiers", allow_abbrev=False
+    )
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    args, vf_argv = ap.parse_known_args(sys.argv[1:] if argv is None else argv)  # the rest is vf-eval's
     asyncio.run(_serve(args, vf_argv))
 
 

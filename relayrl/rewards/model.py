@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import Callable
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from relayrl.api.engine import InferenceEngine
 
@@ -73,11 +74,7 @@ class RewardModelFn:
     @torch.no_grad()
     def score_ids(self, seqs: list[list[int]]) -> list[float]:
         """Scores of token-id sequences, in one right-padded forward."""
-        n = max(len(s) for s in seqs)
-        input_ids = torch.zeros(len(seqs), n, dtype=torch.int64)
-        mask = torch.zeros(len(seqs), n, dtype=torch.bool)
-        for row, s in enumerate(seqs):
-            input_ids[row, : len(s)] = torch.tensor(s, dtype=torch.int64)
-            mask[row, : len(s)] = True
+        input_ids = pad_sequence([torch.tensor(s, dtype=torch.int64) for s in seqs], batch_first=True)
+        mask = pad_sequence([torch.ones(len(s), dtype=torch.bool) for s in seqs], batch_first=True)
         self.batches += 1
         return [float(v) for v in self.score({"input_ids": input_ids, "attention_mask": mask})]

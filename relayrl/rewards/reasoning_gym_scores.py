@@ -6,17 +6,10 @@ generator with the same config that made the row (``rg_dataset``, ``rg_config``,
 so a completion scores what reasoning-gym's own evaluation gives it: 1.0 for a right answer,
 partial credit where the generator gives it, 0.0 otherwise.
 
-Where the answer is (``reward_kwargs.answer_format``):
-
-- ``tags`` (default): the last ``<answer>...</answer>`` of the completion, reasoning-gym's
-  ``extract_answer`` (what its default system prompt asks for); no tags scores 0.
-- ``bare``: the completion itself, up to the first newline or special token, as relayrl's
-  synthetic tasks read it (models too small to learn the tags; pair with
-  ``data.task_kwargs.system_prompt=""``).
-- ``last_line``: the last non-empty line of the completion (special tokens cut).
-- ``last_number``: the last number of the completion (special tokens cut), as ``reward_fn=gsm8k``
-  reads one ("3 + 8 = 11" answers 11): for numeric generators and small chat models that answer in a
-  sentence and never learn the tags.
+Where the answer is (``reward_kwargs.answer_format``; when to use which: docs/environments.md):
+``tags`` (default) the last ``<answer>...</answer>`` (reasoning-gym's ``extract_answer``; no tags
+scores 0), ``bare`` the completion up to its first newline or special token, ``last_line`` its last
+non-empty line and ``last_number`` its last number (both before any special token).
 
 A module-level function of plain arguments: picklable, so it runs in reward workers too.
 """

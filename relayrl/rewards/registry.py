@@ -10,7 +10,7 @@ must be picklable: a module-level function is, and so is the partial binding ``r
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import cast
 
 from relayrl.api.fields import ConfigError
@@ -21,12 +21,7 @@ from relayrl.rewards.tasks import TASK_REWARDS
 from relayrl.utils.resolve import registrar, resolve
 
 REWARDS: dict[str, RewardFn] = {**TASK_REWARDS, "gsm8k": gsm8k_reward_fn, "reasoning_gym": reasoning_gym_reward_fn}
-_register = registrar(REWARDS, "reward function")
-
-
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """``@register_reward("name")`` on ``(prompt, completions, prompt_ids, completion_ids, **row) -> float``."""
-    return _register(name)
+register_reward = registrar(REWARDS, "reward function")  # @register_reward("name") on a RewardFn
 
 
 def _as_reward(obj: object) -> RewardFn | None:

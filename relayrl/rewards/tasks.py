@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import operator
 import re
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ _END = re.compile(r"<eos>|</s>|<pad>|<\|[^|<>]*\|>|\n")
 _INT = re.compile(r"-?\d+")
 _EXPR_CHARS = re.compile(r"[\d+\-*() ]+")
 _NUMBERS = re.compile(r"\d+( +\d+)*")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def completion_answer(text: str) -> str:
@@ -55,13 +57,8 @@ def _eval_expr(node: ast.AST, used: list[int]) -> int:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         used.append(node.value)
         return node.value
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
-        left, right = _eval_expr(node.left, used), _eval_expr(node.right, used)
-        if isinstance(node.op, ast.Add):
-            return left + right
-        if isinstance(node.op, ast.Sub):
-            return left - right
-        return left * right
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval_expr(node.left, used), _eval_expr(node.right, used))
     raise ValueError(f"unsupported expression element {ast.dump(node)[:40]}")
 
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import uvloop
 
 from relayrl.api.config import RolloutConfig
 from relayrl.api.engine import DataItem, InferenceEngine, TensorDict
@@ -42,6 +41,7 @@ from relayrl.api.workflow import (
     concat_trajectories,
     validate_trajectory,
 )
+from relayrl.rollout.loop_thread import LoopThread
 from relayrl.rollout.staleness import default_max_concurrent, is_expired, rollout_capacity
 from relayrl.utils import stats
 from relayrl.utils.deadline import Stalled
@@ -68,12 +68,6 @@ class _Group:
     episodes: int
 
 
-def all_rewards_equal(traj: Trajectory) -> bool:
-    """DAPO dynamic sampling drops groups where this holds (no learning signal)."""
-    r = traj["rewards"]
-    return bool((r == r[0]).all())
-
-
 class FilterExhausted(RuntimeError):
     """Dynamic filtering rejected ``rollout.filter_patience`` batches' worth of groups in a row."""
 
@@ -97,7 +91,6 @@ class WorkflowExecutor:
         self._running: dict[int, _Prompt] = {}
         self._ready: list[_Group] = []  # accepted stream groups, not consumed yet
         self._sync_done: dict[int, _Group | None] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
         self._window: deque[bool] = deque(maxlen=config.failure_window)
         self._error: RuntimeError | None = None  # what stopped the rollout (raised to the trainer)
         self._last_error = ""
@@ -117,8 +110,7 @@ class WorkflowExecutor:
         self.staleness_counts: Counter[int] = Counter()
         self.last_staleness: list[int] = []
         self.last_prompt_ids: list[object] = []  # row ``id`` of each group of the last batch taken
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._bg = LoopThread("rollout-executor", self._schedule)  # re-checks capacity: it grows with the version
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -128,37 +120,16 @@ class WorkflowExecutor:
 
     def initialize(self) -> None:
         """Start the background thread and its uvloop event loop."""
-        if self._thread is not None:
-            return
-        self._closing = False
-        self._loop = uvloop.new_event_loop()
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._run_loop, args=(started,), name="rollout-executor", daemon=True)
-        self._thread.start()
-        started.wait()
-
-    def _run_loop(self, started: threading.Event) -> None:
-        assert self._loop is not None
-        asyncio.set_event_loop(self._loop)
-        self._loop.create_task(self._ticker())
-        self._loop.call_soon(started.set)
-        self._loop.run_forever()
-
-    async def _ticker(self) -> None:
-        """Re-check capacity regularly: it grows when the engine's version moves."""
-        while True:
-            await asyncio.sleep(0.02)
-            self._schedule()
+        if self._bg.loop is None:
+            self._closing = False
+            self._bg.start()
 
     def destroy(self) -> None:
         """Cancel running episodes (aborted) and stop the loop. Safe to call twice."""
-        if self._thread is None or self._loop is None:
+        if self._bg.loop is None:
             return
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=60)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=60)
-        self._loop.close()
-        self._thread = self._loop = None
+        self._closing = True  # start nothing new while the episodes are cancelled
+        self._bg.stop()
         with self._lock:
             for p in list(self._running.values()):  # a task the cancel did not reach in time
                 self.status.finish(SampleStatus.ABORTED, self.config.group_size)
@@ -169,21 +140,6 @@ class WorkflowExecutor:
                 self._tail_policy(g.prompt)
             self._ready = []
             self._lock.notify_all()
-
-    async def _shutdown(self) -> None:
-        self._closing = True
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        # Tasks the episodes started (an engine's batched HTTP calls, a user's helpers) are cancelled
-        # too, and given time to unwind (close their connections) before the loop closes: a task
-        # cancelled but never run again is destroyed pending, its clean-up skipped.
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in others:
-            t.cancel()
-        if others:
-            await asyncio.wait(others, timeout=10)
 
     def pause(self) -> None:
         """Start no new prompts (running episodes go on)."""
@@ -201,8 +157,7 @@ class WorkflowExecutor:
 
     # ------------------------------------------------------------------ producer side
     def _wake(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._schedule)
+        self._bg.call_soon(self._schedule)
 
     def _version(self) -> int:
         v = self.engine.get_version()
@@ -236,12 +191,9 @@ class WorkflowExecutor:
                 self._start(self._queue.popleft())
 
     def _start(self, p: _Prompt) -> None:
-        assert self._loop is not None
         self.status.submit(self.config.group_size)
         self._running[p.index] = p
-        task = self._loop.create_task(self._run_group(p))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._bg.spawn(self._run_group(p))
 
     async def _run_group(self, p: _Prompt) -> None:
         try:
@@ -301,7 +253,6 @@ class WorkflowExecutor:
                 traj = concat_trajectories(ok)
             except TrajectoryError as e:
                 outs = [(SampleStatus.FAILED, None, self._log_failure(p, e))] * len(outs)
-                ok = []
             else:
                 if self._accepts(traj, p):
                     traj["prompt_index"] = torch.full((traj["input_ids"].shape[0],), p.index, dtype=torch.int64)
@@ -313,11 +264,10 @@ class WorkflowExecutor:
             self._running.pop(p.index, None)
             for s, _, err in outs:
                 self._window.append(s is SampleStatus.FAILED)
+                if s is not SampleStatus.COMPLETED:  # completed ones count when consumed
+                    self.status.finish(s)
                 if s is SampleStatus.FAILED:
-                    self.status.finish(SampleStatus.FAILED)
                     self._last_error = err
-                elif s is SampleStatus.FILTERED:
-                    self.status.finish(SampleStatus.FILTERED)
             if n_bad:
                 self.status.finish(SampleStatus.FILTERED, n_bad)
                 self._filtered_groups += 1
@@ -329,7 +279,8 @@ class WorkflowExecutor:
             self._lock.notify_all()
 
     def _accepts(self, traj: Trajectory, p: _Prompt) -> bool:
-        if self.config.dynamic_filter and all_rewards_equal(traj):
+        r = traj["rewards"]
+        if self.config.dynamic_filter and bool((r == r[0]).all()):  # DAPO: equal rewards, no learning signal
             return False
         if self.accept_group is None:
             return True
@@ -375,7 +326,7 @@ class WorkflowExecutor:
             raise TypeError(f"a data row must be a dict (id, messages, answer, ...), got {type(data).__name__}")
         if not isinstance(workflow, RolloutWorkflow):
             raise TypeError(f"workflow must be a RolloutWorkflow, got {type(workflow).__name__}")
-        if self._thread is None:
+        if self._bg.loop is None:
             raise RuntimeError("WorkflowExecutor is not running: call initialize() first")
         with self._lock:
             p = _Prompt(self._next_index, data, workflow, sync)
@@ -566,8 +517,6 @@ class WorkflowExecutor:
                 tail_prompts=float(len(self._tail)),
                 consumed_prompts=float(self._consumed),
                 discarded_prompts=float(self._discarded),
-                # per group: trainer version - the oldest version it was generated with (the trainer's own
-                # rollout/staleness_* are per token)
                 group_staleness_mean=sum(self.last_staleness) / max(1, len(self.last_staleness)),
                 group_staleness_max=float(max(self.last_staleness, default=0)),
             )
@@ -585,7 +534,7 @@ class WorkflowExecutor:
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop the episodes run on (None before ``initialize``)."""
-        return self._loop
+        return self._bg.loop
 
     def report(self) -> None:
         """``stats()`` through the stats tracker, as ``rollout/*`` gauges (once per step)."""

@@ -55,8 +55,7 @@ class GenerativeJudge:
         from relayrl.data.models import chat_ids
 
         text = self.template.format(question=question, answer=answer, reference=reference)
-        turns: list[dict[str, object]] = [{"role": "user", "content": text}]
-        return chat_ids(self.tokenizer, turns)
+        return chat_ids(self.tokenizer, [{"role": "user", "content": text}])
 
     async def grade(self, engine: InferenceEngine | None, question: str, answer: str, reference: str = "") -> float:
         """Ask the judge's engine (or ``engine`` when the judge has none) for a grade."""

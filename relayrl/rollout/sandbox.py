@@ -25,8 +25,6 @@ import shutil
 import subprocess
 import sys
 
-NOBODY = 65534
-
 # Runs as root inside the new namespaces; $1 = the Python prefix to keep visible, the rest = the command.
 _SETUP = r"""
 set -e
@@ -71,15 +69,11 @@ print("; ".join(bad) or "ok", end="")
 """
 
 
-def _python() -> tuple[str, str]:
-    """The real interpreter and its prefix (a venv's python is a link into it; -I -S needs only the stdlib)."""
-    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-    return exe, os.path.realpath(sys.base_prefix)
-
-
 def sandbox_command(argv: list[str]) -> list[str]:
     """``argv`` (whose first item is this Python) wrapped to run isolated; see the module doc."""
-    exe, prefix = _python()
+    # the real interpreter and its prefix (a venv's python is a link into it; -I -S needs only the stdlib)
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    prefix = os.path.realpath(sys.base_prefix)
     unshare = shutil.which("unshare") or "unshare"
     namespaces = ["--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "private"]
     return [unshare, *namespaces, "--", "/bin/sh", "-c", _SETUP, "sandbox", prefix, exe, *argv[1:]]

@@ -8,10 +8,9 @@ inspecting the code (model code walks past any denylist, e.g. through a generato
 - ``calc``: arithmetic only (numbers, + - * / // % **, unary signs, parentheses), exponents
   capped so ``9**9**9`` is refused rather than computed. Runs in a plain child with an empty
   environment: the check is what keeps it to arithmetic.
-- ``python``: any Python, in the sandbox of :mod:`relayrl.rollout.sandbox` (empty environment,
-  no network, read-only filesystem except a scratch directory, unprivileged user, resource
-  limits). Where the machine cannot build that sandbox the tool refuses to run and says why.
-  The value of the last expression (or what was printed) is the result.
+- ``python``: any Python, in the sandbox of :mod:`relayrl.rollout.sandbox`; where the machine cannot
+  build it the tool refuses to run and says why. The value of the last expression (or what was
+  printed) is the result.
 
 A tool never raises on bad input: it returns ``"error: ..."`` text for the model to read.
 """
@@ -19,6 +18,7 @@ A tool never raises on bad input: it returns ``"error: ..."`` text for the model
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 
@@ -105,9 +105,5 @@ class SubprocessTool:
         return out.decode(errors="replace")[: self.max_output_chars]
 
 
-def calculator(timeout: float = 2.0, memory_mb: int = 256) -> SubprocessTool:
-    return SubprocessTool("calc", timeout, memory_mb)
-
-
-def python_tool(timeout: float = 2.0, memory_mb: int = 256) -> SubprocessTool:
-    return SubprocessTool("python", timeout, memory_mb)
+calculator = functools.partial(SubprocessTool, "calc")  # calculator(timeout=2.0, memory_mb=256)
+python_tool = functools.partial(SubprocessTool, "python")

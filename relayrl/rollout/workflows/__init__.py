@@ -25,18 +25,12 @@ WORKFLOWS: dict[str, WorkflowFactory] = {
     "tool_agent": ToolAgentWorkflow,
     "openenv": OpenEnvWorkflow,
 }
-_register = registrar(WORKFLOWS, "workflow")
-
-
-def register_workflow(name: str) -> Callable[[WorkflowFactory], WorkflowFactory]:
-    """``@register_workflow("name")`` on a ``RolloutWorkflow`` subclass (or a function returning one)."""
-    return _register(name)
+register_workflow = registrar(WORKFLOWS, "workflow")  # @register_workflow("name") on a RolloutWorkflow subclass
 
 
 def _as_factory(obj: object) -> WorkflowFactory | None:
-    if isinstance(obj, type):
-        return cast(WorkflowFactory, obj) if hasattr(obj, "arun_episode") else None
-    return cast(WorkflowFactory, obj) if callable(obj) else None
+    ok = hasattr(obj, "arun_episode") if isinstance(obj, type) else callable(obj)  # a class: a workflow's
+    return cast(WorkflowFactory, obj) if ok else None
 
 
 def workflow_factory(value: str, field: str = "workflow") -> WorkflowFactory:

@@ -22,6 +22,24 @@ from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.api.workflow import Trajectory, routed_experts_row
 from relayrl.rollout.workflows.rlvr import AsyncRewardPool, PromptWorkflow, RewardFn
 
+_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float32}
+
+
+def stop_ids(tokenizer: PreTrainedTokenizerBase, gconfig: GenerationConfig) -> set[int]:
+    """The tokens a generation with ``gconfig`` stops at: its ``stop_token_ids`` and the tokenizer's EOS."""
+    eos = tokenizer.eos_token_id
+    return set(gconfig.stop_token_ids) | (set() if eos is None else {int(eos)})
+
+
+def reply_text(
+    tokenizer: PreTrainedTokenizerBase, tokens: list[int], gconfig: GenerationConfig, stop_reason: str = "stop"
+) -> str:
+    """A reply decoded as an OpenAI endpoint answers it: without the stop token it ended with, other
+    special tokens kept (a tool-call marker may be one)."""
+    if tokens and stop_reason == "stop" and tokens[-1] in stop_ids(tokenizer, gconfig):
+        tokens = tokens[:-1]
+    return str(tokenizer.decode(tokens, skip_special_tokens=False))
+
 
 class TokenBuffer:
     """A sequence under construction: tokens with their loss mask, logprobs and versions."""
@@ -52,10 +70,16 @@ class TokenBuffer:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
-    def trajectory(self, reward: float, **extras: torch.Tensor) -> Trajectory:
+    def trajectory(self, reward: float, **extras: torch.Tensor | float) -> Trajectory:
+        """The row with ``reward``; ``extras`` are sequence-level keys, a number as a one-element tensor of
+        its type (bool, int64, float32)."""
         n = len(self.ids)
+        seq = {
+            k: torch.tensor([v], dtype=_DTYPES[type(v)]) if not isinstance(v, torch.Tensor) else v
+            for k, v in extras.items()
+        }
         if self.routed is not None:  # tokens after the latest response (context) were never run: -1
-            extras = {"routed_experts": routed_experts_row(self.routed, n), **extras}
+            seq = {"routed_experts": routed_experts_row(self.routed, n), **seq}
         return {
             "input_ids": torch.tensor([self.ids], dtype=torch.int64),
             "attention_mask": torch.ones(1, n, dtype=torch.bool),
@@ -63,7 +87,7 @@ class TokenBuffer:
             "logprobs": torch.tensor([self.logprobs], dtype=torch.float32),
             "versions": torch.tensor([self.versions], dtype=torch.int64),
             "rewards": torch.tensor([float(reward)], dtype=torch.float32),
-            **extras,
+            **seq,
         }
 
 
@@ -119,8 +143,4 @@ class MultiTurnWorkflow(PromptWorkflow):
             history += [{"role": "assistant", "content": answer}, {"role": "user", "content": self.feedback}]
         if not any(buf.mask):
             return None
-        return buf.trajectory(
-            reward,
-            num_turns=torch.tensor([turn + 1], dtype=torch.int64),
-            raw_rewards=torch.tensor([raw], dtype=torch.float32),
-        )
+        return buf.trajectory(reward, num_turns=turn + 1, raw_rewards=float(raw))

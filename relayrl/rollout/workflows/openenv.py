@@ -20,20 +20,20 @@ step rewards (``reward="last"``: the last one). ``openenv`` is never imported: r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import typing
 import uuid
 from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.api.workflow import RolloutWorkflow, Trajectory
 from relayrl.data.chat import prompt_ids, user_turn_ids
-from relayrl.rollout.workflows.multi_turn import TokenBuffer
+from relayrl.rollout.workflows.multi_turn import TokenBuffer, reply_text
 from relayrl.utils.resolve import load_path
 from relayrl.utils.websocket import WebSocket, WebSocketError
 
@@ -111,10 +111,8 @@ class OpenEnvSession:
 
     async def close(self) -> None:
         if not self.ws.closed:
-            try:
+            with contextlib.suppress(WebSocketError, OSError, TimeoutError):  # a lost server is closed anyway
                 await self.ws.send_text(json.dumps({"type": "close", "data": {}}))
-            except (WebSocketError, OSError, TimeoutError):
-                pass
         await self.ws.close()
 
 
@@ -127,10 +125,9 @@ class OpenEnvWorkflow(RolloutWorkflow):
     - ``observation_field``: the user turn is that field of the observation; or ``render_fn``
       ``fn(observation) -> str``; neither: the observation as JSON.
     - ``reset_key``: the row's key whose dict is sent as reset arguments (``seed``, ``episode_id``).
-    - ``tools``: an MCP environment's tools (``MCPEnvironment``): listed after reset (a ``list_tools``
-      action), their schemas rendered by the chat template; a tool's observation (``tool_name``,
-      ``result``, ``error``) comes back as a ``tool`` turn holding the result's text. The policy's
-      calls become ``call_tool`` actions through ``action_fn`` (``relayrl.agents.openenv:hermes_call_tool``).
+    - ``tools``: an MCP environment's tools, listed after reset (``list_tools``) and rendered by the chat
+      template; a tool's observation (``tool_name``, ``result``, ``error``) becomes a ``tool`` turn of the
+      result's text, the policy's calls ``call_tool`` actions (``relayrl.agents.openenv:hermes_call_tool``).
     - ``max_sessions``: most episodes in a session at once (the server's ``max_concurrent_envs``);
       more wait for one to close. 0: no limit (a full server then fails the episode).
     - ``invalid_action``: ``fail`` (the episode fails naming the action and the server's reason) or
@@ -191,16 +188,6 @@ class OpenEnvWorkflow(RolloutWorkflow):
             return str(observation[self.observation_field])
         return json.dumps(observation)
 
-    def reply_text(self, tokens: list[int], stop_reason: str) -> str:
-        """The completion as relayrl's OpenAI endpoint answers it: without the stop token it ended with,
-        other special tokens kept (a tool-call marker may be one)."""
-        stops = set(self.gconfig.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            stops.add(int(self.tokenizer.eos_token_id))
-        if tokens and stop_reason == "stop" and tokens[-1] in stops:
-            tokens = tokens[:-1]
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
-
     def turn(self, observation: Observation) -> tuple[str, str]:
         """The role and text of the turn an observation becomes: a tool's result (``tools``) or a user turn."""
         if self.tools and "tool_name" in observation:
@@ -250,21 +237,15 @@ class OpenEnvWorkflow(RolloutWorkflow):
         reset_args = data.get(self.reset_key) or {}
         if not isinstance(reset_args, Mapping):
             raise OpenEnvError(f"row[{self.reset_key!r}] must be a dict of reset arguments, got {reset_args!r:.200}")
-        if not self.max_sessions:
-            return await self._session_episode(engine, data, reset_args)
-        loop = asyncio.get_running_loop()
-        slots = self._slots.setdefault(loop, asyncio.Semaphore(self.max_sessions))
-        async with slots:  # episodes beyond max_sessions wait for a session to close
-            return await self._session_episode(engine, data, reset_args)
-
-    async def _session_episode(
-        self, engine: InferenceEngine, data: DataItem, reset_args: Mapping[str, object]
-    ) -> Trajectory | None:
-        session = await OpenEnvSession.open(self.base_url, self.timeout)
-        try:
-            return await self._episode(engine, data, session, reset_args)
-        finally:
-            await session.close()
+        slots: contextlib.AbstractAsyncContextManager[object] = contextlib.nullcontext()
+        if self.max_sessions:  # episodes beyond max_sessions wait for a session to close
+            slots = self._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(self.max_sessions))
+        async with slots:
+            session = await OpenEnvSession.open(self.base_url, self.timeout)
+            try:
+                return await self._episode(engine, data, session, reset_args)
+            finally:
+                await session.close()
 
     async def _episode(
         self, engine: InferenceEngine, data: DataItem, session: OpenEnvSession, reset_args: Mapping[str, object]
@@ -281,7 +262,7 @@ class OpenEnvWorkflow(RolloutWorkflow):
         for turn in range(self.max_turns):
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(buf.ids), gconfig=self.gconfig))
             buf.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions, resp.routed_experts)
-            text = self.reply_text(resp.output_tokens, resp.stop_reason)
+            text = reply_text(self.tokenizer, resp.output_tokens, self.gconfig, resp.stop_reason)
             try:
                 result = await session.step(self.action(text, observation))
             except InvalidAction:  # not a timeout or a lost server: those fail the episode either way
@@ -299,9 +280,5 @@ class OpenEnvWorkflow(RolloutWorkflow):
             buf.add_context(ids)
             history += [{"role": "assistant", "content": text}, {"role": role, "content": content}]
         reward = (rewards[-1] if self.reward_mode == "last" else sum(rewards)) if rewards else 0.0
-        return buf.trajectory(
-            reward,
-            num_turns=torch.tensor([len(rewards) + int(invalid)], dtype=torch.int64),
-            env_done=torch.tensor([float(done)], dtype=torch.float32),
-            invalid_action=torch.tensor([float(invalid)], dtype=torch.float32),
-        )
+        turns = len(rewards) + int(invalid)
+        return buf.trajectory(reward, num_turns=turns, env_done=float(done), invalid_action=float(invalid))

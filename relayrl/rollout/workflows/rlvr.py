@@ -15,6 +15,7 @@ An async callable (e.g. a ``GenerativeJudge``) is awaited with the engine as fir
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import math
 import queue
@@ -32,7 +33,6 @@ from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse
 from relayrl.api.workflow import RewardFn, RolloutWorkflow, Trajectory, trajectory_from_response
 from relayrl.data.vision import row_vision
 
-_NAMED = ("prompt", "completions", "prompt_ids", "completion_ids")
 _NOT_FOR_REWARDS = ("vision",)  # a row's processed images (tensors) stay out of reward fns
 
 
@@ -88,28 +88,21 @@ async def _in_thread(fn: RewardFn, kwargs: dict[str, object], timeout: float) ->
         if _THREADS is None:
             _THREADS = _RewardThreads()
         threads = _THREADS
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[float] = loop.create_future()
-
-    def settle(value: float | BaseException) -> None:
-        if not fut.done():
-            fut.set_exception(value) if isinstance(value, BaseException) else fut.set_result(value)
+    fut: concurrent.futures.Future[float] = concurrent.futures.Future()
 
     def run() -> None:
-        try:
-            value: float | BaseException = float(fn(**kwargs))
-        except BaseException as e:  # handed to the awaiting episode
-            value = e
-        try:
-            loop.call_soon_threadsafe(settle, value)
-        except RuntimeError:  # loop closed: nobody waits any more
-            pass
+        if fut.set_running_or_notify_cancel():  # else it timed out while waiting for a thread
+            try:
+                fut.set_result(float(fn(**kwargs)))
+            except BaseException as e:  # handed to the awaiting episode
+                fut.set_exception(e)
 
     threads.submit(run)
     try:
-        return await asyncio.wait_for(fut, timeout)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
     except TimeoutError:
-        threads.add_thread()  # the hung call keeps its thread; the others keep serving
+        if not fut.cancel():  # running: the hung call keeps its thread, a new one serves the others
+            threads.add_thread()
         raise TimeoutError(f"reward fn {getattr(fn, '__name__', fn)!r} did not return within {timeout}s") from None
 
 
@@ -127,14 +120,20 @@ async def compute_reward(
     """Score one completion with a reward fn (the signature and where it runs: module doc for where it runs)."""
     p_ids = list(resp.input_tokens if prompt_ids is None else prompt_ids)
     c_ids = list(resp.output_tokens if completion_ids is None else completion_ids)
-    kwargs: dict[str, object] = {k: v for k, v in data.items() if k not in _NAMED and k not in _NOT_FOR_REWARDS}
-    kwargs.update(
+    kwargs = reward_kwargs(
+        data,
         prompt=tokenizer.decode(p_ids, skip_special_tokens=True),
         completions=tokenizer.decode(c_ids, skip_special_tokens=False),
         prompt_ids=p_ids,
         completion_ids=c_ids,
     )
     return await call_reward(reward_fn, engine, kwargs, reward_pool, reward_timeout)
+
+
+def reward_kwargs(data: DataItem, **named: object) -> dict[str, object]:
+    """A reward fn's keyword arguments: the row's fields (not its processed images) and the named ones
+    (``prompt``, ``completions``, ``prompt_ids``, ``completion_ids``), which win over the row's."""
+    return {**{k: v for k, v in data.items() if k not in _NOT_FOR_REWARDS}, **named}
 
 
 async def call_reward(

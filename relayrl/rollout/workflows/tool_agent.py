@@ -18,14 +18,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.api.engine import DataItem, InferenceEngine
 from relayrl.api.io import GenerationConfig, ModelRequest
 from relayrl.api.workflow import Trajectory
+from relayrl.data.chat import encode
 from relayrl.rollout.tools import calculator
-from relayrl.rollout.workflows.multi_turn import TokenBuffer
+from relayrl.rollout.workflows.multi_turn import TokenBuffer, stop_ids
 from relayrl.rollout.workflows.rlvr import AsyncRewardPool, PromptWorkflow, RewardFn
 
 Tool = Callable[[str], Awaitable[str]]
@@ -35,8 +35,8 @@ def _one_token(tokenizer: PreTrainedTokenizerBase, text: str, what: str) -> int 
     """The id of a marker that is one token, else None (it is then matched as text)."""
     if not text:
         raise ValueError(f"{what} must be a non-empty string")
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return int(ids[0]) if len(ids) == 1 else None
+    ids = encode(tokenizer, text)
+    return ids[0] if len(ids) == 1 else None
 
 
 class ToolAgentWorkflow(PromptWorkflow):
@@ -69,8 +69,7 @@ class ToolAgentWorkflow(PromptWorkflow):
         self.result_prefix, self.result_suffix = result_prefix, result_suffix
 
     def result_ids(self, result: str) -> list[int]:
-        text = self.result_prefix + result + self.result_suffix
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+        return encode(self.tokenizer, self.result_prefix + result + self.result_suffix)
 
     def _call_text(self, out: list[int]) -> tuple[bool, str | None]:
         """(whether the segment stopped at ``call_end``, the text of the call it ends or None if no call)."""
@@ -93,7 +92,7 @@ class ToolAgentWorkflow(PromptWorkflow):
         prompt = self.prompt_ids(data)
         buf = TokenBuffer(prompt)
         rid = uuid.uuid4().hex
-        user_stops = set(self.gconfig.stop_token_ids) | {int(self.tokenizer.eos_token_id)}
+        user_stops = stop_ids(self.tokenizer, self.gconfig)
         generated = calls = 0
         last: list[int] = []
         truncated = False
@@ -131,8 +130,4 @@ class ToolAgentWorkflow(PromptWorkflow):
         if not any(buf.mask):
             return None
         reward = await self.reward(engine, resp, data, prompt_ids=prompt, completion_ids=last)
-        return buf.trajectory(
-            reward,
-            num_tool_calls=torch.tensor([calls], dtype=torch.int64),
-            truncated=torch.tensor([truncated], dtype=torch.bool),
-        )
+        return buf.trajectory(reward, num_tool_calls=calls, truncated=truncated)
