@@ -128,9 +128,9 @@ class OpenAIClient:
     def _output_text(self, resp: ModelResponse, gconfig: GenerationConfig) -> str:
         """Decoded reply without its stop token, or without its stop string where it ended at one."""
         text = reply_text(self.tokenizer, resp.output_tokens, gconfig, resp.stop_reason)
-        if resp.stop_reason == "stop" and not self._ends_with_stop(resp.output_tokens, gconfig):
-            text = trim_stop(text, gconfig.stop)
-        return text
+        if self._ends_with_stop(resp.output_tokens, gconfig):
+            return text
+        return trim_stop(text, gconfig.stop, resp.stop_reason)
 
     def _find_parent(self, messages: list[Message], tools: list[Message] | None) -> CallRecord | None:
         """The latest-longest chat call whose turns + reply are a strict prefix of ``messages``."""
