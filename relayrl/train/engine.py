@@ -343,8 +343,7 @@ class TorchTrainEngine(TrainEngine):
                 out = torch.zeros(bsz, seqlen, *values.shape[1:], dtype=torch.float32)
             if not dummy:
                 out += unpack(values.float().cpu(), packed, bsz, seqlen)
-        if out is None:
-            out = torch.zeros(bsz, seqlen, dtype=torch.float32)
+        assert out is not None  # (every rank runs at least one micro-batch, a dummy one if need be)
         return dist_utils.all_reduce(out)  # every rank computed its share of the rows
 
     @torch.no_grad()
@@ -514,10 +513,6 @@ class TorchTrainEngine(TrainEngine):
                 )
                 weights = lora.adapter_state_dict(weights)
             model.save_pretrained(meta.path, state_dict=weights)
-            if meta.tokenizer_path:
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(meta.tokenizer_path).save_pretrained(meta.path)
             if meta.with_optim:
                 torch.save(
                     {
