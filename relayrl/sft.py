@@ -108,16 +108,14 @@ def encode_rows(
 ) -> list[Example]:
     """Encode every row; a bad row stops with its index (or is skipped and counted)."""
     out: list[Example] = []
-    skipped = 0
     for i, row in enumerate(rows):
         try:
             out.append(encode_row(row, tokenizer, cfg))
         except ValueError as e:
             if not cfg.skip_invalid_rows:
                 raise ValueError(f"{source} row {i}: {e} (set data.skip_invalid_rows=true to skip bad rows)") from None
-            skipped += 1
-    if skipped:
-        log.warning("%s: skipped %d invalid rows of %d", source, skipped, len(rows))
+    if len(out) < len(rows):
+        log.warning("%s: skipped %d invalid rows of %d", source, len(rows) - len(out), len(rows))
     if not out and rows:
         raise ValueError(f"{source}: no valid rows")
     return out

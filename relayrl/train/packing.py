@@ -188,12 +188,9 @@ def _chunked(
 def token_logprobs(
     logits: torch.Tensor | TokenStats, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024
 ) -> torch.Tensor:
-    """``[T]``: value i = log p(input_ids[i] | earlier tokens of its sequence); 0 at each start.
-
-    Computed as ``logit[label] - logsumexp(logits)`` in chunks of ``chunk`` tokens (``_chunked``).
-    Given a ``relayrl.train.lmhead.TokenStats`` (what a ``token_stats_loss`` receives), the values
-    at loss tokens, 0 elsewhere.
-    """
+    """``[T]``: value i = log p(input_ids[i] | earlier tokens of its sequence); 0 at each start; computed
+    ``chunk`` tokens at a time (``_chunked``). Given a ``relayrl.train.lmhead.TokenStats`` (what a
+    ``token_stats_loss`` receives), the values at loss tokens, 0 elsewhere."""
     if isinstance(logits, TokenStats):
         return logits.logprobs(temperature)
     ids = packed["input_ids"]
