@@ -87,8 +87,7 @@ class Driver:
         """metrics.jsonl (with the row ids this step trained on: audits see nothing lost or repeated) and
         ``logging.rollouts_per_step`` of the step's rollouts, token by token, for ``relayrl show`` and
         ``relayrl inspect`` (format: ``relayrl.utils.rollouts``)."""
-        row: dict[str, object] = {**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}
-        self.metrics.log(row, step=step)
+        self.metrics.log({**metrics, "prompt_ids": list(self.executor.last_prompt_ids)}, step=step)
         if self.cfg.logging.rollouts_per_step > 0:
             if self.rollout_writer is None:
                 processor = vision_processor(self.cfg.model) if "pixel_values" in batch else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import random
 import time
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.api.commands import SFTConfig, SFTDataConfig
@@ -36,6 +38,7 @@ from relayrl.api.engine import TensorDict
 from relayrl.api.io import SaveLoadMeta
 from relayrl.data.datasets import read_records
 from relayrl.data.models import chat_ids, load_tokenizer
+from relayrl.train.algorithms import masked_mean
 from relayrl.train.engine import TorchTrainEngine
 from relayrl.train.packing import token_logprobs
 from relayrl.utils.logging import MetricLogger, get_logger
@@ -70,10 +73,7 @@ def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig)
             from relayrl.data.chat import conversation_example
 
             tools = typing.cast(list[dict[str, object]] | None, row.get("tools"))
-            ids, mask = conversation_example(tokenizer, messages, tools)
-            if len(ids) > cfg.max_seq_len:
-                raise ValueError(f"{len(ids)} tokens is longer than data.max_seq_len={cfg.max_seq_len}")
-            return ids, mask
+            return _fits(conversation_example(tokenizer, messages, tools), cfg)
         if completion is None and messages and messages[-1]["role"] == "assistant":
             messages, completion = messages[:-1], messages[-1]["content"]
         if not messages:
@@ -94,9 +94,13 @@ def encode_row(row: Row, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig)
         raise ValueError("the tokenizer has no EOS token; SFT appends EOS to every completion")
     completion_ids = tokenizer.encode(str(completion), add_special_tokens=False) + [tokenizer.eos_token_id]
     ids = [int(t) for t in prompt_ids] + completion_ids
-    if len(ids) > cfg.max_seq_len:
-        raise ValueError(f"{len(ids)} tokens is longer than data.max_seq_len={cfg.max_seq_len}")
-    return ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
+    return _fits((ids, [0] * len(prompt_ids) + [1] * len(completion_ids)), cfg)
+
+
+def _fits(example: Example, cfg: SFTDataConfig) -> Example:
+    if len(example[0]) > cfg.max_seq_len:
+        raise ValueError(f"{len(example[0])} tokens is longer than data.max_seq_len={cfg.max_seq_len}")
+    return example
 
 
 def encode_rows(
@@ -104,16 +108,14 @@ def encode_rows(
 ) -> list[Example]:
     """Encode every row; a bad row stops with its index (or is skipped and counted)."""
     out: list[Example] = []
-    skipped = 0
     for i, row in enumerate(rows):
         try:
             out.append(encode_row(row, tokenizer, cfg))
         except ValueError as e:
             if not cfg.skip_invalid_rows:
                 raise ValueError(f"{source} row {i}: {e} (set data.skip_invalid_rows=true to skip bad rows)") from None
-            skipped += 1
-    if skipped:
-        log.warning("%s: skipped %d invalid rows of %d", source, skipped, len(rows))
+    if len(out) < len(rows):
+        log.warning("%s: skipped %d invalid rows of %d", source, len(rows) - len(out), len(rows))
     if not out and rows:
         raise ValueError(f"{source}: no valid rows")
     return out
@@ -134,30 +136,22 @@ def sft_rows(cfg: SFTDataConfig, seed: int) -> tuple[list[Row], list[Row]]:
 
 def collate(examples: Sequence[Example]) -> TensorDict:
     """Right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (``[B, L]``)."""
-    width = max(len(ids) for ids, _ in examples)
-    batch = {
-        k: torch.zeros(len(examples), width, dtype=torch.long) for k in ("input_ids", "attention_mask", "loss_mask")
+    ids = [torch.tensor(i, dtype=torch.long) for i, _ in examples]
+    return {
+        "input_ids": pad_sequence(ids, batch_first=True),
+        "attention_mask": pad_sequence([torch.ones_like(i) for i in ids], batch_first=True),
+        "loss_mask": pad_sequence([torch.tensor(m, dtype=torch.long) for _, m in examples], batch_first=True),
     }
-    for i, (ids, mask) in enumerate(examples):
-        batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
-        batch["attention_mask"][i, : len(ids)] = 1
-        batch["loss_mask"][i, : len(ids)] = torch.tensor(mask)
-    return batch
 
 
-def batches(
-    examples: Sequence[Example], batch_size: int, seed: int, shuffle: bool = True
-) -> Iterator[tuple[int, list[Example]]]:
+def batches(examples: Sequence[Example], batch_size: int, seed: int) -> Iterator[tuple[int, list[Example]]]:
     """Endless ``(epoch, batch)`` stream; reshuffled (seeded) every epoch, last partial batch kept."""
     rng = random.Random(seed)
-    epoch = 0
-    while True:
+    for epoch in itertools.count():
         order = list(range(len(examples)))
-        if shuffle:
-            rng.shuffle(order)
+        rng.shuffle(order)
         for s in range(0, len(order), batch_size):
             yield epoch, [examples[i] for i in order[s : s + batch_size]]
-        epoch += 1
 
 
 # --------------------------------------------------------------------------------------
@@ -167,9 +161,7 @@ def batches(
 
 def sft_loss_fn(logits: torch.Tensor, packed: TensorDict) -> torch.Tensor:
     """Token-mean NLL over the micro-batch's completion tokens (``loss_mask == 1``)."""
-    mask = packed["loss_mask"].to(logits.device).float()
-    logp = token_logprobs(logits, packed)
-    return -(logp * mask).sum() / mask.sum().clamp(min=1.0)
+    return -masked_mean(token_logprobs(logits, packed), packed["loss_mask"].to(logits.device))
 
 
 def sft_loss_weight(packed: TensorDict) -> float:

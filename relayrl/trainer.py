@@ -169,9 +169,8 @@ class Trainer:
         self.actor_engine.update_weights(self.engine)  # a collective; rank 0 pushes
         self._critic_stats: list[dict[str, float]] = []
         self._boundary: dict[str, Any] = {}
-        self._t_start = time.monotonic()
         if main:
-            logger.info("set-up: done in %.0f s", self._t_start - t_setup)
+            logger.info("set-up: done in %.0f s", time.monotonic() - t_setup)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:

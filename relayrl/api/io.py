@@ -183,4 +183,3 @@ class SaveLoadMeta:
 
     path: str
     with_optim: bool = False
-    tokenizer_path: str = ""

@@ -195,9 +195,8 @@ class PPOActor:
         replay = self.config.replay_routing if replay is None else replay
         if replay or "routed_experts" not in batch:
             return batch
-        # kept under another name: the engine still counts where its own routing differs (expert flips)
-        out = {k: v for k, v in batch.items() if k != "routed_experts"}
-        return {**out, "recorded_experts": batch["routed_experts"]}
+        # renamed, not dropped: the engine still counts where its own routing differs (expert flips)
+        return {"recorded_experts" if k == "routed_experts" else k: v for k, v in batch.items()}
 
     def prepare(self, batch: TensorDict, critic: Critic | None = None) -> TensorDict:
         """The trainer's step before ``ppo_update``: every logprob the configured algorithm needs (the

@@ -259,13 +259,11 @@ def reinforce_pp_advantage(
     if token_rewards is None:
         token_rewards = last_token_rewards(rewards, loss_mask)
     returns = discounted_returns(token_rewards, loss_mask, gamma)
-    adv = returns
-    if adv_norm:
-        vals = returns[loss_mask.bool()]
-        if vals.numel() > 1:
-            adv = (returns - vals.mean()) / (vals.std() + adv_eps)
-        else:
-            adv = returns - vals.mean() if vals.numel() else returns
+    adv, vals = returns, returns[loss_mask.bool()]
+    if adv_norm and vals.numel() > 1:
+        adv = (returns - vals.mean()) / (vals.std() + adv_eps)
+    elif adv_norm and vals.numel():  # one token: centred only (no std)
+        adv = returns - vals.mean()
     return adv * loss_mask.to(adv.dtype), returns
 
 

@@ -20,8 +20,6 @@ policy loss (aggregated like it, over the same tokens, reweighted by a rollout c
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from relayrl.api.engine import TensorDict, TrainEngine
@@ -66,26 +64,20 @@ def token_reverse_kl(
     return logits.new_zeros(logits.shape[0], dtype=torch.float32).index_put((pos,), kl)
 
 
-def teacher_post_fn(top_k: int, temperature: float) -> Callable[[Tensor, TensorDict], Tensor]:
-    """A ``TrainEngine.forward`` post fn: ``[T, V]`` token-aligned teacher log-distributions (row ``t``:
-    the distribution token ``t`` is drawn from; zeros at sequence starts), or with ``top_k`` the top-k
-    logprobs and their ids as ``[T, 2k]`` floats (ids exact below 2^24)."""
+@torch.no_grad()
+def teacher_targets(engine: TrainEngine, batch: TensorDict, top_k: int, temperature: float) -> TensorDict:
+    """The teacher's batch keys for ``batch``: ``teacher_logp`` ``[B, L, V]``, or with ``top_k`` its top-k
+    logprobs ``[B, L, k]`` and their ``teacher_ids`` (the forward carries both as ``2k`` floats: ids exact below 2^24)."""
 
-    def post(logits: Tensor, packed: TensorDict) -> Tensor:
+    def post(logits: Tensor, packed: TensorDict) -> Tensor:  # row t: the distribution token t is drawn from
         logp = torch.log_softmax(logits.float() / temperature, -1)
         if top_k:
             values, ids = logp.topk(min(top_k, logp.shape[-1]), -1)
             logp = torch.cat([values, ids.float()], -1)
         return shifted(logp[:-1], packed)
 
-    return post
-
-
-@torch.no_grad()
-def teacher_targets(engine: TrainEngine, batch: TensorDict, top_k: int, temperature: float) -> TensorDict:
-    """The teacher's batch keys for ``batch``: ``teacher_logp`` ``[B, L, V]`` (or ``[B, L, k]`` with ``teacher_ids``)."""
     engine.eval()
-    out = engine.forward(batch, post_fn=teacher_post_fn(top_k, temperature))
+    out = engine.forward(batch, post_fn=post)
     if not top_k:
         return {"teacher_logp": out}
     k = out.shape[-1] // 2

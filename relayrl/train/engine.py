@@ -244,9 +244,7 @@ class TorchTrainEngine(TrainEngine):
         gives the plain path's numbers (a plain ``nn.Linear`` head, unscaled logits, no autocast) and can run
         (no images; no FSDP2, whose head weight is sharded outside the root forward)."""
         model = self._require()
-        if self.head != "lm" or self.lora or self.fp16 or self._checked.bf16 or "loss_mask" not in packed:
-            return False
-        if "image_grid_thw" in packed or dist_utils.is_fsdp(model):
+        if not self._plain_lm(packed) or "loss_mask" not in packed or dist_utils.is_fsdp(model):
             return False
         if self._head_ok is None:
             head = model.get_output_embeddings()
@@ -262,6 +260,10 @@ class TorchTrainEngine(TrainEngine):
             )
         return self._head_ok
 
+    def _plain_lm(self, batch: TensorDict) -> bool:
+        """A policy forward without adapters, fp16 / bf16 autocast or images: what both fast paths need."""
+        return self.head == "lm" and not (self.lora or self.fp16 or self._checked.bf16 or "image_grid_thw" in batch)
+
     def _takes_logits_to_keep(self) -> bool:
         return "logits_to_keep" in inspect.signature(self._require().forward).parameters
 
@@ -269,13 +271,11 @@ class TorchTrainEngine(TrainEngine):
         """Whether the shared-prefix layout (``relayrl.train.prefix``) may run on this (packed) batch: a plain
         ``lm`` forward in one process on ``relayrl_varlen`` attention (not under MoE, whose routing replay and
         load-balancing loss are per plain token)."""
-        if self.config.shared_prefix == "off":
-            return False
-        if self.head != "lm" or self.lora or self.fp16 or self._checked.bf16 or self._moe is not None:
+        if self.config.shared_prefix == "off" or not self._plain_lm(batch) or self._moe is not None:
             return False
         if hasattr(self._require(), "peft_config") or self._checked.flash or self._checked.tested_attn != VARLEN_ATTN:
             return False
-        return "image_grid_thw" not in batch and not dist_utils.is_distributed() and self._takes_logits_to_keep()
+        return not dist_utils.is_distributed() and self._takes_logits_to_keep()
 
     def _shared_layout(self, packed: TensorDict) -> SharedPrefix | None:
         """The micro-batch's shared-prefix layout on the device, or None (no rows share a prompt, or not ``_shares``)."""
@@ -343,8 +343,7 @@ class TorchTrainEngine(TrainEngine):
                 out = torch.zeros(bsz, seqlen, *values.shape[1:], dtype=torch.float32)
             if not dummy:
                 out += unpack(values.float().cpu(), packed, bsz, seqlen)
-        if out is None:
-            out = torch.zeros(bsz, seqlen, dtype=torch.float32)
+        assert out is not None  # (every rank runs at least one micro-batch, a dummy one if need be)
         return dist_utils.all_reduce(out)  # every rank computed its share of the rows
 
     @torch.no_grad()
@@ -514,10 +513,6 @@ class TorchTrainEngine(TrainEngine):
                 )
                 weights = lora.adapter_state_dict(weights)
             model.save_pretrained(meta.path, state_dict=weights)
-            if meta.tokenizer_path:
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(meta.tokenizer_path).save_pretrained(meta.path)
             if meta.with_optim:
                 torch.save(
                     {

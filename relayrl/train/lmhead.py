@@ -55,16 +55,24 @@ def loss_positions(packed: TensorDict) -> torch.Tensor:
     return mask.nonzero().squeeze(1)
 
 
+def label_logprobs(lg: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``[N]`` logprobs of ``labels [N]`` under fp32 logits ``[N, V]``: both paths' ``token_logprobs``."""
+    return lg.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1)
+
+
+def entropy(lg: torch.Tensor) -> torch.Tensor:
+    """``[N]`` entropies of fp32 logits ``[N, V]``: both paths' ``token_entropy``."""
+    logp = functional.log_softmax(lg, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def _head_chunk(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # the same operations as the generic path (lm_head, .float(), / T, gather - logsumexp, log_softmax)
-    lg = functional.linear(h, weight, bias).float()
+    lg = functional.linear(h, weight, bias).float()  # then / T as the generic path (packing._chunked) does
     if temperature != 1.0:
         lg = lg / temperature
-    logp = lg.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1)
-    lsm = functional.log_softmax(lg, -1)
-    return logp, -(lsm.exp() * lsm).sum(-1)
+    return label_logprobs(lg, labels), entropy(lg)
 
 
 class TokenStats:

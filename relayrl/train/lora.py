@@ -35,19 +35,14 @@ def _family(model: nn.Module) -> str:
     return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
 
-def linear_modules(model: nn.Module) -> list[str]:
-    """Qualified names of the linear modules LoRA could adapt (the output head excluded; GPT-2's
-    transposed ``Conv1D`` linear counts, peft adapts it too)."""
-    from transformers.pytorch_utils import Conv1D
-
-    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear | Conv1D) and m is not head]
-
-
 def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """``cfg.target_modules``, each checked to match at least one linear module; by default the family's
     attention and MLP projections (the distinct last name parts of its linear modules)."""
-    linear = linear_modules(model)
+    from transformers.pytorch_utils import Conv1D
+
+    # the modules LoRA could adapt: the output head excluded; GPT-2's transposed Conv1D linear counts (peft adapts it)
+    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
+    linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear | Conv1D) and m is not head]
     family = _family(model)
     if not linear:
         raise ValueError(f"model.lora.rank > 0: model family {family!r} has no linear module LoRA can adapt")

@@ -37,11 +37,9 @@ def disable_dropout(model: nn.Module) -> int:
             if "dropout" in name and isinstance(value, float) and not isinstance(value, bool):
                 changed += value != 0
                 setattr(module, name, 0.0)
-    configs = [getattr(model, "config", None)]
-    if configs[0] is not None and hasattr(configs[0], "get_text_config"):
-        configs.append(configs[0].get_text_config())
-    for cfg in configs:
-        for name, value in list(vars(cfg).items()) if cfg is not None else []:
+    config = getattr(model, "config", None)  # a Hugging Face config: the text config is its own or a nested one
+    for cfg in [] if config is None else [config, config.get_text_config()]:
+        for name, value in list(vars(cfg).items()):
             if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
                 changed += value != 0
                 setattr(cfg, name, 0.0)

@@ -25,7 +25,7 @@ from torch.nn import functional
 
 from relayrl.api.engine import TensorDict
 from relayrl.api.workflow import VISION_KEYS
-from relayrl.train.lmhead import TokenStats
+from relayrl.train.lmhead import TokenStats, entropy, label_logprobs
 from relayrl.utils.batching import length_groups
 
 VARLEN_ATTN = "relayrl_varlen"
@@ -64,8 +64,7 @@ def pack(batch: TensorDict, rows: Sequence[int] | None = None) -> TensorDict:
             raise ValueError(
                 f"batch[{key!r}] has shape {list(value.shape)}; expected [B, L, ...] or [B, ...] with B={shape[0]}"
             )
-    cu = torch.zeros(len(idx) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
+    cu = functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
     starts = torch.repeat_interleave(cu[:-1].long(), lengths)
     out["position_ids"] = (torch.arange(int(cu[-1])) - starts).to(ids.device)
     out["cu_seqlens"] = cu.to(ids.device)
@@ -189,23 +188,17 @@ def _chunked(
 def token_logprobs(
     logits: torch.Tensor | TokenStats, packed: TensorDict, temperature: float = 1.0, chunk: int = 1024
 ) -> torch.Tensor:
-    """``[T]``: value i = log p(input_ids[i] | earlier tokens of its sequence); 0 at each start.
-
-    Computed as ``logit[label] - logsumexp(logits)`` in chunks of ``chunk`` tokens (``_chunked``).
-    Given a ``relayrl.train.lmhead.TokenStats`` (what a ``token_stats_loss`` receives), the values
-    at loss tokens, 0 elsewhere.
-    """
+    """``[T]``: value i = log p(input_ids[i] | earlier tokens of its sequence); 0 at each start; computed
+    ``chunk`` tokens at a time (``_chunked``). Given a ``relayrl.train.lmhead.TokenStats`` (what a
+    ``token_stats_loss`` receives), the values at loss tokens, 0 elsewhere."""
     if isinstance(logits, TokenStats):
         return logits.logprobs(temperature)
     ids = packed["input_ids"]
     if logits.dim() != 2 or logits.shape[0] != ids.shape[0]:
         raise ValueError(f"logits must be [T, V] with T={ids.shape[0]}, got {tuple(logits.shape)}")
-    labels = ids[1:].to(logits.device).unsqueeze(-1)
-
-    def label_logp(lg: torch.Tensor, s: int) -> torch.Tensor:
-        return lg.gather(-1, labels[s : s + len(lg)]).squeeze(-1) - torch.logsumexp(lg, -1)
-
-    return shifted(_chunked(logits, labels.shape[0], temperature, chunk, label_logp), packed)
+    labels = ids[1:].to(logits.device)
+    logp = _chunked(logits, len(labels), temperature, chunk, lambda lg, s: label_logprobs(lg, labels[s : s + len(lg)]))
+    return shifted(logp, packed)
 
 
 def token_entropy(
@@ -215,12 +208,7 @@ def token_entropy(
     ``TokenStats``: at loss tokens, 0 elsewhere)."""
     if isinstance(logits, TokenStats):
         return logits.entropy(temperature)
-
-    def entropy(lg: torch.Tensor, _: int) -> torch.Tensor:
-        logp = functional.log_softmax(lg, -1)
-        return -(logp.exp() * logp).sum(-1)
-
-    return shifted(_chunked(logits, logits.shape[0] - 1, temperature, chunk, entropy), packed)
+    return shifted(_chunked(logits, logits.shape[0] - 1, temperature, chunk, lambda lg, _: entropy(lg)), packed)
 
 
 # --------------------------------------------------------------------------------------

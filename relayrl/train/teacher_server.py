@@ -20,6 +20,7 @@ divided by it, which on the k tokens the KL renormalises over is exactly the tem
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 
 import httpx
 import torch
@@ -76,6 +77,8 @@ def server_teacher_targets(
     """``teacher_logp`` / ``teacher_ids`` ``[B, L, top_k]`` for ``batch`` from the server at ``url``."""
     if top_k < 1:
         raise ValueError("a teacher on a server gives top-k logprobs: set actor.teacher.top_k >= 1")
+    if protocol not in ("sglang", "vllm"):
+        raise ValueError(f"actor.teacher.protocol must be sglang or vllm, got {protocol!r}")
     url = url if url.startswith(("http://", "https://")) else f"http://{url}"
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     b, length = ids.shape
@@ -83,18 +86,9 @@ def server_teacher_targets(
     top_ids = torch.zeros(b, length, top_k, dtype=torch.long)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(timeout=timeout, headers=headers) as client:
-        model = _served_model(client, url) if protocol == "vllm" else ""
-
-        def row(i: int) -> list[list[tuple[float, int]]]:
-            seq = ids[i][mask[i]].tolist()
-            if protocol == "sglang":
-                return _sglang_row(client, url, seq, top_k)
-            if protocol == "vllm":
-                return _vllm_row(client, url, seq, top_k, model)
-            raise ValueError(f"actor.teacher.protocol must be sglang or vllm, got {protocol!r}")
-
+        fetch = functools.partial(_vllm_row, model=_served_model(client, url)) if protocol == "vllm" else _sglang_row
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            rows = list(pool.map(row, range(b)))
+            rows = list(pool.map(lambda i: fetch(client, url, ids[i][mask[i]].tolist(), top_k), range(b)))
     for i, positions in enumerate(rows):
         n = int(mask[i].sum())
         if len(positions) != n:
