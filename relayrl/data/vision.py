@@ -209,10 +209,6 @@ def expand_image_tokens(ids: list[int], grid: torch.Tensor, image_token_id: int,
     return out
 
 
-def count_image_tokens(ids: list[int], image_token_id: int) -> int:
-    return sum(1 for t in ids if t == image_token_id)
-
-
 def messages_with_image_blocks(messages: list[dict[str, object]], n_images: int) -> list[dict[str, str]]:
     """Chat turns with plain-string content: image content parts (``{"type": "image"}`` /
     ``"image_url"``) become ``IMAGE_BLOCK``; with no image parts at all, the blocks of the row's

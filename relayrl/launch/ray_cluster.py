@@ -32,6 +32,7 @@ import secrets
 import signal
 import socket
 from dataclasses import replace
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -46,7 +47,7 @@ from relayrl.utils.checkpoint import CheckpointManager
 from relayrl.utils.interrupt import Interrupted
 from relayrl.utils.logging import get_logger
 
-log = logging.getLogger("relayrl.launch")
+log = get_logger("launch")
 _node_port = ray.remote(num_cpus=0)(node_port)
 
 
@@ -66,18 +67,14 @@ def connect(rc: RayConfig) -> bool:
             socket.create_connection((host or hostport, int(port or 6379)), timeout=5.0).close()
         except (OSError, ValueError) as e:
             raise RayLaunchError(f"ray.address={address}: no Ray cluster answers there ({e})") from None
-    get_logger("relayrl.launch").info(
+    log.info(
         "set-up: %s Ray (about a minute on a small machine)", f"joining {address}" if address else "starting a local"
     )
+    # a new instance is "local", not None: Ray would otherwise join whatever /tmp/ray/ray_current_cluster
+    # names, a file a crashed `ray start` or test cluster leaves behind, and refuse num_cpus for it
+    new: dict[str, Any] = {} if address else {"num_cpus": rc.num_cpus or None, "include_dashboard": False}
     try:
-        if address:
-            ray.init(address=address, logging_level=logging.ERROR)
-        else:
-            # "local", not None: Ray would otherwise join whatever /tmp/ray/ray_current_cluster names, a
-            # file a crashed `ray start` or test cluster leaves behind, and refuse num_cpus for it.
-            ray.init(
-                address="local", num_cpus=rc.num_cpus or None, include_dashboard=False, logging_level=logging.ERROR
-            )
+        ray.init(address=address or "local", logging_level=logging.ERROR, **new)
     except ConnectionError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RayLaunchError(f"ray.address={address}: {first}") from None
