@@ -134,9 +134,19 @@ class RayRun:
     def start(self) -> None:
         """Place the bundles, start the servers and the trainer ranks (which begin training)."""
         self.place()
-        self._create_ranks()  # their processes start (and import the trainer) while the servers boot
+        r = self.cfg.ray
+        rank = ray.remote(TrainerRank)
+        options = {"num_cpus": r.trainer_cpus, "num_gpus": r.trainer_gpus, "max_restarts": 0}
+        self.ranks = [  # their processes start (and import the trainer) while the servers boot
+            rank.options(**options, scheduling_strategy=self._in_bundle(i)).remote()  # type: ignore[misc]
+            for i in range(r.trainer_ranks)
+        ]
         self.start_servers()
-        self._run_ranks()
+        where: list[tuple[str, int, str, int]] = ray.get([a.where.remote() for a in self.ranks])
+        self.rank_nodes, self.rank_pids = [w[2] for w in where], [w[3] for w in where]
+        master = where[0][:2]
+        log.info("ray: %d trainer ranks, rendezvous at %s:%d", r.trainer_ranks, *master)
+        self.refs = [a.run.remote(self.cfg, i, r.trainer_ranks, master, self.token) for i, a in enumerate(self.ranks)]
 
     def place(self) -> None:
         """Connect, check the cluster's resources, and place the placement group (or fail, in one line)."""
@@ -183,23 +193,6 @@ class RayRun:
             why = [line for line in str(e).splitlines() if re.match(r"[\w.]*(Error|Exception): ", line)]
             raise RayLaunchError(f"ray: a server actor did not start: {why[-1] if why else e}") from None
         log.info("ray: servers at %s", cfg.inference.addresses)
-
-    def _create_ranks(self) -> None:
-        r = self.cfg.ray
-        rank = ray.remote(TrainerRank)
-        options = {"num_cpus": r.trainer_cpus, "num_gpus": r.trainer_gpus, "max_restarts": 0}
-        self.ranks = [
-            rank.options(**options, scheduling_strategy=self._in_bundle(i)).remote()  # type: ignore[misc]
-            for i in range(r.trainer_ranks)
-        ]
-
-    def _run_ranks(self) -> None:
-        r = self.cfg.ray
-        where: list[tuple[str, int, str, int]] = ray.get([a.where.remote() for a in self.ranks])
-        self.rank_nodes, self.rank_pids = [w[2] for w in where], [w[3] for w in where]
-        master = where[0][:2]
-        log.info("ray: %d trainer ranks, rendezvous at %s:%d", r.trainer_ranks, *master)
-        self.refs = [a.run.remote(self.cfg, i, r.trainer_ranks, master, self.token) for i, a in enumerate(self.ranks)]
 
     def wait(self) -> dict[str, float]:
         """Rank 0's last metrics once every rank is done; the first failure stops the run."""
