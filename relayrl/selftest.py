@@ -113,11 +113,10 @@ def compare(a: list[ModelResponse], b: list[ModelResponse]) -> tuple[int, float]
     return same, gap
 
 
-def check_decode(model: PreTrainedModel, device: torch.device) -> list[Check]:
-    """Static decode steps (and on CUDA the captured graphs, flash-attn) against eager steps."""
+def check_decode(model: PreTrainedModel, device: torch.device, eager: list[ModelResponse]) -> list[Check]:
+    """Static decode steps (and on CUDA the captured graphs, flash-attn) against ``eager`` steps' responses."""
     dev = str(device)
     out: list[Check] = []
-    eager, _ = generate(model, dev, False, cuda_graphs=False)
     graphs_skip = "" if device.type == "cuda" else "no CUDA device"
     flash_skip = graphs_skip or ("" if importlib.util.find_spec("flash_attn") else "flash-attn is not installed")
     half = as_dtype(model, torch.bfloat16)
@@ -262,8 +261,8 @@ def check_kv_budget(model: PreTrainedModel, device: torch.device) -> Check:
 
 def run_checks(device: torch.device) -> list[Check]:
     model = build_tiny_model("tiny", seed=0).eval()
-    checks = check_decode(model, device)
     responses, _ = generate(model, str(device), False, cuda_graphs=False)
+    checks = check_decode(model, device, responses)
     steps: list[tuple[str, Callable[[], Check]]] = [
         ("train: packed = per sequence", lambda: check_packed(model, device, batch_of(responses))),
         ("logprobs: generator bf16 vs trainer", lambda: check_bf16_gap(model, device)),
