@@ -127,19 +127,17 @@ def _interrupted(command: str, e: KeyboardInterrupt) -> int:
     # (no relayrl import here: the interrupt may have cut one short)
     signum, step, checkpoint, where = (getattr(e, k, None) for k in ("signum", "step", "checkpoint", "where"))
     signum = signum or signal.SIGINT
-    if where is None and step is not None and getattr(e, "final", False):  # in the final save or teardown
+    if where is None and step is None:
+        where = "before training started; nothing saved" if command == "train" else ""
+    elif where is None and getattr(e, "final", False):  # in the final save or teardown
         where = f"after step {step}, the run's last; " + (
             f"its final checkpoint {checkpoint} is complete" if checkpoint is not None else "no checkpoint saved"
         )
-    elif where is None and step is not None:
-        where = f"after step {step}"
-        if checkpoint is not None:
-            run_dir = checkpoint.parent.parent
-            where += f"; saved {checkpoint}; continue with: relayrl train {run_dir}/config.yaml --recover"
-        else:
-            where += "; no checkpoint saved (checkpoint.save_final=false)"
+    elif where is None and checkpoint is not None:
+        run_dir = checkpoint.parent.parent
+        where = f"after step {step}; saved {checkpoint}; continue with: relayrl train {run_dir}/config.yaml --recover"
     elif where is None:
-        where = "before training started; nothing saved" if command == "train" else ""
+        where = f"after step {step}; no checkpoint saved (checkpoint.save_final=false)"
     print(f"relayrl {command}: stopped by {signal.Signals(signum).name} {where}".rstrip(), file=sys.stderr)
     return 128 + int(signum)
 
@@ -147,17 +145,20 @@ def _interrupted(command: str, e: KeyboardInterrupt) -> int:
 def _serve(argv: list[str]) -> int:
     """``relayrl serve [CONFIG.yaml] [key=value ...] [--model M] [--host H] [--port P] [--device D]``."""
 
+    flags = {  # option: (the ServerConfig field it overrides, its type, help)
+        "--model": ("model.path", str, "model path or tiny preset"),
+        "--lora-adapter": ("model.lora.adapter_path", str, "a peft adapter dir merged into the model"),
+        "--host": ("host", str, "bind address, default 127.0.0.1"),
+        "--port": ("port", int, "TCP port; 0 picks a free one"),
+        "--admin-token": ("admin_token", str, "admin endpoints' bearer token, visible in ps: prefer the next"),
+        "--admin-token-file": ("", str, "a file holding the admin token (or set RELAYRL_ADMIN_TOKEN)"),
+        "--threads": ("torch_threads", int, "torch threads"),
+        "--device": ("inference.device", str, "auto (cuda when available), cpu, cuda or cuda:N"),
+    }
+
     def options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", help="model path or tiny preset (model.path)")
-        p.add_argument("--lora-adapter", help="a peft adapter dir merged into the model (model.lora.adapter_path)")
-        p.add_argument("--host", help="bind address (default 127.0.0.1)")
-        p.add_argument("--port", type=int, help="TCP port; 0 picks a free one")
-        p.add_argument(
-            "--admin-token", help="bearer token for admin endpoints (visible in the process list: prefer the next)"
-        )
-        p.add_argument("--admin-token-file", help="a file holding the admin token (or set RELAYRL_ADMIN_TOKEN)")
-        p.add_argument("--threads", type=int, help="torch threads (torch_threads)")
-        p.add_argument("--device", help="auto (cuda when available), cpu, cuda or cuda:N (inference.device)")
+        for flag, (key, kind, text) in flags.items():
+            p.add_argument(flag, type=kind, help=f"{text} ({key})" if key else text)
 
     ns, path, overrides = _config_args("relayrl serve", argv, options, "Serve a model over HTTP (ServerConfig).")
     if ns.admin_token is not None:
@@ -173,16 +174,9 @@ def _serve(argv: list[str]) -> int:
             raise CommandError(f"--admin-token-file {ns.admin_token_file}: {e.strerror}") from None
         if not ns.admin_token:
             raise CommandError(f"--admin-token-file {ns.admin_token_file} is empty")
-    for key, value in (
-        ("model.path", ns.model),
-        ("model.lora.adapter_path", ns.lora_adapter),
-        ("host", ns.host),
-        ("port", ns.port),
-        ("admin_token", ns.admin_token),
-        ("torch_threads", ns.threads),
-        ("inference.device", ns.device),
-    ):
-        if value is not None:
+    for flag, (key, _, _) in flags.items():
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if key and value is not None:
             overrides.append(f"{key}={value}")
     from relayrl.api.commands import ServerConfig
     from relayrl.api.config import load_config
@@ -337,11 +331,9 @@ def _eval(argv: list[str]) -> int:
             )
         lora = replace(cfg.model.lora, adapter_path=str(latest / "actor"))
         cfg = replace(cfg, model=replace(cfg.model, lora=lora))
-    elif latest is not None:
-        if not (latest / "actor" / "tokenizer_config.json").is_file():  # written before checkpoints had one
-            tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
-        else:  # the checkpoint's own (the run's tokenizer, saved): the run's model directory may be gone
-            tokenizer_path = ""
+    elif latest is not None:  # the checkpoint's own tokenizer (the run's, saved): its model directory may be gone
+        saved = (latest / "actor" / "tokenizer_config.json").is_file()  # not in checkpoints written before
+        tokenizer_path = "" if saved else cfg.model.tokenizer_path or cfg.model.path
         cfg = replace(cfg, model=replace(cfg.model, path=str(latest / "actor"), tokenizer_path=tokenizer_path))
     from relayrl.data.preflight import check_run
 

@@ -82,9 +82,14 @@ def generate(
         return answers(eng), eng
 
 
-def verdict(name: str, ok: bool, figure: str, detail: str, values: dict[str, float], t0: float) -> Check:
-    """The row of a check that passes when ``ok``, timed from ``t0``."""
-    return Check(name, "pass" if ok else "fail", figure, detail, values, time.perf_counter() - t0)
+def verdict(
+    name: str, ok: bool, figure: str, detail: str, values: dict[str, float], t0: float, before: set[str] | None = None
+) -> Check:
+    """The row of a check that passes when ``ok``, timed from ``t0``; with ``before`` (the fast paths
+    that had fallen back when it started), one that fell back since fails, naming it."""
+    new = {k: v for k, v in failsafe.FALLBACKS.items() if before is not None and k not in before}
+    fell = "; ".join(f"{k} fell back: {v}" for k, v in new.items())
+    return Check(name, "pass" if ok and not fell else "fail", figure, fell or detail, values, time.perf_counter() - t0)
 
 
 def as_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -108,16 +113,10 @@ def compare(a: list[ModelResponse], b: list[ModelResponse]) -> tuple[int, float]
     return same, gap
 
 
-def _fell_back(before: set[str]) -> str:
-    new = {k: v for k, v in failsafe.FALLBACKS.items() if k not in before}
-    return "; ".join(f"{k} fell back: {v}" for k, v in new.items())
-
-
-def check_decode(model: PreTrainedModel, device: torch.device) -> list[Check]:
-    """Static decode steps (and on CUDA the captured graphs, flash-attn) against eager steps."""
+def check_decode(model: PreTrainedModel, device: torch.device, eager: list[ModelResponse]) -> list[Check]:
+    """Static decode steps (and on CUDA the captured graphs, flash-attn) against ``eager`` steps' responses."""
     dev = str(device)
     out: list[Check] = []
-    eager, _ = generate(model, dev, False, cuda_graphs=False)
     graphs_skip = "" if device.type == "cuda" else "no CUDA device"
     flash_skip = graphs_skip or ("" if importlib.util.find_spec("flash_attn") else "flash-attn is not installed")
     half = as_dtype(model, torch.bfloat16)
@@ -126,27 +125,21 @@ def check_decode(model: PreTrainedModel, device: torch.device) -> list[Check]:
         ("decode: CUDA graphs = eager", model, True, graphs_skip),
         ("decode: flash-attn = SDPA (bf16)", half, True, flash_skip),
     ]
-    eager_half = None
     for name, m, graphs, skip in variants:
         if skip:
             out.append(Check(name, "skip", "-", skip))
             continue
         t0, before = time.perf_counter(), set(failsafe.FALLBACKS)
         got, eng = generate(m, dev, True, cuda_graphs=graphs)
-        flash = m is half
-        ref = eager
-        if flash:
-            eager_half = eager_half or generate(half, dev, False, cuda_graphs=False)[0]
-            ref = eager_half
-        same, gap = compare(got, ref)
+        flash = m is half  # compared with eager steps on the same bf16 weights
+        same, gap = compare(got, generate(half, dev, False, cuda_graphs=False)[0] if flash else eager)
         tol = 0.1 if flash else 1e-4
         need = len(PROMPTS) - (1 if flash else 0)  # bf16: a near-tie may flip one greedy row
-        fell = _fell_back(before)
-        ok = same >= need and gap <= tol and not fell
         static = eng._static
         used = f"attention={static.attention}, graphs captured={static.captures}" if static is not None else ""
         figure = f"{same}/{len(PROMPTS)} rows equal, max |dlogp| {gap:.2g} (bound {tol:g})"
-        out.append(verdict(name, ok, figure, fell or used, {"rows_equal": same, "max_logprob_gap": gap}, t0))
+        values = {"rows_equal": same, "max_logprob_gap": gap}
+        out.append(verdict(name, same >= need and gap <= tol, figure, used, values, t0, before))
     return out
 
 
@@ -186,11 +179,10 @@ def check_bf16_gap(model: PreTrainedModel, device: torch.device) -> Check:
     mask = batch["loss_mask"].bool()
     diff = (trainer[mask] - batch["logprobs"][mask]).abs()
     mean, top = float(diff.mean()), float(diff.max())
-    fell = _fell_back(before)
-    ok = mean <= BF16_MEAN and top <= BF16_MAX and not fell
+    ok = mean <= BF16_MEAN and top <= BF16_MAX
     figure = f"mean |dlogp| {mean:.3g} (bound {BF16_MEAN:g}), max {top:.3g} (bound {BF16_MAX:g})"
     values = {"mean_gap": mean, "max_gap": top}
-    return verdict("logprobs: generator bf16 vs trainer", ok, figure, fell or f"{int(mask.sum())} tokens", values, t0)
+    return verdict("logprobs: generator bf16 vs trainer", ok, figure, f"{int(mask.sum())} tokens", values, t0, before)
 
 
 def _receiver(port: int, backend: str, result: mp.SimpleQueue) -> None:
@@ -243,11 +235,10 @@ def check_release(model: PreTrainedModel, device: torch.device) -> Check:
         eng.resume_memory()
         again = answers(eng)
     same, gap = compare(again, first)
-    fell = _fell_back(before)
-    ok = same == len(PROMPTS) and gap <= 1e-5 and not fell and (device.type != "cuda" or freed > 0)
+    ok = same == len(PROMPTS) and gap <= 1e-5 and (device.type != "cuda" or freed > 0)
     where = f"{freed:.1f} MB freed while released" if device.type == "cuda" else "CPU: weights stay in place"
     figure = f"{same}/{len(PROMPTS)} rows equal after resume, {where}"
-    return verdict("memory: release/resume", ok, figure, fell, {"rows_equal": same, "freed_mb": freed}, t0)
+    return verdict("memory: release/resume", ok, figure, "", {"rows_equal": same, "freed_mb": freed}, t0, before)
 
 
 def check_kv_budget(model: PreTrainedModel, device: torch.device) -> Check:
@@ -270,8 +261,8 @@ def check_kv_budget(model: PreTrainedModel, device: torch.device) -> Check:
 
 def run_checks(device: torch.device) -> list[Check]:
     model = build_tiny_model("tiny", seed=0).eval()
-    checks = check_decode(model, device)
     responses, _ = generate(model, str(device), False, cuda_graphs=False)
+    checks = check_decode(model, device, responses)
     steps: list[tuple[str, Callable[[], Check]]] = [
         ("train: packed = per sequence", lambda: check_packed(model, device, batch_of(responses))),
         ("logprobs: generator bf16 vs trainer", lambda: check_bf16_gap(model, device)),

@@ -130,9 +130,8 @@ def make_inference_engine(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) ->
 
 def make_reward_pool(cfg: RunConfig, reward_fn: RewardFn) -> RewardPool | None:
     """Reward worker processes (``rollout.reward_workers``), shared by the training and eval workflows."""
-    if cfg.rollout.reward_workers == 0:
-        return None
-    return RewardPool(reward_fn, cfg.rollout.reward_workers, cfg.rollout.reward_timeout)
+    r = cfg.rollout
+    return RewardPool(reward_fn, r.reward_workers, r.reward_timeout) if r.reward_workers else None
 
 
 def make_workflow(

@@ -71,11 +71,10 @@ def _word_loader(base: type[yaml.SafeLoader]) -> type[yaml.SafeLoader]:
         pass
 
     def word(loader: yaml.SafeLoader, node: yaml.Node) -> YamlWord:
-        resolved = {
-            "tag:yaml.org,2002:bool": loader.construct_yaml_bool,
-            "tag:yaml.org,2002:null": loader.construct_yaml_null,
-        }
-        return YamlWord(str(node.value), resolved[node.tag](node))
+        is_bool = node.tag == "tag:yaml.org,2002:bool"
+        return YamlWord(
+            str(node.value), loader.construct_yaml_bool(node) if is_bool else loader.construct_yaml_null(node)
+        )
 
     for tag in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:null"):
         Loader.add_constructor(tag, word)

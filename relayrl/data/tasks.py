@@ -189,11 +189,8 @@ def task_fn(value: str, field: str = "data.task") -> TaskFn:
         from relayrl.data.reasoning_gym_tasks import reasoning_gym_task_fn
 
         return reasoning_gym_task_fn(value)
-    return resolve(field, value, TASKS, "a function returning (train_rows, eval_rows)", _as_task)
-
-
-def _as_task(obj: object) -> TaskFn | None:
-    return cast(TaskFn, obj) if callable(obj) else None
+    expected = "a function returning (train_rows, eval_rows)"
+    return resolve(field, value, TASKS, expected, lambda obj: cast(TaskFn, obj) if callable(obj) else None)
 
 
 def make_task(

@@ -209,10 +209,6 @@ def expand_image_tokens(ids: list[int], grid: torch.Tensor, image_token_id: int,
     return out
 
 
-def count_image_tokens(ids: list[int], image_token_id: int) -> int:
-    return sum(1 for t in ids if t == image_token_id)
-
-
 IMAGE_PARTS = ("image", "image_url", "input_image")  # the content part types that carry an image
 
 

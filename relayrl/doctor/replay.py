@@ -49,8 +49,7 @@ CAUSES = (
 
 
 def latest_step(run_dir: str | Path) -> int:
-    steps = [int(p.name.removeprefix("step_")) for p in (Path(run_dir) / "doctor").glob("step_*")]
-    steps = [s for s in steps if (record_dir(run_dir, s) / "record.pt").exists()]
+    steps = [int(p.parent.name.removeprefix("step_")) for p in (Path(run_dir) / "doctor").glob("step_*/record.pt")]
     if not steps:
         raise FileNotFoundError(
             f"{run_dir} has no doctor records (RUN_DIR/doctor/step_N/record.pt); train with logging.doctor_every > 0"

@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from relayrl.utils.rollouts import read_index, step_file
+from relayrl.utils.rollouts import read_index, run_names, step_file
 
 CALLBACK = "relayrlData"
 
@@ -54,32 +54,17 @@ def metrics_rows(run_dir: Path) -> list[dict[str, float]]:
     return rows
 
 
-def run_names(run_dirs: list[Path]) -> list[str]:
-    """Short distinct labels: the last path parts that tell the runs apart (``demo/grpo``)."""
-    for depth in range(1, 6):
-        names = ["/".join(p.resolve().parts[-depth:]) for p in run_dirs]
-        if len(set(names)) == len(names):
-            return names
-    return [str(p) for p in run_dirs]
-
-
-def manifest(run_dirs: list[Path]) -> dict[str, object]:
-    """Every run's name, saved steps (index entries) and metrics rows."""
-    names = run_names(run_dirs)
-    return {
-        "runs": [
-            {"name": name, "dir": str(d), "steps": read_index(d), "metrics": metrics_rows(d)}
-            for name, d in zip(names, run_dirs, strict=True)
-        ]
-    }
-
-
 def script(key: str, payload_json: str) -> str:
     return f"{CALLBACK}({json.dumps(key)},{payload_json});\n"
 
 
 def manifest_json(run_dirs: list[Path]) -> str:
-    return json.dumps(manifest(run_dirs), separators=(",", ":"))
+    """Every run's name, saved steps (index entries) and metrics rows."""
+    runs = [
+        {"name": name, "dir": str(d), "steps": read_index(d), "metrics": metrics_rows(d)}
+        for name, d in zip(run_names(run_dirs), run_dirs, strict=True)
+    ]
+    return json.dumps({"runs": runs}, separators=(",", ":"))
 
 
 def manifest_script(run_dirs: list[Path]) -> str:

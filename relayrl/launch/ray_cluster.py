@@ -32,6 +32,7 @@ import secrets
 import signal
 import socket
 from dataclasses import replace
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -46,7 +47,7 @@ from relayrl.utils.checkpoint import CheckpointManager
 from relayrl.utils.interrupt import Interrupted
 from relayrl.utils.logging import get_logger
 
-log = logging.getLogger("relayrl.launch")
+log = get_logger("launch")
 _node_port = ray.remote(num_cpus=0)(node_port)
 
 
@@ -66,18 +67,14 @@ def connect(rc: RayConfig) -> bool:
             socket.create_connection((host or hostport, int(port or 6379)), timeout=5.0).close()
         except (OSError, ValueError) as e:
             raise RayLaunchError(f"ray.address={address}: no Ray cluster answers there ({e})") from None
-    get_logger("relayrl.launch").info(
+    log.info(
         "set-up: %s Ray (about a minute on a small machine)", f"joining {address}" if address else "starting a local"
     )
+    # a new instance is "local", not None: Ray would otherwise join whatever /tmp/ray/ray_current_cluster
+    # names, a file a crashed `ray start` or test cluster leaves behind, and refuse num_cpus for it
+    new: dict[str, Any] = {} if address else {"num_cpus": rc.num_cpus or None, "include_dashboard": False}
     try:
-        if address:
-            ray.init(address=address, logging_level=logging.ERROR)
-        else:
-            # "local", not None: Ray would otherwise join whatever /tmp/ray/ray_current_cluster names, a
-            # file a crashed `ray start` or test cluster leaves behind, and refuse num_cpus for it.
-            ray.init(
-                address="local", num_cpus=rc.num_cpus or None, include_dashboard=False, logging_level=logging.ERROR
-            )
+        ray.init(address=address or "local", logging_level=logging.ERROR, **new)
     except ConnectionError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RayLaunchError(f"ray.address={address}: {first}") from None
@@ -137,9 +134,19 @@ class RayRun:
     def start(self) -> None:
         """Place the bundles, start the servers and the trainer ranks (which begin training)."""
         self.place()
-        self._create_ranks()  # their processes start (and import the trainer) while the servers boot
+        r = self.cfg.ray
+        rank = ray.remote(TrainerRank)
+        options = {"num_cpus": r.trainer_cpus, "num_gpus": r.trainer_gpus, "max_restarts": 0}
+        self.ranks = [  # their processes start (and import the trainer) while the servers boot
+            rank.options(**options, scheduling_strategy=self._in_bundle(i)).remote()  # type: ignore[misc]
+            for i in range(r.trainer_ranks)
+        ]
         self.start_servers()
-        self._run_ranks()
+        where: list[tuple[str, int, str, int]] = ray.get([a.where.remote() for a in self.ranks])
+        self.rank_nodes, self.rank_pids = [w[2] for w in where], [w[3] for w in where]
+        master = where[0][:2]
+        log.info("ray: %d trainer ranks, rendezvous at %s:%d", r.trainer_ranks, *master)
+        self.refs = [a.run.remote(self.cfg, i, r.trainer_ranks, master, self.token) for i, a in enumerate(self.ranks)]
 
     def place(self) -> None:
         """Connect, check the cluster's resources, and place the placement group (or fail, in one line)."""
@@ -186,23 +193,6 @@ class RayRun:
             why = [line for line in str(e).splitlines() if re.match(r"[\w.]*(Error|Exception): ", line)]
             raise RayLaunchError(f"ray: a server actor did not start: {why[-1] if why else e}") from None
         log.info("ray: servers at %s", cfg.inference.addresses)
-
-    def _create_ranks(self) -> None:
-        r = self.cfg.ray
-        rank = ray.remote(TrainerRank)
-        options = {"num_cpus": r.trainer_cpus, "num_gpus": r.trainer_gpus, "max_restarts": 0}
-        self.ranks = [
-            rank.options(**options, scheduling_strategy=self._in_bundle(i)).remote()  # type: ignore[misc]
-            for i in range(r.trainer_ranks)
-        ]
-
-    def _run_ranks(self) -> None:
-        r = self.cfg.ray
-        where: list[tuple[str, int, str, int]] = ray.get([a.where.remote() for a in self.ranks])
-        self.rank_nodes, self.rank_pids = [w[2] for w in where], [w[3] for w in where]
-        master = where[0][:2]
-        log.info("ray: %d trainer ranks, rendezvous at %s:%d", r.trainer_ranks, *master)
-        self.refs = [a.run.remote(self.cfg, i, r.trainer_ranks, master, self.token) for i, a in enumerate(self.ranks)]
 
     def wait(self) -> dict[str, float]:
         """Rank 0's last metrics once every rank is done; the first failure stops the run."""

@@ -47,9 +47,7 @@ def get_logger(name: str = "relayrl") -> logging.Logger:
         root.addHandler(handler)
         root.setLevel(os.environ.get("RELAYRL_LOG_LEVEL", "INFO").upper())
         root.propagate = False
-    if name == "relayrl" or name.startswith("relayrl."):
-        return logging.getLogger(name)
-    return logging.getLogger(f"relayrl.{name}")
+    return logging.getLogger(name if name == "relayrl" or name.startswith("relayrl.") else f"relayrl.{name}")
 
 
 def _import_wandb() -> ModuleType:

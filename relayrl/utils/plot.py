@@ -8,6 +8,8 @@ from pathlib import Path
 import matplotlib
 import matplotlib.figure
 
+from relayrl.utils.rollouts import run_names
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -36,15 +38,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_labels(run_dirs: list[str | Path]) -> list[str]:
-    """Each run's legend label: its directory name, or its whole path where names repeat."""
-    names = [Path(d).name for d in run_dirs]
-    return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs, strict=True)]
-
-
 def figure(run_dirs: list[str | Path]) -> matplotlib.figure.Figure:
     """The learning curves of ``run_dirs`` overlaid: one panel per metric family, one line per run."""
-    runs = {label: read_metrics(d) for label, d in zip(run_labels(run_dirs), run_dirs, strict=True)}
+    runs = {label: read_metrics(d) for label, d in zip(run_names([Path(d) for d in run_dirs]), run_dirs, strict=True)}
     fig, axes = plt.subplots(2, (len(PANELS) + 1) // 2, figsize=(18, 7))
     for ax in axes.flat[len(PANELS) :]:
         fig.delaxes(ax)

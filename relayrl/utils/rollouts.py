@@ -29,6 +29,16 @@ TOKEN_FIELDS = {"logprobs": "logp", "advantages": "adv", "versions": "ver", "ent
 TRAINER_LOGP = ("trainer_logp", "prox_logp", "old_logp")
 
 
+def run_names(run_dirs: list[Path]) -> list[str]:
+    """Short distinct labels of runs (``relayrl inspect``'s and ``relayrl plot``'s): the last path parts
+    that tell them apart (``demo/grpo``)."""
+    for depth in range(1, 6):
+        names = ["/".join(p.resolve().parts[-depth:]) for p in run_dirs]
+        if len(set(names)) == len(names):
+            return names
+    return [str(p) for p in run_dirs]
+
+
 def step_file(run_dir: Path, step: int) -> Path:
     return run_dir / "rollouts" / f"step_{step:06d}.jsonl"
 

@@ -134,13 +134,9 @@ class GuardMiddleware:
                 return
             if not message.get("more_body", False):
                 break
-        sent = False
+        first = iter([{"type": "http.request", "body": bytes(body), "more_body": False}])
 
-        async def replay() -> dict[str, object]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return typing.cast(dict[str, object], await receive())
+        async def replay() -> dict[str, object]:  # the body read above, then what the client sends next
+            return next(first, None) or typing.cast(dict[str, object], await receive())
 
         await self.app(scope, replay, send)  # type: ignore[operator]

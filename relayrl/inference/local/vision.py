@@ -21,7 +21,6 @@ from transformers import DynamicCache, PreTrainedModel
 from relayrl.api.io import ModelRequest
 from relayrl.data.vision import (
     VisionInputs,
-    count_image_tokens,
     image_embeds,
     load_image,
     merge_size,
@@ -50,7 +49,7 @@ def request_vision(
 ) -> VisionInputs | None:
     """The vision inputs of ``req`` (None without images); ``ValueError`` naming the request and
     the image when an image is unreadable, rejected, or does not match the prompt's pad tokens."""
-    n_pad = count_image_tokens(req.input_ids, image_token_id) if image_token_id >= 0 else 0
+    n_pad = req.input_ids.count(image_token_id) if image_token_id >= 0 else 0
     if not req.image_data:
         if n_pad:
             raise ValueError(f"request {req.rid!r}: input_ids hold {n_pad} image pad tokens but image_data is empty")
