@@ -94,7 +94,6 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         )
         self.device = torch.device("cpu")
         self.kv_capacity, self.kv_capacity_by = config.max_tokens_in_flight, "inference.max_tokens_in_flight"
-        self._version = 0
         self._waiting = queue.Queue()
         self._control: queue.Queue[tuple[Callable[[], object], Future[object]]] = queue.Queue()
         self._wake = threading.Condition()
@@ -323,12 +322,6 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
     def load_state_dict(self, state: dict[str, int]) -> None:
         with self._key_lock:
             self._keys = itertools.count(int(state["next_key"]))
-
-    def get_version(self) -> int:
-        return self._version
-
-    def set_version(self, version: int) -> None:
-        self._version = version
 
     def pause(self) -> None:
         """Stop after the current decode step; running and queued requests wait."""

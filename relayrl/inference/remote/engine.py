@@ -77,7 +77,6 @@ class RemoteEngine(InferenceEngine):
         self._update_lock = threading.Lock()
         self._affinity: collections.OrderedDict[str, Server] = collections.OrderedDict()
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, MicroBatcher] = weakref.WeakKeyDictionary()
-        self._version = 0
         # the syncs: full weights by weight_sync mode (disk, http, broadcast; made at first use, or at connect
         # when inference.weight_sync says which), adapters (model.lora.sync=adapter)
         self._syncs: dict[str, WeightSync] = {}
@@ -252,9 +251,6 @@ class RemoteEngine(InferenceEngine):
             self._batchers[loop] = batcher
         return batcher.submit(srv.url, call)
 
-    def _backoff(self, attempt: int) -> float:
-        return min(0.05 * 2**attempt, 5.0) * (0.5 + random.random())
-
     # ------------------------------------------------------------------ generation
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         g = req.gconfig
@@ -321,14 +317,12 @@ class RemoteEngine(InferenceEngine):
                     self._affinity.pop(req.rid, None)  # rebalanced: another server if one is less loaded
                 attempt = self._count_failure(attempt, req.rid, str(e), "retried")
                 continue
-            except DEAD_ERRORS as e:
-                self.evict(srv, repr(e))
-                attempt = self._count_failure(attempt, req.rid, repr(e), "reissued")
-                await asyncio.sleep(self._backoff(attempt))
-                continue
-            except (httpx.TimeoutException, ServerError) as e:
-                attempt = self._count_failure(attempt, req.rid, repr(e), "retried")
-                await asyncio.sleep(self._backoff(attempt))
+            except (*DEAD_ERRORS, httpx.TimeoutException, ServerError) as e:  # dead: evicted, re-issued elsewhere
+                dead = isinstance(e, DEAD_ERRORS)
+                if dead:
+                    self.evict(srv, repr(e))
+                attempt = self._count_failure(attempt, req.rid, repr(e), "reissued" if dead else "retried")
+                await asyncio.sleep(min(0.05 * 2**attempt, 5.0) * (0.5 + random.random()))  # backoff, jittered
                 continue
             finally:
                 self._release(srv)
@@ -408,12 +402,6 @@ class RemoteEngine(InferenceEngine):
     def resume(self) -> None:
         self.fan_out(lambda s: self.admin(s, self.backend.resume()), [s for s in self.servers if s.alive])
         self.paused = False
-
-    def get_version(self) -> int:
-        return self._version
-
-    def set_version(self, version: int) -> None:
-        self._version = version
 
     # ------------------------------------------------------------------ health
     def _probe(self, srv: Server, record_version: bool = True) -> bool:

@@ -174,11 +174,9 @@ class VLLMBackend:
         parameters per request): (call, indices of the items it carries)."""
         groups: dict[str, list[int]] = {}
         for i, c in enumerate(calls):
-            if c.path != "/v1/completions":  # the token-in route takes one prompt per call
-                groups[f"{i}"] = [i]
-                continue
             key = repr([(k, v) for k, v in (c.json or {}).items() if k not in ("prompt", "request_id")])
-            groups.setdefault(key, []).append(i)
+            # (the token-in route takes one prompt per call: a group of its own)
+            groups.setdefault(key if c.path == "/v1/completions" else f"{i}", []).append(i)
         out = []
         for idx in groups.values():
             if len(idx) == 1:
