@@ -277,9 +277,8 @@ class RemoteEngine(InferenceEngine):
                 await asyncio.sleep(min(0.2, self.config.server_wait_timeout / 10))
                 continue
             no_server_since = None
-            if (
-                self.paused or srv.updating
-            ):  # held here while weights change: a request runs under the version it is sent under
+            # held here while weights change: a request runs under the version it is sent under
+            if self.paused or srv.updating:
                 self._release(srv)
                 await asyncio.sleep(0.005)
                 continue
@@ -287,10 +286,8 @@ class RemoteEngine(InferenceEngine):
             adapter = srv.adapter  # with an adapter, its name carries the version (the server's is the base's)
             self.counters["requests"] += 1
             try:
-                render = (
-                    self.backend.render(srv, req.rid, req.input_ids, images) if images and features is None else None
-                )
-                if render is not None:  # the images rendered once (vLLM), then sent with every continuation
+                # the images rendered once (vLLM), then sent with every continuation
+                if images and features is None and (render := self.backend.render(srv, req.rid, req.input_ids, images)):
                     rendered = self._send(srv.url, render.call)
                     features = render.features(await self._inflight.run(srv, rendered, self.config.request_timeout))
                 # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)

@@ -201,10 +201,6 @@ def finish_update(version: int) -> Call:
     return Call("POST", "/finish_weight_update", {"weight_version": str(version)})
 
 
-def set_version(version: int) -> Call:
-    return Call("POST", "/update_weight_version", {"new_version": str(version)})
-
-
 def require_routes(info: PeerInfo, url: str, sync: str) -> None:
     """Start-up check that ``url`` has the routes weight_sync=``sync`` needs."""
     if info.protocol != "vllm" or not info.routes or info.server == "relayrl":
@@ -286,7 +282,7 @@ class VLLMDisk(DiskSync):
             else:
                 vllm.parse_update(admin(srv, vllm.update_from_disk(path, version)))
                 if srv.info is not None and "/update_weight_version" in srv.info.routes:  # /weight_info then reports it
-                    admin(srv, set_version(version))
+                    admin(srv, Call("POST", "/update_weight_version", {"new_version": str(version)}))
 
         paused_for_update(self.fleet, vllm, [srv], load)
         self.confirm(srv, version)
