@@ -79,9 +79,8 @@ class RequestControl(EngineState):
         which nothing predicts) and, for ``k`` > 0, the ``k`` most likely (id, logprob) there."""
 
         def score() -> torch.Tensor:
-            assert self.model is not None
-            with torch.inference_mode():
-                logits = self.model(torch.tensor([ids], device=self.device), use_cache=False).logits[0, :-1]
+            assert self.model is not None  # (_call_in_loop runs it in inference mode)
+            logits = self.model(torch.tensor([ids], device=self.device), use_cache=False).logits[0, :-1]
             return torch.log_softmax(logits[max(start, 1) - 1 :].float(), -1).cpu()  # row t - 1: token t's distribution
 
         logp = await asyncio.to_thread(self._call_in_loop, score)
