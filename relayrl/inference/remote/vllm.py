@@ -218,10 +218,9 @@ class VLLMBackend:
         if len(tokens) != len(token_logprobs):
             raise ProtocolError(f"{len(tokens)} tokens but {len(token_logprobs)} token_logprobs")
         finish = choice.get("finish_reason")
-        kind = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(finish))
-        if kind is None:
+        if finish not in ("stop", "length", "abort"):
             raise ProtocolError(f"unknown finish_reason {finish!r}")
-        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], typing.cast(StopReason, kind))
+        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], typing.cast(StopReason, finish))
 
     def update_from_disk(self, path: str, version: int) -> Call:
         return Call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
