@@ -109,11 +109,13 @@ class InferenceEngine(abc.ABC):
     def update_weights(self, update: WeightUpdate) -> None:
         """Apply new weights (blocking) and set the version to ``update.version``."""
 
-    @abc.abstractmethod
-    def get_version(self) -> int: ...
+    _version = 0  # the version of the weights served (update_weights sets it)
 
-    @abc.abstractmethod
-    def set_version(self, version: int) -> None: ...
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
 
     @abc.abstractmethod
     def pause(self) -> None:

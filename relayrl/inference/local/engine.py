@@ -47,7 +47,7 @@ from relayrl.inference.local.graphs import Kernels, StaticDecoder
 from relayrl.inference.local.memory import MemoryRelease
 from relayrl.inference.local.requests import RequestControl
 from relayrl.inference.local.sampling import RowParams, penalized, sample
-from relayrl.inference.local.seq import Seq, load_hf_state_dict, resolver, validate_request
+from relayrl.inference.local.seq import Seq, load_hf_state_dict, resolver
 from relayrl.inference.local.slab import SlabBatch
 from relayrl.inference.local.vision import image_key, request_vision
 from relayrl.utils.batching import length_groups
@@ -94,7 +94,6 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
         )
         self.device = torch.device("cpu")
         self.kv_capacity, self.kv_capacity_by = config.max_tokens_in_flight, "inference.max_tokens_in_flight"
-        self._version = 0
         self._waiting = queue.Queue()
         self._control: queue.Queue[tuple[Callable[[], object], Future[object]]] = queue.Queue()
         self._wake = threading.Condition()
@@ -196,14 +195,7 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
     ) -> ModelResponse:
         if self._thread is None:
             raise RuntimeError("LocalEngine.agenerate called before initialize() (or after destroy())")
-        validate_request(
-            req,
-            self.vocab_size,
-            self.max_positions,
-            self.kv_capacity,
-            self.kv_capacity_by,
-            has_tokenizer=self.tokenizer is not None,
-        )
+        self._validate(req)
         loop = asyncio.get_running_loop()
         with self._key_lock:
             key = self.config.seed * 1_000_003 + next(self._keys)
@@ -323,12 +315,6 @@ class LocalEngine(RequestControl, SlabBatch, MemoryRelease, InferenceEngine):
     def load_state_dict(self, state: dict[str, int]) -> None:
         with self._key_lock:
             self._keys = itertools.count(int(state["next_key"]))
-
-    def get_version(self) -> int:
-        return self._version
-
-    def set_version(self, version: int) -> None:
-        self._version = version
 
     def pause(self) -> None:
         """Stop after the current decode step; running and queued requests wait."""

@@ -49,10 +49,7 @@ COL_STEP = 128
 
 def bucket_rows(n: int) -> int:
     """The row bucket of a batch of ``n`` rows (past the largest bucket: the next multiple of 128)."""
-    for b in ROW_BUCKETS:
-        if n <= b:
-            return b
-    return -(-n // 128) * 128
+    return next((b for b in ROW_BUCKETS if n <= b), -(-n // 128) * 128)
 
 
 def bucket_cols(n: int, step: int = COL_STEP) -> int:

@@ -1,6 +1,6 @@
-"""What LocalEngine offers beyond ``agenerate`` (mixed into ``LocalEngine``): streaming token by
-token (``astream``), OpenAI's ``top_logprobs`` recomputed from the model (``atop_logprobs``) and
-SGLang's single-request abort (``abort_rid``)."""
+"""Requests in LocalEngine beyond ``agenerate`` (mixed into ``LocalEngine``): checked against the engine's
+limits (``_validate``), streamed token by token (``astream``), OpenAI's ``top_logprobs`` recomputed from the
+model (``atop_logprobs``) and SGLang's single-request abort (``abort_rid``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,32 @@ from relayrl.inference.local.state import EngineState
 
 
 class RequestControl(EngineState):
-    """Streaming, top logprobs and single-request aborts over ``LocalEngine``'s state."""
+    """Request checks, streaming, top logprobs and single-request aborts over ``LocalEngine``'s state."""
+
+    def _validate(self, req: ModelRequest) -> None:
+        """``ValueError`` naming the request and the field when ``req`` asks what this engine cannot give
+        (checked before it queues, so a bad request fails alone)."""
+        ids, g, at, vocab = req.input_ids, req.gconfig, f"request {req.rid!r}", self.vocab_size
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(f"{at}: input_ids must be a non-empty list of token ids")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"{at}: input_ids[{i}]={t!r} is not a token id in [0, {vocab})")
+        if not isinstance(g, GenerationConfig):
+            raise ValueError(f"{at}: gconfig must be a GenerationConfig, got {type(g).__name__}")
+        try:
+            g.validate()
+        except ValueError as e:
+            raise ValueError(f"{at}: gconfig.{e}") from None
+        if any(t >= vocab for t in g.stop_token_ids):
+            raise ValueError(f"{at}: gconfig.stop_token_ids {g.stop_token_ids} has ids >= vocab size {vocab}")
+        if g.stop and self.tokenizer is None:
+            raise ValueError(f"{at}: gconfig.stop (stop strings) needs the engine to have a tokenizer")
+        need = f"{at}: prompt length {len(ids)} + max_new_tokens {g.max_new_tokens}"
+        if len(ids) + g.max_new_tokens > self.max_positions:
+            raise ValueError(f"{need} exceeds the model's max_position_embeddings {self.max_positions}")
+        if len(ids) + g.max_new_tokens > self.kv_capacity:
+            raise ValueError(f"{need} cannot fit in the KV cache of {self.kv_capacity} tokens ({self.kv_capacity_by})")
 
     async def astream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
         """Token by token (one chunk per generated token), then the response."""
@@ -54,9 +79,8 @@ class RequestControl(EngineState):
         which nothing predicts) and, for ``k`` > 0, the ``k`` most likely (id, logprob) there."""
 
         def score() -> torch.Tensor:
-            assert self.model is not None
-            with torch.inference_mode():
-                logits = self.model(torch.tensor([ids], device=self.device), use_cache=False).logits[0, :-1]
+            assert self.model is not None  # (_call_in_loop runs it in inference mode)
+            logits = self.model(torch.tensor([ids], device=self.device), use_cache=False).logits[0, :-1]
             return torch.log_softmax(logits[max(start, 1) - 1 :].float(), -1).cpu()  # row t - 1: token t's distribution
 
         logp = await asyncio.to_thread(self._call_in_loop, score)

@@ -1,6 +1,5 @@
 """Pieces of LocalEngine that need none of its state: a request's record, the thread-safe
-future resolver, reading a checkpoint directory's weights and checking a request against an
-engine's limits."""
+future resolver and reading a checkpoint directory's weights."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from relayrl.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason
+from relayrl.api.io import GenerationConfig, ModelResponse, StopReason
 from relayrl.data.vision import VisionInputs
 
 # one prefill's result: per-layer (keys, values), padding mask [n, L], last logits [n, V]
@@ -101,36 +100,3 @@ def resolver(
             loop.call_soon_threadsafe(settle, result)
 
     return done
-
-
-def validate_request(
-    req: ModelRequest,
-    vocab_size: int,
-    max_positions: int,
-    kv_capacity: int,
-    kv_capacity_by: str,
-    has_tokenizer: bool,
-) -> None:
-    """``ValueError`` naming the request and the field when ``req`` asks what an engine with these
-    limits cannot give (checked before it queues, so a bad request fails alone)."""
-    ids, g, at = req.input_ids, req.gconfig, f"request {req.rid!r}"
-    if not isinstance(ids, list) or not ids:
-        raise ValueError(f"{at}: input_ids must be a non-empty list of token ids")
-    for i, t in enumerate(ids):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise ValueError(f"{at}: input_ids[{i}]={t!r} is not a token id in [0, {vocab_size})")
-    if not isinstance(g, GenerationConfig):
-        raise ValueError(f"{at}: gconfig must be a GenerationConfig, got {type(g).__name__}")
-    try:
-        g.validate()
-    except ValueError as e:
-        raise ValueError(f"{at}: gconfig.{e}") from None
-    if any(t >= vocab_size for t in g.stop_token_ids):
-        raise ValueError(f"{at}: gconfig.stop_token_ids {g.stop_token_ids} has ids >= vocab size {vocab_size}")
-    if g.stop and not has_tokenizer:
-        raise ValueError(f"{at}: gconfig.stop (stop strings) needs the engine to have a tokenizer")
-    need = f"{at}: prompt length {len(ids)} + max_new_tokens {g.max_new_tokens}"
-    if len(ids) + g.max_new_tokens > max_positions:
-        raise ValueError(f"{need} exceeds the model's max_position_embeddings {max_positions}")
-    if len(ids) + g.max_new_tokens > kv_capacity:
-        raise ValueError(f"{need} cannot fit in the KV cache of {kv_capacity} tokens ({kv_capacity_by})")

@@ -1,7 +1,7 @@
 """The state LocalEngine's parts share, declared once (for readers and the type checker).
 
 ``LocalEngine`` (``engine.py``: lifecycle, the loop, weights) sets every field; its running batch
-(``slab.py``), request control (``requests.py``) and memory release (``memory.py``) are mixins over
+(``slab.py``), request checks and control (``requests.py``) and memory release (``memory.py``) are mixins over
 ``EngineState`` that use them on the loop thread. The fields stay on the engine, not in an object it
 holds: the mixins are parts of one engine on one thread, and the decode loop reads them every step.
 """
@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.api.config import InferenceConfig
 from relayrl.api.io import ModelResponse
@@ -31,7 +31,10 @@ class EngineState:
 
     config: InferenceConfig
     model: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase | None
     device: torch.device
+    vocab_size: int
+    max_positions: int
     kv_capacity: int
     kv_capacity_by: str
     counters: dict[str, int]

@@ -43,8 +43,7 @@ class MicroBatcher:
         self.window_s, self.max_items = window_s, max_items
         self._pending: dict[str, list[_Item]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._by_url: dict[str, set[asyncio.Task[None]]] = {}
+        self._by_url: dict[str, set[asyncio.Task[None]]] = {}  # the calls in flight (held until they end)
         self._aborts: set[asyncio.Future[object]] = set()
 
     def submit(self, url: str, call: Call) -> asyncio.Future[object]:
@@ -68,8 +67,6 @@ class MicroBatcher:
         if not items:
             return
         task = asyncio.get_running_loop().create_task(self._send(url, items))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
         self._by_url.setdefault(url, set()).add(task)
         task.add_done_callback(self._by_url[url].discard)
 

@@ -77,7 +77,6 @@ class RemoteEngine(InferenceEngine):
         self._update_lock = threading.Lock()
         self._affinity: collections.OrderedDict[str, Server] = collections.OrderedDict()
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, MicroBatcher] = weakref.WeakKeyDictionary()
-        self._version = 0
         # the syncs: full weights by weight_sync mode (disk, http, broadcast; made at first use, or at connect
         # when inference.weight_sync says which), adapters (model.lora.sync=adapter)
         self._syncs: dict[str, WeightSync] = {}
@@ -252,9 +251,6 @@ class RemoteEngine(InferenceEngine):
             self._batchers[loop] = batcher
         return batcher.submit(srv.url, call)
 
-    def _backoff(self, attempt: int) -> float:
-        return min(0.05 * 2**attempt, 5.0) * (0.5 + random.random())
-
     # ------------------------------------------------------------------ generation
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         g = req.gconfig
@@ -281,9 +277,8 @@ class RemoteEngine(InferenceEngine):
                 await asyncio.sleep(min(0.2, self.config.server_wait_timeout / 10))
                 continue
             no_server_since = None
-            if (
-                self.paused or srv.updating
-            ):  # held here while weights change: a request runs under the version it is sent under
+            # held here while weights change: a request runs under the version it is sent under
+            if self.paused or srv.updating:
                 self._release(srv)
                 await asyncio.sleep(0.005)
                 continue
@@ -291,10 +286,8 @@ class RemoteEngine(InferenceEngine):
             adapter = srv.adapter  # with an adapter, its name carries the version (the server's is the base's)
             self.counters["requests"] += 1
             try:
-                render = (
-                    self.backend.render(srv, req.rid, req.input_ids, images) if images and features is None else None
-                )
-                if render is not None:  # the images rendered once (vLLM), then sent with every continuation
+                # the images rendered once (vLLM), then sent with every continuation
+                if images and features is None and (render := self.backend.render(srv, req.rid, req.input_ids, images)):
                     rendered = self._send(srv.url, render.call)
                     features = render.features(await self._inflight.run(srv, rendered, self.config.request_timeout))
                 # a fresh wire id per request: SGLang refuses an id already in flight (ReMax sends two at once)
@@ -321,14 +314,12 @@ class RemoteEngine(InferenceEngine):
                     self._affinity.pop(req.rid, None)  # rebalanced: another server if one is less loaded
                 attempt = self._count_failure(attempt, req.rid, str(e), "retried")
                 continue
-            except DEAD_ERRORS as e:
-                self.evict(srv, repr(e))
-                attempt = self._count_failure(attempt, req.rid, repr(e), "reissued")
-                await asyncio.sleep(self._backoff(attempt))
-                continue
-            except (httpx.TimeoutException, ServerError) as e:
-                attempt = self._count_failure(attempt, req.rid, repr(e), "retried")
-                await asyncio.sleep(self._backoff(attempt))
+            except (*DEAD_ERRORS, httpx.TimeoutException, ServerError) as e:  # dead: evicted, re-issued elsewhere
+                dead = isinstance(e, DEAD_ERRORS)
+                if dead:
+                    self.evict(srv, repr(e))
+                attempt = self._count_failure(attempt, req.rid, repr(e), "reissued" if dead else "retried")
+                await asyncio.sleep(min(0.05 * 2**attempt, 5.0) * (0.5 + random.random()))  # backoff, jittered
                 continue
             finally:
                 self._release(srv)
@@ -408,12 +399,6 @@ class RemoteEngine(InferenceEngine):
     def resume(self) -> None:
         self.fan_out(lambda s: self.admin(s, self.backend.resume()), [s for s in self.servers if s.alive])
         self.paused = False
-
-    def get_version(self) -> int:
-        return self._version
-
-    def set_version(self, version: int) -> None:
-        self._version = version
 
     # ------------------------------------------------------------------ health
     def _probe(self, srv: Server, record_version: bool = True) -> bool:

@@ -157,11 +157,9 @@ def wire_image(image: str | bytes) -> str:
 
 
 def int_or_none(v: object) -> int | None:
-    if not isinstance(v, (int, float, str)):
-        return None
     try:
-        return int(v)
-    except (TypeError, ValueError):
+        return int(v) if isinstance(v, (int, float, str)) else None
+    except ValueError:  # text that is no number (SGLang's "default" version)
         return None
 
 

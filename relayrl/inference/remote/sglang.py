@@ -438,11 +438,8 @@ class SGLangDisk(DiskSync):
 class SGLangBroadcast(BroadcastSync):
     """weight_sync=broadcast: every server receives the tensors from one collective broadcast, in
     buckets of ``weight_bucket_mb``, over SGLang's group routes (the group's layout: ``_join``). A server
-    that fails mid-way is evicted (dead) or its error raised; either way the group is dropped.
-
-    NCCL fails safe (``relayrl.utils.failsafe``): if the first NCCL broadcast fails for another
-    reason than a dead server, the group is built again over gloo (both sides are told through
-    SGLang's ``/init_weights_update_group``) and stays gloo, with one warning."""
+    that fails mid-way is evicted (dead) or its error raised; either way the group is dropped. NCCL fails
+    safe to gloo (``nccl_failed``)."""
 
     def __init__(self, fleet: Fleet, backend: SGLangBackend) -> None:
         super().__init__(fleet)
@@ -454,7 +451,8 @@ class SGLangBroadcast(BroadcastSync):
     def nccl_failed(
         self, error: Exception, tensors: dict[str, torch.Tensor], version: int, servers: list[Server]
     ) -> None:
-        """The group is built again over gloo and stays gloo."""
+        """The group is built again over gloo (both sides told through SGLang's ``/init_weights_update_group``)
+        and stays gloo, with one warning."""
         fall_back(NCCL_GROUP, reason(error), "gloo")
         self.collective, self.group = "gloo", None
         self._broadcast(tensors, version, servers)

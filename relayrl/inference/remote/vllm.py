@@ -174,11 +174,9 @@ class VLLMBackend:
         parameters per request): (call, indices of the items it carries)."""
         groups: dict[str, list[int]] = {}
         for i, c in enumerate(calls):
-            if c.path != "/v1/completions":  # the token-in route takes one prompt per call
-                groups[f"{i}"] = [i]
-                continue
             key = repr([(k, v) for k, v in (c.json or {}).items() if k not in ("prompt", "request_id")])
-            groups.setdefault(key, []).append(i)
+            # (the token-in route takes one prompt per call: a group of its own)
+            groups.setdefault(key if c.path == "/v1/completions" else f"{i}", []).append(i)
         out = []
         for idx in groups.values():
             if len(idx) == 1:
@@ -220,10 +218,9 @@ class VLLMBackend:
         if len(tokens) != len(token_logprobs):
             raise ProtocolError(f"{len(tokens)} tokens but {len(token_logprobs)} token_logprobs")
         finish = choice.get("finish_reason")
-        kind = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(finish))
-        if kind is None:
+        if finish not in ("stop", "length", "abort"):
             raise ProtocolError(f"unknown finish_reason {finish!r}")
-        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], typing.cast(StopReason, kind))
+        return Parsed([int(t) for t in tokens], [float(x) for x in token_logprobs], typing.cast(StopReason, finish))
 
     def update_from_disk(self, path: str, version: int) -> Call:
         return Call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
@@ -253,7 +250,7 @@ class VLLMBackend:
         srv = fleet.servers[0]
         if srv.info is None or srv.info.server == "relayrl":  # relayrl's follow the temperature
             return
-        tops = [self.top_logprob(fleet.admin(srv, self.logprob_probe(t))) for t in (1.0, 0.5)]
+        tops = [self.top_logprob(fleet, srv, t) for t in (1.0, 0.5)]
         if abs(tops[0] - tops[1]) < 1e-6 and tops[0] < -1e-4:
             raise UnsupportedServer(
                 f"{srv.url} returns logprobs that ignore the sampling temperature (vLLM's default raw_logprobs): "
@@ -313,9 +310,9 @@ class VLLMBackend:
             return []
         return [Call("POST", "/abort_requests", {"request_ids": [f"cmpl-{rid}-{position}"]})]
 
-    def logprob_probe(self, temperature: float) -> Call:
-        """One greedy-free token with the top logprob: with ``raw_logprobs`` (vLLM's default) its value
-        does not change with the temperature; with ``processed_logprobs`` it does."""
+    def top_logprob(self, fleet: Fleet, srv: Server, temperature: float) -> float:
+        """The top logprob of one token drawn at ``temperature`` by ``srv``: with ``raw_logprobs`` (vLLM's
+        default) it does not change with the temperature; with ``processed_logprobs`` it does."""
         body: JsonDict = {
             "model": self.model,
             "prompt": [0, 1, 2],
@@ -325,15 +322,12 @@ class VLLMBackend:
             "seed": 0,
             "return_tokens_as_token_ids": True,
         }
-        return Call("POST", "/v1/completions", body)
-
-    @staticmethod
-    def top_logprob(body: object) -> float:
+        reply = fleet.admin(srv, Call("POST", "/v1/completions", body))
         try:
-            top = typing.cast(dict[str, Any], body)["choices"][0]["logprobs"]["top_logprobs"][0]
+            top = typing.cast(dict[str, Any], reply)["choices"][0]["logprobs"]["top_logprobs"][0]
             return max(float(v) for v in top.values())
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-            raise ProtocolError(f"/v1/completions reply has no top_logprobs: {str(body)[:200]}") from e
+            raise ProtocolError(f"/v1/completions reply has no top_logprobs: {str(reply)[:200]}") from e
 
     def resume(self) -> Call:
         return Call("POST", "/resume")

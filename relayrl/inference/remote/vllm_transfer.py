@@ -201,20 +201,6 @@ def finish_update(version: int) -> Call:
     return Call("POST", "/finish_weight_update", {"weight_version": str(version)})
 
 
-def close_sessions(fleet: Fleet, servers: list[Server]) -> None:
-    """After a failed update: end the weight-update session it opened on each server still in service
-    (no version: whatever loaded is replaced by the next update, sent whole). Left open, every later
-    ``/start_weight_update`` there is refused ("already active") and the server takes no update again."""
-    for s in servers:
-        if s.alive:
-            with contextlib.suppress(httpx.HTTPError, RuntimeError):
-                fleet.admin(s, Call("POST", "/finish_weight_update", {}))
-
-
-def set_version(version: int) -> Call:
-    return Call("POST", "/update_weight_version", {"new_version": str(version)})
-
-
 def require_routes(info: PeerInfo, url: str, sync: str) -> None:
     """Start-up check that ``url`` has the routes weight_sync=``sync`` needs."""
     if info.protocol != "vllm" or not info.routes or info.server == "relayrl":
@@ -296,7 +282,7 @@ class VLLMDisk(DiskSync):
             else:
                 vllm.parse_update(admin(srv, vllm.update_from_disk(path, version)))
                 if srv.info is not None and "/update_weight_version" in srv.info.routes:  # /weight_info then reports it
-                    admin(srv, set_version(version))
+                    admin(srv, Call("POST", "/update_weight_version", {"new_version": str(version)}))
 
         paused_for_update(self.fleet, vllm, [srv], load)
         self.confirm(srv, version)
@@ -398,7 +384,11 @@ class VLLMBroadcast(BroadcastSync):
                     if errors:
                         raise errors[0]
                 except BaseException:
-                    close_sessions(self.fleet, opened)
+                    # close the sessions opened, with no version (the next update is sent whole): left open,
+                    # every later /start_weight_update there is refused and the server takes no update again
+                    for s in (s for s in opened if s.alive):
+                        with contextlib.suppress(httpx.HTTPError, RuntimeError):
+                            admin(s, Call("POST", "/finish_weight_update", {}))
                     raise
                 for s in sessions:
                     admin(s, finish_update(version))

@@ -343,13 +343,12 @@ class Server(WeightRoutes, OpenAIRoutes):
 def build_app(srv: Server) -> FastAPI:
     """The FastAPI app of one Server (routes are thin wrappers over its methods)."""
     app = FastAPI(title="relayrl inference server", version="1")
-    raw = ("/update_weights_from_tensor",)  # a safetensors body, capped by max_upload_mb
     app.add_middleware(
         GuardMiddleware,
         bound_host=srv.cfg.host,
         max_body=srv.cfg.max_request_mb << 20,
         body_timeout=srv.cfg.body_timeout,
-        raw_paths=raw,
+        raw_paths=("/update_weights_from_tensor",),  # a safetensors body, capped by max_upload_mb
     )
     app.add_exception_handler(RequestValidationError, _validation_error)
 

@@ -133,12 +133,6 @@ class ServerGroup:
     def shutdown(self) -> None:
         stop(self.procs, timeout=10)
 
-    def __enter__(self) -> ServerGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
 
 def _drain(proc: subprocess.Popen[str]) -> None:
     """Keep reading the child's stdout so a full pipe never blocks it."""

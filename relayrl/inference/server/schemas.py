@@ -119,14 +119,19 @@ GenerateBody = Annotated[
 ]
 
 
-class DiskUpdate(_Body):
-    """SGLang's ``UpdateWeightFromDiskReqInput``; the CUDA-side switches are accepted and have nothing to do here."""
+class _WeightLoad(_Body):
+    """The fields SGLang's weight loads share (all but the version accepted with nothing to do here)."""
 
-    model_path: str
     weight_version: int | str | None = None
     load_format: str | None = None
     abort_all_requests: bool = False  # in-flight requests are continued under the new weights anyway
     flush_cache: bool = True
+
+
+class DiskUpdate(_WeightLoad):
+    """SGLang's ``UpdateWeightFromDiskReqInput``; the CUDA-side switches are accepted and have nothing to do here."""
+
+    model_path: str
     is_async: bool = False
     torch_empty_cache: bool = False
     keep_pause: bool = False
@@ -151,17 +156,13 @@ class InitWeightGroup(_Body):
         return self
 
 
-class DistributedUpdate(_Body):
+class DistributedUpdate(_WeightLoad):
     """SGLang's ``/update_weights_from_distributed``: receive these tensors, in this order, by broadcast."""
 
     names: list[str] = Field(min_length=1)
     dtypes: list[str]
     shapes: list[list[Annotated[StrictInt, Field(ge=0)]]]
     group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False  # in-flight requests are continued under the new weights anyway
-    weight_version: int | str | None = None
-    load_format: str | None = None
 
 
 class DestroyWeightGroup(_Body):
