@@ -213,9 +213,9 @@ def test_plot_and_show(tmp_path: Path) -> None:
     # no KL term in these runs: the KL panel shows, and says it shows, the generator-trainer gap
     assert set(panels) == {title for title, _ in PANELS} - {"KL to reference"} | {KL_FALLBACK[0]}
     reward = {line.get_label(): list(line.get_ydata()) for line in panels["reward"].get_lines()}
-    assert reward == {
-        cfg.run_dir: [r["rollout/reward"] for r in _metrics(cfg.run_dir)],
-        other.run_dir: [r["rollout/reward"] for r in _metrics(other.run_dir)],
+    assert reward == {  # both are named run: each is labelled by the last path parts that tell them apart
+        f"{tmp_path.name}/run": [r["rollout/reward"] for r in _metrics(cfg.run_dir)],
+        "b/run": [r["rollout/reward"] for r in _metrics(other.run_dir)],
     }
     shown = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", "show", cfg.run_dir, "--step", "2"],
