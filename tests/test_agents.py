@@ -329,6 +329,10 @@ def test_request_errors_name_the_field(hermes):
             ),
             "messages[1].tool_calls[0].function.arguments",
         ),
+        (  # a tool call that is not an object (was an AssertionError)
+            dict(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": ["calc(1)"]}]),
+            "messages[1].tool_calls[0].function",
+        ),
         (dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]), "tools[0]"),
     ]
     for kw, param in cases:
